@@ -1,0 +1,34 @@
+"""moe_dispatch: a pure-Triton Mixture-of-Experts forward and MegaBlocks-style binned routing.
+
+Pipeline (each stage a module; `moe.py` only composes them)::
+
+    hidden_states [T, H]
+      -> routing.py      router GEMM + softmax/sigmoid + (grouped) top-k        -> topk_ids, topk_weights [T, k]
+      -> dispatch.py     per-expert counts, offsets, token order, tile map     (device-side, no host sync)
+      -> grouped_gemm.py GEMM1: gathered rows x w_gate_up, act(gate) * up      -> [T*k, F] in expert order
+                         GEMM2: x w_down, routed weight in the epilogue        -> [T*k, H] in expert order
+      -> combine.py      deterministic sum of each token's k rows (fp32)      -> out [T, H]
+
+`__all__` is the versioned public surface (API major = build.toml `version`).
+"""
+
+from .combine import unpermute_tokens
+from .dispatch import permute_tokens
+from .grouped_gemm import grouped_gemm
+from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
+from .routing import moe_router
+
+__version__ = "1.0.0"
+
+__all__ = [
+    # v1 surface shared with bassrehab/moe-dispatch (same names, argument order, defaults, returns)
+    "fused_moe_forward",
+    "fused_expert_ffn",
+    "moe_router",
+    "permute_tokens",
+    "unpermute_tokens",
+    "grouped_gemm",
+    "expert_ffn_triton",
+    # v1 additions
+    "fused_experts",
+]
