@@ -1,0 +1,51 @@
+"""Device facts in one place: which backend runs the kernels and what it can do.
+
+Everything vendor-specific is decided here or in the tile tables (configs/*.json); the kernels themselves are the same
+portable Triton source for NVIDIA, AMD and the CPU interpreter.
+"""
+
+import functools
+import os
+import re
+
+import torch
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_hip() -> bool:
+    return torch.version.hip is not None
+
+
+def is_cuda() -> bool:
+    return torch.version.cuda is not None and not is_hip()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (NVIDIA) / compute units (AMD); 1 for the interpreter."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def device_key(device: torch.device) -> str:
+    """Name of the tile table for `device`: `NVIDIA_H200`, `AMD_Instinct_MI300X`, ... or `interpreter`."""
+    if device.type != "cuda":
+        return "interpreter"
+    name = torch.cuda.get_device_properties(device).name
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def dot_needs_fp32(dtype: torch.dtype) -> bool:
+    """The interpreter's `tl.dot` returns garbage for bf16 operands; upcast them there (exact: bf16 fits in fp32)."""
+    return is_interpreter() and dtype == torch.bfloat16
+
+
+def fp32_dot_precision() -> str:
+    """`input_precision` for fp32 dots: follow torch's own switch so fp32 callers get what torch.matmul would give."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"

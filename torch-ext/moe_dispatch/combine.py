@@ -1,0 +1,85 @@
+"""Combine: each token's top_k expert rows summed back into one row, in fixed order (deterministic, no atomics).
+
+  _combine_kernel   out[t] = sum_j w[t, j] * y[row_idx[t * top_k + j]]   (fp32 accumulation, j = 0..top_k-1)
+
+Rows with row_idx < 0 (dropped assignments) contribute nothing; without weights (the fused path applies them in the
+down GEMM's epilogue) the sum is unweighted.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_dim, check_float, check_index, check_same_device
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, row_idx_ptr, weights_ptr, out_ptr,
+    T, H,
+    stride_y_m, stride_w_t, stride_w_k, stride_out_t,
+    TOP_K: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)). Each program writes a [BLOCK_T, BLOCK_H] tile of out."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_t = offs_t < T
+    mask_h = offs_h < H
+    b_acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_row = tl.load(row_idx_ptr + offs_t.to(tl.int64) * TOP_K + j, mask=mask_t, other=-1)
+        b_keep = b_row >= 0
+        b_y = tl.load(y_ptr + tl.where(b_keep, b_row, 0)[:, None].to(tl.int64) * stride_y_m + offs_h[None, :],
+                      mask=(mask_t & b_keep)[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            b_w = tl.load(weights_ptr + offs_t.to(tl.int64) * stride_w_t + j * stride_w_k, mask=mask_t, other=0.0)
+            b_y = b_y * b_w.to(tl.float32)[:, None]
+        b_acc += b_y
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_out_t + offs_h[None, :],
+             b_acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_h[None, :])
+
+
+def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=None):
+    """out [T, H] = sum over j of (weights[t, j] *) y[row_idx[t * top_k + j]]. y rows must have unit stride in H."""
+    H = y.shape[1]
+    if out is None:
+        out = torch.empty((num_tokens, H), device=y.device, dtype=out_dtype or y.dtype)
+    if num_tokens == 0 or H == 0:
+        return out
+    block_h = min(triton.next_power_of_2(H), 1024 if top_k <= 4 else 512)
+    block_t = max(1, min(16, 2048 // block_h))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
+    w_t, w_k = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
+    _combine_kernel[grid](
+        y, row_idx, weights, out, num_tokens, H,
+        y.stride(0), w_t, w_k, out.stride(0),
+        TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top_k):
+    """v1 API: out[t] = sum_j top_k_weights[t, j] * expert_outputs[restore_idx[t * top_k + j]] -> [T, H].
+
+    expert_outputs [T*top_k, H] in expert order (as returned by permute_tokens and the grouped GEMMs), restore_idx
+    [T*top_k] (permute_tokens' inverse permutation; entries < 0 are skipped). Output in expert_outputs' dtype.
+    """
+    check_float("expert_outputs", expert_outputs, ndim=2)
+    check_float("top_k_weights", top_k_weights, ndim=2)
+    check_index("restore_idx", restore_idx, ndim=1)
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
+    check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")
+    check_dim("restore_idx", restore_idx, 0, num_tokens * top_k, "num_tokens * top_k")
+    check_same_device(expert_outputs=expert_outputs, top_k_weights=top_k_weights, restore_idx=restore_idx)
+    if restore_idx.device.type == "cpu" and restore_idx.numel() and int(restore_idx.max()) >= expert_outputs.shape[0]:
+        raise ValueError(f"restore_idx points past the {expert_outputs.shape[0]} rows of expert_outputs")
+    y = expert_outputs if expert_outputs.stride(1) == 1 else expert_outputs.contiguous()
+    return combine(y, restore_idx, num_tokens, top_k, weights=top_k_weights)

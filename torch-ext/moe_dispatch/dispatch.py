@@ -1,0 +1,356 @@
+"""Dispatch metadata: where each (token, expert) assignment goes, computed on the device without host syncs.
+
+An assignment is a = t * top_k + j (token t's j-th expert). `dispatch` sorts the N = T * top_k assignments by expert
+(stably: token order is kept inside an expert) and builds the tile map the grouped GEMMs walk:
+
+  _chunk_histogram_kernel    per chunk of CHUNK assignments: how many go to each expert
+  _dispatch_offsets_kernel   one program: expert offsets, each chunk's start inside each expert, the tile map
+  _assign_positions_kernel   per chunk: stable rank -> sorted position; writes gather_idx and scatter_idx
+
+When N fits in one chunk (decoding) `_dispatch_single_kernel` does all three in one launch. Ids outside [0, E) are
+dropped: they get no position (scatter_idx = -1) and contribute nothing downstream.
+
+`permute_tokens` (v1 API) materialises the expert-ordered copy of the activations; the fused path never does: the
+first GEMM gathers rows through `gather_idx` in its loads.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_float, check_ids_in_range, check_index, check_same_device
+
+CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
+BLOCK_C = 32  # chunk rows the offsets kernel scans at once
+BLOCK_TILES = 128  # tile-map entries written at once
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchInfo:
+    """Expert-sorted order of the N = T * top_k assignments and the tile map of the grouped GEMMs.
+
+    All tensors live on the input's device and are int32; sizes depend only on host-known T, top_k, E, block_m.
+    """
+
+    num_tokens: int  # T
+    top_k: int
+    num_experts: int  # E
+    block_m: int  # rows per tile; a tile never spans two experts
+    # expert_offsets[e] is the first sorted position of expert e; expert_offsets[E] is the number of kept assignments
+    # (N minus those with an id outside [0, E)). Shape [E + 1].
+    expert_offsets: torch.Tensor
+    # gather_idx[p] is the assignment at sorted position p (its token is gather_idx[p] // top_k); -1 past
+    # expert_offsets[E]. Shape [N].
+    gather_idx: torch.Tensor
+    # scatter_idx[a] is the sorted position of assignment a, -1 when it was dropped. Shape [N].
+    scatter_idx: torch.Tensor
+    # tile_expert[i] is the expert of row tile i, -1 for tiles past the real work (their programs exit at once).
+    # Shape [max_tiles] with max_tiles = (N + min(E, N) * (block_m - 1)) // block_m, the worst case over routings.
+    tile_expert: torch.Tensor
+    # tile_row_start[i] is the first sorted position of tile i; its rows end at min(+block_m, expert_offsets[e + 1]).
+    tile_row_start: torch.Tensor
+
+    @property
+    def num_assignments(self):
+        return self.num_tokens * self.top_k
+
+    @property
+    def max_tiles(self):
+        return self.tile_expert.shape[0]
+
+    @property
+    def expert_counts(self):
+        """[E] assignments per expert (a device op, for callers and tests)."""
+        return self.expert_offsets[1:] - self.expert_offsets[:-1]
+
+
+def max_tiles_bound(num_assignments, num_experts, block_m):
+    """Most row tiles any routing of N assignments over E experts can need: each non-empty expert wastes < block_m rows."""
+    return (num_assignments + min(num_experts, num_assignments) * (block_m - 1)) // block_m
+
+
+@triton.jit
+def _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K: tl.constexpr, CHUNK: tl.constexpr):
+    """Expert ids of assignments [chunk * CHUNK, +CHUNK); -1 for padding and for ids outside [0, E)."""
+    offs_a = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask_a = offs_a < N
+    b_ids = tl.load(topk_ids_ptr + (offs_a // TOP_K).to(tl.int64) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
+                    mask=mask_a, other=-1).to(tl.int32)
+    b_ids = tl.where((b_ids >= 0) & (b_ids < E), b_ids, -1)
+    return offs_a, mask_a, b_ids
+
+
+@triton.jit
+def _histogram(b_ids, BLOCK_E: tl.constexpr):
+    """[BLOCK_E] counts of the ids in a chunk (ids of -1 are not counted)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    return tl.sum((b_ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _stable_rank(b_ids, CHUNK: tl.constexpr):
+    """For each id in the chunk, how many earlier entries of the chunk hold the same id."""
+    offs = tl.arange(0, CHUNK)
+    b_same = (b_ids[:, None] == b_ids[None, :]) & (offs[None, :] < offs[:, None])  # [CHUNK, CHUNK]
+    return tl.sum(b_same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles,
+                    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """Tile i belongs to the expert whose tile range holds i; tiles past the real total get expert -1."""
+    offs_e = tl.arange(0, BLOCK_E)
+    b_tiles = (b_counts + BLOCK_M - 1) // BLOCK_M
+    b_tiles_end = tl.cumsum(b_tiles, axis=0)  # inclusive
+    b_tiles_start = b_tiles_end - b_tiles
+    total_tiles = tl.sum(b_tiles, axis=0)
+    for i0 in range(0, max_tiles, BLOCK_TILES):
+        offs_i = i0 + tl.arange(0, BLOCK_TILES)
+        b_expert = tl.sum((b_tiles_end[None, :] <= offs_i[:, None]).to(tl.int32), axis=1)  # [BLOCK_TILES]
+        b_is_expert = offs_e[None, :] == b_expert[:, None]  # [BLOCK_TILES, BLOCK_E]
+        b_row = tl.sum(tl.where(b_is_expert, b_offsets[None, :] - b_tiles_start[None, :] * BLOCK_M, 0), axis=1)
+        b_row += offs_i * BLOCK_M
+        b_valid = offs_i < total_tiles
+        mask_i = offs_i < max_tiles
+        tl.store(tile_expert_ptr + offs_i, tl.where(b_valid, b_expert, -1), mask=mask_i)
+        tl.store(tile_row_start_ptr + offs_i, tl.where(b_valid, b_row, 0), mask=mask_i)
+
+
+@triton.jit
+def _dispatch_single_kernel(
+    topk_ids_ptr, expert_offsets_ptr, gather_idx_ptr, scatter_idx_ptr, tile_expert_ptr, tile_row_start_ptr,
+    N, E, max_tiles,
+    stride_ids_t, stride_ids_k,
+    TOP_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """Grid: (1,). The whole dispatch for N <= CHUNK assignments in one program (the decode path)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, 0, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
+    b_counts = _histogram(b_ids, BLOCK_E)
+    b_offsets = tl.cumsum(b_counts, axis=0) - b_counts  # exclusive: first position of each expert
+    total = tl.sum(b_counts, axis=0)
+    tl.store(expert_offsets_ptr + offs_e, b_offsets, mask=offs_e < E)
+    tl.store(expert_offsets_ptr + E, total)
+    _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
+
+    b_valid = b_ids >= 0
+    b_base = tl.sum(tl.where(offs_e[None, :] == b_ids[:, None], b_offsets[None, :], 0), axis=1)  # offsets[id]
+    b_pos = b_base + _stable_rank(b_ids, CHUNK)
+    tl.store(scatter_idx_ptr + offs_a, tl.where(b_valid, b_pos, -1), mask=mask_a)
+    tl.store(gather_idx_ptr + offs_a, tl.full((CHUNK,), -1, tl.int32), mask=mask_a & (offs_a >= total))
+    tl.store(gather_idx_ptr + b_pos, offs_a, mask=mask_a & b_valid)
+
+
+@triton.jit
+def _chunk_histogram_kernel(
+    topk_ids_ptr, chunk_counts_ptr,
+    N, E,
+    stride_ids_t, stride_ids_k,
+    TOP_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Grid: (n_chunks,). chunk_counts[c, e] = assignments of chunk c routed to expert e."""
+    chunk = tl.program_id(0)
+    _, _, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + offs_e, _histogram(b_ids, BLOCK_E))
+
+
+@triton.jit
+def _dispatch_offsets_kernel(
+    chunk_counts_ptr, chunk_base_ptr, expert_offsets_ptr, gather_idx_ptr, tile_expert_ptr, tile_row_start_ptr,
+    N, E, n_chunks, max_tiles,
+    BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """Grid: (1,). Scans chunk_counts twice: totals -> expert offsets; then chunk_base[c, e] = first sorted position
+    of chunk c's assignments to expert e. Also writes the tile map and marks unused gather_idx slots with -1."""
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, BLOCK_C)
+    b_counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        b_tile = tl.load(chunk_counts_ptr + (c0 + offs_c)[:, None] * BLOCK_E + offs_e[None, :],
+                         mask=(c0 + offs_c < n_chunks)[:, None], other=0)  # [BLOCK_C, BLOCK_E]
+        b_counts += tl.sum(b_tile, axis=0)
+    b_offsets = tl.cumsum(b_counts, axis=0) - b_counts
+    total = tl.sum(b_counts, axis=0)
+    tl.store(expert_offsets_ptr + offs_e, b_offsets, mask=offs_e < E)
+    tl.store(expert_offsets_ptr + E, total)
+
+    b_running = b_offsets
+    for c0 in range(0, n_chunks, BLOCK_C):
+        mask_c = (c0 + offs_c < n_chunks)[:, None]
+        ptrs = (c0 + offs_c)[:, None] * BLOCK_E + offs_e[None, :]
+        b_tile = tl.load(chunk_counts_ptr + ptrs, mask=mask_c, other=0)
+        tl.store(chunk_base_ptr + ptrs, tl.cumsum(b_tile, axis=0) - b_tile + b_running[None, :], mask=mask_c)
+        b_running += tl.sum(b_tile, axis=0)
+
+    _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
+    for p0 in range(0, N, BLOCK_TILES * 8):
+        offs_p = p0 + tl.arange(0, BLOCK_TILES * 8)
+        tl.store(gather_idx_ptr + offs_p, tl.full((BLOCK_TILES * 8,), -1, tl.int32), mask=(offs_p < N) & (offs_p >= total))
+
+
+@triton.jit
+def _assign_positions_kernel(
+    topk_ids_ptr, chunk_base_ptr, gather_idx_ptr, scatter_idx_ptr,
+    N, E,
+    stride_ids_t, stride_ids_k,
+    TOP_K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Grid: (n_chunks,). Sorted position = chunk_base[c, id] + rank of the assignment among the chunk's same-id ones."""
+    chunk = tl.program_id(0)
+    offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
+    b_valid = b_ids >= 0
+    b_base = tl.load(chunk_base_ptr + chunk * BLOCK_E + b_ids, mask=mask_a & b_valid, other=0)
+    b_pos = b_base + _stable_rank(b_ids, CHUNK)
+    tl.store(scatter_idx_ptr + offs_a, tl.where(b_valid, b_pos, -1), mask=mask_a)
+    tl.store(gather_idx_ptr + b_pos, offs_a, mask=mask_a & b_valid)
+
+
+def dispatch(topk_ids, num_experts, block_m):
+    """Sort the assignments of `topk_ids` [T, top_k] (int32/int64, any strides) by expert; see `DispatchInfo`."""
+    T, top_k = topk_ids.shape
+    N = T * top_k
+    E = num_experts
+    device = topk_ids.device
+    max_tiles = max_tiles_bound(N, E, block_m)
+    expert_offsets = torch.empty(E + 1, device=device, dtype=torch.int32)
+    gather_idx = torch.empty(N, device=device, dtype=torch.int32)
+    scatter_idx = torch.empty(N, device=device, dtype=torch.int32)
+    tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    info = DispatchInfo(T, top_k, E, block_m, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start)
+    if N == 0:
+        expert_offsets.zero_()
+        return info
+
+    block_e = triton.next_power_of_2(E)
+    common = dict(TOP_K=top_k, BLOCK_E=block_e)
+    if N <= CHUNK:
+        _dispatch_single_kernel[(1,)](
+            topk_ids, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
+            N, E, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
+            CHUNK=max(16, triton.next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES, **common,
+        )
+        return info
+
+    n_chunks = triton.cdiv(N, CHUNK)
+    chunk_counts = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
+    chunk_base = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
+    _chunk_histogram_kernel[(n_chunks,)](
+        topk_ids, chunk_counts, N, E, topk_ids.stride(0), topk_ids.stride(1), CHUNK=CHUNK, **common,
+    )
+    _dispatch_offsets_kernel[(1,)](
+        chunk_counts, chunk_base, expert_offsets, gather_idx, tile_expert, tile_row_start,
+        N, E, n_chunks, max_tiles,
+        BLOCK_E=block_e, BLOCK_C=BLOCK_C, BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES,
+    )
+    _assign_positions_kernel[(n_chunks,)](
+        topk_ids, chunk_base, gather_idx, scatter_idx, N, E, topk_ids.stride(0), topk_ids.stride(1),
+        CHUNK=CHUNK, **common,
+    )
+    return info
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr, gather_idx_ptr, out_ptr,
+    N, H,
+    stride_x_t, stride_x_h, stride_out_m,
+    TOP_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid: (cdiv(N, BLOCK_R), cdiv(H, BLOCK_H)). out[p] = x[gather_idx[p] // TOP_K]; zero rows where gather_idx < 0."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_r = offs_r < N
+    mask_h = offs_h < H
+    b_assignment = tl.load(gather_idx_ptr + offs_r, mask=mask_r, other=-1)
+    b_token = tl.where(b_assignment >= 0, b_assignment // TOP_K, 0).to(tl.int64)
+    b_x = tl.load(x_ptr + b_token[:, None] * stride_x_t + offs_h[None, :] * stride_x_h,
+                  mask=(b_assignment >= 0)[:, None] & mask_h[None, :], other=0.0)
+    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * stride_out_m + offs_h[None, :], b_x,
+             mask=mask_r[:, None] & mask_h[None, :])
+
+
+def gather_rows(x, info):
+    """[N, H] copy of the activations in expert order (rows of dropped assignments are zero)."""
+    N, H = info.num_assignments, x.shape[1]
+    out = torch.empty((N, H), device=x.device, dtype=x.dtype)
+    if N and H:
+        grid = (triton.cdiv(N, 16), triton.cdiv(H, 128))
+        _gather_rows_kernel[grid](x, info.gather_idx, out, N, H, x.stride(0), x.stride(1), out.stride(0),
+                                  TOP_K=info.top_k, BLOCK_R=16, BLOCK_H=128)
+    return out
+
+
+def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=None):
+    """Sort token copies by expert (v1 API).
+
+    hidden_states [T, H], top_k_indices [T, top_k]. Returns (permuted_tokens [T*top_k, H], expert_offsets [E+1] int64,
+    sorted_idx [T*top_k] int64, restore_idx [T*top_k] int64): permuted_tokens[p] = hidden_states[sorted_idx[p] // top_k],
+    expert e owns rows [expert_offsets[e], expert_offsets[e+1]), restore_idx[a] is the row of assignment a (its inverse).
+    Order inside an expert follows the assignment id (stable). Ids outside [0, E) are rejected on the CPU (see
+    `validate_ids` in fused_experts); on a GPU they are dropped: restore_idx = -1 and no row.
+    """
+    check_float("hidden_states", hidden_states, ndim=2)
+    check_index("top_k_indices", top_k_indices, ndim=2)
+    if top_k_indices.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"top_k_indices has {top_k_indices.shape[0]} rows but hidden_states has "
+                         f"{hidden_states.shape[0]} tokens")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
+    check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate_ids)
+    info = dispatch(top_k_indices, num_experts, block_m=16)
+    permuted = gather_rows(hidden_states, info)
+    return permuted, info.expert_offsets.long(), info.gather_idx.long(), info.scatter_idx.long()
+
+
+@triton.jit
+def _segment_tile_map_kernel(
+    expert_offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
+    E, max_tiles,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    """Grid: (1,). Tile map for rows already in expert order, from expert_offsets [E + 1]."""
+    offs_e = tl.arange(0, BLOCK_E)
+    b_start = tl.load(expert_offsets_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
+    b_end = tl.load(expert_offsets_ptr + offs_e + 1, mask=offs_e < E, other=0).to(tl.int32)
+    _write_tile_map(b_end - b_start, b_start, tile_expert_ptr, tile_row_start_ptr, max_tiles,
+                    BLOCK_E, BLOCK_M, BLOCK_TILES)
+
+
+def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=None, top_k=1):
+    """DispatchInfo for `num_rows` rows already sorted by expert (v1 functions that take `expert_offsets`).
+
+    gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None).
+    """
+    device = expert_offsets.device
+    max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
+    tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    if gather_idx is None:
+        gather_idx = torch.arange(num_rows, device=device, dtype=torch.int32)
+    if max_tiles:
+        _segment_tile_map_kernel[(1,)](
+            expert_offsets, tile_expert, tile_row_start, num_experts, max_tiles,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES,
+        )
+    return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,
+                        tile_expert, tile_row_start)

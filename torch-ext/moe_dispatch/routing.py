@@ -1,0 +1,260 @@
+"""Routing: router GEMM, then gating (softmax or sigmoid), optional group-limited selection, top-k, renormalisation.
+
+Two kernels, no host sync:
+  _router_logits_kernel  [T, H] x [E, H]^T -> fp32 logits [T, E]; the grid splits E so that decoding (T = 1) still
+                         spreads the router weight over many programs.
+  _topk_gating_kernel    fp32 logits -> topk_ids [T, top_k] (int64), topk_weights [T, top_k] (fp32).
+
+Semantics (kept from the v1 seed API, extended with DeepSeek-V3 routing):
+  scores  = softmax(logits) or sigmoid(logits)              (logits include `router_bias` when given)
+  choice  = scores + e_score_correction_bias                (selection only; the weights stay `scores`)
+  groups  : with n_group, each group's score is the sum of its two best `choice` values and only the best
+            `topk_group` groups stay eligible
+  top-k   : the top_k largest `choice` values; ties go to the lower expert id
+  weights = scores[top-k]; renormalised when `renormalize` (default: False for softmax, True for sigmoid, as the
+            seed) by w / (sum(w) + eps) with eps 0 for softmax and 1e-6 for sigmoid; then times routed_scaling_factor.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_choice, check_dim, check_float, check_same_device, check_top_k
+from ._device import dot_needs_fp32
+
+GATINGS = {"softmax": 0, "sigmoid": 1}
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, bias_ptr, logits_ptr,
+    T, H, E,
+    stride_x_t, stride_x_h,
+    stride_w_e, stride_w_h,
+    HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). Each program owns a [BLOCK_T, BLOCK_E] tile of fp32 logits."""
+    pid_t = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_t = offs_t < T
+    mask_e = offs_e < E
+
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_h[None, :] * stride_x_h  # [BLOCK_T, BLOCK_H]
+    w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_w_e + offs_h[:, None] * stride_w_h  # [BLOCK_H, BLOCK_E]
+    b_acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask_h = offs_h < H - h0
+        b_x = tl.load(x_ptrs, mask=mask_t[:, None] & mask_h[None, :], other=0.0)
+        b_w = tl.load(w_ptrs, mask=mask_h[:, None] & mask_e[None, :], other=0.0)
+        if DOT_FP32:
+            b_x = b_x.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_H * stride_x_h
+        w_ptrs += BLOCK_H * stride_w_h
+    if HAS_BIAS:
+        b_acc += tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+    tl.store(logits_ptr + offs_t[:, None].to(tl.int64) * E + offs_e[None, :], b_acc,
+             mask=mask_t[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _first_argmax(b_values, offs, SENTINEL: tl.constexpr):
+    """Row-wise max of a [R, C] tile and the lowest column holding it (deterministic tie-break)."""
+    b_max = tl.max(b_values, axis=1)
+    b_arg = tl.min(tl.where(b_values == b_max[:, None], offs[None, :], SENTINEL), axis=1)
+    return b_max, b_arg
+
+
+@triton.jit
+def _topk_gating_kernel(
+    logits_ptr, correction_ptr, topk_ids_ptr, topk_weights_ptr,
+    T, E, group_size,
+    renorm_eps, routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_CORRECTION: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T),). Each program routes BLOCK_T tokens; all E experts of a token sit in one row."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_t = offs_t < T
+    mask_e = offs_e < E
+    b_logits = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * E + offs_e[None, :],
+                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)  # [BLOCK_T, BLOCK_E]
+    if SIGMOID:
+        b_scores = tl.sigmoid(b_logits)
+    else:
+        b_shifted = tl.where(mask_e[None, :], b_logits, float("-inf"))
+        b_exp = tl.exp(b_shifted - tl.max(b_shifted, axis=1)[:, None])
+        b_scores = b_exp / tl.sum(b_exp, axis=1)[:, None]
+    b_choice = b_scores
+    if HAS_CORRECTION:
+        b_choice += tl.load(correction_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+    b_choice = tl.where(mask_e[None, :], b_choice, float("-inf"))
+
+    if N_GROUP > 1:
+        # Group score = sum of the group's two best choices; keep the TOPK_GROUP best groups.
+        offs_g = tl.arange(0, BLOCK_G)
+        group_of = offs_e // group_size  # [BLOCK_E]
+        b_group_scores = tl.full((BLOCK_T, BLOCK_G), float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(N_GROUP):
+            b_in_group = tl.where((group_of == g)[None, :], b_choice, float("-inf"))
+            b_best, b_best_at = _first_argmax(b_in_group, offs_e, BLOCK_E)
+            b_second = tl.max(tl.where(offs_e[None, :] == b_best_at[:, None], float("-inf"), b_in_group), axis=1)
+            b_group_scores = tl.where(offs_g[None, :] == g, (b_best + b_second)[:, None], b_group_scores)
+        b_allowed = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, b_group = _first_argmax(b_group_scores, offs_g, BLOCK_G)
+            b_allowed = b_allowed | (group_of[None, :] == b_group[:, None])
+            b_group_scores = tl.where(offs_g[None, :] == b_group[:, None], float("-inf"), b_group_scores)
+        b_choice = tl.where(b_allowed, b_choice, float("-inf"))
+
+    b_ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    b_weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for j in range(TOP_K):
+        _, b_pick = _first_argmax(b_choice, offs_e, BLOCK_E)  # [BLOCK_T]
+        b_picked = offs_e[None, :] == b_pick[:, None]  # [BLOCK_T, BLOCK_E]
+        b_w = tl.sum(tl.where(b_picked, b_scores, 0.0), axis=1)
+        b_ids = tl.where(offs_k[None, :] == j, b_pick[:, None].to(tl.int64), b_ids)
+        b_weights = tl.where(offs_k[None, :] == j, b_w[:, None], b_weights)
+        b_choice = tl.where(b_picked, float("-inf"), b_choice)
+    if RENORMALIZE:
+        b_weights = b_weights / (tl.sum(b_weights, axis=1)[:, None] + renorm_eps)
+    b_weights = b_weights * routed_scaling_factor
+
+    out_offs = offs_t[:, None].to(tl.int64) * TOP_K + offs_k[None, :]
+    mask_out = mask_t[:, None] & (offs_k[None, :] < TOP_K)
+    tl.store(topk_ids_ptr + out_offs, b_ids, mask=mask_out)
+    tl.store(topk_weights_ptr + out_offs, b_weights, mask=mask_out)
+
+
+def _dot_precision(dtype):
+    # The router is tiny: fp32 callers get full fp32 logits so that top-k picks what a float64 router would.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None, n_group=None,
+          topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
+    """Launcher for 2-D `x` [T, H] (validated by the caller's `check_router_args`).
+
+    Returns topk_ids [T, top_k] int64, topk_weights [T, top_k] fp32, logits [T, E] fp32.
+    """
+    T, H = x.shape
+    E = router_weight.shape[0]
+    device = x.device
+    logits = torch.empty((T, E), device=device, dtype=torch.float32)
+    topk_ids = torch.empty((T, top_k), device=device, dtype=torch.int64)
+    topk_weights = torch.empty((T, top_k), device=device, dtype=torch.float32)
+    if T == 0:
+        return topk_ids, topk_weights, logits
+
+    sigmoid = GATINGS[gating] == 1
+    if renormalize is None:
+        renormalize = sigmoid
+    n_group = n_group or 1
+    topk_group = topk_group or n_group
+
+    block_t = 16 if T <= 64 else 64
+    block_e = min(max(16, triton.next_power_of_2(E)), 32)
+    dot_fp32 = dot_needs_fp32(x.dtype)
+    _router_logits_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e))](
+        x, router_weight, router_bias, logits,
+        T, H, E,
+        x.stride(0), x.stride(1),
+        router_weight.stride(0), router_weight.stride(1),
+        HAS_BIAS=router_bias is not None,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if dot_fp32 else _dot_precision(x.dtype),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
+        num_warps=4,
+    )
+
+    block_e_all = max(16, triton.next_power_of_2(E))
+    block_t_gate = 16 if block_e_all <= 128 else 8
+    _topk_gating_kernel[(triton.cdiv(T, block_t_gate),)](
+        logits, e_score_correction_bias, topk_ids, topk_weights,
+        T, E, E // n_group,
+        1e-6 if sigmoid else 0.0, float(routed_scaling_factor),
+        TOP_K=top_k,
+        SIGMOID=sigmoid,
+        RENORMALIZE=bool(renormalize),
+        HAS_CORRECTION=e_score_correction_bias is not None,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        BLOCK_T=block_t_gate,
+        BLOCK_E=block_e_all,
+        BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4,
+    )
+    return topk_ids, topk_weights, logits
+
+
+def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
+                      e_score_correction_bias):
+    """Validate router arguments; returns E."""
+    check_float("hidden_states", hidden_states, min_ndim=1)
+    check_float("router_weight", router_weight, ndim=2)
+    E, H = router_weight.shape
+    check_dim("router_weight", router_weight, 1, hidden_states.shape[-1], "hidden size H of hidden_states")
+    if E < 1:
+        raise ValueError("router_weight must have at least one expert row")
+    check_top_k(top_k, E)
+    check_choice("gating", gating, GATINGS)
+    if router_bias is not None:
+        check_float("router_bias", router_bias, ndim=1)
+        check_dim("router_bias", router_bias, 0, E, "number of experts E")
+    if e_score_correction_bias is not None:
+        check_float("e_score_correction_bias", e_score_correction_bias, ndim=1)
+        check_dim("e_score_correction_bias", e_score_correction_bias, 0, E, "number of experts E")
+    if n_group is not None:
+        if not isinstance(n_group, int) or n_group < 1 or E % n_group:
+            raise ValueError(f"n_group must be a positive int dividing num_experts={E}, got {n_group!r}")
+        if n_group > 1 and E // n_group < 2:
+            raise ValueError(f"n_group={n_group} leaves fewer than 2 experts per group (num_experts={E})")
+        groups = topk_group if topk_group is not None else n_group
+        if not isinstance(groups, int) or not 1 <= groups <= n_group:
+            raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+        if groups * (E // n_group) < top_k:
+            raise ValueError(
+                f"topk_group={groups} groups of {E // n_group} experts cannot supply top_k={top_k} experts")
+    elif topk_group is not None:
+        raise ValueError("topk_group needs n_group")
+    check_same_device(hidden_states=hidden_states, router_weight=router_weight, router_bias=router_bias,
+                      e_score_correction_bias=e_score_correction_bias)
+    return E
+
+
+def moe_router(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,
+               n_group=None, topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
+    """Route tokens to experts.
+
+    hidden_states [..., H], router_weight [E, H]. Returns (top_k_indices [T, top_k] int64, top_k_weights [T, top_k] in
+    the input dtype, router_logits [T, E] in the input dtype) with T the product of the leading dims.
+    """
+    check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
+                      e_score_correction_bias)
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    topk_ids, topk_weights, logits = route(
+        x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
+        topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor)
+    return topk_ids, topk_weights.to(hidden_states.dtype), logits.to(hidden_states.dtype)

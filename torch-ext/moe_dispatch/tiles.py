@@ -1,0 +1,84 @@
+"""Tile tables: which GEMM tiles each problem size gets, as data.
+
+`configs/<device_key>.json` (see `_device.device_key`) holds, per device, a list of buckets keyed by the expected number
+of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,F,H"`::
+
+    {"device": "NVIDIA_H200", "measured": true,
+     "buckets": [{"max_rows_per_expert": 16, "block_m": 16,
+                  "gate_up": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1},
+                  "down":    {...}}, ...],
+     "shapes": {"8,14336,4096": [<buckets>]}}
+
+The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). Unknown
+devices fall back to `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+
+import torch
+
+from ._device import device_key
+
+_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTile:
+    """Launch parameters of one grouped GEMM (the M tile is shared: it is fixed by the dispatch tile map)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    """Tiles of one MoE forward: `block_m` rows per tile (one expert per tile), then each GEMM's N/K tiles."""
+
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+    @classmethod
+    def from_dict(cls, entry):
+        return cls(
+            block_m=int(entry["block_m"]),
+            gate_up=GemmTile(**entry["gate_up"]),
+            down=GemmTile(**entry["down"]),
+        )
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(key: str) -> dict:
+    """The tile table for a device key, or the default table (logged) when the device has none."""
+    path = os.path.join(_CONFIG_DIR, f"{key}.json")
+    if not os.path.exists(path):
+        _log.info("moe_dispatch: no tile table for %s, using configs/default.json", key)
+        path = os.path.join(_CONFIG_DIR, "default.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _pick_bucket(buckets, rows_per_expert):
+    for bucket in buckets:
+        if rows_per_expert <= bucket["max_rows_per_expert"]:
+            return bucket
+    return buckets[-1]
+
+
+def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int) -> MoeTiles:
+    """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads)."""
+    table = load_table(device_key(device))
+    buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
+    rows_per_expert = -(-num_tokens * top_k // num_experts)
+    return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))

@@ -1,0 +1,133 @@
+"""transformers experts interface backed by `fused_experts`.
+
+transformers keeps the routed experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GPT-OSS in one
+module holding 3-D weights, and sends that module's forward through `ExpertsInterface`: any function with the
+signature `(self, hidden_states[T, H], top_k_index[T, k], top_k_weights[T, k]) -> [T, H]` registered under a name
+replaces it when the model's `experts_implementation` is that name. The router still runs in transformers (so
+router logits, aux losses and `output_router_logits` are untouched); only the expert FFNs run here::
+
+    import moe_dispatch                        # or: moe_dispatch = kernels.get_kernel("<org>/moe-dispatch", version=1)
+    name = moe_dispatch.register_experts()     # "moe_dispatch"
+    model = AutoModelForCausalLM.from_pretrained(repo, experts_implementation=name)
+    # or, on a model already built: model.set_experts_implementation(name)
+
+What the experts module must look like (read from it on every call, nothing is copied):
+
+    gate_up_proj        [E, 2F, H] (gate rows, then up rows)      `is_transposed`: [E, H, 2F]
+    down_proj           [E, H, F]                                 `is_transposed`: [E, F, H]
+    is_concatenated     False: gate/up columns alternate (GPT-OSS), gate at even index
+    has_bias            gate_up_proj_bias [E, 2F], down_proj_bias [E, H]
+    activation          `act_fn` SiLU with transformers' default gate (silu(gate) * up), or GPT-OSS's clamped
+                        SwiGLU (`GptOssExperts._apply_gate`, reading `alpha` and `limit`)
+
+Anything else (a different activation or gate function, experts without a gate projection, a post-expert norm,
+non-float weights) raises `NotImplementedError` naming the module and the attribute, rather than computing
+something else. Ids >= E (expert-parallel sentinels) contribute nothing.
+"""
+
+import torch
+
+from .moe import fused_experts
+
+EXPERTS_IMPLEMENTATION = "moe_dispatch"
+"""Default name under which `register_experts` puts `moe_dispatch_experts` in transformers' `ExpertsInterface`."""
+
+# Gate functions recognised by where transformers defines them ((module, qualified name) of `_apply_gate`), so a
+# subclass that inherits one is recognised too and a model-specific override is refused, never guessed at.
+_DEFAULT_GATE = ("transformers.integrations.moe", "_default_apply_gate")
+_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _unsupported(experts: torch.nn.Module, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"moe_dispatch cannot run {type(experts).__name__}: {what}. "
+        f"Use another experts_implementation (e.g. 'grouped_mm' or 'eager') for this model."
+    )
+
+
+def _is_silu(act_fn) -> bool:
+    # transformers' ACT2FN gives SiLUActivation for "silu" and nn.SiLU for "swish"; both are x * sigmoid(x).
+    return (
+        isinstance(act_fn, torch.nn.SiLU)
+        or type(act_fn).__name__ == "SiLUActivation"
+        or act_fn is torch.nn.functional.silu
+    )
+
+
+def fused_experts_options(experts: torch.nn.Module) -> dict:
+    """The `fused_experts` keyword arguments that reproduce `experts`' forward; raises for what it cannot run.
+
+    Reads the layout flags transformers' `use_experts_implementation` sets (`has_gate`, `has_bias`, `is_transposed`,
+    `is_concatenated`, `has_post_expert_norm`), the gate function and `act_fn`, or GPT-OSS's `alpha` / `limit`.
+    """
+    if not getattr(experts, "has_gate", True):
+        raise _unsupported(experts, "experts without a gate projection (has_gate=False) are not supported")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise _unsupported(experts, "a norm after each expert (has_post_expert_norm=True) is not supported")
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise _unsupported(experts, f"`{name}` is not a 3-D tensor")
+        if weight.dtype not in _WEIGHT_DTYPES:
+            raise _unsupported(experts, f"`{name}` has dtype {weight.dtype}; float16, bfloat16 or float32 expected")
+
+    options = {
+        "transposed": bool(getattr(experts, "is_transposed", False)),
+        "interleaved": not getattr(experts, "is_concatenated", True),
+    }
+    if getattr(experts, "has_bias", False):
+        options["gate_up_bias"] = experts.gate_up_proj_bias
+        options["down_bias"] = experts.down_proj_bias
+
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    gate = (apply_gate.__module__, apply_gate.__qualname__) if apply_gate is not None else _DEFAULT_GATE
+    if gate == _DEFAULT_GATE:
+        act_fn = getattr(experts, "act_fn", None)
+        if not _is_silu(act_fn):
+            raise _unsupported(experts, f"activation `act_fn` = {act_fn!r}; only SiLU (silu(gate) * up) is supported")
+        options["activation"] = "silu"
+    elif gate == _GPT_OSS_GATE:
+        options["activation"] = "swiglu_oai"
+        options["swiglu_alpha"] = float(experts.alpha)
+        options["swiglu_limit"] = float(experts.limit)
+    else:
+        raise _unsupported(
+            experts,
+            f"gate function {gate[1]} from {gate[0]}; only transformers' default gate with SiLU and "
+            f"GPT-OSS's clamped SwiGLU are supported",
+        )
+    return options
+
+
+def moe_dispatch_experts(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers experts-interface function: `self` is the experts module, returns `[T, H]` in the input dtype.
+
+    `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
+    """
+    options = fused_experts_options(self)
+    weight_dtype = self.gate_up_proj.dtype
+    # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
+    x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
+    out = fused_experts(
+        x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate_ids=False, **options
+    )
+    return out.to(hidden_states.dtype)
+
+
+def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
+    """Register `moe_dispatch_experts` in transformers' `ExpertsInterface` under `name`; returns `name`.
+
+    Works the same on the local package and on the module `kernels.get_kernel` returns (each registers its own
+    copy of the function). Register before building or loading a model that names it in `experts_implementation`.
+    """
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, moe_dispatch_experts)
+    return name
