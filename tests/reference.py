@@ -1,14 +1,14 @@
 """Float64 references for every public function, written from the documented semantics (not from the kernels).
 
-Used by the tests and by the benchmark's correctness check. All inputs are upcast to float64 on the CPU; outputs are
-float64 (floats) or int64 (indices) CPU tensors.
+Used by the tests and by the benchmark's correctness check. Inputs are upcast to float64 on their own device (so a GPU
+can run the reference at real model sizes); outputs are float64 (floats) or int64 (indices) on that device.
 """
 
 import torch
 
 
 def _f64(t):
-    return None if t is None else t.detach().to("cpu", torch.float64)
+    return None if t is None else t.detach().to(torch.float64)
 
 
 def moe_router_ref(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,
@@ -65,7 +65,7 @@ def experts_ref(hidden_states, w_gate, w_up, w_down, topk_ids, topk_weights, **k
     x = _f64(hidden_states).reshape(-1, hidden_states.shape[-1])
     w_gate, w_up, w_down = _f64(w_gate), _f64(w_up), _f64(w_down)
     kwargs = {k: _f64(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    ids = topk_ids.detach().cpu().long()
+    ids = topk_ids.detach().long()
     weights = _f64(topk_weights)
     out = torch.zeros_like(x)
     for e in range(w_gate.shape[0]):
@@ -117,18 +117,18 @@ def fused_moe_forward_ref(hidden_states, router_weight, w_gate, w_up, w_down, nu
 
 def permute_tokens_ref(hidden_states, top_k_indices, num_experts):
     """-> (permuted [T*k, H], expert_offsets [E+1], sorted_idx [T*k], restore_idx [T*k]); stable by assignment id."""
-    flat = top_k_indices.detach().cpu().long().reshape(-1)
+    flat = top_k_indices.detach().long().reshape(-1)
     top_k = top_k_indices.shape[1]
     sorted_idx = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=flat.device), counts.cumsum(0)])
     restore_idx = torch.empty_like(sorted_idx)
-    restore_idx[sorted_idx] = torch.arange(flat.numel())
+    restore_idx[sorted_idx] = torch.arange(flat.numel(), device=flat.device)
     return _f64(hidden_states)[sorted_idx // top_k], offsets, sorted_idx, restore_idx
 
 
 def unpermute_tokens_ref(expert_outputs, top_k_weights, restore_idx, num_tokens, top_k):
-    rows = _f64(expert_outputs)[restore_idx.cpu().long()].view(num_tokens, top_k, -1)
+    rows = _f64(expert_outputs)[restore_idx.long()].view(num_tokens, top_k, -1)
     return (rows * _f64(top_k_weights)[..., None]).sum(1)
 
 
@@ -139,7 +139,7 @@ def _segments(expert_offsets):
 
 def grouped_gemm_ref(tokens, weights, expert_offsets, num_experts):
     a, w = _f64(tokens), _f64(weights)
-    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
     for e, (lo, hi) in enumerate(_segments(expert_offsets)):
         out[lo:hi] = a[lo:hi] @ w[e].T
     return out
@@ -158,7 +158,7 @@ def fused_expert_ffn_ref(permuted_tokens, w_gate, w_up, w_down, expert_offsets, 
                          num_tokens, top_k):
     y = expert_ffn_ref(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
     sorted_idx = sorted_idx.cpu().long()
-    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float64)
+    out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float64, device=y.device)
     weights = _f64(top_k_weights).reshape(-1)
     for p, a in enumerate(sorted_idx.tolist()):
         if a >= 0:

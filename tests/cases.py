@@ -1,0 +1,57 @@
+"""Test cases as data: each one says why it exists. Shrunk model cases come from the shared MODEL_SHAPES table."""
+
+import dataclasses
+
+import torch
+from model_shapes import MODEL_SHAPES, shrunk
+
+# Relative error bounds against the float64 reference, by dtype: ||out - ref|| / ||ref||.
+# fp32 runs fp32 dots (the interpreter, or ieee on a GPU unless torch allows tf32); half precisions round the
+# [T*k, F] intermediate and the expert rows to the input dtype once each.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    why: str
+    T: int
+    E: int
+    top_k: int
+    H: int
+    F: int
+    dtype: torch.dtype = torch.float32
+    gating: str = "softmax"
+    renormalize: bool | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    correction: bool = False
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+
+    def routing_kwargs(self):
+        return dict(renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
+                    routed_scaling_factor=self.routed_scaling_factor)
+
+
+def _from_model(name, T, dtype, why):
+    s = shrunk(MODEL_SHAPES[name])
+    return Case(f"{name}-T{T}-{str(dtype)[6:]}", why, T, s.num_experts, s.top_k, s.hidden, s.ffn, dtype, s.gating,
+                s.renormalize, s.n_group, s.topk_group, s.score_correction_bias, s.routed_scaling_factor, s.router_bias)
+
+
+FORWARD_CASES = [
+    _from_model("mixtral-8x7b", 37, torch.float32, "softmax top-2 renormalised; odd T leaves a ragged last tile"),
+    _from_model("qwen3-30b-a3b", 20, torch.float16, "top-8 of many experts: most experts get 0-2 rows"),
+    _from_model("qwen2-57b-a14b", 6, torch.bfloat16, "bf16 through the interpreter (dots upcast), no renormalisation"),
+    _from_model("deepseek-v3", 9, torch.float32, "sigmoid + correction bias + group-limited top-k + scaling"),
+    _from_model("gpt-oss-120b", 11, torch.float32, "router bias; H and F not multiples of the tiles"),
+    Case("decode-T1", "T = 1: one token, k rows, most tiles empty", 1, 8, 2, 64, 48),
+    Case("top1", "top_k = 1: one row per token, combine is a copy", 19, 4, 1, 32, 32),
+    Case("topk-eq-E-prime", "top_k = E with a prime E: every expert gets every token", 7, 7, 7, 40, 24),
+    Case("multi-chunk", "T*k = 300 > one dispatch chunk: exercises the three-kernel dispatch", 150, 16, 2, 32, 32,
+         torch.float16),
+    Case("ragged-dims", "H = 33, F = 17: masked K and N tails in both GEMMs", 13, 5, 2, 33, 17),
+    Case("sigmoid-no-renorm", "sigmoid gating with renormalize=False", 10, 8, 3, 32, 32, gating="sigmoid",
+         renormalize=False),
+]

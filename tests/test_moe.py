@@ -1,0 +1,355 @@
+"""The MoE forward and the v1 functions against the float64 references, edge cases, errors and determinism."""
+
+import pytest
+import torch
+from cases import FORWARD_CASES, TOLERANCE, Case
+from conftest import DEVICE
+from reference import (expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref, fused_moe_forward_ref,
+                       grouped_gemm_ref, moe_router_ref, permute_tokens_ref, unpermute_tokens_ref)
+
+import moe_dispatch as md
+from moe_dispatch.dispatch import CHUNK, dispatch, max_tiles_bound
+
+
+def assert_close(out, ref, dtype, what="output"):
+    """Normalised error check: max and RMS relative error printed on failure; NaN never passes."""
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    diff = out - ref
+    scale = ref.norm().clamp_min(1e-30)
+    rms_rel = (diff.norm() / scale).item()
+    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item() if ref.numel() else 0.0
+    where = divmod(int(diff.abs().argmax()), out.shape[-1]) if out.numel() else None
+    assert rms_rel <= TOLERANCE[dtype], (
+        f"{what}: rms rel err {rms_rel:.3e} > {TOLERANCE[dtype]:.0e} (max rel {max_rel:.3e} at {where})")
+
+
+def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
+    w_gate = (torch.randn(E, F, H) * scale).to(device, dtype)
+    w_up = (torch.randn(E, F, H) * scale).to(device, dtype)
+    w_down = (torch.randn(E, H, F) * scale).to(device, dtype)
+    return w_gate, w_up, w_down
+
+
+def make_inputs(case: Case, device=DEVICE):
+    x = torch.randn(case.T, case.H).to(device, case.dtype)
+    router_weight = (torch.randn(case.E, case.H) * 0.5).to(device, case.dtype)
+    extras = {}
+    if case.router_bias:
+        extras["router_bias"] = (torch.randn(case.E) * 0.1).to(device, case.dtype)
+    if case.correction:
+        extras["e_score_correction_bias"] = (torch.randn(case.E) * 0.1).to(device, torch.float32)
+    return x, router_weight, extras
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Every torch.empty returns NaN (floats) or a huge value (ints): a kernel that leaves an element unwritten and
+    then reads it shows up as NaN or a wild index."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(2**30)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: c.id)
+def test_fused_moe_forward(case, poison_empty):
+    x, router_weight, extras = make_inputs(case)
+    w_gate, w_up, w_down = make_weights(case.E, case.H, case.F, case.dtype)
+    kwargs = dict(case.routing_kwargs(), **extras)
+    out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, case.E, case.top_k, case.gating,
+                                             **kwargs)
+    ref_out, ref_ids, ref_weights = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, case.E, case.top_k,
+                                                          case.gating, **kwargs)
+    assert ids.dtype == torch.int64 and weights.dtype == case.dtype and out.dtype == case.dtype
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    assert_close(weights, ref_weights, case.dtype, "top_k_weights")
+    assert_close(out, ref_out, case.dtype)
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES[:5], ids=lambda c: c.id)
+def test_moe_router(case):
+    x, router_weight, extras = make_inputs(case)
+    kwargs = dict(case.routing_kwargs(), **extras)
+    ids, weights, logits = md.moe_router(x, router_weight, case.top_k, case.gating, **kwargs)
+    ref_ids, ref_weights, ref_logits = moe_router_ref(x, router_weight, case.top_k, case.gating, **kwargs)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    assert logits.dtype == case.dtype
+    assert_close(weights, ref_weights, case.dtype, "weights")
+    assert_close(logits, ref_logits, case.dtype, "logits")
+
+
+def test_router_defaults_follow_the_seed():
+    """softmax weights are not renormalised by default; sigmoid weights are (w / (sum + 1e-6))."""
+    x = torch.randn(12, 32, device=DEVICE)
+    w = torch.randn(8, 32, device=DEVICE) * 0.01  # near-uniform scores: two of eight sum to about 1/4
+    _, soft, _ = md.moe_router(x, w, 2)
+    assert (soft.sum(-1) < 1 - 1e-3).all()
+    _, sig, _ = md.moe_router(x, w, 2, "sigmoid")
+    torch.testing.assert_close(sig.sum(-1), torch.ones(12, device=DEVICE), rtol=0, atol=1e-5)
+
+
+def _routing(T, E, top_k, kind):
+    if kind == "random":
+        return torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
+    if kind == "one-expert":  # all tokens on expert E-1 (top_k = 1)
+        return torch.full((T, top_k), E - 1)
+    if kind == "empty-experts":  # only experts 1 and 3 are used
+        return torch.stack([torch.tensor([1, 3])[torch.randperm(2)][:top_k] for _ in range(T)])
+    raise ValueError(kind)
+
+
+EXPERT_CASES = [
+    # (id, T, E, top_k, H, F, dtype, routing, why)
+    ("one-expert", 40, 6, 1, 32, 32, torch.float32, "one-expert", "all tokens on the last expert: one long segment"),
+    ("empty-experts", 30, 6, 2, 32, 32, torch.float16, "empty-experts", "experts 0, 2, 4, 5 get nothing"),
+    ("int32-ids", 17, 8, 2, 48, 40, torch.float32, "random", "int32 ids and fp16 weights (any float dtype)"),
+]
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=lambda c: c[0])
+def test_fused_experts_routings(case, poison_empty):
+    _, T, E, top_k, H, F, dtype, routing, _ = case
+    x = torch.randn(T, H).to(DEVICE, dtype)
+    ids = _routing(T, E, top_k, routing).to(DEVICE)
+    if case[0] == "int32-ids":
+        ids = ids.int()
+    weights = torch.rand(T, top_k).to(DEVICE, torch.float16 if case[0] == "int32-ids" else torch.float32)
+    w_gate_up = (torch.randn(E, 2 * F, H) * 0.1).to(DEVICE, dtype)
+    w_down = (torch.randn(E, H, F) * 0.1).to(DEVICE, dtype)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights)
+    assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights), dtype)
+
+
+def test_fused_experts_gpt_oss_layout():
+    """Transposed [E, H, 2F] / [E, F, H] weights, interleaved gate/up, biases, clamped SwiGLU: no weight copies."""
+    T, E, top_k, H, F = 14, 6, 3, 40, 24
+    x = torch.randn(T, H, device=DEVICE)
+    ids = _routing(T, E, top_k, "random").to(DEVICE)
+    weights = torch.softmax(torch.randn(T, top_k), -1).to(DEVICE)
+    w_gate_up = torch.randn(E, H, 2 * F, device=DEVICE) * 0.3
+    w_down = torch.randn(E, F, H, device=DEVICE) * 0.3
+    b1 = torch.randn(E, 2 * F, device=DEVICE)
+    b2 = torch.randn(E, H, device=DEVICE)
+    kwargs = dict(activation="swiglu_oai", gate_up_bias=b1, down_bias=b2, interleaved=True, transposed=True,
+                  swiglu_alpha=1.702, swiglu_limit=2.0)  # a low limit so the clamps are exercised
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, **kwargs)
+    assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs), torch.float32)
+
+
+def test_fused_experts_3d_and_noncontiguous():
+    """[B, S, H] input keeps its shape; transposed-storage weights and strided ids/weights need no copies."""
+    B, S, E, top_k, H, F = 2, 5, 4, 2, 32, 16
+    x = torch.randn(B, H, S, device=DEVICE).transpose(1, 2)  # [B, S, H], non-contiguous
+    ids = _routing(B * S, E, top_k, "random").to(DEVICE).t().contiguous().t()  # column-major [T, k]
+    weights = torch.rand(top_k, B * S, device=DEVICE).t()
+    w_gate_up = (torch.randn(E, H, 2 * F, device=DEVICE) * 0.1).transpose(1, 2)  # [E, 2F, H] view
+    w_down = (torch.randn(E, F, H, device=DEVICE) * 0.1).transpose(1, 2)  # [E, H, F] view
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights)
+    assert out.shape == (B, S, H)
+    assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights), torch.float32)
+
+
+def test_fused_moe_forward_3d():
+    x = torch.randn(2, 3, 32, device=DEVICE)
+    router_weight = torch.randn(4, 32, device=DEVICE)
+    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32)
+    out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, 4, 2)
+    ref_out, ref_ids, _ = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, 4, 2)
+    assert out.shape == x.shape and ids.shape == (6, 2)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    assert_close(out, ref_out, torch.float32)
+
+
+def test_zero_tokens():
+    x = torch.randn(0, 32, device=DEVICE)
+    router_weight = torch.randn(4, 32, device=DEVICE)
+    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32)
+    out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, 4, 2)
+    assert out.shape == (0, 32) and ids.shape == (0, 2) and weights.shape == (0, 2)
+    w_gate_up = torch.cat([w_gate, w_up], 1)
+    empty_ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    assert md.fused_experts(x, w_gate_up, w_down, empty_ids, torch.zeros(0, 2, device=DEVICE)).shape == (0, 32)
+    permuted, offsets, sorted_idx, restore_idx = md.permute_tokens(x, empty_ids, 4)
+    assert permuted.shape == (0, 32) and offsets.tolist() == [0] * 5
+
+
+def test_deterministic():
+    """Same inputs, bit-identical outputs (no float atomics anywhere)."""
+    case = FORWARD_CASES[1]
+    x, router_weight, extras = make_inputs(case)
+    weights = make_weights(case.E, case.H, case.F, case.dtype)
+    runs = [md.fused_moe_forward(x, router_weight, *weights, case.E, case.top_k, **case.routing_kwargs())[0]
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("T,E,top_k,kind", [(9, 5, 2, "random"), (100, 8, 3, "random"), (70, 4, 2, "empty-experts"),
+                                            (CHUNK, 3, 1, "one-expert"), (CHUNK + 1, 3, 1, "one-expert")])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_dispatch_metadata(T, E, top_k, kind, block_m):
+    """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once."""
+    ids = _routing(T, E, top_k, kind).to(DEVICE)
+    info = dispatch(ids, E, block_m)
+    _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)
+    assert torch.equal(info.expert_offsets.long().cpu(), ref_offsets)
+    assert torch.equal(info.gather_idx.long().cpu(), ref_sorted)
+    assert torch.equal(info.scatter_idx.long().cpu(), ref_restore)
+    assert info.expert_offsets[-1].item() == T * top_k
+    assert info.max_tiles == max_tiles_bound(T * top_k, E, block_m)
+    tile_expert, tile_start = info.tile_expert.cpu().long(), info.tile_row_start.cpu().long()
+    covered = torch.zeros(T * top_k, dtype=torch.int64)
+    offsets = ref_offsets
+    for e, start in zip(tile_expert.tolist(), tile_start.tolist()):
+        if e < 0:
+            continue
+        end = min(start + block_m, offsets[e + 1].item())
+        assert offsets[e] <= start < offsets[e + 1]
+        covered[start:end] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+    used = (tile_expert >= 0).sum().item()
+    assert (tile_expert[used:] == -1).all() and (tile_expert[:used] >= 0).all()
+
+
+def test_dispatch_drops_out_of_range_ids():
+    """Expert-parallel sentinels (ids >= E) and negative ids get no position and contribute nothing."""
+    T, E, top_k, H, F = 20, 4, 2, 32, 16
+    ids = _routing(T, E, top_k, "random")
+    ids[::3, 0] = E + 2
+    ids[1, 1] = -1
+    info = dispatch(ids.to(DEVICE), E, 16)
+    dropped = (ids.reshape(-1) < 0) | (ids.reshape(-1) >= E)
+    assert info.expert_offsets[-1].item() == (~dropped).sum().item()
+    assert (info.scatter_idx.cpu()[dropped] == -1).all()
+    assert (info.gather_idx.cpu()[(~dropped).sum():] == -1).all()
+    x = torch.randn(T, H, device=DEVICE)
+    weights = torch.rand(T, top_k, device=DEVICE)
+    w_gate_up, w_down = torch.randn(E, 2 * F, H, device=DEVICE) * 0.1, torch.randn(E, H, F, device=DEVICE) * 0.1
+    out = md.fused_experts(x, w_gate_up, w_down, ids.to(DEVICE), weights, validate_ids=False)
+    keep = (~dropped).reshape(T, top_k).to(DEVICE)
+    ref = fused_experts_ref(x, w_gate_up, w_down, torch.where(keep, ids.to(DEVICE), 0), weights * keep)
+    assert_close(out, ref, torch.float32)
+
+
+def test_v1_permute_unpermute_roundtrip():
+    T, E, top_k, H = 45, 6, 3, 40
+    x = torch.randn(T, H, device=DEVICE)
+    ids = _routing(T, E, top_k, "random").to(DEVICE)
+    weights = torch.rand(T, top_k, device=DEVICE)
+    permuted, offsets, sorted_idx, restore_idx = md.permute_tokens(x, ids, E)
+    ref_permuted, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(x, ids, E)
+    assert offsets.dtype == sorted_idx.dtype == restore_idx.dtype == torch.int64
+    assert torch.equal(offsets.cpu(), ref_offsets.cpu()) and torch.equal(sorted_idx.cpu(), ref_sorted.cpu())
+    assert torch.equal(restore_idx.cpu(), ref_restore.cpu())
+    assert torch.equal(permuted.cpu(), ref_permuted.float().cpu())
+    out = md.unpermute_tokens(permuted, weights, restore_idx, T, top_k)
+    assert_close(out, unpermute_tokens_ref(ref_permuted, weights, ref_restore, T, top_k), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_v1_segment_functions(dtype):
+    """grouped_gemm, expert_ffn_triton, fused_expert_ffn on permute_tokens' output, ragged sizes."""
+    T, E, top_k, H, F = 23, 5, 2, 36, 20
+    x = torch.randn(T, H).to(DEVICE, dtype)
+    ids = _routing(T, E, top_k, "random").to(DEVICE)
+    ids[ids == 2] = 3  # expert 2 empty
+    weights = torch.rand(T, top_k).to(DEVICE, dtype)
+    permuted, offsets, sorted_idx, _ = md.permute_tokens(x, ids, E)
+    w = (torch.randn(E, F, H) * 0.1).to(DEVICE, dtype)
+    assert_close(md.grouped_gemm(permuted, w, offsets, E), grouped_gemm_ref(permuted, w, offsets, E), dtype)
+    w_gate, w_up, w_down = make_weights(E, H, F, dtype)
+    assert_close(md.expert_ffn_triton(permuted, w_gate, w_up, w_down, offsets, E),
+                 expert_ffn_ref(permuted, w_gate, w_up, w_down, offsets, E), dtype)
+    args = (permuted, w_gate, w_up, w_down, offsets, E, weights, sorted_idx, T, top_k)
+    assert_close(md.fused_expert_ffn(*args), fused_expert_ffn_ref(*args), dtype)
+
+
+def _valid_forward_args():
+    E, H, F = 4, 32, 16
+    x = torch.randn(5, H)
+    router_weight = torch.randn(E, H)
+    w_gate, w_up, w_down = torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F)
+    return dict(hidden_states=x, router_weight=router_weight, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                num_experts=E, top_k=2)
+
+
+def _valid_experts_args():
+    E, H, F = 4, 32, 16
+    return dict(hidden_states=torch.randn(5, H), w_gate_up=torch.randn(E, 2 * F, H), w_down=torch.randn(E, H, F),
+                topk_ids=torch.randint(0, E, (5, 2)), topk_weights=torch.rand(5, 2))
+
+
+FORWARD_ERRORS = [
+    # (change, exception, argument named in the message)
+    (dict(hidden_states=torch.randint(0, 3, (5, 32))), TypeError, "hidden_states"),
+    (dict(router_weight=torch.randn(4, 32, 1)), ValueError, "router_weight"),
+    (dict(router_weight=torch.randn(4, 31)), ValueError, "router_weight"),
+    (dict(w_gate=torch.randn(3, 16, 32)), ValueError, "w_gate"),
+    (dict(w_up=torch.randn(4, 8, 32)), ValueError, "w_up"),
+    (dict(w_down=torch.randn(4, 32, 8)), ValueError, "w_down"),
+    (dict(w_down=torch.randn(4, 32, 16, dtype=torch.float64)), TypeError, "w_down"),
+    (dict(w_gate=torch.randn(4, 16, 32, device="meta")), ValueError, "device"),
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(top_k=5), ValueError, "top_k"),
+    (dict(num_experts=5), ValueError, "num_experts"),
+    (dict(gating="relu"), ValueError, "gating"),
+    (dict(n_group=3), ValueError, "n_group"),
+    (dict(n_group=2, topk_group=3), ValueError, "topk_group"),
+    (dict(router_bias=torch.randn(5)), ValueError, "router_bias"),
+]
+
+
+@pytest.mark.parametrize("change,exc,name", FORWARD_ERRORS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+def test_fused_moe_forward_errors(change, exc, name):
+    args = dict(_valid_forward_args(), **change)
+    with pytest.raises(exc, match=name):
+        md.fused_moe_forward(**args)
+
+
+EXPERTS_ERRORS = [
+    (dict(topk_ids=torch.tensor([[0, 4]] * 5)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.tensor([[0, -1]] * 5)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.rand(5, 2)), TypeError, "topk_ids"),
+    (dict(topk_ids=torch.randint(0, 4, (6, 2))), ValueError, "topk_ids"),
+    (dict(topk_weights=torch.rand(5, 3)), ValueError, "topk_weights"),
+    (dict(w_gate_up=torch.randn(4, 33, 32)), ValueError, "w_gate_up"),
+    (dict(w_gate_up=torch.randn(4, 32, 31)), ValueError, "w_gate_up"),
+    (dict(w_down=torch.randn(5, 32, 16)), ValueError, "w_down"),
+    (dict(activation="gelu"), ValueError, "activation"),
+    (dict(gate_up_bias=torch.randn(4, 31)), ValueError, "gate_up_bias"),
+    (dict(down_bias=torch.randn(3, 32)), ValueError, "down_bias"),
+]
+
+
+@pytest.mark.parametrize("change,exc,name", EXPERTS_ERRORS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+def test_fused_experts_errors(change, exc, name):
+    args = dict(_valid_experts_args(), **change)
+    with pytest.raises(exc, match=name):
+        md.fused_experts(**args)
+
+
+def test_v1_function_errors():
+    x = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="top_k_indices"):
+        md.permute_tokens(x, torch.randint(0, 3, (5, 2)), 3)
+    with pytest.raises(ValueError, match="top_k_indices"):
+        md.permute_tokens(x, torch.full((6, 2), 3), 3)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        md.grouped_gemm(x, torch.randn(3, 4, 8), torch.tensor([0, 4, 2, 6]), 3)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        md.grouped_gemm(x, torch.randn(3, 4, 8), torch.tensor([0, 6]), 3)
+    with pytest.raises(ValueError, match="weights"):
+        md.grouped_gemm(x, torch.randn(3, 4, 9), torch.tensor([0, 2, 4, 6]), 3)
+    with pytest.raises(ValueError, match="restore_idx"):
+        md.unpermute_tokens(x, torch.rand(3, 2), torch.arange(5), 3, 2)
+    with pytest.raises(ValueError, match="top_k_weights"):
+        md.unpermute_tokens(x, torch.rand(3, 3), torch.arange(6), 3, 2)
