@@ -1,0 +1,807 @@
+#!/usr/bin/env python3
+"""MoE forward benchmark: moe_dispatch against the physical floor and the alternatives users would otherwise run.
+
+For every model shape (tests/model_shapes.py) and token count T, and for both entry points
+
+  fused_experts      given topk_ids / topk_weights (random routing)
+  fused_moe_forward  routing included (random router weights)
+
+it times moe_dispatch (plain launches, and CUDA-graph replays for small T), checks the output against the float64
+references of tests/reference.py (all rows for small T, a row sample above), and puts the time next to
+
+  floor  = max(bytes / R, flops / P)         bytes = weights of the experts actually hit + activations in and out
+  target = max(1.15 bytes / R, flops / (f P)) + 10 us (+ 15 us routing for fused_moe_forward), f = 0.9 or 0.8 by model
+
+with R (read bandwidth) and P (dense bf16 matmul rate) measured at the start of the same run (_bench_ceilings.py),
+and next to the baselines: a torch._grouped_mm pipeline (what transformers runs by default), vLLM's fused_experts
+when `vllm` imports, and an eager per-expert loop for small T.
+
+Writes DIR/bench.json (everything), DIR/bench.md (tables), DIR/roofline.png (when matplotlib imports) and
+DIR/summary.txt, rewritten after every model so a run cut short keeps what it measured; prints the short table last.
+
+    scripts/bench --quick --out results/            # T in 1,16,128,1024,4096,16384, all models
+    scripts/bench --models mixtral-8x7b --tokens 1,4096 --paths fused_experts --no-baselines
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT / "scripts", ROOT / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from _bench_ceilings import measure_ceilings  # noqa: E402
+import reference  # noqa: E402  (tests/reference.py: the float64 references)
+from model_shapes import MODEL_SHAPES, ModelShape  # noqa: E402
+
+ALL_TOKENS = tuple(2**i for i in range(15))  # 1 .. 16384
+QUICK_TOKENS = (1, 16, 128, 1024, 4096, 16384)
+PATHS = ("fused_experts", "fused_moe_forward")
+BASELINES = ("grouped_mm", "vllm", "eager")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # ||out - ref|| / ||ref|| against the float64 reference
+ROUTING_MATCH_MIN = 0.99  # share of checked tokens whose k experts equal the reference's (near-ties may flip)
+
+READ_SLACK = 1.15  # targets of issue 4
+LAUNCH_ALLOWANCE_S = 10e-6
+ROUTING_ALLOWANCE_S = 15e-6
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# command line, package loading, timing
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="T in 1,16,128,1024,4096,16384 and shorter timing windows")
+    p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODEL_SHAPES)} (default all)")
+    p.add_argument("--tokens", default=None, help="comma list of token counts (default 1..16384, powers of two)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma list of fused_experts, fused_moe_forward")
+    p.add_argument("--baselines", default=",".join(BASELINES), help="comma list of grouped_mm, vllm, eager")
+    p.add_argument("--no-baselines", action="store_true", help="time moe_dispatch only")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--fp16-spot", default="mixtral-8x7b,qwen3-30b-a3b",
+                   help="models that also get a float16 spot check ('none' for none)")
+    p.add_argument("--fp16-spot-tokens", default="16,1024")
+    p.add_argument("--out", default="bench-results", help="output folder (created)")
+    p.add_argument("--kernel-dir", default=None,
+                   help="load the package from a build variant (build/torch-cuda) or a kernel repo root "
+                        "instead of torch-ext/")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up window (default 10, quick 5)")
+    p.add_argument("--rep-ms", type=float, default=None, help="do_bench timing window (default 60, quick 40)")
+    p.add_argument("--graph-max-tokens", type=int, default=512, help="also time CUDA-graph replays up to this T")
+    p.add_argument("--eager-max-tokens", type=int, default=64, help="eager per-expert loop only up to this T")
+    p.add_argument("--check-rows", type=int, default=256,
+                   help="correctness: all rows up to this T, a random sample of this many above")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    p.add_argument("--ceiling-mib", type=int, default=4096, help="buffer for the read-bandwidth ceiling")
+    p.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul ceiling")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="stop starting new cells after this many seconds (the outputs keep what was measured)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = QUICK_TOKENS if args.quick else ALL_TOKENS
+    else:
+        args.tokens = tuple(int(t) for t in args.tokens.split(","))
+    if args.warmup_ms is None:
+        args.warmup_ms = 5.0 if args.quick else 10.0
+    if args.rep_ms is None:
+        args.rep_ms = 40.0 if args.quick else 60.0
+    args.paths = tuple(s for s in args.paths.split(",") if s)
+    args.baselines = () if args.no_baselines else tuple(s for s in args.baselines.split(",") if s)
+    for name in args.paths:
+        if name not in PATHS:
+            p.error(f"unknown path {name!r}; choose from {PATHS}")
+    for name in args.baselines:
+        if name not in BASELINES:
+            p.error(f"unknown baseline {name!r}; choose from {BASELINES}")
+    args.fp16_spot = () if args.fp16_spot in ("", "none") else tuple(args.fp16_spot.split(","))
+    args.fp16_spot_tokens = tuple(int(t) for t in args.fp16_spot_tokens.split(",") if t)
+    return args
+
+
+def select_models(spec, shapes):
+    if spec == "all":
+        return list(shapes.values())
+    out = []
+    for name in spec.split(","):
+        if name not in shapes:
+            raise SystemExit(f"unknown model {name!r}; known: {', '.join(shapes)}")
+        out.append(shapes[name])
+    return out
+
+
+def load_kernel(kernel_dir=None):
+    """The package: torch-ext/moe_dispatch by default, else a build variant folder or a kernel repo root."""
+    if kernel_dir is None:
+        path = str(ROOT / "torch-ext")
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        import moe_dispatch
+
+        return moe_dispatch
+    folder = Path(kernel_dir).resolve()
+    if (folder / "__init__.py").exists():
+        spec = importlib.util.spec_from_file_location(
+            "moe_dispatch_bench_variant", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    from kernels import get_local_kernel
+
+    return get_local_kernel(folder)
+
+
+class EventTimer:
+    """Median times in ms: `plain` times launches as they come, `graph` times replays of a captured CUDA graph.
+
+    Both use triton.testing.do_bench, which clears the L2 cache before each timed call (so weights come from HBM).
+    """
+
+    def __init__(self, warmup_ms, rep_ms):
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+
+    def plain(self, fn):
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+
+    def graph(self, fn):
+        from triton.testing import do_bench
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        try:
+            return do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        finally:
+            del graph
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# problems and implementations
+
+
+@dataclasses.dataclass
+class Problem:
+    """One model's tensors, reused for every T (hidden states are sliced)."""
+
+    shape: ModelShape
+    dtype: torch.dtype
+    x: torch.Tensor  # [T_max, H]
+    w_gate_up: torch.Tensor  # [E, 2F, H], gate rows then up rows
+    w_down: torch.Tensor  # [E, H, F]
+    router_weight: torch.Tensor  # [E, H]
+    router_bias: torch.Tensor | None  # [E]
+    correction_bias: torch.Tensor | None  # [E] float32, selection only
+
+    @property
+    def w_gate(self):
+        return self.w_gate_up[:, : self.shape.ffn]
+
+    @property
+    def w_up(self):
+        return self.w_gate_up[:, self.shape.ffn:]
+
+
+def make_problem(shape, max_tokens, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    E, H, F = shape.num_experts, shape.hidden, shape.ffn
+
+    def randn(*size, scale=1.0, dt=dtype):
+        t = torch.empty(size, device=device, dtype=dt)
+        t.normal_(0.0, scale, generator=gen)
+        return t
+
+    return Problem(
+        shape=shape,
+        dtype=dtype,
+        x=randn(max_tokens, H),
+        w_gate_up=randn(E, 2 * F, H, scale=0.02),
+        w_down=randn(E, H, F, scale=0.02),
+        router_weight=randn(E, H, scale=0.02),
+        router_bias=randn(E, scale=0.02) if shape.router_bias else None,
+        correction_bias=randn(E, scale=0.1, dt=torch.float32) if shape.score_correction_bias else None,
+    )
+
+
+def random_routing(num_tokens, num_experts, top_k, device, seed):
+    """k distinct uniformly random experts per token; positive weights summing to 1 (float32, as transformers)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
+    topk_ids = scores.topk(top_k, dim=1).indices
+    topk_weights = torch.randn(num_tokens, top_k, device=device, generator=gen).softmax(dim=1)
+    return topk_ids, topk_weights
+
+
+def torch_route(shape, x, router_weight, router_bias, correction_bias, *, reference=False):
+    """The model's router in torch. reference=True: float32 throughout; else the logits GEMM runs in x's dtype
+    (what transformers does) and the gating in float32."""
+    if reference:
+        logits = x.float() @ router_weight.float().T
+        if router_bias is not None:
+            logits = logits + router_bias.float()
+    else:
+        logits = torch.nn.functional.linear(x, router_weight, router_bias).float()
+    scores = logits.softmax(dim=-1) if shape.gating == "softmax" else logits.sigmoid()
+    select = scores if correction_bias is None else scores + correction_bias
+    if shape.n_group:
+        num_tokens = select.shape[0]
+        grouped = select.view(num_tokens, shape.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(shape.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(shape.num_experts // shape.n_group, dim=1)
+        select = select.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = select.topk(shape.top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if shape.renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_ids, topk_weights * shape.routed_scaling_factor
+
+
+def grouped_mm_experts(x, w_gate_up, w_down, topk_ids, topk_weights):
+    """The transformers default: sort by expert, gather, grouped_mm gate_up, SiLU*up, grouped_mm down, weight,
+    unsort, sum the k rows. torch._grouped_mm wants bf16, int32 cumulative row ends and 16-byte aligned strides."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat_ids)
+    rows = x[order // top_k]
+    if x.device.type == "cuda":  # histc on ints is CUDA-only; bincount would sync (no graph capture)
+        counts = torch.histc(sorted_ids.int(), bins=num_experts, min=0, max=num_experts - 1)
+    else:
+        counts = torch.histc(sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    down = torch._grouped_mm(act, w_down.transpose(-2, -1), offs=offs)
+    down = down * topk_weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return down[inverse].view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def eager_experts(x, w_gate_up, w_down, topk_ids, topk_weights):
+    """The classic per-expert loop (one host sync, then a few launches per expert hit)."""
+    ffn = w_down.shape[-1]
+    out = torch.zeros_like(x)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        h = x[token] @ w_gate_up[expert].T
+        act = torch.nn.functional.silu(h[:, :ffn]) * h[:, ffn:]
+        y = act @ w_down[expert].T
+        out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
+    return out
+
+
+def load_vllm_fused_experts():
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except Exception as exc:  # not installed, or built for another torch
+        return None, f"{type(exc).__name__}: {exc}"[:200]
+    return fused_experts, None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# accounting and correctness
+
+
+def accounting(shape, num_tokens, experts_hit, itemsize, path, ceilings):
+    """Bytes, FLOPs, floor and target of one cell (seconds)."""
+    H, F, E, k = shape.hidden, shape.ffn, shape.num_experts, shape.top_k
+    nbytes = experts_hit * 3 * H * F * itemsize + 2 * num_tokens * H * itemsize
+    flops = 2 * num_tokens * k * 3 * H * F
+    allowance = LAUNCH_ALLOWANCE_S
+    if path == "fused_moe_forward":  # the router GEMM reads its weight and does [T,H]x[H,E]
+        nbytes += E * H * itemsize
+        flops += 2 * num_tokens * H * E
+        allowance += ROUTING_ALLOWANCE_S
+    R = ceilings["read_bytes_per_s"]
+    P = ceilings["matmul_flops_per_s"]
+    floor = max(nbytes / R, flops / P)
+    target = max(READ_SLACK * nbytes / R, flops / (shape.matmul_fraction * P)) + allowance
+    return {
+        "bytes": nbytes,
+        "flops": flops,
+        "floor_us": floor * 1e6,
+        "bound": "bandwidth" if nbytes / R >= flops / P else "matmul",
+        "target_us": target * 1e6,
+    }
+
+
+def check_rows(num_tokens, limit, device, seed):
+    if num_tokens <= limit:
+        return torch.arange(num_tokens, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + 7)
+    return torch.randperm(num_tokens, device=device, generator=gen)[:limit].sort().values
+
+
+def experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights):
+    """float64 MoE experts (reference.expert_mlp_ref) for a few rows, upcasting one expert hit at a time: the whole
+    weight set in float64 would not fit at DeepSeek-V3 size (reference.experts_ref upcasts all of it)."""
+    ffn = w_down.shape[-1]
+    x64 = x.double()
+    out = torch.zeros(x.shape[0], w_down.shape[1], device=x.device, dtype=torch.float64)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        w = w_gate_up[expert: expert + 1].double()
+        y = reference.expert_mlp_ref(x64[token], w[:, :ffn], w[:, ffn:], w_down[expert: expert + 1].double(), 0)
+        out.index_add_(0, token, y * topk_weights[token, slot, None].double())
+    return out
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_output(prob, rows, out, topk_ids, topk_weights):
+    x = prob.x[: out.shape[0]]
+    ref = experts_ref(x[rows], prob.w_gate_up, prob.w_down, topk_ids[rows], topk_weights[rows])
+    return rel_err(out[rows], ref)
+
+
+def check_routing(prob, rows, num_tokens, topk_ids, topk_weights):
+    """Share of checked tokens routed to the float64 reference's experts; weight error on those tokens."""
+    shape = prob.shape
+    ref_ids, ref_weights, _ = reference.moe_router_ref(
+        prob.x[:num_tokens][rows], prob.router_weight, shape.top_k, shape.gating, prob.router_bias,
+        e_score_correction_bias=prob.correction_bias, **shape.routing_kwargs())
+    got_ids, order = topk_ids[rows].sort(dim=1)
+    ref_sorted, ref_order = ref_ids.sort(dim=1)
+    same = (got_ids == ref_sorted).all(dim=1)
+    match = same.float().mean().item()
+    if not same.any():
+        return match, float("nan")
+    got_w = topk_weights[rows].gather(1, order)[same]
+    ref_w = ref_weights.gather(1, ref_order)[same]
+    return match, rel_err(got_w, ref_w)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one model
+
+
+def _error_text(exc):
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Runner:
+    """Times one implementation at one cell and fills the record (plain, graph, correctness)."""
+
+    def __init__(self, args, timer, device, ceilings):
+        self.args = args
+        self.timer = timer
+        self.device = device
+        self.ceilings = ceilings
+
+    def run(self, record, fn, *, graph, check, inspect=None):
+        """fn() -> output; check(output) -> correctness fields (skipped by --no-check); inspect(output) -> fields
+        always wanted (experts hit by the routing). Fills record in place."""
+        try:
+            output = fn()  # compiles on first use; its result is what gets checked
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            if inspect is not None:
+                record.update(inspect(output))
+            if check is not None and not self.args.no_check:
+                record.update(check(output))
+            del output
+            record["plain_us"] = self.timer.plain(fn) * 1e3
+        except Exception as exc:
+            record["error"] = _error_text(exc)
+            _free(self.device)
+            return
+        if graph and self.device.type == "cuda" and hasattr(self.timer, "graph"):
+            try:
+                record["graph_us"] = self.timer.graph(fn) * 1e3
+            except Exception as exc:
+                record["graph_error"] = _error_text(exc)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+            _free(self.device)
+
+
+def finish_record(record, acct, ceilings):
+    """Derived numbers: the time that is judged (graph replay when measured), rates, ratio to floor, target."""
+    record.update(acct)
+    time_us = record.get("graph_us") or record.get("plain_us")
+    if time_us is None:
+        return record
+    record["time_us"] = time_us
+    record["time_mode"] = "graph" if record.get("graph_us") else "plain"
+    record["tb_per_s"] = acct["bytes"] / (time_us * 1e-6) / 1e12
+    record["tflop_per_s"] = acct["flops"] / (time_us * 1e-6) / 1e12
+    record["time_over_floor"] = time_us / acct["floor_us"]
+    record["meets_target"] = time_us <= acct["target_us"]
+    return record
+
+
+def bench_model(shape, args, runner, kernel, vllm_fn, dtype, tokens, baselines, started):
+    device = runner.device
+    records = []
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    prob = make_problem(shape, max(tokens), dtype, device, args.seed)
+    for num_tokens in tokens:
+        if args.deadline_s is not None and time.monotonic() - started > args.deadline_s:
+            records.append({"model": shape.name, "tokens": num_tokens, "dtype": str(dtype).replace("torch.", ""),
+                            "skipped": "deadline"})
+            continue
+        records.extend(bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines))
+    del prob
+    _free(device)
+    return records
+
+
+def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines):
+    shape, dtype, device = prob.shape, prob.dtype, runner.device
+    seed = args.seed * 1000003 + num_tokens
+    x = prob.x[:num_tokens]
+    topk_ids, topk_weights = random_routing(num_tokens, shape.num_experts, shape.top_k, device, seed)
+    rows = check_rows(num_tokens, args.check_rows, device, seed)
+    hit_given = int(torch.unique(topk_ids).numel())
+    graph = num_tokens <= args.graph_max_tokens
+    dtype_name = str(dtype).replace("torch.", "")
+    out = []
+
+    def new(path, impl):
+        return {"model": shape.name, "tokens": num_tokens, "path": path, "impl": impl, "dtype": dtype_name}
+
+    def experts_check(output):
+        err = check_output(prob, rows, output, topk_ids, topk_weights)
+        return {"rel_err": err, "ok": err <= TOLERANCE[dtype]}
+
+    def forward_check(output):
+        result, ids, weights = output
+        err = check_output(prob, rows, result, ids, weights)
+        match, weight_err = check_routing(prob, rows, num_tokens, ids, weights)
+        ok = err <= TOLERANCE[dtype] and match >= ROUTING_MATCH_MIN
+        ok = ok and (not weight_err == weight_err or weight_err <= TOLERANCE[dtype])  # nan: no token matched
+        return {"rel_err": err, "routing_match": match, "routing_weight_err": weight_err, "ok": bool(ok)}
+
+    def forward_hits(output):
+        return {"experts_hit": int(torch.unique(output[1]).numel())}
+
+    routing_kwargs = shape.routing_kwargs()
+    forward_tensors = {"router_bias": prob.router_bias, "e_score_correction_bias": prob.correction_bias}
+
+    if "fused_experts" in args.paths:
+        rec = new("fused_experts", "moe_dispatch")
+        runner.run(rec, lambda: kernel.fused_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights),
+                   graph=graph, check=experts_check)
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
+                                                 runner.ceilings), runner.ceilings))
+        rec["experts_hit"] = hit_given
+
+    if "fused_moe_forward" in args.paths:
+        rec = new("fused_moe_forward", "moe_dispatch")
+
+        def forward():
+            return kernel.fused_moe_forward(
+                x, prob.router_weight, prob.w_gate, prob.w_up, prob.w_down, shape.num_experts, shape.top_k,
+                shape.gating, **forward_tensors, **routing_kwargs,
+            )
+
+        runner.run(rec, forward, graph=graph, check=forward_check, inspect=forward_hits)
+        hit = rec.get("experts_hit", hit_given)
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit, itemsize, rec["path"], runner.ceilings),
+                                 runner.ceilings))
+        rec["experts_hit"] = hit
+
+    bf16 = dtype == torch.bfloat16
+    if "grouped_mm" in baselines and "fused_experts" in args.paths:
+        rec = new("fused_experts", "grouped_mm")
+        if bf16:
+            runner.run(rec, lambda: grouped_mm_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights),
+                       graph=graph, check=experts_check)
+        else:
+            rec["error"] = "n/a: torch._grouped_mm takes bf16 only"
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
+                                                 runner.ceilings), runner.ceilings))
+    if "grouped_mm" in baselines and "fused_moe_forward" in args.paths:
+        rec = new("fused_moe_forward", "grouped_mm")
+
+        def forward_baseline():
+            ids, weights = torch_route(shape, x, prob.router_weight, prob.router_bias, prob.correction_bias)
+            return grouped_mm_experts(x, prob.w_gate_up, prob.w_down, ids, weights), ids, weights
+
+        if bf16:
+            runner.run(rec, forward_baseline, graph=graph, check=forward_check, inspect=forward_hits)
+        else:
+            rec["error"] = "n/a: torch._grouped_mm takes bf16 only"
+        hit = rec.get("experts_hit", hit_given)
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit, itemsize, rec["path"], runner.ceilings),
+                                 runner.ceilings))
+    if "vllm" in baselines and "fused_experts" in args.paths:
+        rec = new("fused_experts", "vllm")
+        if vllm_fn is None:
+            rec["error"] = "n/a: vllm not importable"
+        else:
+            runner.run(rec, lambda: vllm_fn(x, prob.w_gate_up, prob.w_down, topk_weights, topk_ids.to(torch.int32)),
+                       graph=graph, check=experts_check)
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
+                                                 runner.ceilings), runner.ceilings))
+    if "eager" in baselines and "fused_experts" in args.paths and num_tokens <= args.eager_max_tokens:
+        rec = new("fused_experts", "eager")
+        runner.run(rec, lambda: eager_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights),
+                   graph=False, check=experts_check)
+        out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
+                                                 runner.ceilings), runner.ceilings))
+
+    # ours against grouped_mm, like for like (graph against graph when both were captured)
+    by_key = {(r["path"], r["impl"]): r for r in out}
+    for path in PATHS:
+        ours, base = by_key.get((path, "moe_dispatch")), by_key.get((path, "grouped_mm"))
+        if not ours or not base:
+            continue
+        for mode in ("graph_us", "plain_us"):
+            if ours.get(mode) and base.get(mode):
+                ours["vs_grouped_mm"] = base[mode] / ours[mode]
+                ours["vs_grouped_mm_mode"] = mode[:-3]
+                ours["faster_than_grouped_mm"] = ours[mode] < base[mode]
+                break
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# outputs
+
+
+def _fmt(value, spec=".1f", none="-"):
+    if value is None:
+        return none
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return format(value, spec)
+
+
+def _find(cells, model, tokens, path, impl, dtype):
+    for c in cells:
+        if (c["model"], c["tokens"], c.get("path"), c.get("impl"), c["dtype"]) == (model, tokens, path, impl, dtype):
+            return c
+    return None
+
+
+def write_markdown(results, path):
+    meta, ceil = results["meta"], results["ceilings"]
+    lines = [
+        "# moe-dispatch benchmark",
+        "",
+        f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · {meta['date']} · "
+        f"package {meta['package']}",
+        "",
+        "## Ceilings (measured in this run)",
+        "",
+        "| read R (Triton stream) | torch.sum read | D2D copy (r+w) | bf16 matmul P |",
+        "| --- | --- | --- | --- |",
+        f"| {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s | {ceil['torch_sum_bytes_per_s'] / 1e12:.2f} TB/s | "
+        f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s | {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s |",
+        "",
+        "Times in us (median). *time* is the CUDA-graph replay where captured, else the plain launch. floor = "
+        "max(bytes/R, flops/P); target per issue 4. *vs gmm* = grouped_mm time / ours, like for like.",
+    ]
+    cells = results["cells"]
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    header = ("| T | path | dtype | hit | plain | graph | floor | target | time/floor | TB/s | TFLOP/s | "
+              "grouped_mm | vs gmm | vLLM | eager | rel err | target met |")
+    for model in models:
+        shape = results["shapes"][model]
+        lines += ["", f"## {model} (E={shape['num_experts']}, top_k={shape['top_k']}, H={shape['hidden']}, "
+                      f"F={shape['ffn']})", "", header, "|" + " --- |" * (header.count("|") - 1)]
+        for c in cells:
+            if c["model"] != model or c.get("impl") != "moe_dispatch":
+                if c["model"] == model and c.get("skipped"):
+                    lines.append(f"| {c['tokens']} | skipped ({c['skipped']}) |" + " |" * 15)
+                continue
+            gmm = _find(cells, model, c["tokens"], c["path"], "grouped_mm", c["dtype"]) or {}
+            vllm = _find(cells, model, c["tokens"], c["path"], "vllm", c["dtype"]) or {}
+            eager = _find(cells, model, c["tokens"], c["path"], "eager", c["dtype"]) or {}
+            met = {True: "yes", False: "**MISS**", None: "-"}[c.get("meets_target")]
+            if c.get("error"):
+                met = f"error: {c['error'][:80]}"
+            lines.append(
+                f"| {c['tokens']} | {c['path']} | {c['dtype']} | {c.get('experts_hit', '-')} | "
+                f"{_fmt(c.get('plain_us'))} | {_fmt(c.get('graph_us'))} | {_fmt(c.get('floor_us'))} | "
+                f"{_fmt(c.get('target_us'))} | {_fmt(c.get('time_over_floor'), '.2f')} | "
+                f"{_fmt(c.get('tb_per_s'), '.2f')} | {_fmt(c.get('tflop_per_s'), '.0f')} | "
+                f"{_fmt(gmm.get('time_us'))} | {_fmt(c.get('vs_grouped_mm'), '.2f')} | "
+                f"{_fmt(vllm.get('time_us'))} | {_fmt(eager.get('time_us'))} | {_fmt(c.get('rel_err'), '.1e')} | "
+                f"{met} |"
+            )
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def plot_roofline(results, path):
+    """Achieved TFLOP/s against arithmetic intensity, under min(P, R * intensity); one series per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    ceil = results["ceilings"]
+    R, P = ceil["read_bytes_per_s"], ceil["matmul_flops_per_s"]
+    cells = [c for c in results["cells"] if c.get("tflop_per_s") and c["dtype"] == results["meta"]["dtype"]]
+    if not cells:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 6))
+    intensities = [c["flops"] / c["bytes"] for c in cells]
+    lo, hi = min(intensities) / 2, max(max(intensities) * 2, 2 * P / R)
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [min(P, R * x) / 1e12 for x in xs], color="black", lw=1.5,
+            label=f"min(P, R·I): P={P / 1e12:.0f} TFLOP/s, R={R / 1e12:.2f} TB/s")
+    markers = "osD^v<>ph*"
+    for i, model in enumerate(dict.fromkeys(c["model"] for c in cells)):
+        for impl, filled in (("moe_dispatch", True), ("grouped_mm", False)):
+            sel = [c for c in cells if c["model"] == model and c["impl"] == impl and c["path"] == "fused_experts"]
+            if not sel:
+                continue
+            ax.scatter([c["flops"] / c["bytes"] for c in sel], [c["tflop_per_s"] for c in sel],
+                       marker=markers[i % len(markers)], s=36, color=f"C{i}" if filled else "none",
+                       edgecolors=f"C{i}", label=model if filled else None, zorder=3)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of weights hit + activations)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"moe_dispatch fused_experts, {results['meta']['dtype']}, {results['meta']['device']} "
+                 "(filled: moe_dispatch, hollow: grouped_mm)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def short_table(results):
+    """A few lines per model: fused_experts and fused_moe_forward time, ratio to floor, target, grouped_mm."""
+    ceil = results["ceilings"]
+    lines = [
+        f"R {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s (torch.sum {ceil['torch_sum_bytes_per_s'] / 1e12:.2f}) · "
+        f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s · P {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s · "
+        f"{results['meta']['device']}",
+        f"{'model':<15}{'T':>6} {'fe_us':>9} {'/flr':>5} {'tgt':>4} {'xgmm':>5} {'fwd_us':>9} {'/flr':>5} {'tgt':>4} "
+        f"{'xgmm':>5} {'err':>7}",
+    ]
+    cells, dtype = results["cells"], results["meta"]["dtype"]
+    seen = list(dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype))
+    misses = errors = 0
+    for model, tokens in seen:
+        parts = [f"{model[:15]:<15}{tokens:>6}"]
+        worst_err = None
+        for path in PATHS:
+            c = _find(cells, model, tokens, path, "moe_dispatch", dtype)
+            if c is None or c.get("time_us") is None:
+                text = "skip" if c is None else "ERR"
+                errors += c is not None
+                parts.append(f"{text:>9} {'':>5} {'':>4} {'':>5}")
+                continue
+            met = c.get("meets_target")
+            misses += met is False
+            fast = c.get("faster_than_grouped_mm")
+            parts.append(f"{c['time_us']:>9.1f} {c['time_over_floor']:>5.2f} {'ok' if met else 'MISS':>4} "
+                         f"{_fmt(c.get('vs_grouped_mm'), '.2f') + ('' if fast in (None, True) else '!'):>5}")
+            if c.get("rel_err") is not None:
+                worst_err = c["rel_err"] if worst_err is None else max(worst_err, c["rel_err"])
+                if not c.get("ok", True):
+                    errors += 1
+        parts.append(f"{_fmt(worst_err, '.1e'):>7}")
+        lines.append(" ".join(parts))
+    lines.append(f"cells missing target: {misses}; cells with errors or failed checks: {errors}; "
+                 "xgmm = grouped_mm time / ours ('!' = not faster)")
+    return "\n".join(lines)
+
+
+def write_outputs(results, out_dir):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    write_markdown(results, out_dir / "bench.md")
+    results["meta"]["roofline_png"] = plot_roofline(results, out_dir / "roofline.png")
+    summary = short_table(results)
+    (out_dir / "summary.txt").write_text(summary + "\n")
+    return summary
+
+
+def _git_commit():
+    if os.environ.get("MOE_DISPATCH_COMMIT"):
+        return os.environ["MOE_DISPATCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def main(argv=None, *, timer=None, kernel=None, shapes=None):
+    """Run the benchmark; returns the results dict. timer/kernel/shapes let the smoke test stand in stubs."""
+    started = time.monotonic()
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: pass --device cpu (with TRITON_INTERPRET=1) for a plumbing run")
+    torch.manual_seed(args.seed)
+    kernel = kernel if kernel is not None else load_kernel(args.kernel_dir)
+    timer = timer if timer is not None else EventTimer(args.warmup_ms, args.rep_ms)
+    shapes = shapes if shapes is not None else MODEL_SHAPES
+    models = select_models(args.models, shapes)
+    dtype = DTYPES[args.dtype]
+    import triton
+
+    results = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "sms": torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "package": f"{getattr(kernel, '__name__', '?')} {getattr(kernel, '__version__', '?')}",
+            "package_file": getattr(kernel, "__file__", None),
+            "commit": _git_commit(),
+            "dtype": str(dtype).replace("torch.", ""),
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "tolerance": {str(k).replace("torch.", ""): v for k, v in TOLERANCE.items()},
+            "targets": {"read_slack": READ_SLACK, "launch_allowance_us": LAUNCH_ALLOWANCE_S * 1e6,
+                        "routing_allowance_us": ROUTING_ALLOWANCE_S * 1e6},
+        },
+        "shapes": {s.name: dataclasses.asdict(s) for s in models},
+        "ceilings": measure_ceilings(timer, device, nbytes=args.ceiling_mib << 20, matmul_size=args.matmul_size),
+        "cells": [],
+    }
+    vllm_fn = None
+    if "vllm" in args.baselines:
+        vllm_fn, why = load_vllm_fused_experts() if device.type == "cuda" else (None, "not on cuda")
+        results["meta"]["vllm"] = why or "imported"
+    out_dir = Path(args.out)
+    runner = Runner(args, timer, device, results["ceilings"])
+    for shape in models:
+        results["cells"].extend(
+            bench_model(shape, args, runner, kernel, vllm_fn, dtype, args.tokens, args.baselines, started))
+        if shape.name in args.fp16_spot and dtype != torch.float16 and args.fp16_spot_tokens:
+            results["cells"].extend(bench_model(shape, args, runner, kernel, vllm_fn, torch.float16,
+                                                args.fp16_spot_tokens, (), started))
+        results["meta"]["elapsed_s"] = time.monotonic() - started
+        write_outputs(results, out_dir)
+    results["meta"]["elapsed_s"] = time.monotonic() - started
+    summary = write_outputs(results, out_dir)
+    print(summary, flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
