@@ -51,38 +51,36 @@ def _activation(gate, up, activation, alpha, limit):
 
 def expert_mlp_ref(x, w_gate, w_up, w_down, e, *, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
                    alpha=1.702, limit=7.0):
-    """One expert on rows x [M, H] (float64), seed layout: w_gate/w_up [E, F, H], w_down [E, H, F]."""
-    gate = x @ w_gate[e].T
-    up = x @ w_up[e].T
+    """Expert e on float64 rows x [M, H], seed layout: w_gate/w_up [E, F, H], w_down [E, H, F]. Only expert e's
+    slices are upcast, so real model sizes fit."""
+    gate = x @ _f64(w_gate[e]).T
+    up = x @ _f64(w_up[e]).T
     if gate_bias is not None:
-        gate, up = gate + gate_bias[e], up + up_bias[e]
-    out = _activation(gate, up, activation, alpha, limit) @ w_down[e].T
-    return out + down_bias[e] if down_bias is not None else out
+        gate, up = gate + _f64(gate_bias[e]), up + _f64(up_bias[e])
+    out = _activation(gate, up, activation, alpha, limit) @ _f64(w_down[e]).T
+    return out + _f64(down_bias[e]) if down_bias is not None else out
 
 
 def experts_ref(hidden_states, w_gate, w_up, w_down, topk_ids, topk_weights, **kwargs):
     """out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x_t) over ids in [0, E); seed weight layout. -> [T, H]."""
     x = _f64(hidden_states).reshape(-1, hidden_states.shape[-1])
-    w_gate, w_up, w_down = _f64(w_gate), _f64(w_up), _f64(w_down)
-    kwargs = {k: _f64(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     ids = topk_ids.detach().long()
     weights = _f64(topk_weights)
     out = torch.zeros_like(x)
-    for e in range(w_gate.shape[0]):
+    for e in ids.unique().tolist():
+        if not 0 <= e < w_gate.shape[0]:
+            continue
         token, slot = (ids == e).nonzero(as_tuple=True)
-        if token.numel():
-            out.index_add_(0, token, weights[token, slot, None] * expert_mlp_ref(x[token], w_gate, w_up, w_down, e,
-                                                                                  **kwargs))
+        out.index_add_(0, token, weights[token, slot, None] * expert_mlp_ref(x[token], w_gate, w_up, w_down, e,
+                                                                              **kwargs))
     return out
 
 
 def split_gate_up_ref(w_gate_up, w_down, gate_up_bias=None, *, interleaved=False, transposed=False):
     """transformers / GPT-OSS layouts -> seed layout (w_gate, w_up [E, F, H], w_down [E, H, F], gate/up biases)."""
-    w = _f64(w_gate_up)
+    w = w_gate_up
     if transposed:
-        w, w_down = w.transpose(1, 2), _f64(w_down).transpose(1, 2)
-    else:
-        w_down = _f64(w_down)
+        w, w_down = w.transpose(1, 2), w_down.transpose(1, 2)
     F = w.shape[1] // 2
     if interleaved:
         gate, up = w[:, 0::2], w[:, 1::2]
@@ -90,7 +88,7 @@ def split_gate_up_ref(w_gate_up, w_down, gate_up_bias=None, *, interleaved=False
         gate, up = w[:, :F], w[:, F:]
     biases = (None, None)
     if gate_up_bias is not None:
-        b = _f64(gate_up_bias)
+        b = gate_up_bias
         biases = (b[:, 0::2], b[:, 1::2]) if interleaved else (b[:, :F], b[:, F:])
     return gate, up, w_down, biases
 
@@ -147,7 +145,6 @@ def grouped_gemm_ref(tokens, weights, expert_offsets, num_experts):
 
 def expert_ffn_ref(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
     a = _f64(permuted_tokens)
-    w_gate, w_up, w_down = _f64(w_gate), _f64(w_up), _f64(w_down)
     out = torch.zeros_like(a)
     for e, (lo, hi) in enumerate(_segments(expert_offsets)):
         out[lo:hi] = expert_mlp_ref(a[lo:hi], w_gate, w_up, w_down, e)
@@ -164,3 +161,122 @@ def fused_expert_ffn_ref(permuted_tokens, w_gate, w_up, w_down, expert_offsets, 
         if a >= 0:
             out[a // top_k] += weights[a] * y[p]
     return out
+
+
+# Binned routing (MegaBlocks semantics): a = t * top_k + j; indices = assignments sorted by expert; bins[e] inclusive
+# cumulative counts, so expert e owns sorted positions [bins[e - 1] (0 for e = 0), bins[e]).
+
+
+def binned_routing_ref(topk_ids, num_experts):
+    """-> (indices [N] int64: assignments sorted by expert, ties in assignment order; bins [E] int64 inclusive)."""
+    ids = topk_ids.detach().cpu().long().reshape(-1).tolist()
+    indices = sorted(range(len(ids)), key=ids.__getitem__)  # Python's sort is stable
+    bins, total = [], 0
+    for e in range(num_experts):
+        total += ids.count(e)
+        bins.append(total)
+    device = topk_ids.device
+    return torch.tensor(indices, dtype=torch.int64, device=device), torch.tensor(bins, dtype=torch.int64, device=device)
+
+
+def _kept_assignments_ref(indices, bins, *, padded_bins=None, capacity=None):
+    """(assignment ids, buffer rows) of the assignments that have a buffer row. The j-th assignment of expert e goes to
+    row e * capacity + j (binned; only while j < capacity), else padded_bins[e - 1] + j (padded) or bins[e - 1] + j."""
+    order = indices.detach().long()
+    ends = bins.detach().cpu().long().tolist()
+    padded_ends = ends if padded_bins is None else padded_bins.detach().cpu().long().tolist()
+    assignments, rows = [], []
+    start = padded_start = 0
+    for e, end in enumerate(ends):
+        count = end - start if capacity is None else min(end - start, capacity)
+        first_row = padded_start if capacity is None else e * capacity
+        assignments.append(order[start:start + count])
+        rows.append(torch.arange(first_row, first_row + count, device=order.device))
+        start, padded_start = end, padded_ends[e]
+    return torch.cat(assignments), torch.cat(rows)
+
+
+def _routed_gather_ref(x, weights, top_k, assignments, rows, num_rows):
+    x = _f64(x)
+    out = torch.zeros(num_rows, x.shape[1], dtype=torch.float64, device=x.device)
+    scale = 1.0 if weights is None else _f64(weights)[assignments][:, None]
+    out[rows] = x[assignments // top_k] * scale
+    return out
+
+
+def _routed_scatter_ref(x, weights, top_k, assignments, rows, num_assignments):
+    x = _f64(x).reshape(-1, x.shape[-1])
+    slots = torch.zeros(num_assignments, x.shape[1], dtype=torch.float64, device=x.device)  # dropped slots stay 0
+    scale = 1.0 if weights is None else _f64(weights)[assignments][:, None]
+    slots[assignments] = x[rows] * scale
+    return slots.view(num_assignments // top_k, top_k, x.shape[1]).sum(1)
+
+
+def _routed_wgrad_ref(x, grad, top_k, assignments, rows, num_assignments):
+    x = _f64(x).reshape(-1, x.shape[-1])
+    out = torch.zeros(num_assignments, dtype=torch.float64, device=x.device)
+    out[assignments] = (x[rows] * _f64(grad)[assignments // top_k]).sum(-1)
+    return out
+
+
+def binned_gather_ref(x, indices, weights, bins, expert_capacity, top_k):
+    """[E, C, H]: out[e, j] = x[a // top_k] * weights[a] for a = indices[bins[e - 1] + j], j < min(C, count_e)."""
+    kept = _kept_assignments_ref(indices, bins, capacity=expert_capacity)
+    num_experts = bins.shape[0]
+    out = _routed_gather_ref(x, weights, top_k, *kept, num_experts * expert_capacity)
+    return out.view(num_experts, expert_capacity, x.shape[1])
+
+
+def binned_scatter_ref(x, indices, weights, bins, top_k):
+    """[T, H]: slot a of a zero [N, H] buffer = x[e, j] * weights[a] for kept assignments; sum of each token's slots."""
+    kept = _kept_assignments_ref(indices, bins, capacity=x.shape[1])
+    return _routed_scatter_ref(x, weights, top_k, *kept, indices.shape[0])
+
+
+def binned_scatter_wgrad_ref(x, grad, indices, bins, top_k):
+    """[N]: sum_h x[e, j, h] * grad[a // top_k, h] for kept assignments, 0 for dropped ones."""
+    kept = _kept_assignments_ref(indices, bins, capacity=x.shape[1])
+    return _routed_wgrad_ref(x, grad, top_k, *kept, indices.shape[0])
+
+
+def padded_gather_ref(x, indices, weights, bins, padded_bins, top_k, num_rows=None):
+    """[R, H]: expert e's segment starts at row padded_bins[e - 1]; padding rows (and rows past the last) are 0."""
+    num_rows = int(padded_bins[-1]) if num_rows is None else num_rows
+    kept = _kept_assignments_ref(indices, bins, padded_bins=padded_bins)
+    return _routed_gather_ref(x, weights, top_k, *kept, num_rows)
+
+
+def padded_scatter_ref(x, indices, weights, bins, padded_bins, top_k):
+    kept = _kept_assignments_ref(indices, bins, padded_bins=padded_bins)
+    return _routed_scatter_ref(x, weights, top_k, *kept, indices.shape[0])
+
+
+def padded_scatter_wgrad_ref(x, grad, indices, bins, padded_bins, top_k):
+    kept = _kept_assignments_ref(indices, bins, padded_bins=padded_bins)
+    return _routed_wgrad_ref(x, grad, top_k, *kept, indices.shape[0])
+
+
+def gather_ref(x, indices, weights, bins, top_k):
+    """[N, H] in sorted order: out[p] = x[indices[p] // top_k] * weights[indices[p]] (no padding, nothing dropped)."""
+    return padded_gather_ref(x, indices, weights, bins, bins, top_k)
+
+
+def scatter_ref(x, indices, weights, bins, top_k):
+    return padded_scatter_ref(x, indices, weights, bins, bins, top_k)
+
+
+def scatter_wgrad_ref(x, grad, indices, bins, top_k):
+    return padded_scatter_wgrad_ref(x, grad, indices, bins, bins, top_k)
+
+
+def capacity_keep_mask_ref(topk_ids, num_experts, capacity):
+    """bool [T, top_k]: walking assignments in order a = t * top_k + j, each expert keeps its first `capacity`;
+    ids outside [0, num_experts) are never kept."""
+    used = [0] * num_experts
+    keep = []
+    for e in topk_ids.detach().cpu().long().reshape(-1).tolist():
+        kept = 0 <= e < num_experts and used[e] < capacity
+        if kept:
+            used[e] += 1
+        keep.append(kept)
+    return torch.tensor(keep, dtype=torch.bool, device=topk_ids.device).view(topk_ids.shape)
