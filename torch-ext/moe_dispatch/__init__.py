@@ -17,6 +17,8 @@ from .dispatch import permute_tokens
 from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
 from .routing import moe_router
+from . import layers
+from .transformers_experts import moe_dispatch_experts, register_experts
 
 __version__ = "1.0.0"
 
@@ -31,4 +33,7 @@ __all__ = [
     "expert_ffn_triton",
     # v1 additions
     "fused_experts",
+    # transformers integration (experts interface; kernelize layers live in `moe_dispatch.layers`)
+    "moe_dispatch_experts",
+    "register_experts",
 ]

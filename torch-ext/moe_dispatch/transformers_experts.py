@@ -25,6 +25,8 @@ non-float weights) raises `NotImplementedError` naming the module and the attrib
 something else. Ids >= E (expert-parallel sentinels) contribute nothing.
 """
 
+import warnings
+
 import torch
 
 from .moe import fused_experts
@@ -101,6 +103,23 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
     return options
 
 
+def _check_no_gradient_needed(experts, hidden_states, top_k_weights, options):
+    """The kernels are forward-only: refuse to train through them, warn once when a gradient would be cut."""
+    if not torch.is_grad_enabled():
+        return
+    tensors = [hidden_states, top_k_weights, experts.gate_up_proj, experts.down_proj]
+    tensors += [options[name] for name in ("gate_up_bias", "down_bias") if name in options]
+    if not any(t.requires_grad for t in tensors):
+        return
+    if experts.training:
+        raise _unsupported(experts, "training: moe_dispatch's experts forward has no backward yet")
+    warnings.warn(
+        "moe_dispatch_experts runs forward-only: its output carries no gradient to the experts, the router weights "
+        "or earlier layers through this path. Run inference under torch.no_grad() / torch.inference_mode().",
+        stacklevel=2,
+    )
+
+
 def moe_dispatch_experts(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -112,6 +131,7 @@ def moe_dispatch_experts(
     `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
     """
     options = fused_experts_options(self)
+    _check_no_gradient_needed(self, hidden_states, top_k_weights, options)
     weight_dtype = self.gate_up_proj.dtype
     # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
     x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)

@@ -1,0 +1,527 @@
+"""moe-dispatch inside transformers: the experts interface and the kernelize layers.
+
+Each model case builds a random-weight model from its config (nothing is downloaded) and compares its logits with
+transformers' own `experts_implementation="eager"`:
+
+- experts interface: `register_experts()` + `experts_implementation=...` (config) or `set_experts_implementation`;
+- kernelize: `layers.MegaBlocksMoeMLP` (GPT-OSS) and `layers.SparseMoeBlock` (the others) through `kernels.kernelize`;
+- both with the package imported from torch-ext and with the build loaded by `kernels.get_kernel` + `LOCAL_KERNELS`.
+
+On the CPU the kernels run through the Triton interpreter, so the models are tiny. The GPU tests (skipped without
+CUDA) use real layer sizes in bf16 and a short `generate()`.
+"""
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_dispatch  # from torch-ext (conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+transformers = pytest.importorskip("transformers")
+kernels = pytest.importorskip("kernels")
+
+HUB_REPO_ID = "moe-dispatch-tests/moe-dispatch"  # only ever resolved through LOCAL_KERNELS
+VOCAB = 96
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # tiny models too run on the GPU when there is one (Triton needs it there)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# Norm-wise relative error against eager transformers. fp32: only summation order differs (seen ~2e-7 on the CPU;
+# scaling the routing weights by 1.001 gives 4e-4). Half precision: both sides round the expert intermediates, each
+# its own way (fp16 seen ~1e-3).
+RTOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    id: str
+    family: str  # transformers.models.<family>
+    config: str
+    model: str
+    block: str  # the MoE block class kernelize replaces
+    layer: str  # its replacement in moe_dispatch.layers
+    tiny: dict = field(default_factory=dict)  # config of the CPU model (on top of TINY)
+    real: dict = field(default_factory=dict)  # one decoder layer of the released model, for the GPU
+    why: str = ""
+
+
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    initializer_range=0.1,  # large enough that the experts, not the residual, dominate the logits
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+
+MODELS = [
+    ModelCase(
+        "mixtral", "mixtral", "MixtralConfig", "MixtralForCausalLM", "MixtralSparseMoeBlock", "SparseMoeBlock",
+        tiny=dict(num_local_experts=4, num_experts_per_tok=2),
+        real=dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                  num_attention_heads=32, num_key_value_heads=8),
+        why="softmax top-2, renormalised, fp32 top_k_weights into a model-dtype experts module",
+    ),
+    ModelCase(
+        "qwen2_moe", "qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "Qwen2MoeSparseMoeBlock", "SparseMoeBlock",
+        tiny=dict(moe_intermediate_size=48, shared_expert_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                  norm_topk_prob=False),
+        real=dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                  shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+                  num_attention_heads=16, num_key_value_heads=16),
+        why="sigmoid-gated shared expert beside the routed ones; weights not renormalised",
+    ),
+    ModelCase(
+        "qwen3_moe", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "Qwen3MoeSparseMoeBlock", "SparseMoeBlock",
+        tiny=dict(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16),
+        real=dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                  num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
+                  head_dim=128),
+        why="many small experts (128, top-8) at real size",
+    ),
+    ModelCase(
+        "olmoe", "olmoe", "OlmoeConfig", "OlmoeForCausalLM", "OlmoeSparseMoeBlock", "SparseMoeBlock",
+        tiny=dict(num_experts=8, num_experts_per_tok=2),
+        real=dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+                  num_attention_heads=16, num_key_value_heads=16),
+        why="E=8 with T*k=24 rows: some experts get no rows",
+    ),
+    ModelCase(
+        "deepseek_v3", "deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "DeepseekV3MoE", "SparseMoeBlock",
+        tiny=dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                  n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=16),
+        real=dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                  num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=0,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, num_attention_heads=128, num_key_value_heads=128,
+                  q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+        why="sigmoid + correction-bias group-limited routing, scaled fp32 weights, ungated shared expert",
+    ),
+    ModelCase(
+        "gpt_oss", "gpt_oss", "GptOssConfig", "GptOssForCausalLM", "GptOssMLP", "MegaBlocksMoeMLP",
+        # swiglu_limit well inside the activations' range so both clamps bite
+        tiny=dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, swiglu_limit=0.5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        real=dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                  num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                  rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+        why="transposed weights, interleaved gate/up, biases on both projections, clamped SwiGLU",
+    ),
+]
+MODEL_IDS = [case.id for case in MODELS]
+
+
+def _modeling(case: ModelCase):
+    return importlib.import_module(f"transformers.models.{case.family}.modeling_{case.family}")
+
+
+def build_model(case: ModelCase, dtype: torch.dtype, experts_implementation: str, *, sizes: dict | None = None,
+                num_layers: int | None = None, device: str = DEVICE, seed: int = 0):
+    """A random-weight model of `case` (tiny unless `sizes` gives the layer shapes), in eval mode."""
+    options = {**TINY, **(case.tiny if sizes is None else sizes)}
+    if num_layers is not None:
+        options["num_hidden_layers"] = num_layers
+    config = getattr(transformers, case.config)(
+        **options, attn_implementation="eager", experts_implementation=experts_implementation
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, case.model)(config)
+        # Parameters transformers initialises to zero, randomised so that they are exercised.
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("gate_up_proj_bias", "down_proj_bias", "e_score_correction_bias")):
+                with torch.no_grad():
+                    tensor.normal_(0.0, 0.1)
+    return model.to(dtype).eval()
+
+
+def input_ids(batch: int = 2, seq: int = 6, device: str = DEVICE, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seq), generator=generator).to(device)
+
+
+def moe_blocks(model, case: ModelCase) -> list:
+    block_cls = getattr(_modeling(case), case.block)
+    return [module for module in model.modules() if isinstance(module, block_cls)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str):
+    """Norm-wise relative error; on failure says how large and where the worst element is."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    diff = (actual.double() - expected.double()).abs()
+    rel = (diff.norm() / expected.double().norm().clamp_min(1e-30)).item()
+    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    assert rel <= rtol, (
+        f"{what}: relative error {rel:.2e} > {rtol:.0e}; max abs diff {diff.max().item():.2e} at {worst} "
+        f"(got {actual[worst].item():.5f}, expected {expected[worst].item():.5f})"
+    )
+
+
+@pytest.fixture
+def count_kernel_calls(monkeypatch):
+    """Counts `fused_experts` launches made by a package's transformers integration (proof the kernel ran)."""
+
+    def install(package) -> list:
+        calls = []
+        original = package.transformers_experts.fused_experts
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(package.transformers_experts, "fused_experts", counted)
+        return calls
+
+    return install
+
+
+@pytest.fixture
+def hook_block_class(monkeypatch):
+    """`replace_kernel_forward_from_hub(block, name)` for one test, undone afterwards (GPT-OSS is marked already)."""
+
+    def install(case: ModelCase):
+        block_cls = getattr(_modeling(case), case.block)
+        if getattr(block_cls, "kernel_layer_name", None) == case.layer:
+            return
+        monkeypatch.setattr(block_cls, "kernel_layer_name", None, raising=False)
+        monkeypatch.setattr(block_cls, "kernel_condition", None, raising=False)
+        kernels.replace_kernel_forward_from_hub(block_cls, case.layer)
+
+    return install
+
+
+# transformers marks other layers too (RMSNorm, rotary, ...): those keep their forward, while a problem with the
+# mapped MoE layer (wrong device, mode or signature, failed load) raises instead of silently falling back.
+ONLY_UNMAPPED_LAYERS = kernels.KernelizeFallback.NO_LAYER
+
+
+class PackageLayers:
+    """A kernelize repository serving the layers of a package already imported (the torch-ext checkout)."""
+
+    def __init__(self, package, layer_name: str):
+        self.package = package
+        self.layer_name = layer_name
+
+    def load(self):
+        return getattr(self.package.layers, self.layer_name)
+
+
+def kernelize_model(model, case: ModelCase, repository):
+    """kernelize for inference on DEVICE; the mapping has an entry for that device type only ("cpu" or "cuda")."""
+    mapping = {case.layer: {DEVICE: {kernels.Mode.INFERENCE: repository}}}
+    with kernels.use_kernel_mapping(mapping):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=DEVICE, use_fallback=ONLY_UNMAPPED_LAYERS)
+
+
+def run(model, ids):
+    with torch.no_grad():
+        return model(ids, output_router_logits=True)
+
+
+def check_outputs(case: ModelCase, got, ref, dtype: torch.dtype, what: str):
+    assert_close(got.logits, ref.logits, RTOL[dtype], f"{case.id} {what} logits")
+    # The router ran, and its logits reached transformers' output recorder (hence aux losses).
+    assert len(got.router_logits) == len(ref.router_logits) > 0
+    for layer, (got_logits, ref_logits) in enumerate(zip(got.router_logits, ref.router_logits)):
+        assert_close(got_logits, ref_logits, RTOL[dtype], f"{case.id} {what} router logits of layer {layer}")
+    # Half precision may flip a near-tie top-k choice in a later layer: a discrete jump in the load-balancing loss.
+    if ref.aux_loss is not None and dtype == torch.float32:
+        assert_close(got.aux_loss, ref.aux_loss, RTOL[dtype], f"{case.id} {what} aux loss")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Experts interface, package from torch-ext
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
+def test_experts_interface_matches_eager(case, dtype, count_kernel_calls):
+    name = moe_dispatch.register_experts()
+    ref_model = build_model(case, dtype, "eager")
+    # Selected in the config, as `from_pretrained(..., experts_implementation=name)` does.
+    model = build_model(case, dtype, name)
+    model.load_state_dict(ref_model.state_dict())
+    assert model.config._experts_implementation == name
+    ids = input_ids()
+    ref = run(ref_model, ids)
+    calls = count_kernel_calls(moe_dispatch)
+    got = run(model, ids)
+    assert len(calls) == len(moe_blocks(model, case))
+    check_outputs(case, got, ref, dtype, f"experts interface {dtype}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# kernelize layers, package from torch-ext
+
+
+@pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
+def test_kernelize_layers_match_eager(case, count_kernel_calls, hook_block_class):
+    dtype = torch.float32
+    model = build_model(case, dtype, "eager")
+    ids = input_ids()
+    ref = run(model, ids)
+    blocks = moe_blocks(model, case)
+    block_input = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        ref_block_out = blocks[0](block_input)
+
+    hook_block_class(case)
+    kernelize_model(model, case, PackageLayers(moe_dispatch, case.layer))
+    layer_cls = getattr(moe_dispatch.layers, case.layer)
+    assert all(block.forward.__func__ is layer_cls.forward for block in blocks)
+
+    calls = count_kernel_calls(moe_dispatch)
+    got = run(model, ids)
+    assert len(calls) == len(blocks)
+    check_outputs(case, got, ref, dtype, "kernelize")
+
+    # The block's return convention is the original's: a tensor, or GPT-OSS's (out, router_scores).
+    with torch.no_grad():
+        block_out = blocks[0](block_input)
+    if isinstance(ref_block_out, tuple):
+        assert isinstance(block_out, tuple) and len(block_out) == len(ref_block_out)
+        assert_close(block_out[0], ref_block_out[0], RTOL[dtype], f"{case.id} block output")
+        torch.testing.assert_close(block_out[1], ref_block_out[1], rtol=0, atol=0)
+    else:
+        assert isinstance(block_out, torch.Tensor)
+        assert_close(block_out, ref_block_out, RTOL[dtype], f"{case.id} block output")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The same package built as a Hub kernel and loaded with kernels.get_kernel + LOCAL_KERNELS
+
+
+def _build_kernel_repo(repo_dir: Path) -> Path:
+    """Write the kernel repo layout (`build/torch-<backend>/`) into `repo_dir`; returns `repo_dir`.
+
+    Uses the project's `scripts/build` when it is there, else a minimal stand-in: a flat copy of the package plus
+    the `metadata.json` the loader requires, for this machine's backend only.
+    """
+    build_script = ROOT / "scripts" / "build"
+    if build_script.exists():
+        subprocess.run([sys.executable, str(build_script), "--out", str(repo_dir / "build")], check=True, cwd=ROOT,
+                       capture_output=True)
+        return repo_dir
+    backend = "cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu"
+    variant = repo_dir / "build" / f"torch-{backend}"
+    package_dir = Path(moe_dispatch.__file__).parent
+    shutil.copytree(package_dir, variant, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    metadata = {
+        "name": "moe-dispatch",
+        "id": f"_moe_dispatch_{backend}_test",
+        "version": 1,
+        "license": "Apache-2.0",
+        "python-depends": [],
+        "backend": {"type": backend},
+    }
+    (variant / "metadata.json").write_text(json.dumps(metadata))
+    return repo_dir
+
+
+@pytest.fixture(scope="module")
+def hub_kernel(tmp_path_factory):
+    """(module returned by get_kernel, repo directory) with LOCAL_KERNELS pointing the test repo id at the build."""
+    repo_dir = _build_kernel_repo(tmp_path_factory.mktemp("moe_dispatch_kernel"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCAL_KERNELS", f"{HUB_REPO_ID}={repo_dir}")
+        package = kernels.get_kernel(HUB_REPO_ID, version=1)
+        yield package, repo_dir
+
+
+def test_hub_kernel_is_a_separate_copy(hub_kernel):
+    package, _ = hub_kernel
+    assert package is not moe_dispatch and package.__name__ != moe_dispatch.__name__
+    assert package.layers.MegaBlocksMoeMLP is not moe_dispatch.layers.MegaBlocksMoeMLP
+    for name in ("moe_dispatch_experts", "register_experts"):
+        assert name in package.__all__
+
+
+@pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
+def test_hub_kernel_experts_and_layers_match_eager(case, hub_kernel, count_kernel_calls, hook_block_class):
+    package, _ = hub_kernel
+    dtype = torch.float32
+    model = build_model(case, dtype, "eager")
+    ids = input_ids()
+    ref = run(model, ids)
+    calls = count_kernel_calls(package)
+    blocks = moe_blocks(model, case)
+
+    # Experts interface, selected on a built model. The hub copy registers its own function.
+    name = package.register_experts("moe_dispatch_hub")
+    model.set_experts_implementation(name)
+    assert model.config._experts_implementation == name
+    check_outputs(case, run(model, ids), ref, dtype, "hub experts interface")
+    assert len(calls) == len(blocks)
+
+    # kernelize, the layer fetched the way users map it (a LayerRepository), resolved through LOCAL_KERNELS.
+    # (`version=` would first list the repo's branches on the Hub, so the local test pins a revision instead.)
+    model.set_experts_implementation("eager")
+    hook_block_class(case)
+    kernelize_model(model, case, kernels.LayerRepository(HUB_REPO_ID, layer_name=case.layer, revision="v1"))
+    layer_cls = getattr(package.layers, case.layer)
+    assert all(block.forward.__func__ is layer_cls.forward for block in blocks)
+    check_outputs(case, run(model, ids), ref, dtype, "hub kernelize")
+    assert len(calls) == 2 * len(blocks)
+
+
+def test_local_layer_repository(hub_kernel, count_kernel_calls):
+    """`LocalLayerRepository(path)`: kernelize from a build directory without any repo id."""
+    package, repo_dir = hub_kernel
+    case = MODELS[MODEL_IDS.index("gpt_oss")]
+    model = build_model(case, torch.float32, "eager", num_layers=1)
+    ids = input_ids(batch=1, seq=5)
+    ref = run(model, ids)
+    kernelize_model(model, case, kernels.LocalLayerRepository(repo_dir, layer_name=case.layer))
+    check_outputs(case, run(model, ids), ref, torch.float32, "LocalLayerRepository")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What the experts function accepts and refuses
+
+
+def _tiny_experts(case_id: str, dtype=torch.float32, **config_changes):
+    case = MODELS[MODEL_IDS.index(case_id)]
+    model = build_model(case, dtype, "eager", num_layers=1)
+    for key, value in config_changes.items():
+        setattr(model.config, key, value)
+    return model, moe_blocks(model, case)[0].experts
+
+
+def test_expert_parallel_sentinels_contribute_nothing():
+    """Ids == E (transformers' expert-parallel sentinel) are skipped whatever their weight, like eager."""
+    _, experts = _tiny_experts("mixtral")
+    num_experts = experts.num_experts
+    generator = torch.Generator().manual_seed(3)
+    hidden_states = torch.randn(7, experts.hidden_dim, generator=generator).to(DEVICE)
+    top_k_index = torch.randint(0, num_experts, (7, 2), generator=generator).to(DEVICE)
+    top_k_index[1, 0] = num_experts
+    top_k_index[4, :] = num_experts
+    top_k_weights = torch.rand(7, 2, generator=generator).to(DEVICE)
+    top_k_weights[1, 0] = 0.0  # as RouterParallel leaves it; [4, :] keeps nonzero weights on purpose
+    with torch.no_grad():
+        expected = experts(hidden_states, top_k_index, top_k_weights)  # eager
+        got = moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, top_k_weights)
+    assert_close(got, expected, RTOL[torch.float32], "experts with sentinels")
+    assert torch.equal(got[4], torch.zeros_like(got[4]))
+
+
+def _fake_gate(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.relu(gate) * up
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("act_fn_gelu", "activation `act_fn`"),
+        ("custom_gate", "gate function"),
+        ("no_gate", "has_gate=False"),
+        ("post_norm", "has_post_expert_norm"),
+        ("fp8_weights", "dtype"),
+    ],
+)
+def test_unsupported_experts_raise_clearly(change, message, monkeypatch):
+    _, experts = _tiny_experts("qwen3_moe")
+    if change == "act_fn_gelu":
+        experts.act_fn = transformers.activations.ACT2FN["gelu"]
+    elif change == "custom_gate":
+        monkeypatch.setattr(type(experts), "_apply_gate", _fake_gate)
+    elif change == "no_gate":
+        experts.has_gate = False
+    elif change == "post_norm":
+        experts.has_post_expert_norm = True
+    elif change == "fp8_weights":
+        if not hasattr(torch, "float8_e4m3fn"):
+            pytest.skip("no float8 dtype in this torch")
+        experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.data.to(torch.float8_e4m3fn), False)
+    hidden_states = torch.randn(3, experts.hidden_dim, device=DEVICE)
+    top_k_index = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=message) as error:
+        moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, torch.ones(3, 2, device=DEVICE))
+    assert type(experts).__name__ in str(error.value)
+
+
+def test_swish_act_fn_is_accepted():
+    """`hidden_act="swish"` gives nn.SiLU rather than transformers' SiLUActivation: the same function."""
+    _, experts = _tiny_experts("olmoe")
+    experts.act_fn = transformers.activations.ACT2FN["swish"]
+    assert moe_dispatch.transformers_experts.fused_experts_options(experts)["activation"] == "silu"
+
+
+def test_gpt_oss_options_read_from_the_module():
+    _, experts = _tiny_experts("gpt_oss")
+    options = moe_dispatch.transformers_experts.fused_experts_options(experts)
+    assert options["activation"] == "swiglu_oai" and options["interleaved"] and options["transposed"]
+    assert options["swiglu_alpha"] == pytest.approx(experts.alpha)
+    assert options["swiglu_limit"] == pytest.approx(experts.limit)
+    assert options["gate_up_bias"] is experts.gate_up_proj_bias and options["down_bias"] is experts.down_proj_bias
+
+
+def test_layers_follow_kernelize_rules():
+    """No constructor, no members beyond forward / can_torch_compile / has_backward (kernels checks this too)."""
+    module_members = set(dir(torch.nn.Module))
+    for layer_name in ("MegaBlocksMoeMLP", "SparseMoeBlock"):
+        layer_cls = getattr(moe_dispatch.layers, layer_name)
+        assert layer_cls.__init__ is torch.nn.Module.__init__
+        assert set(dir(layer_cls)) - module_members <= {"can_torch_compile", "has_backward"}
+        assert isinstance(layer_cls.can_torch_compile, bool) and isinstance(layer_cls.has_backward, bool)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GPU: real layer sizes in bf16, and generate()
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
+def test_gpu_real_layer_sizes_bf16(case, count_kernel_calls):
+    """One decoder layer of the released model; bf16 kernel vs bf16 eager on the same weights."""
+    name = moe_dispatch.register_experts()
+    sizes = {**case.tiny, **case.real, "initializer_range": 0.02}
+    model = build_model(case, torch.bfloat16, "eager", sizes=sizes, num_layers=1, device="cuda")
+    ids = input_ids(batch=2, seq=64, device="cuda")
+    block = moe_blocks(model, case)[0]
+    outputs = {}
+    handle = block.register_forward_hook(lambda module, args, out: outputs.__setitem__("block", out))
+    ref = run(model, ids)
+    ref_block = outputs["block"]
+    model.set_experts_implementation(name)
+    calls = count_kernel_calls(moe_dispatch)
+    got = run(model, ids)
+    handle.remove()
+    assert len(calls) == 1
+    first = (lambda out: out[0] if isinstance(out, tuple) else out)
+    assert_close(first(outputs["block"]), first(ref_block), RTOL[torch.bfloat16], f"{case.id} real-size block")
+    check_outputs(case, got, ref, torch.bfloat16, "real-size bf16")
+
+
+@needs_cuda
+@pytest.mark.parametrize("case_id", ["mixtral", "gpt_oss"])
+def test_gpu_generate_tokens_match_eager(case_id):
+    """Greedy decoding (prefill then T=1 steps) picks the same tokens with the kernel as with eager."""
+    case = MODELS[MODEL_IDS.index(case_id)]
+    name = moe_dispatch.register_experts()
+    sizes = {**case.tiny, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "initializer_range": 0.05}
+    model = build_model(case, torch.float32, "eager", sizes=sizes, device="cuda")
+    ids = input_ids(batch=2, seq=8, device="cuda")
+    generate = dict(max_new_tokens=12, do_sample=False, pad_token_id=2)
+    ref = model.generate(ids, **generate)
+    model.set_experts_implementation(name)
+    got = model.generate(ids, **generate)
+    assert torch.equal(got, ref), f"{case_id}: tokens differ\n{got}\n{ref}"
