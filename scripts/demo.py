@@ -1,0 +1,62 @@
+"""One fused MoE forward against the float64 reference, with its time. See scripts/demo."""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "torch-ext"), os.path.join(ROOT, "tests")]
+
+import moe_dispatch as md  # noqa: E402
+from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
+from reference import fused_moe_forward_ref  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--tokens", type=int, default=64 if ON_GPU else 16)
+    args = parser.parse_args()
+    shape = MODEL_SHAPES[args.model] if ON_GPU else shrunk(MODEL_SHAPES[args.model])
+    device, dtype = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float32)
+    E, k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+    g = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(device, dtype)  # noqa: E731
+    x = (torch.randn(args.tokens, H, generator=g)).to(device, dtype)
+    router_weight, w_gate, w_up, w_down = make(E, H), make(E, F, H), make(E, F, H), make(E, H, F)
+    kwargs = shape.routing_kwargs()
+    if shape.score_correction_bias:
+        kwargs["e_score_correction_bias"] = make(E).float()
+    if shape.router_bias:
+        kwargs["router_bias"] = make(E)
+    call = lambda: md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, k, shape.gating, **kwargs)  # noqa
+    out, ids, weights = call()  # compile / warm up
+    if ON_GPU:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    reps = 20 if ON_GPU else 1
+    for _ in range(reps):
+        out, ids, weights = call()
+    if ON_GPU:
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / reps
+    ref, ref_ids, _ = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, E, k, shape.gating, **kwargs)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    where = "GPU " + torch.cuda.get_device_name() if ON_GPU else "CPU (Triton interpreter)"
+    print(f"model {shape.name}: T={args.tokens} E={E} top_k={k} H={H} F={F} {str(dtype)[6:]} on {where}")
+    print(f"routing matches float64 reference: {torch.equal(ids.cpu(), ref_ids.cpu())}")
+    print(f"output rel. error vs float64 reference: {rel:.2e}  (NaN-free: {not out.isnan().any().item()})")
+    print(f"time per forward: {elapsed * 1e6:.1f} us{'' if ON_GPU else ' (interpreted; not a speed figure)'}")
+    ok = rel < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    print("OK" if ok else "MISMATCH")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
