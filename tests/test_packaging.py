@@ -1,0 +1,465 @@
+"""Packaging: build.toml, the noarch build of scripts/build, and the release path of scripts/publish, end to end.
+
+- build.toml passes the parser inside the `kernels` wheel; flake.nix is in the builder's form.
+- scripts/build writes build/torch-{cuda,rocm,universal}: each loads with `kernels.get_local_kernel` and through
+  `LOCAL_KERNELS` + `get_kernel(..., version=1)`, and its forward matches `fused_moe_forward_ref`.
+- scripts/publish, against tests/hub_server.py (a loopback test double of the Hub's HTTP API): two releases, then
+  fresh client processes load the newest v1, the pinned v1.0.0 and a `kernels lock`ed commit, and a version-2
+  request fails with the loader's error. Every refusal of scripts/publish sends nothing.
+
+Releases are made from a throw-away git repo holding a copy of this checkout's working tree, so the tests do not
+depend on whether this checkout is clean. On a CPU-only machine the loader accepts only `torch-universal` (and
+`torch-cpu`) from a repo, and `backend=` can only name "cpu" or the machine's own backend; the cuda and rocm
+variants are therefore loaded by pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from hub_server import HubServer
+from reference import fused_moe_forward_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in build.toml only
+TOKEN = "hf_test_token"
+VARIANTS = ("torch-cuda", "torch-rocm", "torch-universal")
+BACKEND_OF = {"torch-cuda": ("cuda", "cuda"), "torch-rocm": ("rocm", "rocm"), "torch-universal": ("universal", "cuda")}
+ON_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
+# The variant the loader picks from a full build on this machine.
+PREFERRED_VARIANT = "torch-cuda" if ON_CUDA else "torch-rocm" if torch.cuda.is_available() else "torch-universal"
+RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs",
+                 "scripts/_hub_release.py", "scripts/build", "scripts/publish", "torch-ext/moe_dispatch"]
+GIT_ENV = {"GIT_AUTHOR_NAME": "release-test", "GIT_AUTHOR_EMAIL": "release-test@example.invalid",
+           "GIT_COMMITTER_NAME": "release-test", "GIT_COMMITTER_EMAIL": "release-test@example.invalid"}
+
+
+# -- helpers (also imported by the client processes of the end-to-end tests) ------------------------------------------
+
+def check_forward(module) -> None:
+    """One small forward through the loaded kernel (T=4, H=32, F=32, E=4, top_k=2) against the float64 reference."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    T, H, F, E, top_k = 4, 32, 32, 4, 2
+    x = torch.randn(T, H, generator=gen)
+    router = torch.randn(E, H, generator=gen)
+    w_gate, w_up = (torch.randn(E, F, H, generator=gen) * 0.2 for _ in range(2))
+    w_down = torch.randn(E, H, F, generator=gen) * 0.2
+    args = [t.to(device) for t in (x, router, w_gate, w_up, w_down)]
+    out, ids, weights = module.fused_moe_forward(*args, E, top_k)
+    ref_out, ref_ids, ref_weights = fused_moe_forward_ref(*args, E, top_k)
+    assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
+    tol = 1e-5 if device == "cpu" else 5e-3  # fp32 on the interpreter is near exact; tf32 dots on a GPU are not
+    rel_w = ((weights.double() - ref_weights).norm() / ref_weights.norm()).item()
+    rel_out = ((out.double() - ref_out).norm() / ref_out.norm()).item()
+    assert rel_w < tol and rel_out < tol, f"weights rel err {rel_w:.2e}, out rel err {rel_out:.2e} (tol {tol})"
+
+
+def snapshot_of(module) -> tuple[str, str]:
+    """(Hub commit, variant) a kernel loaded from the hub cache came from: .../snapshots/<sha>/build/<variant>/."""
+    path = Path(module.__file__)  # not resolved: the snapshot's files are links into blobs/
+    return path.parents[2].name, path.parent.name
+
+
+def git(repo: Path, *args: str) -> str:
+    result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                            env={**os.environ, **GIT_ENV}, check=True)
+    return result.stdout.strip()
+
+
+def make_release_repo(path: Path) -> Path:
+    """A git repo at `path` with what a release needs from this checkout's working tree, committed."""
+    for rel in RELEASE_FILES:
+        src = ROOT / rel
+        if src.is_dir():
+            shutil.copytree(src, path / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.exists():
+            (path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, path / rel)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "release tree")
+    return path
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a script or client process: no token, no overrides, and no HF_HUB_DISABLE_TELEMETRY
+    (kernels 0.17.2 then sends an empty user agent that huggingface_hub 2.x rejects)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_TOKEN", "HF_HUB_DISABLE_TELEMETRY", "LOCAL_KERNELS", "KERNELS_CACHE", "HF_HUB_OFFLINE")}
+    env.update(HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONPATH=str(TESTS))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_script(repo: Path, script: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(repo / "scripts" / script), *args], cwd=repo, env=env,
+                          capture_output=True, text=True)
+
+
+def run_python(code: str, env: dict[str, str]) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object last, which is returned."""
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def console_script(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+# -- build.toml, flake.nix ---------------------------------------------------------------------------------------------
+
+def test_build_toml_passes_the_kernels_parser():
+    from kernels._rust import Backend, Build
+
+    build = Build.open(ROOT)
+    assert build.general.backends == [Backend.CUDA, Backend.ROCm]
+    config = tomllib.loads((ROOT / "build.toml").read_text())
+    general = config["general"]
+    assert (general["name"], general["version"], general["edition"]) == ("moe-dispatch", 1, 5)
+    assert general["license"] == "Apache-2.0" and (ROOT / "LICENSE").read_text().count("Apache License") >= 1
+    assert re.fullmatch(r"[\w.-]+/moe-dispatch", general["hub"]["repo-id"])
+    noarch = config["torch-noarch"]
+    assert noarch["cuda_capabilities"] == ["8.0", "9.0"] and noarch["rocm_archs"] == ["gfx942"]
+    assert "json" in noarch["pyext"]  # configs/*.json ship with the package
+
+
+def test_flake_is_in_the_builder_form():
+    flake = (ROOT / "flake.nix").read_text()
+    assert 'kernel-builder.url = "github:huggingface/kernels"' in flake
+    assert re.search(r"kernel-builder\.lib\.genKernelFlakeOutputs\s*{\s*inherit self;\s*path = \./\.;\s*}", flake)
+
+
+# -- scripts/build -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def build_run(tmp_path_factory) -> tuple[Path, set[str]]:
+    """scripts/build run on this checkout into a temporary directory -> (directory, possible HEADs)."""
+    out = tmp_path_factory.mktemp("build")
+    before = git(ROOT, "rev-parse", "HEAD")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build"), "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return out, {before[:7], git(ROOT, "rev-parse", "HEAD")[:7]}  # others may commit while it runs
+
+
+@pytest.fixture(scope="module")
+def built(build_run) -> Path:
+    return build_run[0]
+
+
+def package_files() -> set[str]:
+    src = ROOT / "torch-ext" / "moe_dispatch"
+    return {p.relative_to(src).as_posix() for p in src.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name != "_ops.py"}
+
+
+def test_build_writes_each_variant(build_run):
+    from kernels import Metadata
+
+    built, heads = build_run
+    assert sorted(p.name for p in built.iterdir()) == sorted(VARIANTS)
+    for variant in VARIANTS:
+        vdir = built / variant
+        files = {p.relative_to(vdir).as_posix() for p in vdir.rglob("*") if p.is_file()}
+        assert files == package_files() | {"_ops.py", "metadata.json"}, variant
+        assert any(f.startswith("configs/") and f.endswith(".json") for f in files)
+        for rel in package_files():
+            assert (vdir / rel).read_bytes() == (ROOT / "torch-ext" / "moe_dispatch" / rel).read_bytes()
+        metadata = Metadata.read_from_file(vdir / "metadata.json")  # the loader's strict parser
+        backend, backend_type = BACKEND_OF[variant]
+        match = re.fullmatch(rf"_moe_dispatch_{backend}_([0-9a-f]{{7}})(_dirty)?", metadata.id)
+        assert match and match.group(1) in heads, metadata.id
+        assert str(metadata.name) == "moe-dispatch" and metadata.version == 1 and metadata.license == "Apache-2.0"
+        assert metadata.python_depends == []
+        assert str(metadata.backend.backend_type).lower() == backend_type
+        assert metadata.backend.archs == (["gfx942"] if backend == "rocm" else ["8.0", "9.0"])
+        assert f'NAMESPACE = "{metadata.id}"' in (vdir / "_ops.py").read_text()
+
+
+def test_build_id_marks_a_dirty_tree(tmp_path):
+    repo = make_release_repo(tmp_path / "repo")
+    head = git(repo, "rev-parse", "HEAD")[:7]
+
+    def built_id() -> str:
+        result = run_script(repo, "build", env=clean_env())
+        assert result.returncode == 0, result.stderr
+        return json.loads((repo / "build" / "torch-cuda" / "metadata.json").read_text())["id"]
+
+    assert built_id() == f"_moe_dispatch_cuda_{head}"
+    with open(repo / "torch-ext" / "moe_dispatch" / "__init__.py", "a") as f:
+        f.write("# local edit\n")
+    assert built_id() == f"_moe_dispatch_cuda_{head}_dirty"
+
+
+def test_build_refuses_files_pyext_would_drop(tmp_path):
+    repo = make_release_repo(tmp_path / "repo")
+    (repo / "torch-ext" / "moe_dispatch" / "configs" / "notes.txt").write_text("not shipped\n")
+    result = run_script(repo, "build", env=clean_env())
+    assert result.returncode == 2 and "notes.txt" in result.stderr and "pyext" in result.stderr
+
+
+def test_each_variant_loads_with_get_local_kernel(built):
+    from kernels import get_local_kernel
+
+    for variant in VARIANTS:
+        module = get_local_kernel(built / variant)
+        assert module.__name__ == json.loads((built / variant / "metadata.json").read_text())["id"]
+        assert Path(module.__file__).parent == built / variant
+        check_forward(module)
+    # The build root: the loader picks this machine's variant.
+    assert Path(get_local_kernel(built).__file__).parent.name == PREFERRED_VARIANT
+
+
+def test_get_kernel_version_1_through_local_kernels(built, monkeypatch):
+    from kernels import get_kernel
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={built}")
+    module = get_kernel(REPO_ID, version=1)
+    assert Path(module.__file__).parent.name == PREFERRED_VARIANT
+    check_forward(module)
+    for variant in VARIANTS:  # a path to one variant directory loads that variant on any machine
+        monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={built / variant}")
+        module = get_kernel(REPO_ID, version=1)
+        assert Path(module.__file__).parent == built / variant
+        check_forward(module)
+
+
+# -- scripts/publish against the Hub test double ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hub():
+    with HubServer(token=TOKEN) as server:
+        yield server
+
+
+def publish(repo: Path, hub: HubServer, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
+    env = clean_env(HF_ENDPOINT=hub.url, HF_HOME=str(repo.parent / "publisher_hf_home"))
+    if token:
+        env["HF_TOKEN"] = token
+    return run_script(repo, "publish", "--repo-id", REPO_ID, *args, env=env)
+
+
+def release(repo: Path, hub: HubServer, tag: str) -> str:
+    """Tag HEAD, build, publish; returns the Hub commit of the tag."""
+    git(repo, "tag", tag)
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    result = publish(repo, hub)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return hub.state.repos[("kernel", REPO_ID)].tags[tag]
+
+
+@pytest.fixture(scope="module")
+def releases(hub, tmp_path_factory):
+    """v1.0.0, a `kernels lock` of version 1 taken then, and v1.1.0 with a changed file, all on the test double."""
+    base = tmp_path_factory.mktemp("releases")
+    repo = make_release_repo(base / "repo")
+    first = release(repo, hub, "v1.0.0")
+
+    project = base / "consumer"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        f'[project]\nname = "consumer"\nversion = "0.1.0"\n\n[tool.kernels.dependencies]\n"{REPO_ID}" = 1\n')
+    # `kernels lock` (0.17.2) has no trust_remote_code switch: it only locks kernels of trusted publishers.
+    hub.state.trusted_orgs.add("org")
+    result = subprocess.run([console_script("kernels"), "lock", str(project)], capture_output=True, text=True,
+                            env=clean_env(HF_ENDPOINT=hub.url, HF_HOME=str(base / "lock_hf_home")))
+    hub.state.trusted_orgs.discard("org")
+    assert result.returncode == 0, result.stderr
+
+    init = repo / "torch-ext" / "moe_dispatch" / "__init__.py"
+    init.write_text(init.read_text() + "# release v1.1.0\n")
+    git(repo, "commit", "-q", "-am", "change for v1.1.0")
+    second = release(repo, hub, "v1.1.0")
+    return {"repo": repo, "v1.0.0": first, "v1.1.0": second, "lockfile": project / "kernels.lock", "base": base}
+
+
+def test_release_layout_on_the_hub(hub, releases):
+    repo = hub.state.repos[("kernel", REPO_ID)]
+    first, second = releases["v1.0.0"], releases["v1.1.0"]
+    assert repo.branches["v1"] == second and repo.tags == {"v1.0.0": first, "v1.1.0": second}
+    assert first != second and repo.commits[second].parent == first  # v1 history: release after release
+    files = repo.commits[second].files
+    for variant in VARIANTS:
+        assert {p.split("/", 2)[2] for p in files if p.startswith(f"build/{variant}/")} == \
+            package_files() | {"_ops.py", "metadata.json"}
+    assert b"# release v1.1.0" in files["build/torch-universal/__init__.py"]
+    assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-universal/__init__.py"]
+    card = repo.resolve("main").files["README.md"].decode()
+    assert f'get_kernel("{REPO_ID}", version=1' in card and "revision=" in card and "kernels lock" in card
+    for name in ("fused_moe_forward", "fused_experts", "moe_router", "grouped_gemm"):
+        assert f"`{name}`" in card
+    assert hub.state.unhandled == []
+
+
+CLIENT = """
+import json
+from kernels import get_kernel
+from test_packaging import check_forward, snapshot_of
+
+report = {}
+try:
+    get_kernel("REPO_ID", version=1)
+except ValueError as e:
+    report["untrusted"] = str(e)
+newest = get_kernel("REPO_ID", version=1, trust_remote_code=True)
+check_forward(newest)
+pinned = get_kernel("REPO_ID", revision="v1.0.0", trust_remote_code=True)
+check_forward(pinned)
+report["newest"], report["pinned"] = snapshot_of(newest), snapshot_of(pinned)
+report["newest_marked"] = "# release v1.1.0" in open(newest.__file__).read()
+report["pinned_marked"] = "# release v1.1.0" in open(pinned.__file__).read()
+try:
+    get_kernel("REPO_ID", version=2, trust_remote_code=True)
+except ValueError as e:
+    report["version_2"] = str(e)
+print(json.dumps(report))
+""".replace("REPO_ID", REPO_ID)
+
+
+def test_fresh_client_gets_newest_v1_pinned_release_and_version_error(hub, releases, tmp_path):
+    report = run_python(CLIENT, clean_env(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home")))
+    assert "not from a trusted publisher" in report["untrusted"]
+    assert report["newest"] == [releases["v1.1.0"], PREFERRED_VARIANT] and report["newest_marked"]
+    assert report["pinned"] == [releases["v1.0.0"], PREFERRED_VARIANT] and not report["pinned_marked"]
+    assert report["version_2"] == "Version 2 not found, available versions: 1"
+
+
+LOCKED_CLIENT = """
+import json
+from pathlib import Path
+from kernels import load_kernel
+from test_packaging import check_forward, snapshot_of
+
+module = load_kernel("REPO_ID", lockfile=Path(LOCKFILE))
+check_forward(module)
+print(json.dumps({"locked": snapshot_of(module)}))
+"""
+
+
+def test_kernels_lock_then_load_kernel_reproduces_the_locked_commit(hub, releases, tmp_path):
+    locks = json.loads(releases["lockfile"].read_text())
+    assert locks == [{"dependency": {"repo-id": REPO_ID, "version": 1}, "lock": {"commit": releases["v1.0.0"]}}]
+    env = clean_env(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"))
+    # load_kernel never downloads, and it wants the commit's whole snapshot in the cache: with huggingface_hub 2.4,
+    # `kernels download` (one variant) leaves it incomplete, so fetch the locked commit with `hf download`.
+    result = subprocess.run([console_script("hf"), "download", REPO_ID, "--repo-type", "kernel",
+                             "--revision", releases["v1.0.0"]], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    code = LOCKED_CLIENT.replace("REPO_ID", REPO_ID).replace("LOCKFILE", repr(str(releases["lockfile"])))
+    report = run_python(code, env)
+    # v1 has moved on to v1.1.0; the lock still loads the commit it recorded.
+    assert report["locked"] == [releases["v1.0.0"], PREFERRED_VARIANT]
+
+
+def test_publishing_the_same_release_again_changes_nothing(hub, releases):
+    repo_state = hub.state.repos[("kernel", REPO_ID)]
+    refs_before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
+    n_requests = len(hub.state.requests)
+    result = publish(releases["repo"], hub)
+    assert result.returncode == 0, result.stderr
+    assert "already points to" in result.stdout and "nothing to do" in result.stdout
+    assert (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits)) == refs_before
+    writes = [(m, p) for m, p in hub.state.requests[n_requests:] if m != "GET" and m != "HEAD"]
+    assert writes == [("POST", "/api/repos/create")]  # exist_ok: answered 409, nothing created
+
+
+def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_path):
+    repo_state = hub.state.repos[("kernel", REPO_ID)]
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(releases["repo"]), str(clone)], check=True, capture_output=True)
+    init = clone / "torch-ext" / "moe_dispatch" / "__init__.py"
+    init.write_text(init.read_text() + "# another change\n")
+    git(clone, "commit", "-q", "-am", "another change")
+    assert run_script(clone, "build", env=clean_env()).returncode == 0
+    before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
+    for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
+        git(clone, "tag", "-f", tag)
+        result = publish(clone, hub, "--tag", tag)
+        assert result.returncode == 2 and reason in result.stderr, result.stderr
+    assert (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits)) == before
+
+
+def _tag_major_mismatch(repo):
+    git(repo, "tag", "v2.0.0")
+    return ["--tag", "v2.0.0"], "has major 2 but build.toml has version = 1"
+
+
+def _malformed_tag(repo):
+    git(repo, "tag", "v1.0")
+    return ["--tag", "v1.0"], "not of the form v<major>.<minor>.<patch>"
+
+
+def _dirty_tree(repo):
+    git(repo, "tag", "v1.0.0")
+    with open(repo / "build.toml", "a") as f:
+        f.write("# uncommitted\n")
+    return [], "the git tree is dirty"
+
+
+def _tag_not_on_head(repo):
+    git(repo, "tag", "v1.0.0")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "after the tag")
+    return ["--tag", "v1.0.0"], "not HEAD"
+
+
+def _stale_commit(repo):
+    git(repo, "commit", "-q", "--allow-empty", "-m", "after the build")
+    git(repo, "tag", "v1.0.0")
+    return [], "build is stale"
+
+
+def _stale_files(repo):
+    git(repo, "tag", "v1.0.0")
+    with open(repo / "build" / "torch-rocm" / "moe.py", "a") as f:
+        f.write("# edited after the build\n")
+    return [], "torch-rocm differs from torch-ext/moe_dispatch in ['moe.py']"
+
+
+def _missing_token(repo):
+    git(repo, "tag", "v1.0.0")
+    return [], "HF_TOKEN is not set"
+
+
+REFUSALS = [_tag_major_mismatch, _malformed_tag, _dirty_tree, _tag_not_on_head, _stale_commit, _stale_files,
+            _missing_token]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[case.__name__.strip("_") for case in REFUSALS])
+def test_publish_refuses_and_sends_nothing(hub, tmp_path, case):
+    repo = make_release_repo(tmp_path / "repo")
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    args, reason = case(repo)
+    n_requests = len(hub.state.requests)
+    result = publish(repo, hub, *args, token=None if case is _missing_token else TOKEN)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refusing to publish" in result.stderr and reason in result.stderr, result.stderr
+    assert hub.state.requests[n_requests:] == []
+
+
+def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
+    repo = make_release_repo(tmp_path / "repo")
+    git(repo, "tag", "v1.0.0")
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    n_requests = len(hub.state.requests)
+    result = publish(repo, hub, "--dry-run", token=None)
+    assert result.returncode == 0, result.stderr
+    assert hub.state.requests[n_requests:] == []
+    out = result.stdout
+    for step in ("create kernel repo", "README.md", "create branch v1", "commit to v1", "deleting files",
+                 "create tag v1.0.0", "nothing was sent"):
+        assert step in out, step
+    for variant in VARIANTS:
+        assert f"build/{variant}/metadata.json" in out and f"build/{variant}/_ops.py" in out
