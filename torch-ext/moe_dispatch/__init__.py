@@ -12,6 +12,21 @@ Pipeline (each stage a module; `moe.py` only composes them)::
 `__all__` is the versioned public surface (API major = build.toml `version`).
 """
 
+from .binned import (
+    binned_gather,
+    binned_scatter,
+    binned_scatter_wgrad,
+    expert_capacity,
+    gather,
+    histogram,
+    inclusive_cumsum,
+    padded_gather,
+    padded_scatter,
+    padded_scatter_wgrad,
+    scatter,
+    scatter_wgrad,
+    sort,
+)
 from .combine import unpermute_tokens
 from .dispatch import permute_tokens
 from .grouped_gemm import grouped_gemm
@@ -36,4 +51,18 @@ __all__ = [
     # transformers integration (experts interface; kernelize layers live in `moe_dispatch.layers`)
     "moe_dispatch_experts",
     "register_experts",
+    # binned routing (MegaBlocks semantics; argument order as in megablocks.backend.kernels)
+    "binned_gather",
+    "binned_scatter",
+    "binned_scatter_wgrad",
+    "gather",
+    "scatter",
+    "scatter_wgrad",
+    "padded_gather",
+    "padded_scatter",
+    "padded_scatter_wgrad",
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "expert_capacity",
 ]

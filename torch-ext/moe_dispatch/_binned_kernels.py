@@ -78,9 +78,7 @@ def _gather_kernel(
         b_start = _bin_start(b_expert, bins_ptr, mask_e)
         b_end = tl.load(bins_ptr + b_expert, mask=mask_e, other=0).to(tl.int64)
         b_pos = b_start + b_local
-        mask_a = mask_e & (b_pos < b_end)
-        if LAYOUT == BINNED:
-            mask_a = mask_a & (b_local < capacity)
+        mask_a = mask_e & (b_pos < b_end)  # binned: b_local < C by construction, so positions >= C are never read
     mask_a = mask_a & (b_pos < N)
     b_assign = tl.load(indices_ptr + b_pos, mask=mask_a, other=0).to(tl.int64)
     mask_a = mask_a & (b_assign >= 0) & (b_assign < N)  # memory safety when indices is not a permutation

@@ -57,6 +57,7 @@ def _grouped_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,21 +88,29 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + b_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    b_offs = expert.to(tl.int64) * stride_b_e + offs_n[None, :].to(tl.int64) * stride_b_n + offs_k[:, None] * stride_b_k
-    bg_ptrs = b_ptr + b_offs  # [BLOCK_K, BLOCK_N]
-    bu_ptrs = b_up_ptr + b_offs
+    # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
+    expert_base = expert.to(tl.int64) * stride_b_e
+    b_offs = offs_n[None, :] * stride_b_n + offs_k[:, None] * stride_b_k
+    bg_ptrs = b_ptr + expert_base + b_offs  # [BLOCK_K, BLOCK_N]
+    bu_ptrs = b_up_ptr + expert_base + b_offs
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        b_a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b_b = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if EVEN_K:  # no K tail: masks only on rows (and on columns past N)
+            a_mask = mask_m[:, None]
+            b_mask = mask_n[None, :]
+        else:
+            mask_k = offs_k < K - k0
+            a_mask = mask_m[:, None] & mask_k[None, :]
+            b_mask = mask_k[:, None] & mask_n[None, :]
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b_b = tl.load(bg_ptrs, mask=b_mask, other=0.0)
         if DOT_FP32:
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
         b_acc = tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
         if ACTIVATION != 0:
-            b_u = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            b_u = tl.load(bu_ptrs, mask=b_mask, other=0.0)
             if DOT_FP32:
                 b_u = b_u.to(tl.float32)
             b_acc_up = tl.dot(b_a, b_u, b_acc_up, input_precision=DOT_PRECISION)
@@ -175,6 +184,7 @@ def grouped_matmul(a, weight, info, tile: GemmTile, *, weight_up=None, transpose
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else _dot_precision(a.dtype),
+        EVEN_K=K % tile.block_k == 0,
         BLOCK_M=info.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
