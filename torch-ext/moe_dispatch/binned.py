@@ -202,9 +202,12 @@ def _check_grad(grad, x, num_assignments, top_k):
 
 
 def binned_gather(x, indices, weights, bins, expert_capacity, top_k, *, validate=None):
-    """[E, C, H] capacity buffer: out[e, j] = x[indices[s_e + j] // top_k] * weights[indices[s_e + j]] for
-    j < min(C, count_e) (s_e = bins[e - 1], 0 for e = 0); unused capacity is zero and assignments at position >= C
-    of their expert are dropped. `weights` may be None (no scaling). Differentiable in x and weights."""
+    """Capacity-limited gather: x [T, H] -> [E, C, H], each expert's first C assignments, unused slots zero.
+
+    out[e, j] = x[a // top_k] * weights[a] with a = indices[start_e + j], for j < min(C, count_e); assignments at
+    position >= C of their expert are dropped (never read). `weights` may be None (plain copy). C = 0 gives an empty
+    [E, 0, H] buffer. Differentiable in x and weights.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k)
     _check_int("expert_capacity", expert_capacity, 0)
@@ -218,9 +221,12 @@ def binned_gather(x, indices, weights, bins, expert_capacity, top_k, *, validate
 
 
 def binned_scatter(x, indices, weights, bins, top_k, *, validate=None):
-    """[T, H] with T = len(indices) // top_k: out[t] = sum_j x[e, i] * weights[a] over the kept assignments
-    a = t * top_k + j (e its expert, i its rank inside e, kept when i < C = x.shape[1]); dropped ones add zero.
-    `weights` may be None. Differentiable in x and weights."""
+    """Capacity-limited scatter: [E, C, H] -> [T, H], summing each token's top_k kept rows; dropped ones add zero.
+
+    out[t] = sum_j x[e, i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e, kept when i < C =
+    x.shape[1]), summed in the order j = 0..top_k-1 in fp32. T = len(indices) // top_k. `weights` may be None.
+    Differentiable in x and weights.
+    """
     _check_x("x", x, 3)
     num_assignments = _check_routing(indices, weights, bins, top_k)
     if x.shape[0] != bins.shape[0]:
@@ -233,9 +239,10 @@ def binned_scatter(x, indices, weights, bins, top_k, *, validate=None):
 
 
 def binned_scatter_wgrad(x, grad, indices, bins, top_k, *, validate=None):
-    """[T * top_k] in x's dtype: wgrad[a] = sum_h x[e, i, h] * grad[a // top_k, h] (fp32 accumulation) for kept
-    assignments, 0 for dropped ones: the gradient of `binned_scatter` with respect to its weights.
-    Not differentiable itself."""
+    """Gradient of `binned_scatter` with respect to its weights: [T * top_k] in x's dtype, 0 for dropped assignments.
+
+    wgrad[a] = sum_h x[e, i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
+    """
     _check_x("x", x, 3)
     num_assignments = _check_routing(indices, None, bins, top_k)
     if x.shape[0] != bins.shape[0]:
@@ -249,8 +256,10 @@ def binned_scatter_wgrad(x, grad, indices, bins, top_k, *, validate=None):
 
 
 def gather(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
-    """[N, H] in sorted order, no padding: out[p] = x[indices[p] // top_k] * weights[indices[p]].
-    Differentiable in x and weights."""
+    """Dropless gather: x [T, H] -> [N, H] in expert-sorted order, no padding, nothing dropped.
+
+    out[p] = x[indices[p] // top_k] * weights[indices[p]]. `weights` may be None. Differentiable in x and weights.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
@@ -261,8 +270,11 @@ def gather(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
 
 
 def scatter(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
-    """[T, H]: out[t] = sum_j x[p(a)] * weights[a] over a = t * top_k + j, p(a) its sorted position (x is [N, H]
-    in sorted order). Differentiable in x and weights."""
+    """Dropless scatter: [N, H] in expert-sorted order -> [T, H], summing each token's top_k rows.
+
+    out[t] = sum_j x[p(a)] * weights[a] over a = t * top_k + j, p(a) its sorted position, summed in order j in fp32.
+    `weights` may be None. Differentiable in x and weights.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids)
     if x.shape[0] != num_assignments:
@@ -275,7 +287,10 @@ def scatter(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
 
 
 def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, *, validate=None):
-    """[T * top_k] in x's dtype: wgrad[a] = <x[p(a)], grad[a // top_k]>, the weights gradient of `scatter`."""
+    """Gradient of `scatter` with respect to its weights: [T * top_k] in x's dtype.
+
+    wgrad[a] = sum_h x[p(a), h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, None, bins, top_k, bin_ids=bin_ids)
     if x.shape[0] != num_assignments:
@@ -288,10 +303,12 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, *, validate=None):
 
 
 def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num_rows=None, validate=None):
-    """[R, H] with each expert's segment starting at padded_bins[e - 1]: out[ps_e + j] = x[a // top_k] * weights[a]
-    for a = indices[s_e + j], zeros in the padding. R = num_rows when given (rows past padded_bins[-1] are zero);
-    otherwise R = padded_bins[-1], read from the device (one host sync, as in MegaBlocks).
-    Differentiable in x and weights."""
+    """Block-padded gather: x [T, H] -> [R, H], expert e's rows starting at padded_bins[e - 1], padding zero.
+
+    out[padded_start_e + j] = x[a // top_k] * weights[a] with a = indices[start_e + j]. R = num_rows when given (rows
+    past padded_bins[-1] are zero; no host sync); otherwise R = padded_bins[-1], read from the device (one host sync,
+    as in MegaBlocks). `weights` may be None. Differentiable in x and weights.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
@@ -307,8 +324,11 @@ def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num
 
 
 def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, validate=None):
-    """[T, H]: out[t] = sum_j x[ps_e + i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e);
-    padding rows of x are never read. Differentiable in x and weights."""
+    """Block-padded scatter: [R, H] -> [T, H], summing each token's top_k rows; padding rows are never read.
+
+    out[t] = sum_j x[padded_start_e + i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e).
+    `weights` may be None. Differentiable in x and weights.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     check_same_device(x=x, indices=indices, bin_ids=bin_ids, weights=weights, bins=bins, padded_bins=padded_bins)
@@ -319,8 +339,10 @@ def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, va
 
 
 def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, *, validate=None):
-    """[T * top_k] in x's dtype: wgrad[a] = <x[ps_e + i], grad[a // top_k]>, the weights gradient of
-    `padded_scatter`."""
+    """Gradient of `padded_scatter` with respect to its weights: [T * top_k] in x's dtype.
+
+    wgrad[a] = sum_h x[padded_start_e + i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
+    """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, None, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     _check_grad(grad, x, num_assignments, top_k)
@@ -334,8 +356,11 @@ _SORT_BITS = {torch.int16: 16, torch.int32: 32, torch.int64: 64}
 
 
 def sort(x, end_bit=None):
-    """Stable sort of a 1-D integer tensor by its low `end_bit` bits (all bits when None), like MegaBlocks' radix
-    `ops.sort`: returns (sorted values, permutation), both in x's dtype, with sorted == x[permutation]."""
+    """Stable sort of a 1-D integer tensor: (sorted values, permutation), both in x's dtype, like MegaBlocks' ops.sort.
+
+    Only the low `end_bit` bits are keys (all bits when None), as in a radix sort over bits [0, end_bit); the values
+    come back whole: sorted == x[permutation]. Ties keep their input order.
+    """
     check_tensor("x", x, ndim=1, dtypes=tuple(_SORT_BITS))
     bits = _SORT_BITS[x.dtype]
     end_bit = bits if end_bit is None else _check_int("end_bit", end_bit, 0)
@@ -349,8 +374,10 @@ def sort(x, end_bit=None):
 
 
 def histogram(x, max_val):
-    """int32 counts of each value in [0, max_val) over the last dimension of a 1-D or 2-D integer tensor; values
-    outside the range are not counted (like MegaBlocks' `ops.histogram`). Sync-free."""
+    """int32 counts of each value in [0, max_val), like MegaBlocks' ops.histogram; out-of-range values are ignored.
+
+    x is 1-D ([max_val] out) or 2-D (one histogram per row, [rows, max_val] out). Sync-free.
+    """
     check_tensor("x", x, dtypes=tuple(_SORT_BITS))
     if x.dim() not in (1, 2):
         raise ValueError(f"x must have 1 or 2 dimensions, got shape {tuple(x.shape)}")
@@ -369,10 +396,11 @@ def inclusive_cumsum(x, dim):
 
 
 def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
-    """MegaBlocks' capacity per expert: C = int(capacity_factor * (top_k * num_tokens / num_experts)).
+    """MegaBlocks' expert capacity: C = int(capacity_factor * (top_k * num_tokens / num_experts)).
 
     C can be 0 (few tokens or a small factor); MegaBlocks' layer then falls back to the largest expert count, i.e.
-    drops nothing (`drop_over_capacity` does the same)."""
+    drops nothing (`drop_over_capacity` does the same).
+    """
     _check_int("num_tokens", num_tokens, 0)
     _check_int("top_k", top_k, 1)
     _check_int("num_experts", num_experts, 1)
@@ -385,9 +413,11 @@ def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
 
 
 def capacity_keep_mask(topk_ids, num_experts, capacity):
-    """bool [T, top_k]: which assignments fit in `capacity` slots per expert. Each expert keeps its earliest
-    assignments in the order a = t * top_k + j (MegaBlocks' stable sort); ids outside [0, num_experts) are never
-    kept and take no slot. Sync-free (a stable sort and a scatter on the device)."""
+    """bool [T, top_k]: which assignments fit in `capacity` slots per expert (MegaBlocks' dropping rule).
+
+    Each expert keeps its earliest assignments in the order a = t * top_k + j (MegaBlocks sorts stably); ids outside
+    [0, num_experts) are never kept and take no slot. Sync-free: a stable sort, a histogram and a scatter.
+    """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_INDEX_DTYPES)
     _check_int("num_experts", num_experts, 1)
     _check_int("capacity", capacity, 0)
@@ -404,9 +434,12 @@ def capacity_keep_mask(topk_ids, num_experts, capacity):
 
 
 def drop_over_capacity(topk_ids, num_experts, capacity_factor):
-    """topk_ids with every assignment MegaBlocks drops at `capacity_factor` replaced by num_experts (the "no expert"
-    id the fused forward skips). C = expert_capacity(T, top_k, num_experts, capacity_factor); when C is 0 nothing is
-    dropped (MegaBlocks' fallback to the largest expert count). Sync-free."""
+    """topk_ids with the assignments MegaBlocks drops at `capacity_factor` replaced by num_experts ("no expert").
+
+    C = expert_capacity(T, top_k, num_experts, capacity_factor); when C is 0 nothing is dropped (MegaBlocks' fallback
+    to the largest expert count). The fused forward skips ids >= num_experts, so this gives it MegaBlocks' capacity
+    semantics. Sync-free.
+    """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_INDEX_DTYPES)
     num_tokens, top_k = topk_ids.shape
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
