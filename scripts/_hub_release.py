@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
@@ -48,6 +49,8 @@ SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 TAG_PATTERN = re.compile(r"v(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
 CARD_PATH = "README.md"
+# huggingface_hub 1.x and 2.0 refuse repo_type="kernel" in create_commit; 2.4.0 (requirements.txt) is the one tested.
+MIN_HUB_CLIENT = (2, 4)
 
 
 class ReleaseError(Exception):
@@ -107,7 +110,10 @@ def load_project(root: Path) -> Project:
 
 
 def git(root: Path, *args: str) -> str:
-    result = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ReleaseError("git is not installed") from None
     if result.returncode != 0:
         raise ReleaseError(f"`git {' '.join(args)}` failed: {result.stderr.strip()}")
     return result.stdout.strip()
@@ -120,6 +126,24 @@ def head_commit(root: Path) -> str:
 def dirty_paths(root: Path) -> list[str]:
     """Tracked files with changes and untracked files that are not ignored (`git status --porcelain`)."""
     return [line for line in git(root, "status", "--porcelain").splitlines() if line.strip()]
+
+
+def source_revision(project: Project) -> tuple[str, bool]:
+    """(commit, dirty) the build is made from.
+
+    Outside a git checkout (e.g. a copy of the tree on a GPU machine) the commit is MOE_DISPATCH_COMMIT when set,
+    else a hash of the package's files, and the build counts as dirty: nothing shows it matches a commit."""
+    try:
+        return head_commit(project.root), bool(dirty_paths(project.root))
+    except ReleaseError as e:
+        commit = os.environ.get("MOE_DISPATCH_COMMIT", "")
+        if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+            digest = hashlib.sha256()
+            for rel in source_files(project):
+                digest.update(rel.encode() + b"\0" + (project.source_dir / rel).read_bytes())
+            commit = digest.hexdigest()
+        print(f"warning: no git revision ({e}); the build id uses {commit[:7]} and is marked _dirty", file=sys.stderr)
+        return commit, True
 
 
 def build_id(project: Project, variant: str, commit: str, dirty: bool) -> str:
@@ -195,8 +219,7 @@ def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
     """Write build/torch-<backend>/ for every variant into `out` (default: <root>/build). Returns the variant dirs."""
     project = load_project(root)
     out = out if out is not None else root / "build"
-    commit = head_commit(root)
-    dirty = bool(dirty_paths(root))
+    commit, dirty = source_revision(project)
     written = []
     for variant in project.variants:
         kernel_id = build_id(project, variant, commit, dirty)
@@ -209,7 +232,7 @@ def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
         log(f"built {variant_dir} ({kernel_id})")
         written.append(variant_dir)
     if dirty:
-        log("warning: the git tree is dirty, so the build ids end in _dirty and scripts/publish will refuse them")
+        log("warning: the build ids end in _dirty (uncommitted changes, or no git revision); scripts/publish refuses them")
     return written
 
 
@@ -390,6 +413,18 @@ def render_card(project: Project, repo_id: str) -> str:
     return "\n".join(lines)
 
 
+def check_hub_client() -> None:
+    """Refuse huggingface_hub versions that cannot commit to kernel repos."""
+    import huggingface_hub
+
+    version = tuple(int(part) for part in re.findall(r"\d+", huggingface_hub.__version__)[:2])
+    if version < MIN_HUB_CLIENT:
+        raise ReleaseError(
+            f"huggingface_hub {huggingface_hub.__version__} cannot commit to kernel repos; "
+            f"use >= {'.'.join(map(str, MIN_HUB_CLIENT))} (requirements.txt pins the tested version)"
+        )
+
+
 def git_blob_id(content: bytes) -> str:
     """The git object id of a file, as the Hub reports it for regular (non-LFS) files."""
     from huggingface_hub.utils import sha
@@ -435,6 +470,8 @@ def publish(
     trees = check_build_fresh(project, build_dir if build_dir is not None else root / "build", commit)
     if not dry_run and not token:
         raise ReleaseError("HF_TOKEN is not set: a write token for the kernel repo is needed (CI: secrets.HF_TOKEN)")
+    if not dry_run:
+        check_hub_client()
 
     branch = f"v{project.version}"
     card = render_card(project, repo_id).encode()
