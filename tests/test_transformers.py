@@ -119,7 +119,7 @@ MODELS = [
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         real=dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
-                  rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+                  swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
         why="transposed weights, interleaved gate/up, biases on both projections, clamped SwiGLU",
     ),
 ]
@@ -266,6 +266,21 @@ def test_experts_interface_matches_eager(case, dtype, count_kernel_calls):
     check_outputs(case, got, ref, dtype, f"experts interface {dtype}")
 
 
+def test_from_pretrained_experts_implementation(tmp_path, count_kernel_calls):
+    """The README's path: register, then `from_pretrained(..., experts_implementation=name)` on a saved checkpoint."""
+    case = MODELS[MODEL_IDS.index("qwen2_moe")]
+    ref_model = build_model(case, torch.float32, "eager", num_layers=1)
+    ref_model.save_pretrained(tmp_path)
+    name = moe_dispatch.register_experts()
+    model = getattr(transformers, case.model).from_pretrained(tmp_path, experts_implementation=name,
+                                                             dtype=torch.float32).to(DEVICE)
+    assert model.config._experts_implementation == name and not model.training
+    calls = count_kernel_calls(moe_dispatch)
+    ids = input_ids()
+    check_outputs(case, run(model, ids), run(ref_model, ids), torch.float32, "from_pretrained")
+    assert len(calls) == 1
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # kernelize layers, package from torch-ext
 
@@ -315,8 +330,9 @@ def _build_kernel_repo(repo_dir: Path) -> Path:
     """
     build_script = ROOT / "scripts" / "build"
     if build_script.exists():
-        subprocess.run([sys.executable, str(build_script), "--out", str(repo_dir / "build")], check=True, cwd=ROOT,
-                       capture_output=True)
+        done = subprocess.run([sys.executable, str(build_script), "--out", str(repo_dir / "build")], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"scripts/build failed:\n{done.stdout}\n{done.stderr}"
         return repo_dir
     backend = "cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu"
     variant = repo_dir / "build" / f"torch-{backend}"
@@ -525,3 +541,25 @@ def test_gpu_generate_tokens_match_eager(case_id):
     model.set_experts_implementation(name)
     got = model.generate(ids, **generate)
     assert torch.equal(got, ref), f"{case_id}: tokens differ\n{got}\n{ref}"
+
+
+@needs_cuda
+def test_gpu_from_pretrained_use_kernels(tmp_path, hub_kernel):
+    """transformers' own switch: `from_pretrained(use_kernels=True, kernel_config=KernelConfig(...))` on GPT-OSS.
+
+    transformers kernelizes with fallback on every error, so the test checks that the forward really was replaced.
+    """
+    package, _ = hub_kernel
+    case = MODELS[MODEL_IDS.index("gpt_oss")]
+    ref_model = build_model(case, torch.bfloat16, "eager", num_layers=1)
+    ref_model.save_pretrained(tmp_path)
+    layer = (f"{HUB_REPO_ID}:MegaBlocksMoeMLP", {"revision": "v1", "trust_remote_code": True})
+    # inherit_mapping=False: only this mapping, not transformers' defaults (other layers keep their forward).
+    kernel_config = transformers.KernelConfig({"MegaBlocksMoeMLP": layer}, inherit_mapping=False)
+    model = getattr(transformers, case.model).from_pretrained(
+        tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True, kernel_config=kernel_config
+    )
+    block = moe_blocks(model, case)[0]
+    assert block.forward.__func__ is package.layers.MegaBlocksMoeMLP.forward
+    ids = input_ids()
+    check_outputs(case, run(model, ids), run(ref_model, ids), torch.bfloat16, "use_kernels")
