@@ -473,6 +473,20 @@ def test_unsupported_experts_raise_clearly(change, message, monkeypatch):
     assert type(experts).__name__ in str(error.value)
 
 
+def test_forward_only_refuses_training_and_warns_on_cut_gradients():
+    """No backward yet: a module in training mode refuses; grad mode in eval runs but warns."""
+    _, experts = _tiny_experts("mixtral")
+    hidden_states = torch.randn(3, experts.hidden_dim, device=DEVICE)
+    top_k_index = torch.tensor([[0, 1], [2, 3], [1, 2]], device=DEVICE)
+    top_k_weights = torch.full((3, 2), 0.5, device=DEVICE)
+    experts.train()
+    with pytest.raises(NotImplementedError, match="training"):
+        moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, top_k_weights)
+    experts.eval()
+    with pytest.warns(UserWarning, match="forward-only"):
+        moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, top_k_weights)
+
+
 def test_swish_act_fn_is_accepted():
     """`hidden_act="swish"` gives nn.SiLU rather than transformers' SiLUActivation: the same function."""
     _, experts = _tiny_experts("olmoe")
