@@ -46,7 +46,7 @@ for _p in (ROOT / "scripts", ROOT / "tests"):
 
 from _bench_ceilings import measure_ceilings  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: the float64 references)
-from model_shapes import MODEL_SHAPES, ModelShape  # noqa: E402
+from model_shapes import MODEL_SHAPES, ModelShape, shrunk  # noqa: E402
 
 ALL_TOKENS = tuple(2**i for i in range(15))  # 1 .. 16384
 QUICK_TOKENS = (1, 16, 128, 1024, 4096, 16384)
@@ -94,6 +94,8 @@ def parse_args(argv):
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop starting new cells after this many seconds (the outputs keep what was measured)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shrunk", action="store_true",
+                   help="interpreter-sized shapes (model_shapes.shrunk): a plumbing run, e.g. --device cpu")
     args = p.parse_args(argv)
     if args.tokens is None:
         args.tokens = QUICK_TOKENS if args.quick else ALL_TOKENS
@@ -114,6 +116,10 @@ def parse_args(argv):
     args.fp16_spot = () if args.fp16_spot in ("", "none") else tuple(args.fp16_spot.split(","))
     args.fp16_spot_tokens = tuple(int(t) for t in args.fp16_spot_tokens.split(",") if t)
     return args
+
+
+def default_shapes(shrink):
+    return {name: shrunk(shape) for name, shape in MODEL_SHAPES.items()} if shrink else MODEL_SHAPES
 
 
 def select_models(spec, shapes):
@@ -180,6 +186,25 @@ class EventTimer:
             return do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
         finally:
             del graph
+
+
+class WallTimer:
+    """CPU stand-in (plumbing runs with --device cpu): median host time of a few calls. No graphs."""
+
+    def __init__(self, repeats=3):
+        self.repeats = repeats
+
+    def plain(self, fn):
+        times = []
+        for _ in range(self.repeats):
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+
+def make_timer(args, device):
+    return EventTimer(args.warmup_ms, args.rep_ms) if device.type == "cuda" else WallTimer()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -688,13 +713,16 @@ def plot_roofline(results, path):
     return True
 
 
+def _ceilings_line(results):
+    ceil = results["ceilings"]
+    return (f"R {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s (torch.sum {ceil['torch_sum_bytes_per_s'] / 1e12:.2f}) · "
+            f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s · P {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+
+
 def short_table(results):
     """A few lines per model: fused_experts and fused_moe_forward time, ratio to floor, target, grouped_mm."""
-    ceil = results["ceilings"]
     lines = [
-        f"R {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s (torch.sum {ceil['torch_sum_bytes_per_s'] / 1e12:.2f}) · "
-        f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s · P {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s · "
-        f"{results['meta']['device']}",
+        f"{_ceilings_line(results)} · {results['meta']['device']}",
         f"{'model':<15}{'T':>6} {'fe_us':>9} {'/flr':>5} {'tgt':>4} {'xgmm':>5} {'fwd_us':>9} {'/flr':>5} {'tgt':>4} "
         f"{'xgmm':>5} {'err':>7}",
     ]
@@ -756,9 +784,8 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
         raise SystemExit("no CUDA device: pass --device cpu (with TRITON_INTERPRET=1) for a plumbing run")
     torch.manual_seed(args.seed)
     kernel = kernel if kernel is not None else load_kernel(args.kernel_dir)
-    timer = timer if timer is not None else EventTimer(args.warmup_ms, args.rep_ms)
-    shapes = shapes if shapes is not None else MODEL_SHAPES
-    models = select_models(args.models, shapes)
+    timer = timer if timer is not None else make_timer(args, device)
+    models = select_models(args.models, shapes if shapes is not None else default_shapes(args.shrunk))
     dtype = DTYPES[args.dtype]
     import triton
 
@@ -787,6 +814,7 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
     if "vllm" in args.baselines:
         vllm_fn, why = load_vllm_fused_experts() if device.type == "cuda" else (None, "not on cuda")
         results["meta"]["vllm"] = why or "imported"
+    print(f"ceilings: {_ceilings_line(results)} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     out_dir = Path(args.out)
     runner = Runner(args, timer, device, results["ceilings"])
     for shape in models:
@@ -797,6 +825,7 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
                                                 args.fp16_spot_tokens, (), started))
         results["meta"]["elapsed_s"] = time.monotonic() - started
         write_outputs(results, out_dir)
+        print(f"{shape.name}: done at {results['meta']['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
     results["meta"]["elapsed_s"] = time.monotonic() - started
     summary = write_outputs(results, out_dir)
     print(summary, flush=True)

@@ -166,3 +166,25 @@ def test_real_package_one_cell(tmp_path):
     for c in results["cells"]:
         assert "error" not in c, c
         assert c["ok"], c
+
+
+def test_tune_writes_a_loadable_table(tmp_path):
+    """scripts/tune on tiny shapes: the table it writes parses with the package's own tile classes."""
+    import tune
+
+    try:
+        kernel = bench.load_kernel()
+        tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
+    except ImportError as exc:
+        pytest.skip(f"package not importable yet: {exc}")
+    out = tmp_path / "table.json"
+    argv = ["--device", DEVICE, "--models", "mixtral-8x7b", "--tokens", "2,8", "--max-candidates", "1",
+            "--out", str(out)]
+    tune.main(argv, timer=CountingTimer(), kernel=kernel, shapes=TINY)
+    table = json.loads(out.read_text())
+    assert table["measured"] is True and table["buckets"]
+    shape = TINY["mixtral-8x7b"]
+    buckets = table["shapes"][f"{shape.num_experts},{shape.ffn},{shape.hidden}"]
+    assert [b["max_rows_per_expert"] for b in buckets][:2] == [1, 2]
+    for bucket in buckets + table["buckets"]:
+        tiles.MoeTiles.from_dict(bucket)
