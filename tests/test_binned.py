@@ -458,7 +458,8 @@ def test_validation(call, error, match):
 
 def test_validate_false_skips_value_checks():
     """validate=False trusts bins (the GPU default): a wrong bins[-1] is not read, and the kernels stay in bounds."""
-    _, r, x = _valid_args()
+    r = _routing(Case("validation", 4, 3, 2, 8, 2))
+    x = torch.randn(4, 8, device=DEVICE)
     out = binned.binned_gather(x, r.indices, r.weights, r.bins - 1, 2, 2, validate=False)
     assert out.shape == (3, 2, 8) and not torch.isnan(out).any()
 
@@ -509,3 +510,32 @@ def test_int64_offsets_gpu():
     del buffer
     back = binned.binned_scatter(binned.binned_gather(x, indices, None, bins, capacity, k), indices, None, bins, k)
     assert torch.equal(back, x * kept.to(x.dtype))
+
+
+@needs_cuda
+def test_sync_free_gpu():
+    """Forward, backward and the capacity helpers never synchronise with the host (torch raises on any sync here);
+    padded_gather is given num_rows, its one documented sync otherwise."""
+    case = Case("sync_free", 256, 8, 2, 64, 40, block=16)
+    r = _routing(case)
+    x = torch.randn(case.num_tokens, case.hidden, device=DEVICE, requires_grad=True)
+    weights = r.weights.clone().requires_grad_(True)
+    padded_rows = int(r.padded_bins[-1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        buffer = binned.binned_gather(x, r.indices, weights, r.bins, case.capacity, case.top_k)
+        out = binned.binned_scatter(buffer, r.indices, weights, r.bins, case.top_k)
+        out.sum().backward()
+        binned.binned_scatter_wgrad(buffer.detach(), x.detach(), r.indices, r.bins, case.top_k)
+        padded = binned.padded_gather(x, r.indices, r.bin_ids, weights, r.bins, r.padded_bins, case.top_k,
+                                      num_rows=padded_rows)
+        binned.padded_scatter(padded, r.indices, r.bin_ids, weights, r.bins, r.padded_bins, case.top_k).sum().backward()
+        plain = binned.gather(x, r.indices, r.bin_ids, weights, r.bins, case.top_k)
+        binned.scatter(plain, r.indices, r.bin_ids, weights, r.bins, case.top_k).sum().backward()
+        binned.drop_over_capacity(r.topk_ids, case.num_experts, 0.5)
+        binned.sort(r.topk_ids.reshape(-1).int())
+        binned.inclusive_cumsum(binned.histogram(r.topk_ids.reshape(-1), case.num_experts), 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and weights.grad is not None
