@@ -14,7 +14,7 @@ Build (what kernel-builder's noarch build produces, without nix)::
 Publish (tag v<major>.<minor>.<patch> -> Hub)::
 
     checks (nothing is sent when one fails): tag format, tag major == build.toml version, git tag on HEAD,
-    clean tree, build/ fresh for HEAD, HF_TOKEN set
+    clean tree, build/ fresh for HEAD, HF_TOKEN set, huggingface_hub able to commit to kernel repos
     create_repo(kernel) -> README card on main -> branch v<major> -> commit build/<variant>/** (+ deletions)
     -> Hub tag named like the git tag on that commit
 """
@@ -232,7 +232,8 @@ def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
         log(f"built {variant_dir} ({kernel_id})")
         written.append(variant_dir)
     if dirty:
-        log("warning: the build ids end in _dirty (uncommitted changes, or no git revision); scripts/publish refuses them")
+        log("warning: the build ids end in _dirty (uncommitted changes, or no git revision); "
+            "scripts/publish refuses them")
     return written
 
 
@@ -255,7 +256,9 @@ def check_build_fresh(project: Project, build_dir: Path, commit: str) -> dict[st
     present = sorted(p.name for p in build_dir.iterdir() if p.is_dir())
     extra = sorted(set(present) - set(project.variants))
     if extra:
-        raise ReleaseError(f"{build_dir} holds variants this build.toml does not produce: {extra}; rebuild into a clean dir")
+        raise ReleaseError(
+            f"{build_dir} holds variants this build.toml does not produce: {extra}; rebuild into a clean dir"
+        )
     trees = {}
     for variant in project.variants:
         variant_dir = build_dir / variant
@@ -408,7 +411,7 @@ def render_card(project: Project, repo_id: str) -> str:
     docs = _doc_summaries(project.root)
     if docs:
         lines += ["", "## Documentation (in the source repository's docs/)", ""]
-        lines += [f"- **{title}** (`docs/{name}`): {text}" if text else f"- **{title}** (`docs/{name}`)" for name, title, text in docs]
+        lines += [f"- **{title}** (`docs/{name}`)" + (f": {text}" if text else "") for name, title, text in docs]
     lines += ["", f"License: {project.license}.", ""]
     return "\n".join(lines)
 
@@ -459,7 +462,9 @@ def publish(
         )
     dirty = dirty_paths(root)
     if dirty:
-        raise ReleaseError(f"the git tree is dirty ({len(dirty)} path(s), e.g. {dirty[0].strip()}); commit or stash first")
+        raise ReleaseError(
+            f"the git tree is dirty ({len(dirty)} path(s), e.g. {dirty[0].strip()}); commit or stash first"
+        )
     commit = head_commit(root)
     try:
         tagged = git(root, "rev-parse", f"{tag}^{{commit}}")
@@ -479,7 +484,8 @@ def publish(
     prefix = "[dry-run] " if dry_run else ""
     log(f"{prefix}release {tag} of {repo_id} from commit {commit[:7]}: {n_files} files in {len(trees)} variants")
     log(f"{prefix}1. create kernel repo {repo_id} if missing (repo_type='kernel')")
-    log(f"{prefix}2. check tags: stop if {tag} already holds this build, refuse if it holds another or a newer v{major} exists")
+    log(f"{prefix}2. check tags: stop if {tag} already holds this build; refuse if it holds another, "
+        f"or if a newer v{major} release exists")
     log(f"{prefix}3. commit {CARD_PATH} (card, {len(card)} bytes) to main")
     log(f"{prefix}4. create branch {branch} from main if missing")
     log(f"{prefix}5. commit to {branch}: {CARD_PATH} and")
@@ -502,7 +508,9 @@ def publish(
     refs = api.list_repo_refs(repo_id, repo_type="kernel")
     tags = {ref.name: ref.target_commit for ref in refs.tags}
     local_ids = {
-        f"build/{variant}/{rel}": git_blob_id(content) for variant, tree in trees.items() for rel, content in tree.items()
+        f"build/{variant}/{rel}": git_blob_id(content)
+        for variant, tree in trees.items()
+        for rel, content in tree.items()
     }
     if tag in tags:
         remote = {
@@ -513,11 +521,15 @@ def publish(
         if remote == local_ids:
             log(f"2. tag {tag} already points to {tags[tag][:7]} with this exact build: nothing to do")
             return tags[tag]
-        raise ReleaseError(f"Hub tag {tag} already exists on {tags[tag][:7]} with different files; release a new version")
+        raise ReleaseError(
+            f"Hub tag {tag} already exists on {tags[tag][:7]} with different files; release a new version"
+        )
     newer = sorted(name for name in tags if TAG_PATTERN.fullmatch(name) and parse_release_tag(name)[0] == major
                    and parse_release_tag(name) > (major, minor, patch))
     if newer:
-        raise ReleaseError(f"newer v{major} releases exist on the Hub ({', '.join(newer)}): {tag} would move {branch} back")
+        raise ReleaseError(
+            f"newer v{major} releases exist on the Hub ({', '.join(newer)}): {tag} would move {branch} back"
+        )
     log(f"2. tag {tag} is new")
 
     card_commit = api.create_commit(
@@ -569,7 +581,7 @@ def _project_root() -> Path:
 def main_build(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/build",
-        description="Build the noarch variants (build/torch-cuda, build/torch-rocm, build/torch-universal) without nix.",
+        description="Build the noarch variants (build/torch-cuda, torch-rocm, torch-universal) without nix.",
     )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <repo>/build)")
     parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")
@@ -589,7 +601,7 @@ def main_publish(argv: list[str] | None = None) -> int:
         "Reads the token from HF_TOKEN and the Hub address from HF_ENDPOINT (default: the public Hub).",
     )
     parser.add_argument("--repo-id", default=None, help="kernel repo (default: build.toml [general.hub] repo-id)")
-    parser.add_argument("--tag", default=None, help="release tag v<major>.<minor>.<patch> (default: the git tag on HEAD)")
+    parser.add_argument("--tag", default=None, help="release tag vMAJOR.MINOR.PATCH (default: the git tag on HEAD)")
     parser.add_argument("--build-dir", type=Path, default=None, help="variants to upload (default: <repo>/build)")
     parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")
     parser.add_argument("--dry-run", action="store_true", help="run the checks and print every step; send nothing")

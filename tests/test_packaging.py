@@ -252,7 +252,8 @@ def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
         copy = shutil.copytree if (ROOT / rel).is_dir() else shutil.copy2
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         copy(ROOT / rel, tree / rel)
-    result = run_script(tree, "build", env=clean_env(MOE_DISPATCH_COMMIT="0123456789abcdef", GIT_CEILING_DIRECTORIES=str(tmp_path)))
+    env = clean_env(MOE_DISPATCH_COMMIT="0123456789abcdef", GIT_CEILING_DIRECTORIES=str(tmp_path))
+    result = run_script(tree, "build", env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads((tree / "build" / "torch-rocm" / "metadata.json").read_text())["id"] == \
         "_moe_dispatch_rocm_0123456_dirty"
