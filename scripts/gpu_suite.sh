@@ -6,12 +6,12 @@
 #   bash scripts/gpu_suite.sh full       # every T from 1 to 16384
 #
 # Environment knobs: OUT (output folder, default ./gpu-out), SUITE_BUDGET_S (wall-clock budget of the whole script,
-# default 540), SUITE_TESTS=0 (skip pytest), PYTEST_ARGS (extra pytest arguments), SUITE_TUNE="model,model"
+# default 540), SUITE_TESTS=0 (skip pytest), PYTEST_ARGS (extra pytest arguments), PYTEST_BUDGET_S (default 240), SUITE_TUNE="model,model"
 # (run scripts/tune first; its table is used by the benchmark and copied to $OUT), BENCH_ARGS (extra benchmark
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
 #
-# Files under $OUT (at most 8, two folders deep): suite.log, pytest.log, bench/{bench.json, bench.md, roofline.png,
-# summary.txt}, and binned/ (bench_binned.py's output) or the tuned table.
+# Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, bench/{bench.json, bench.md,
+# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and the tuned table (SUITE_TUNE).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,6 +47,7 @@ if [ "${SUITE_TESTS:-1}" != "0" ]; then
   per_test=()
   if python3 -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 300); fi
   limit=$(( $(left) / 2 ))
+  [ "$limit" -gt "${PYTEST_BUDGET_S:-240}" ] && limit="${PYTEST_BUDGET_S:-240}"
   timeout "$limit" python3 -m pytest tests -q -p no:cacheprovider "${per_test[@]}" ${PYTEST_ARGS:-} \
     > "$OUT/pytest.log" 2>&1
   rc=$?
