@@ -769,6 +769,18 @@ def write_outputs(results, out_dir):
     return summary
 
 
+def _portable_path(value):
+    """Results are committed: a path inside the repository is kept relative to it, any other absolute path is cut to
+    its last component (no machine's layout ends up in the JSON)."""
+    if not isinstance(value, str) or not os.path.isabs(value):
+        return value
+    path = Path(value)
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return path.name
+
+
 def _git_commit():
     if os.environ.get("MOE_DISPATCH_COMMIT"):
         return os.environ["MOE_DISPATCH_COMMIT"]
@@ -802,10 +814,10 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
             "triton": triton.__version__,
             "python": platform.python_version(),
             "package": f"{getattr(kernel, '__name__', '?')} {getattr(kernel, '__version__', '?')}",
-            "package_file": getattr(kernel, "__file__", None),
+            "package_file": _portable_path(getattr(kernel, "__file__", None)),
             "commit": _git_commit(),
             "dtype": str(dtype).replace("torch.", ""),
-            "argv": list(sys.argv[1:] if argv is None else argv),
+            "argv": [_portable_path(a) for a in (sys.argv[1:] if argv is None else argv)],
             "tolerance": {str(k).replace("torch.", ""): v for k, v in TOLERANCE.items()},
             "targets": {"read_slack": READ_SLACK, "launch_allowance_us": LAUNCH_ALLOWANCE_S * 1e6,
                         "routing_allowance_us": ROUTING_ALLOWANCE_S * 1e6},

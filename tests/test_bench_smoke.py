@@ -188,3 +188,10 @@ def test_tune_writes_a_loadable_table(tmp_path):
     assert [b["max_rows_per_expert"] for b in buckets][:2] == [1, 2]
     for bucket in buckets + table["buckets"]:
         tiles.MoeTiles.from_dict(bucket)
+
+
+def test_results_name_no_machine_paths(tmp_path):
+    argv = _common(tmp_path, "mixtral-8x7b", "1") + ["--no-baselines", "--fp16-spot", "none"]
+    results = bench.main(argv, timer=CountingTimer(), kernel=TorchKernel(), shapes=TINY)
+    text = json.dumps(results["meta"])
+    assert str(tmp_path) not in text and str(ROOT) not in text
