@@ -9,13 +9,17 @@ which is what the table is keyed by (tiles.select_tiles). For each such bucket t
      GEMM's held, then the down GEMM's with the best gate_up held (the two are separate launches, so their
      times add),
   3. keeps the candidate with the lowest mean log(time / reference time) over the bucket's T, so T = 1 weighs as
-     much as the bucket's largest T.
+     much as the bucket's largest T, if it beats the current choice by more than --min-gain (noise).
 
 Every candidate's output is checked against the float64 reference (all rows up to 256 tokens, a sample above) and
 rejected when it is off or does not compile (e.g. too much shared memory). Buckets the run does not reach keep the
 existing table's entries; the file is rewritten after every bucket, so a run cut short keeps what it measured.
 
     scripts/tune --models mixtral-8x7b,qwen3-30b-a3b --out "$OUT/NVIDIA_H200.json" --budget-s 400
+
+Cost: every candidate tile compiles once per process (Triton's on-disk cache then serves the other models and
+buckets), and each bucket measures about 20-40 candidates; all six models at every power-of-two T is several minutes
+of GPU time, so pass --models / --tokens / --budget-s to fit a call.
 """
 
 import argparse
@@ -72,6 +76,8 @@ def parse_args(argv):
     p.add_argument("--rep-ms", type=float, default=25.0)
     p.add_argument("--check-rows", type=int, default=128)
     p.add_argument("--max-candidates", type=int, default=None, help="per GEMM and BLOCK_M (smoke runs)")
+    p.add_argument("--min-gain", type=float, default=0.02,
+                   help="keep the current tiles unless a candidate is this much faster (geometric mean)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new buckets after this many seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shrunk", action="store_true", help="interpreter-sized shapes: a plumbing run with --device cpu")
@@ -176,7 +182,8 @@ def tune_bucket(tiles_module, kernel, prob, rows, tokens, args, timer, device):
     tuner.reference_ms = tuner.measure(current)
     if tuner.reference_ms is None:
         raise RuntimeError(f"the current table's tiles fail for {shape.name} rows={rows}: {current}")
-    best, best_score, best_ms = current, 0.0, tuner.reference_ms
+    # a new choice must beat the current one by more than timing noise (geometric mean over the bucket's T)
+    best, best_score, best_ms = current, math.log(1.0 - args.min_gain), tuner.reference_ms
     limit = smem_limit(device)
     for block_m in block_m_candidates(rows):
         gate_up_cands = gemm_candidates(tiles_module, block_m, True, limit, args.max_candidates)
