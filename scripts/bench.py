@@ -645,6 +645,7 @@ def write_markdown(results, path):
     ]
     cells = results["cells"]
     models = list(dict.fromkeys(c["model"] for c in cells))
+    lines += ["", "## Summary (the layout of docs/performance.md's current table)", ""] + summary_table(results)
     header = ("| T | path | dtype | hit | plain | graph | floor | target | time/floor | TB/s | TFLOP/s | "
               "grouped_mm | vs gmm | vLLM | eager | rel err | target met |")
     for model in models:
@@ -659,7 +660,7 @@ def write_markdown(results, path):
             gmm = _find(cells, model, c["tokens"], c["path"], "grouped_mm", c["dtype"]) or {}
             vllm = _find(cells, model, c["tokens"], c["path"], "vllm", c["dtype"]) or {}
             eager = _find(cells, model, c["tokens"], c["path"], "eager", c["dtype"]) or {}
-            met = {True: "yes", False: "**MISS**", None: "-"}[c.get("meets_target")]
+            met = _met(c, "yes", "**MISS**")
             if c.get("error"):
                 met = f"error: {c['error'][:80]}"
             lines.append(
@@ -672,6 +673,30 @@ def write_markdown(results, path):
                 f"{met} |"
             )
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _met(cell, yes, no):
+    """'yes', or the miss with how far over the target the time is."""
+    met = cell.get("meets_target")
+    if met is None:
+        return "-"
+    return yes if met else f"{no} (+{(cell['time_us'] / cell['target_us'] - 1) * 100:.0f}%)"
+
+
+def summary_table(results):
+    """One row per model and T (the run's main dtype): both paths' time, time/floor, target, speedup over grouped_mm."""
+    cells, dtype = results["cells"], results["meta"]["dtype"]
+    lines = ["| model | T | fused_experts | x floor | target met | vs gmm | fused_moe_forward | x floor | target met | "
+             "vs gmm |", "|" + " --- |" * 10]
+    for model, tokens in dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype):
+        row = [model, str(tokens)]
+        for path in PATHS:
+            c = _find(cells, model, tokens, path, "moe_dispatch", dtype) or {}
+            met = _met(c, "yes", "**no**")
+            row += [_fmt(c.get("time_us")), _fmt(c.get("time_over_floor"), ".2f"), met,
+                    _fmt(c.get("vs_grouped_mm"), ".2f")]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def plot_roofline(results, path):

@@ -133,6 +133,7 @@ def test_bench_plumbing(tmp_path, capsys):
     md = (tmp_path / "bench.md").read_text()
     assert "## Ceilings" in md and "## deepseek-v3 (E=32, top_k=8" in md
     assert md.count("| 5 | fused_moe_forward | bfloat16 |") == 3
+    assert "| deepseek-v3 | 5 |" in md  # the summary table
     summary = (tmp_path / "summary.txt").read_text()
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(summary.rstrip().splitlines()[-1])
