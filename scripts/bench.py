@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs kernels interpreted
+
 ROOT = Path(__file__).resolve().parent.parent
 for _p in (ROOT / "scripts", ROOT / "tests"):
     if str(_p) not in sys.path:
