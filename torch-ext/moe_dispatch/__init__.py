@@ -32,7 +32,7 @@ from .dispatch import permute_tokens
 from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
 from .routing import moe_router
-from . import layers
+from . import layers, transformers_experts  # bound by name: hub-loaded packages need explicit attributes
 from .transformers_experts import moe_dispatch_experts, register_experts
 
 __version__ = "1.0.0"
