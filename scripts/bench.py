@@ -92,8 +92,10 @@ def parse_args(argv):
     p.add_argument("--check-rows", type=int, default=256,
                    help="correctness: all rows up to this T, a random sample of this many above")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
-    p.add_argument("--ceiling-mib", type=int, default=4096, help="buffer for the read-bandwidth ceiling")
-    p.add_argument("--matmul-size", type=int, default=8192, help="n of the n^3 matmul ceiling")
+    p.add_argument("--ceiling-mib", type=int, default=None,
+                   help="buffer for the read-bandwidth ceiling (default 4096; 1 on the CPU)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="n of the n^3 matmul ceiling (default 8192; 64 on the CPU)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop starting new cells after this many seconds (the outputs keep what was measured)")
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +106,11 @@ def parse_args(argv):
         args.tokens = QUICK_TOKENS if args.quick else ALL_TOKENS
     else:
         args.tokens = tuple(int(t) for t in args.tokens.split(","))
+    on_cpu = args.device == "cpu"
+    if args.ceiling_mib is None:
+        args.ceiling_mib = 1 if on_cpu else 4096
+    if args.matmul_size is None:
+        args.matmul_size = 64 if on_cpu else 8192
     if args.warmup_ms is None:
         args.warmup_ms = 5.0 if args.quick else 10.0
     if args.rep_ms is None:
