@@ -1,9 +1,10 @@
 """Routing: router GEMM, then gating (softmax or sigmoid), optional group-limited selection, top-k, renormalisation.
 
 Two kernels, no host sync:
-  _router_logits_kernel  [T, H] x [E, H]^T -> fp32 logits [T, E]; the grid splits E so that decoding (T = 1) still
-                         spreads the router weight over many programs.
-  _topk_gating_kernel    fp32 logits -> topk_ids [T, top_k] (int64), topk_weights [T, top_k] (fp32).
+  _router_logits_kernel  [T, H] x [E, H]^T -> fp32 partial logits [SPLIT_H, T, E]; the grid splits E and, when T is
+                         small, H too, so that decoding (T = 1) still spreads the router weight over many programs.
+  _topk_gating_kernel    sums the SPLIT_H partials in a fixed order (deterministic, no atomics), then
+                         -> topk_ids [T, top_k] (int64), topk_weights [T, top_k] (fp32).
 
 Semantics (kept from the v1 seed API, extended with DeepSeek-V3 routing):
   scores  = softmax(logits) or sigmoid(logits)              (logits include `router_bias` when given)
@@ -28,7 +29,7 @@ GATINGS = {"softmax": 0, "sigmoid": 1}
 @triton.jit
 def _router_logits_kernel(
     x_ptr, w_ptr, bias_ptr, logits_ptr,
-    T, H, E,
+    T, H, E, h_per_split,
     stride_x_t, stride_x_h,
     stride_w_e, stride_w_h,
     HAS_BIAS: tl.constexpr,
@@ -38,20 +39,24 @@ def _router_logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Grid: (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E)). Each program owns a [BLOCK_T, BLOCK_E] tile of fp32 logits."""
+    """Grid: (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), SPLIT_H). Each program owns a [BLOCK_T, BLOCK_E] tile of the fp32
+    partial logits of hidden columns [split * h_per_split, +h_per_split); h_per_split is a multiple of BLOCK_H."""
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
+    split = tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_h = tl.arange(0, BLOCK_H)
+    h_start = split * h_per_split
+    offs_h = h_start + tl.arange(0, BLOCK_H)
+    h_end = min(H, h_start + h_per_split)
     mask_t = offs_t < T
     mask_e = offs_e < E
 
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_h[None, :] * stride_x_h  # [BLOCK_T, BLOCK_H]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_w_e + offs_h[:, None] * stride_w_h  # [BLOCK_H, BLOCK_E]
     b_acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        mask_h = offs_h < H - h0
+    for h0 in range(h_start, h_end, BLOCK_H):
+        mask_h = offs_h < h_end - h0 + h_start
         b_x = tl.load(x_ptrs, mask=mask_t[:, None] & mask_h[None, :], other=0.0)
         b_w = tl.load(w_ptrs, mask=mask_h[:, None] & mask_e[None, :], other=0.0)
         if DOT_FP32:
@@ -61,7 +66,9 @@ def _router_logits_kernel(
         x_ptrs += BLOCK_H * stride_x_h
         w_ptrs += BLOCK_H * stride_w_h
     if HAS_BIAS:
-        b_acc += tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+        if split == 0:
+            b_acc += tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+    logits_ptr += split.to(tl.int64) * T * E
     tl.store(logits_ptr + offs_t[:, None].to(tl.int64) * E + offs_e[None, :], b_acc,
              mask=mask_t[:, None] & mask_e[None, :])
 
@@ -79,6 +86,7 @@ def _topk_gating_kernel(
     logits_ptr, correction_ptr, topk_ids_ptr, topk_weights_ptr,
     T, E, group_size,
     renorm_eps, routed_scaling_factor,
+    SPLIT_H: tl.constexpr,
     TOP_K: tl.constexpr,
     SIGMOID: tl.constexpr,
     RENORMALIZE: tl.constexpr,
@@ -97,8 +105,13 @@ def _topk_gating_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_t = offs_t < T
     mask_e = offs_e < E
-    b_logits = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * E + offs_e[None, :],
-                       mask=mask_t[:, None] & mask_e[None, :], other=0.0)  # [BLOCK_T, BLOCK_E]
+    logit_offs = offs_t[:, None].to(tl.int64) * E + offs_e[None, :]
+    mask_te = mask_t[:, None] & mask_e[None, :]
+    b_logits = tl.load(logits_ptr + logit_offs, mask=mask_te, other=0.0)  # [BLOCK_T, BLOCK_E]
+    for split in tl.static_range(1, SPLIT_H):
+        b_logits += tl.load(logits_ptr + split * T * E + logit_offs, mask=mask_te, other=0.0)
+    if SPLIT_H > 1:
+        tl.store(logits_ptr + logit_offs, b_logits, mask=mask_te)  # the caller reads split 0 as the logits
     if SIGMOID:
         b_scores = tl.sigmoid(b_logits)
     else:
@@ -155,16 +168,25 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
           topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
     """Launcher for 2-D `x` [T, H] (validated by the caller's `check_router_args`).
 
-    Returns topk_ids [T, top_k] int64, topk_weights [T, top_k] fp32, logits [T, E] fp32.
+    Returns topk_ids [T, top_k] int64, topk_weights [T, top_k] fp32, logits [T, E] fp32 (split 0 of the partials,
+    where the gating kernel leaves the sum).
     """
     T, H = x.shape
     E = router_weight.shape[0]
     device = x.device
-    logits = torch.empty((T, E), device=device, dtype=torch.float32)
+    block_t = 16 if T <= 64 else 64
+    block_e = min(max(16, triton.next_power_of_2(E)), 32)
+    block_h = 128
+    # Few token tiles: split H as well, so the router weight is read by ~64+ programs in parallel (decode).
+    tiles = max(1, triton.cdiv(T, block_t) * triton.cdiv(E, block_e))
+    split_h = max(1, min(triton.cdiv(H, 4 * block_h), triton.cdiv(64, tiles))) if tiles < 64 else 1
+    h_per_split = triton.cdiv(triton.cdiv(max(H, 1), split_h), block_h) * block_h
+    split_h = max(1, triton.cdiv(H, h_per_split))
+    partials = torch.empty((split_h, T, E), device=device, dtype=torch.float32)
     topk_ids = torch.empty((T, top_k), device=device, dtype=torch.int64)
     topk_weights = torch.empty((T, top_k), device=device, dtype=torch.float32)
     if T == 0:
-        return topk_ids, topk_weights, logits
+        return topk_ids, topk_weights, partials[0]
 
     sigmoid = GATINGS[gating] == 1
     if renormalize is None:
@@ -172,27 +194,26 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
     n_group = n_group or 1
     topk_group = topk_group or n_group
 
-    block_t = 16 if T <= 64 else 64
-    block_e = min(max(16, triton.next_power_of_2(E)), 32)
     dot_fp32 = dot_needs_fp32(x.dtype)
-    _router_logits_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e))](
-        x, router_weight, router_bias, logits,
-        T, H, E,
+    _router_logits_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e), split_h)](
+        x, router_weight, router_bias, partials,
+        T, H, E, h_per_split,
         x.stride(0), x.stride(1),
         router_weight.stride(0), router_weight.stride(1),
         HAS_BIAS=router_bias is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if dot_fp32 else _dot_precision(x.dtype),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h,
         num_warps=4,
     )
 
     block_e_all = max(16, triton.next_power_of_2(E))
     block_t_gate = 16 if block_e_all <= 128 else 8
     _topk_gating_kernel[(triton.cdiv(T, block_t_gate),)](
-        logits, e_score_correction_bias, topk_ids, topk_weights,
+        partials, e_score_correction_bias, topk_ids, topk_weights,
         T, E, E // n_group,
         1e-6 if sigmoid else 0.0, float(routed_scaling_factor),
+        SPLIT_H=split_h,
         TOP_K=top_k,
         SIGMOID=sigmoid,
         RENORMALIZE=bool(renormalize),
@@ -205,7 +226,7 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4,
     )
-    return topk_ids, topk_weights, logits
+    return topk_ids, topk_weights, partials[0]
 
 
 def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
