@@ -4,7 +4,7 @@ import pytest
 import torch
 from cases import FORWARD_CASES, TOLERANCE, Case
 from conftest import DEVICE
-from reference import (expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref, fused_moe_forward_ref,
+from reference import (experts_ref, expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref, fused_moe_forward_ref,
                        grouped_gemm_ref, moe_router_ref, permute_tokens_ref, unpermute_tokens_ref)
 
 import moe_dispatch as md
@@ -353,3 +353,31 @@ def test_v1_function_errors():
         md.unpermute_tokens(x, torch.rand(3, 2), torch.arange(5), 3, 2)
     with pytest.raises(ValueError, match="top_k_weights"):
         md.unpermute_tokens(x, torch.rand(3, 3), torch.arange(6), 3, 2)
+
+
+def _capacity_keep_ref(ids, num_experts, capacity):
+    """Per expert, keep its first `capacity` assignments in order a = t * top_k + j (MegaBlocks)."""
+    seen = [0] * num_experts
+    keep = []
+    for e in ids.reshape(-1).tolist():
+        keep.append(seen[e] < capacity)
+        seen[e] += 1
+    return torch.tensor(keep).view(ids.shape)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 4.0])
+def test_fused_moe_forward_capacity(capacity_factor):
+    """capacity_factor drops exactly MegaBlocks' overflow: C = int(cf * T * k / E), earliest assignments kept."""
+    T, E, top_k, H, F = 40, 4, 2, 32, 16
+    x = torch.randn(T, H, device=DEVICE)
+    router_weight = torch.randn(E, H, device=DEVICE)
+    router_weight[0] += 0.5 * x.mean(0)  # skew the routing so expert 0 overflows
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, top_k,
+                                             capacity_factor=capacity_factor)
+    capacity = int(capacity_factor * T * top_k / E)
+    keep = _capacity_keep_ref(ids.cpu(), E, capacity).to(DEVICE)
+    if capacity_factor == 0.5:
+        assert not keep.all(), "the case must overflow some expert"
+    ref = experts_ref(x, w_gate, w_up, w_down, ids, weights.float() * keep)
+    assert_close(out, ref, torch.float32)

@@ -12,6 +12,7 @@ graph and replayed with new inputs.
 import torch
 
 from ._checks import check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device
+from .binned import drop_over_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
 from .grouped_gemm import check_segmented_rows, grouped_matmul
@@ -131,11 +132,14 @@ def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
 
 def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_experts, top_k, gating="softmax", *,
                       renormalize=None, router_bias=None, n_group=None, topk_group=None, e_score_correction_bias=None,
-                      routed_scaling_factor=1.0, tiles: MoeTiles | None = None):
+                      routed_scaling_factor=1.0, capacity_factor=None, tiles: MoeTiles | None = None):
     """Whole MoE layer (v1 API): route, then run the experts.
 
     hidden_states [..., H], router_weight [E, H], w_gate and w_up [E, F, H], w_down [E, H, F]. Routing semantics are
-    those of `moe_router`. Returns (out [..., H] in the input dtype, top_k_indices [T, top_k] int64, top_k_weights
+    those of `moe_router`. With `capacity_factor`, each expert takes at most C = int(capacity_factor * T * top_k / E)
+    assignments, the earliest in order t * top_k + j (MegaBlocks' rule; C = 0 drops nothing, as MegaBlocks falls back
+    to the largest count); dropped assignments contribute nothing to `out` but are still reported in the returned ids
+    and weights (`binned.capacity_keep_mask` tells which were kept). Returns (out [..., H] in the input dtype, top_k_indices [T, top_k] int64, top_k_weights
     [T, top_k] in the input dtype) with T the product of the leading dims.
     """
     E = check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
@@ -153,7 +157,8 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
         routed_scaling_factor=routed_scaling_factor)
     if tiles is None:
         tiles = select_tiles(x.device, T, top_k, E, F, H)
-    out = _experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, E, tiles)
+    expert_ids = topk_ids if capacity_factor is None else drop_over_capacity(topk_ids, E, capacity_factor)
+    out = _experts(x, w_gate, w_up, w_down, expert_ids, topk_weights, E, tiles)
     return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
 
 
