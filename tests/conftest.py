@@ -15,6 +15,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest  # noqa: E402
 
+
+def _load_from_hub_build():
+    """MOE_DISPATCH_FROM=hub: build the variants with scripts/build, load the one for this machine through
+    LOCAL_KERNELS + kernels.get_kernel(repo, version=1), and make it the `moe_dispatch` every test imports."""
+    import subprocess
+    import tempfile
+    import tomllib
+
+    with open(os.path.join(ROOT, "build.toml"), "rb") as f:
+        repo_id = tomllib.load(f)["general"]["hub"]["repo-id"]
+    out = tempfile.mkdtemp(prefix="moe-dispatch-build-")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build"), "--out", out], check=True)
+    os.environ["LOCAL_KERNELS"] = f"{repo_id}={out}"
+    from kernels import get_kernel
+
+    module = get_kernel(repo_id, version=1)
+    for name in [n for n in sys.modules if n == module.__name__ or n.startswith(module.__name__ + ".")]:
+        sys.modules["moe_dispatch" + name[len(module.__name__):]] = sys.modules[name]
+    return f"moe_dispatch loaded with get_kernel({repo_id!r}, version=1) from {module.__file__}"
+
+
+LOADED_FROM = _load_from_hub_build() if os.environ.get("MOE_DISPATCH_FROM") == "hub" else "moe_dispatch from torch-ext"
+
+
+def pytest_report_header(config):
+    return LOADED_FROM
+
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
