@@ -513,6 +513,7 @@ def test_int64_offsets_gpu():
 
 
 @needs_cuda
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_sync_free_gpu():
     """Forward, backward and the capacity helpers never synchronise with the host (torch raises on any sync here);
     padded_gather is given num_rows, its one documented sync otherwise."""
