@@ -362,10 +362,12 @@ def hub_kernel(tmp_path_factory):
 
 def test_hub_kernel_is_a_separate_copy(hub_kernel):
     package, _ = hub_kernel
-    assert package is not moe_dispatch and package.__name__ != moe_dispatch.__name__
-    assert package.layers.MegaBlocksMoeMLP is not moe_dispatch.layers.MegaBlocksMoeMLP
     for name in ("moe_dispatch_experts", "register_experts"):
         assert name in package.__all__
+    if moe_dispatch.__name__ != "moe_dispatch":
+        pytest.skip("the suite itself runs on a hub build (MOE_DISPATCH_FROM=hub): both are that one module")
+    assert package is not moe_dispatch and package.__name__ != moe_dispatch.__name__
+    assert package.layers.MegaBlocksMoeMLP is not moe_dispatch.layers.MegaBlocksMoeMLP
 
 
 @pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
