@@ -228,7 +228,8 @@ def grouped_gemm(tokens, weights, expert_offsets, num_experts):
         raise TypeError(f"weights dtype {weights.dtype} differs from tokens dtype {tokens.dtype}")
     from .tiles import select_tiles
 
-    tiles = select_tiles(tokens.device, tokens.shape[0], 1, num_experts, weights.shape[1], tokens.shape[1])
+    tiles = select_tiles(tokens.device, tokens.shape[0], 1, num_experts, weights.shape[1], tokens.shape[1],
+                         tokens.dtype)
     info = segments_info(expert_offsets, tokens.shape[0], num_experts, tiles.block_m)
     out = torch.zeros((tokens.shape[0], weights.shape[1]), device=tokens.device, dtype=tokens.dtype)
     return grouped_matmul(tokens, weights, info, tiles.down, out=out)

@@ -101,7 +101,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     x = hidden_states.reshape(T, H)
     top_k = topk_ids.shape[1]
     if tiles is None:
-        tiles = select_tiles(x.device, T, top_k, E, F, H)
+        tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     w_gate, w_up = _split_gate_up(w_gate_up, F, interleaved, f_axis)
     gate_bias = up_bias = None
     if gate_up_bias is not None:
@@ -156,7 +156,7 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
         topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor)
     if tiles is None:
-        tiles = select_tiles(x.device, T, top_k, E, F, H)
+        tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     expert_ids = topk_ids if capacity_factor is None else drop_over_capacity(topk_ids, E, capacity_factor)
     out = _experts(x, w_gate, w_up, w_down, expert_ids, topk_weights, E, tiles)
     return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
@@ -168,7 +168,7 @@ def _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
     F = _check_expert_weights(w_gate, w_up, w_down, num_experts, H, permuted_tokens.dtype)
     check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
     M = permuted_tokens.shape[0]
-    tiles = select_tiles(permuted_tokens.device, M, 1, num_experts, F, H)
+    tiles = select_tiles(permuted_tokens.device, M, 1, num_experts, F, H, permuted_tokens.dtype)
     info = segment_dispatch(expert_offsets, M, num_experts, tiles.block_m, gather_idx=sorted_idx, top_k=top_k)
     intermediate = grouped_matmul(permuted_tokens, w_gate, info, tiles.gate_up, weight_up=w_up, activation="silu")
     out = torch.zeros((M, H), device=permuted_tokens.device, dtype=permuted_tokens.dtype)

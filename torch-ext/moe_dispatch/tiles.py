@@ -76,9 +76,21 @@ def _pick_bucket(buckets, rows_per_expert):
     return buckets[-1]
 
 
-def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int) -> MoeTiles:
-    """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads)."""
+def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
+                 dtype: torch.dtype = torch.bfloat16) -> MoeTiles:
+    """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads).
+
+    Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes of shared
+    memory (the full tile would not fit the pipeline on the H200).
+    """
     table = load_table(device_key(device))
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     rows_per_expert = -(-num_tokens * top_k // num_experts)
-    return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
+    tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
+    if torch.empty((), dtype=dtype).element_size() > 2:
+        tiles = dataclasses.replace(
+            tiles,
+            gate_up=dataclasses.replace(tiles.gate_up, block_k=max(16, tiles.gate_up.block_k // 2)),
+            down=dataclasses.replace(tiles.down, block_k=max(16, tiles.down.block_k // 2)),
+        )
+    return tiles
