@@ -51,7 +51,7 @@ def test_real_model_sizes_bf16(name, T):
 def test_cuda_graph_capture_and_replay(path, T):
     """The forward has no host sync: capture it once, replay with new inputs, get what eager gives."""
     shape = MODEL_SHAPES["qwen3-30b-a3b"]
-    E, k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+    E, k = shape.num_experts, shape.top_k
     x, router_weight, (w_gate, w_up, w_down), kwargs = _model_inputs(shape, T)
     w_gate_up = torch.cat([w_gate, w_up], 1)
     ids = torch.randint(0, E, (T, k), device="cuda")

@@ -69,3 +69,14 @@ def check_ids_in_range(name, ids, num_experts, validate):
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= num_experts:
         raise ValueError(f"{name} must lie in [0, {num_experts}), got values in [{low}, {high}]")
+
+
+def check_token_weights(top_k_weights, num_tokens, top_k):
+    """num_tokens / top_k given as ints by the v1 functions, and top_k_weights [num_tokens, top_k] to match."""
+    check_float("top_k_weights", top_k_weights, ndim=2)
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
+    check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_dim, check_float, check_index, check_same_device
+from ._checks import check_dim, check_float, check_index, check_same_device, check_token_weights
 
 
 @triton.jit
@@ -69,14 +69,8 @@ def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top
     [T*top_k] (permute_tokens' inverse permutation; entries < 0 are skipped). Output in expert_outputs' dtype.
     """
     check_float("expert_outputs", expert_outputs, ndim=2)
-    check_float("top_k_weights", top_k_weights, ndim=2)
     check_index("restore_idx", restore_idx, ndim=1)
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
-    check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")
+    check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("restore_idx", restore_idx, 0, num_tokens * top_k, "num_tokens * top_k")
     check_same_device(expert_outputs=expert_outputs, top_k_weights=top_k_weights, restore_idx=restore_idx)
     if restore_idx.device.type == "cpu" and restore_idx.numel() and int(restore_idx.max()) >= expert_outputs.shape[0]:

@@ -11,7 +11,8 @@ graph and replayed with new inputs.
 
 import torch
 
-from ._checks import check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device
+from ._checks import (check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device,
+                      check_token_weights)
 from .binned import drop_over_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
@@ -189,14 +190,8 @@ def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
     sorted_idx[p] is the assignment id (t * top_k + j) of row p, as returned by permute_tokens (-1: no assignment).
     """
     check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
-    check_float("top_k_weights", top_k_weights, ndim=2)
     check_index("sorted_idx", sorted_idx, ndim=1)
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
-    check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")
+    check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("sorted_idx", sorted_idx, 0, permuted_tokens.shape[0], "rows of permuted_tokens")
     if permuted_tokens.shape[0] != num_tokens * top_k:
         raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
