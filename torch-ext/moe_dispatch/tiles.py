@@ -9,8 +9,9 @@ of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,
                   "down":    {...}}, ...],
      "shapes": {"8,14336,4096": [<buckets>]}}
 
-The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). Unknown
-devices fall back to `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
+The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A table
+also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown devices fall back to
+`configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
 """
 
 import dataclasses
@@ -59,12 +60,21 @@ class MoeTiles:
 
 
 @functools.lru_cache(maxsize=None)
+def table_path(key: str) -> str:
+    """configs/<key>.json; else the longest table name that prefixes the key (`NVIDIA_A100` serves
+    `NVIDIA_A100_SXM4_80GB`); else configs/default.json (logged once)."""
+    names = sorted((f[:-5] for f in os.listdir(_CONFIG_DIR) if f.endswith(".json")), key=len, reverse=True)
+    for name in names:
+        if key == name or key.startswith(name + "_"):
+            return os.path.join(_CONFIG_DIR, f"{name}.json")
+    _log.info("moe_dispatch: no tile table for %s, using configs/default.json", key)
+    return os.path.join(_CONFIG_DIR, "default.json")
+
+
+@functools.lru_cache(maxsize=None)
 def load_table(key: str) -> dict:
-    """The tile table for a device key, or the default table (logged) when the device has none."""
-    path = os.path.join(_CONFIG_DIR, f"{key}.json")
-    if not os.path.exists(path):
-        _log.info("moe_dispatch: no tile table for %s, using configs/default.json", key)
-        path = os.path.join(_CONFIG_DIR, "default.json")
+    """The tile table for a device key (see `table_path`)."""
+    path = table_path(key)
     with open(path) as f:
         return json.load(f)
 
