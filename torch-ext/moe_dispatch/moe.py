@@ -81,7 +81,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
     check_dim("w_down", w_down, down_h_axis, H, "hidden size H")
     check_dim("w_down", w_down, down_f_axis, F, "ffn size F (half of w_gate_up's 2F)")
-    T = hidden_states.numel() // H if H else hidden_states.shape[:-1].numel()
+    T = hidden_states.shape[:-1].numel()
     check_dim("topk_ids", topk_ids, 0, T, "number of tokens T")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)} but topk_ids has {tuple(topk_ids.shape)}")
