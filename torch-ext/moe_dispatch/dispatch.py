@@ -10,8 +10,8 @@ An assignment is a = t * top_k + j (token t's j-th expert). `dispatch` sorts the
 When N fits in one chunk (decoding) `_dispatch_single_kernel` does all three in one launch. Ids outside [0, E) are
 dropped: they get no position (scatter_idx = -1) and contribute nothing downstream.
 
-`permute_tokens` (v1 API) materialises the expert-ordered copy of the activations; the fused path never does: the
-first GEMM gathers rows through `gather_idx` in its loads.
+`permute_tokens` (v1 API) materialises the expert-ordered copy of the activations with the binned module's plain
+gather; the fused path never does: the first GEMM gathers rows through `gather_idx` in its loads.
 """
 
 import dataclasses
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._binned_kernels import PLAIN, Layout, launch_gather
 from ._checks import check_float, check_ids_in_range, check_index, check_same_device
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
@@ -264,39 +265,6 @@ def dispatch(topk_ids, num_experts, block_m):
     return info
 
 
-@triton.jit
-def _gather_rows_kernel(
-    x_ptr, gather_idx_ptr, out_ptr,
-    N, H,
-    stride_x_t, stride_x_h, stride_out_m,
-    TOP_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Grid: (cdiv(N, BLOCK_R), cdiv(H, BLOCK_H)). out[p] = x[gather_idx[p] // TOP_K]; zero rows where gather_idx < 0."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_r = offs_r < N
-    mask_h = offs_h < H
-    b_assignment = tl.load(gather_idx_ptr + offs_r, mask=mask_r, other=-1)
-    b_token = tl.where(b_assignment >= 0, b_assignment // TOP_K, 0).to(tl.int64)
-    b_x = tl.load(x_ptr + b_token[:, None] * stride_x_t + offs_h[None, :] * stride_x_h,
-                  mask=(b_assignment >= 0)[:, None] & mask_h[None, :], other=0.0)
-    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * stride_out_m + offs_h[None, :], b_x,
-             mask=mask_r[:, None] & mask_h[None, :])
-
-
-def gather_rows(x, info):
-    """[N, H] copy of the activations in expert order (rows of dropped assignments are zero)."""
-    N, H = info.num_assignments, x.shape[1]
-    out = torch.empty((N, H), device=x.device, dtype=x.dtype)
-    if N and H:
-        grid = (triton.cdiv(N, 16), triton.cdiv(H, 128))
-        _gather_rows_kernel[grid](x, info.gather_idx, out, N, H, x.stride(0), x.stride(1), out.stride(0),
-                                  TOP_K=info.top_k, BLOCK_R=16, BLOCK_H=128)
-    return out
-
-
 def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=None):
     """Sort token copies by expert (v1 API).
 
@@ -316,7 +284,9 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=No
     check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
     check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate_ids)
     info = dispatch(top_k_indices, num_experts, block_m=16)
-    permuted = gather_rows(hidden_states, info)
+    # The plain (unpadded) MegaBlocks gather: row p = hidden_states[gather_idx[p] // top_k], zero where gather_idx < 0.
+    permuted = launch_gather(hidden_states.contiguous(), info.gather_idx, None, None, None,
+                             Layout(PLAIN.value, info.top_k), info.num_assignments)
     return permuted, info.expert_offsets.long(), info.gather_idx.long(), info.scatter_idx.long()
 
 
