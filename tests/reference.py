@@ -8,7 +8,9 @@ import torch
 
 
 def _f64(t):
-    return None if t is None else t.detach().to(torch.float64)
+    """float64 copy of t, differentiable: a float64 leaf passes through, so autograd of a reference is the float64
+    reference of the gradient."""
+    return None if t is None else t.to(torch.float64)
 
 
 def moe_router_ref(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,

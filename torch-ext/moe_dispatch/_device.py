@@ -46,6 +46,8 @@ def dot_needs_fp32(dtype: torch.dtype) -> bool:
     return is_interpreter() and dtype == torch.bfloat16
 
 
-def fp32_dot_precision() -> str:
-    """`input_precision` for fp32 dots: follow torch's own switch so fp32 callers get what torch.matmul would give."""
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def dot_input_precision(dtype: torch.dtype) -> str:
+    """`input_precision` of a GEMM's dots: fp32 operands follow torch's own switch (tf32 only when
+    `torch.backends.cuda.matmul.allow_tf32` is set), so fp32 callers get what torch.matmul would give; half-precision
+    operands run at their own precision ("ieee": the setting only concerns fp32 operands)."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"

@@ -1,17 +1,26 @@
-"""Grouped GEMMs over expert-sorted rows: one Triton kernel for both MoE projections and the v1 `grouped_gemm`.
+"""Grouped GEMMs over expert-sorted rows: the two MoE projections, their input gradients, and the v1 `grouped_gemm`.
 
 Each program owns a BLOCK_M x BLOCK_N output tile of one expert (tiles come from `dispatch.DispatchInfo`: a tile never
-spans two experts, tiles past the real work exit at once). Variants are constexpr flags:
+spans two experts, tiles past the real work exit at once). The forward kernel's variants are constexpr flags:
 
   GATHER_A           A row of sorted position p is x[gather_idx[p] // TOP_K]: the permutation happens in the loads
   ACTIVATION         0 none; 1 silu(gate) * up; 2 GPT-OSS clamped SwiGLU. Gated variants load two weight tiles per
                      K step (gate columns and up columns) against the same A tile and combine them in the epilogue
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
+  STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
 
-Weights are addressed through strides, so the transformers layout ([E, N, K]) and GPT-OSS's transposed one
-([E, K, N]) run without copies. Gated variants take the gate and up weights as two views with equal strides:
+The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
+  _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue
+  _gate_up_grad_kernel  dX rows = d_gate @ W_gate[e] + d_up @ W_up[e]
+
+Weights are addressed through strides, so the transformers layout ([E, n, K]) and GPT-OSS's transposed one
+([E, K, n]) run without copies. Gated variants take the gate and up weights as two views with equal strides:
 `w[:, :F]` and `w[:, F:]` of a concatenated gate_up weight, `w[:, 0::2]` and `w[:, 1::2]` of an interleaved one.
+
+Indices are bounded before they address memory: a tile's expert must lie in [0, E), its rows in [0, rows of C), and a
+gathered row in [0, rows of A); anything else is masked out, so caller-provided offsets or permutations cannot make a
+kernel read or write outside its tensors.
 """
 
 import torch
@@ -19,8 +28,10 @@ import triton
 import triton.language as tl
 
 from ._checks import check_dim, check_float, check_index, check_same_device
-from ._device import dot_needs_fp32, fp32_dot_precision
-from .tiles import GemmTile
+from ._device import dot_input_precision, dot_needs_fp32
+from ._library import call, custom_op
+from .dispatch import segment_dispatch
+from .tiles import GemmTile, select_tiles
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
 
@@ -36,24 +47,90 @@ def _apply_activation(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def tile_coords(pid, n_cols, max_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), walking GROUP_M row tiles per column tile (L2 reuse of weights)."""
+    num_pid_n = tl.cdiv(n_cols, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_pid_in_group) * GROUP_M
+    group_size = min(max_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pid_in_group) % group_size
+    pid_n = (pid % num_pid_in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M: tl.constexpr):
+    """Sorted positions of row tile `pid_m` (of a valid expert) and their mask: inside the expert and inside C."""
+    row_start = tl.load(tile_row_start_ptr + pid_m)
+    row_end = tl.minimum(tl.load(expert_offsets_ptr + expert + 1), num_rows)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    return offs_m, (offs_m >= 0) & (offs_m < row_end)
+
+
+@triton.jit
+def gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K: tl.constexpr):
+    """Token row of each sorted position (gather_idx[p] // TOP_K) and the mask of those inside [0, num_tokens)."""
+    b_assignment = tl.load(gather_idx_ptr + offs_m, mask=mask_m, other=-1)
+    b_token = b_assignment // TOP_K
+    mask = mask_m & (b_assignment >= 0) & (b_token < num_tokens)
+    return tl.where(mask, b_token, 0), tl.where(mask, b_assignment, 0), mask
+
+
+@triton.jit
+def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
+              GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] (and b_acc_up with the up weights when GATED).
+
+    a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; rows/columns outside the masks read 0.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:  # no K tail: masks only on rows (and on columns past the end)
+            a_mask = mask_m[:, None]
+            w_mask = mask_n[None, :]
+        else:
+            mask_k = offs_k < K - k0
+            a_mask = mask_m[:, None] & mask_k[None, :]
+            w_mask = mask_k[:, None] & mask_n[None, :]
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if DOT_FP32:
+            b_a = b_a.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
+            if DOT_FP32:
+                b_wu = b_wu.to(tl.float32)
+            b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += BLOCK_K * stride_w_k
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += BLOCK_K * stride_w_k
+    return b_acc, b_acc_up
+
+
+@triton.jit
 def _grouped_gemm_kernel(
-    # A: [rows, K]; with GATHER_A the row of sorted position p is gather_idx[p] // TOP_K
-    a_ptr, stride_a_m, stride_a_k,
-    # B: per-expert weights [E, N, K] by strides; up weights (gated variants) share the strides
-    b_ptr, b_up_ptr, stride_b_e, stride_b_n, stride_b_k,
+    # A: [num_a_rows, K]; with GATHER_A the row of sorted position p is gather_idx[p] // TOP_K
+    a_ptr, stride_a_m, stride_a_k, num_a_rows,
+    # W: per-expert weights [E, n_cols, K] by strides; up weights (gated variants) share the strides
+    w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-    # C: [N_assign, N] in sorted order
-    c_ptr, stride_c_m, stride_c_n,
+    # C: [num_rows, n_cols] in sorted order; preact: [num_rows, 2 * n_cols], gate columns then up columns
+    c_ptr, stride_c_m, stride_c_n, num_rows,
+    preact_ptr, stride_preact_m,
     # dispatch metadata
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
-    topk_weights_ptr, stride_w_t, stride_w_k,
+    topk_weights_ptr, stride_topk_t, stride_topk_k, num_tokens,
     # sizes
-    N, K, max_tiles,
+    n_cols, K, E, max_tiles,
     alpha, limit,
     TOP_K: tl.constexpr,
     GATHER_A: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -63,127 +140,112 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Grid: (max_tiles * cdiv(N, BLOCK_N),). Program -> (row tile, column tile) in GROUP_M-grouped order."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_pid_in_group) * GROUP_M
-    group_size = min(max_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_pid_in_group) % group_size
-    pid_n = (pid % num_pid_in_group) // group_size
-
+    """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
-    if expert < 0:
+    if (expert < 0) | (expert >= E):
         return
-    row_start = tl.load(tile_row_start_ptr + pid_m)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < row_end
-    if GATHER_A:
-        b_rows = tl.load(gather_idx_ptr + offs_m, mask=mask_m, other=0) // TOP_K
-    else:
-        b_rows = offs_m
+    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
+    if GATHER_A or MUL_ROUTED_WEIGHT:
+        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    if not GATHER_A:
+        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    mask_n = offs_n < n_cols
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = a_ptr + b_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
     # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
-    expert_base = expert.to(tl.int64) * stride_b_e
-    b_offs = offs_n[None, :] * stride_b_n + offs_k[:, None] * stride_b_k
-    bg_ptrs = b_ptr + expert_base + b_offs  # [BLOCK_K, BLOCK_N]
-    bu_ptrs = b_up_ptr + expert_base + b_offs
+    expert_base = expert.to(tl.int64) * stride_w_e
+    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:  # no K tail: masks only on rows (and on columns past N)
-            a_mask = mask_m[:, None]
-            b_mask = mask_n[None, :]
-        else:
-            mask_k = offs_k < K - k0
-            a_mask = mask_m[:, None] & mask_k[None, :]
-            b_mask = mask_k[:, None] & mask_n[None, :]
-        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b_b = tl.load(bg_ptrs, mask=b_mask, other=0.0)
-        if DOT_FP32:
-            b_a = b_a.to(tl.float32)
-            b_b = b_b.to(tl.float32)
-        b_acc = tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
-        if ACTIVATION != 0:
-            b_u = tl.load(bu_ptrs, mask=b_mask, other=0.0)
-            if DOT_FP32:
-                b_u = b_u.to(tl.float32)
-            b_acc_up = tl.dot(b_a, b_u, b_acc_up, input_precision=DOT_PRECISION)
-            bu_ptrs += BLOCK_K * stride_b_k
-        a_ptrs += BLOCK_K * stride_a_k
-        bg_ptrs += BLOCK_K * stride_b_k
+    b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
+                                mask_m, mask_n, K, stride_a_k, stride_w_k,
+                                ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
 
     if HAS_BIAS:
         bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
         b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACTIVATION != 0:
             b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
+        tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
     if ACTIVATION != 0:
         b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
     if MUL_ROUTED_WEIGHT:
-        b_assignment = tl.load(gather_idx_ptr + offs_m, mask=mask_m, other=0)
-        b_w = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_w_t
-                      + (b_assignment % TOP_K) * stride_w_k, mask=mask_m, other=0.0)
-        b_acc = b_acc * b_w.to(tl.float32)[:, None]
+        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
+                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
-    tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
 
 
-def _dot_precision(dtype):
-    return fp32_dot_precision() if dtype == torch.float32 else "tf32"
-
-
-def grouped_matmul(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,
-                   activation="none", bias=None, bias_up=None, topk_weights=None, alpha=1.702, limit=7.0, out=None):
-    """Launch `_grouped_gemm_kernel` over the rows of `info`; returns C [N_assign, N] in a's dtype.
-
-    `weight` is [E, N, K] (or [E, K, N] when `transposed`); gated activations also take `weight_up` (same shape and
-    strides) and compute act(a @ weight^T, a @ weight_up^T). Biases are [E, N] views. K is a.shape[1]. Rows of C past
-    info.expert_offsets[E] are left unwritten.
-    """
-    N_rows = info.num_assignments
-    K = a.shape[1]
+def weight_strides(weight, transposed):
+    """(stride_e, stride_n, stride_k) of a per-expert weight used as [E, n, K]; `transposed` means it is [E, K, n]."""
     stride_e, stride_n, stride_k = weight.stride()
-    if transposed:
-        stride_n, stride_k = stride_k, stride_n
-    n_out = weight.shape[2] if transposed else weight.shape[1]
+    return (stride_e, stride_k, stride_n) if transposed else (stride_e, stride_n, stride_k)
+
+
+def same_strides(first, second):
+    """The two views with one set of strides (the kernels take one set for gate and up); copies only if they differ."""
+    if first.stride() == second.stride():
+        return first, second
+    return first.contiguous(), second.contiguous()
+
+
+def dot_options(dtype):
+    """The constexpr pair (DOT_FP32, DOT_PRECISION) for operands of `dtype`."""
+    dot_fp32 = dot_needs_fp32(dtype)
+    return dot_fp32, "ieee" if dot_fp32 else dot_input_precision(dtype)
+
+
+def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,
+                activation="none", bias=None, bias_up=None, topk_weights=None, alpha=1.702, limit=7.0, out=None,
+                preact=None):
+    """Launch `_grouped_gemm_kernel` over the rows of `info`; returns C [num_assignments, n] in a's dtype.
+
+    `weight` is [E, n, K] (or [E, K, n] when `transposed`); gated activations also take `weight_up` (same shape) and
+    compute act(a @ weight^T, a @ weight_up^T); `preact` [num_assignments, 2n] then receives both pre-activations.
+    Biases are [E, n] views. K is a.shape[1]. Rows of C past info.expert_offsets[E] are left unwritten.
+    """
+    num_rows = info.num_assignments
+    K = a.shape[1]
+    n_cols = weight.shape[2] if transposed else weight.shape[1]
     gated = ACTIVATIONS[activation] != 0
-    if gated and weight_up.stride() != weight.stride():
-        weight_up = weight_up.contiguous()
-        weight = weight.contiguous()
-        stride_e, stride_n, stride_k = weight.stride()
-        if transposed:
-            stride_n, stride_k = stride_k, stride_n
-    if bias is not None and bias_up is not None and bias_up.stride() != bias.stride():
-        bias, bias_up = bias.contiguous(), bias_up.contiguous()
-    c = out if out is not None else torch.empty((N_rows, n_out), device=a.device, dtype=a.dtype)
-    if N_rows == 0 or n_out == 0 or info.max_tiles == 0:
+    if gated:
+        weight, weight_up = same_strides(weight, weight_up)
+    if bias is not None and bias_up is not None:
+        bias, bias_up = same_strides(bias, bias_up)
+    stride_e, stride_n, stride_k = weight_strides(weight, transposed)
+    c = out if out is not None else torch.empty((num_rows, n_cols), device=a.device, dtype=a.dtype)
+    if num_rows == 0 or n_cols == 0 or info.max_tiles == 0:
         return c
-    dot_fp32 = dot_needs_fp32(a.dtype)
-    grid = (info.max_tiles * triton.cdiv(n_out, tile.block_n),)
-    w_t, w_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    dot_fp32, precision = dot_options(a.dtype)
+    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
+    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     _grouped_gemm_kernel[grid](
-        a, a.stride(0), a.stride(1),
+        a, a.stride(0), a.stride(1), a.shape[0],
         weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
         bias, bias_up if bias_up is not None else bias,
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        c, c.stride(0), c.stride(1),
+        c, c.stride(0), c.stride(1), c.shape[0],
+        preact, preact.stride(0) if preact is not None else 0,
         info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
-        topk_weights, w_t, w_k,
-        n_out, K, info.max_tiles,
+        topk_weights, topk_t, topk_k, info.num_tokens,
+        n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit),
         TOP_K=info.top_k,
         GATHER_A=gather_a,
         ACTIVATION=ACTIVATIONS[activation],
         HAS_BIAS=bias is not None,
+        STORE_PREACT=preact is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         DOT_FP32=dot_fp32,
-        DOT_PRECISION="ieee" if dot_fp32 else _dot_precision(a.dtype),
+        DOT_PRECISION=precision,
         EVEN_K=K % tile.block_k == 0,
         BLOCK_M=info.block_m,
         BLOCK_N=tile.block_n,
@@ -210,15 +272,25 @@ def check_segmented_rows(name, rows, expert_offsets, num_experts):
             raise ValueError(f"expert_offsets[-1]={int(expert_offsets[-1])} exceeds the {rows.shape[0]} rows of {name}")
 
 
-def segments_info(expert_offsets, num_rows, num_experts, block_m):
-    """DispatchInfo for rows that are already in expert order (segment e = rows [offsets[e], offsets[e+1]))."""
-    from .dispatch import segment_dispatch
+@custom_op("grouped_gemm")
+def _grouped_gemm_op(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    num_experts = weights.shape[0]
+    tiles = select_tiles(tokens.device, tokens.shape[0], 1, num_experts, weights.shape[1], tokens.shape[1],
+                         tokens.dtype)
+    info = segment_dispatch(expert_offsets, tokens.shape[0], num_experts, tiles.block_m)
+    out = torch.zeros((tokens.shape[0], weights.shape[1]), device=tokens.device, dtype=tokens.dtype)
+    return expert_gemm(tokens, weights, info, tiles.down, out=out)
 
-    return segment_dispatch(expert_offsets, num_rows, num_experts, block_m)
+
+@_grouped_gemm_op.register_fake
+def _(tokens, weights, expert_offsets):
+    return tokens.new_empty((tokens.shape[0], weights.shape[1]))
 
 
 def grouped_gemm(tokens, weights, expert_offsets, num_experts):
-    """v1 API: out[r] = tokens[r] @ weights[e].T for every row r of segment e. tokens [M, K], weights [E, N, K]."""
+    """v1 API: out[r] = tokens[r] @ weights[e].T for every row r of segment e. tokens [M, K], weights [E, N, K].
+
+    Rows past expert_offsets[-1] are zero. Forward only (no gradient flows through it)."""
     check_segmented_rows("tokens", tokens, expert_offsets, num_experts)
     check_float("weights", weights, ndim=3)
     check_dim("weights", weights, 0, num_experts, "num_experts")
@@ -226,10 +298,4 @@ def grouped_gemm(tokens, weights, expert_offsets, num_experts):
     check_same_device(tokens=tokens, weights=weights)
     if weights.dtype != tokens.dtype:
         raise TypeError(f"weights dtype {weights.dtype} differs from tokens dtype {tokens.dtype}")
-    from .tiles import select_tiles
-
-    tiles = select_tiles(tokens.device, tokens.shape[0], 1, num_experts, weights.shape[1], tokens.shape[1],
-                         tokens.dtype)
-    info = segments_info(expert_offsets, tokens.shape[0], num_experts, tiles.block_m)
-    out = torch.zeros((tokens.shape[0], weights.shape[1]), device=tokens.device, dtype=tokens.dtype)
-    return grouped_matmul(tokens, weights, info, tiles.down, out=out)
+    return call(_grouped_gemm_op, tokens, weights, expert_offsets)

@@ -1,12 +1,14 @@
-"""The MoE forward, composed from the stages (no kernels here):
+"""The MoE layer composed from the stages (no kernels here), as torch custom operators with a backward:
 
-  fused_moe_forward = routing.route -> fused_experts
-  fused_experts     = dispatch.dispatch -> GEMM1 (gather + gate/up + activation) -> GEMM2 (down, routed weight)
-                      -> combine.combine
-  fused_expert_ffn / expert_ffn_triton: the v1 functions that start from already-permuted rows.
+  fused_moe_forward = routing's `route` operator -> the experts operator
+  fused_experts     = operator `fused_experts`: dispatch.dispatch -> GEMM1 (gather + gate/up + activation, the
+                      pre-activations saved when a gradient is needed) -> GEMM2 (down, routed weight) -> combine
+                      backward: operator `fused_experts_backward` (kernels in experts_backward.py)
+  fused_expert_ffn / expert_ffn_triton: the v1 functions that start from already-permuted rows (forward only).
 
-Nothing here reads device data on the host: every size is known from shapes, so a forward can be captured in a CUDA
-graph and replayed with new inputs.
+Nothing here reads device data on the host: every size is known from shapes, so a forward (and a backward) can be
+captured in a CUDA graph and replayed with new inputs, and torch.compile traces the operators through their fake
+implementations with symbolic token counts.
 """
 
 import torch
@@ -14,10 +16,12 @@ import torch
 from ._checks import (check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device,
                       check_token_weights)
 from .binned import drop_over_capacity
+from ._library import call, custom_op
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
-from .grouped_gemm import check_segmented_rows, grouped_matmul
-from .routing import check_router_args, route
+from .experts_backward import ExpertsGrads, experts_backward
+from .grouped_gemm import check_segmented_rows, expert_gemm
+from .routing import check_router_args, route_with_grad
 from .tiles import MoeTiles, select_tiles
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
@@ -36,17 +40,143 @@ def _split_gate_up(w, num_ffn, interleaved, axis):
     return w.narrow(axis, 0, num_ffn), w.narrow(axis, num_ffn, num_ffn)
 
 
-def _experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, num_experts, tiles, *, transposed=False,
-             activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0):
-    """The experts path on 2-D x [T, H] once arguments are validated; returns out [T, H]."""
-    T, top_k = topk_ids.shape
-    info = dispatch(topk_ids, num_experts, tiles.block_m)
-    intermediate = grouped_matmul(x, w_gate, info, tiles.gate_up, weight_up=w_up, transposed=transposed,
-                                  gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias,
-                                  alpha=alpha, limit=limit)
-    y = grouped_matmul(intermediate, w_down, info, tiles.down, transposed=transposed, bias=down_bias,
-                       topk_weights=topk_weights)
-    return combine(y, info.scatter_idx, T, top_k)
+def _gate_up_views(w_gate_up, w_up, num_ffn, interleaved, axis):
+    """(gate, up) of the first projection: w_gate_up itself split along `axis`, or the pair when w_up is given."""
+    if w_up is not None:
+        return w_gate_up, w_up
+    return _split_gate_up(w_gate_up, num_ffn, interleaved, axis)
+
+
+def _ffn_size(w_down, transposed):
+    return w_down.shape[1] if transposed else w_down.shape[2]
+
+
+@custom_op("fused_experts")
+def _fused_experts_op(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
+    interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None, save_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (out [T, H], preact [N, 2F] or [0], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
+
+    w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
+    [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs.
+    """
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E = w_down.shape[0]
+    F = _ffn_size(w_down, transposed)
+    axis = 2 if transposed else 1
+    w_gate, w_up = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
+    gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
+    moe_tiles = MoeTiles.from_list(tiles) if tiles is not None else select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+    info = dispatch(topk_ids, E, moe_tiles.block_m)
+    preact = x.new_empty((T * top_k, 2 * F) if save_preact else (0,))
+    intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
+                               gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias, alpha=alpha,
+                               limit=limit, preact=preact if save_preact else None)
+    y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
+                    topk_weights=topk_weights)
+    out = combine(y, info.scatter_idx, T, top_k)
+    return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
+
+
+@_fused_experts_op.register_fake
+def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
+      transposed, alpha, limit, tiles, save_preact):
+    T, H = x.shape
+    N = T * topk_ids.shape[1]
+    F = _ffn_size(w_down, transposed)
+    index = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((T, H)), x.new_empty((N, 2 * F) if save_preact else (0,)),
+            torch.empty(w_down.shape[0] + 1, **index), torch.empty(N, **index), torch.empty(N, **index))
+
+
+# Gradient slots of `_fused_experts_backward_op` and the forward inputs they belong to.
+_GRAD_INPUTS = ("x", "w_gate_up", "w_up", "w_down", "topk_weights", "gate_up_bias", "down_bias")
+
+
+@custom_op("fused_experts_backward")
+def _fused_experts_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None, preact: torch.Tensor, expert_offsets: torch.Tensor, gather_idx: torch.Tensor,
+    scatter_idx: torch.Tensor, activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere."""
+    F = _ffn_size(w_down, transposed)
+    axis = 2 if transposed else 1
+    grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
+    d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = grads
+    w_gate, w_up_view = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
+    d_w_gate = d_w_up_view = d_gate_bias = d_up_bias = None
+    if w_up is not None:  # separate gate and up weights: each has its own gradient
+        d_w_gate = d_w_gate_up if needs[1] else None
+        d_w_up_view = d_w_up if needs[2] else None
+    elif needs[1]:
+        d_w_gate, d_w_up_view = _split_gate_up(d_w_gate_up, F, interleaved, axis)
+    if needs[5]:
+        d_gate_bias, d_up_bias = _split_gate_up(d_gate_up_bias, F, interleaved, 1)
+    experts_backward(
+        grad_out, x, w_gate, w_up_view, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
+        gather_idx, scatter_idx,
+        ExpertsGrads(x=d_x if needs[0] else None, w_gate=d_w_gate, w_up=d_w_up_view,
+                     w_down=d_w_down if needs[3] else None, topk_weights=d_topk if needs[4] else None,
+                     gate_bias=d_gate_bias, up_bias=d_up_bias, down_bias=d_down_bias if needs[6] else None),
+        activation=activation, transposed=transposed, alpha=alpha, limit=limit)
+    return grads
+
+
+def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs):
+    like = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else x.new_empty((0,))
+                 for t, need in zip(like, needs))
+
+
+@_fused_experts_backward_op.register_fake
+def _(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact, expert_offsets,
+      gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs):
+    return _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
+
+
+def _fused_experts_setup_context(ctx, inputs, output):
+    (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved, transposed,
+     alpha, limit, _, save_preact) = inputs
+    _, preact, expert_offsets, gather_idx, scatter_idx = output
+    ctx.save_for_backward(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
+                          expert_offsets, gather_idx, scatter_idx)
+    ctx.options = (activation, interleaved, transposed, alpha, limit, save_preact)
+
+
+def _fused_experts_backward(ctx, grad_out, *_):
+    (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact, expert_offsets, gather_idx,
+     scatter_idx) = ctx.saved_tensors
+    activation, interleaved, transposed, alpha, limit, save_preact = ctx.options
+    if not save_preact:
+        raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
+                           "cannot backward through it")
+    # Slots in _GRAD_INPUTS order; topk_ids (input 4) has no gradient.
+    needs = [bool(ctx.needs_input_grad[i]) for i in (0, 1, 2, 3, 5, 6, 7)]
+    grads = _fused_experts_backward_op(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias,
+                                       down_bias, preact, expert_offsets, gather_idx, scatter_idx, activation,
+                                       interleaved, transposed, alpha, limit, needs)
+    d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = (
+        g if need else None for g, need in zip(grads, needs))
+    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 7
+
+
+_fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
+
+
+def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias=None, down_bias=None, *,
+                 activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None):
+    """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed."""
+    save_preact = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias))
+    return call(_fused_experts_op, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                activation, interleaved, transposed, float(alpha), float(limit),
+                tiles.to_list() if tiles is not None else None, save_preact)[0]
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
@@ -97,19 +227,13 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
         _check_weight_dtype(name, w, hidden_states.dtype)
     check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
                       topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
-    check_ids_in_range("topk_ids", topk_ids, E, validate_ids)
+    if not torch.compiler.is_compiling():  # reading the ids is a data-dependent host read; the kernels skip them anyway
+        check_ids_in_range("topk_ids", topk_ids, E, validate_ids)
 
     x = hidden_states.reshape(T, H)
-    top_k = topk_ids.shape[1]
-    if tiles is None:
-        tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
-    w_gate, w_up = _split_gate_up(w_gate_up, F, interleaved, f_axis)
-    gate_bias = up_bias = None
-    if gate_up_bias is not None:
-        gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1)
-    out = _experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, E, tiles, transposed=transposed,
-                   activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
-                   alpha=swiglu_alpha, limit=swiglu_limit)
+    out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                       activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
+                       limit=swiglu_limit, tiles=tiles)
     return out.reshape(hidden_states.shape)
 
 
@@ -148,39 +272,68 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
     if num_experts != E:
         raise ValueError(f"num_experts={num_experts!r} but router_weight has {E} rows")
     H = hidden_states.shape[-1]
-    F = _check_expert_weights(w_gate, w_up, w_down, E, H, hidden_states.dtype)
+    _check_expert_weights(w_gate, w_up, w_down, E, H, hidden_states.dtype)
     check_same_device(hidden_states=hidden_states, w_gate=w_gate, w_up=w_up, w_down=w_down)
     x = hidden_states.reshape(-1, H)
-    T = x.shape[0]
-    topk_ids, topk_weights, _ = route(
+    topk_ids, topk_weights, _ = route_with_grad(
         x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
         topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor)
-    if tiles is None:
-        tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     expert_ids = topk_ids if capacity_factor is None else drop_over_capacity(topk_ids, E, capacity_factor)
-    out = _experts(x, w_gate, w_up, w_down, expert_ids, topk_weights, E, tiles)
+    out = _run_experts(x, w_gate, w_up, w_down, expert_ids, topk_weights, tiles=tiles)
     return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
 
 
-def _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, *, sorted_idx=None,
-                     top_k=1, top_k_weights=None):
-    H = permuted_tokens.shape[1]
-    F = _check_expert_weights(w_gate, w_up, w_down, num_experts, H, permuted_tokens.dtype)
-    check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
-    M = permuted_tokens.shape[0]
-    tiles = select_tiles(permuted_tokens.device, M, 1, num_experts, F, H, permuted_tokens.dtype)
-    info = segment_dispatch(expert_offsets, M, num_experts, tiles.block_m, gather_idx=sorted_idx, top_k=top_k)
-    intermediate = grouped_matmul(permuted_tokens, w_gate, info, tiles.gate_up, weight_up=w_up, activation="silu")
+@custom_op("expert_ffn")
+def _expert_ffn_op(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                   expert_offsets: torch.Tensor, sorted_idx: torch.Tensor | None, top_k: int,
+                   top_k_weights: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU FFN of each expert on its segment of already-permuted rows -> [M, H] (zero past expert_offsets[-1]); with
+    top_k_weights, row p is scaled by the weight of assignment sorted_idx[p]."""
+    M, H = permuted_tokens.shape
+    E, F, _ = w_gate.shape
+    tiles = select_tiles(permuted_tokens.device, M, 1, E, F, H, permuted_tokens.dtype)
+    info = segment_dispatch(expert_offsets, M, E, tiles.block_m, gather_idx=sorted_idx, top_k=top_k)
+    intermediate = expert_gemm(permuted_tokens, w_gate, info, tiles.gate_up, weight_up=w_up, activation="silu")
     out = torch.zeros((M, H), device=permuted_tokens.device, dtype=permuted_tokens.dtype)
-    return grouped_matmul(intermediate, w_down, info, tiles.down, topk_weights=top_k_weights, out=out)
+    return expert_gemm(intermediate, w_down, info, tiles.down, topk_weights=top_k_weights, out=out)
+
+
+@_expert_ffn_op.register_fake
+def _(permuted_tokens, w_gate, w_up, w_down, expert_offsets, sorted_idx, top_k, top_k_weights):
+    return permuted_tokens.new_empty(permuted_tokens.shape)
+
+
+@custom_op("fused_expert_ffn")
+def _fused_expert_ffn_op(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                         w_down: torch.Tensor, expert_offsets: torch.Tensor, top_k_weights: torch.Tensor,
+                         sorted_idx: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    y = _expert_ffn_op._init_fn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, sorted_idx, top_k,
+                                top_k_weights)
+    # restore[a] = row of assignment a; rows without a valid assignment land in a discarded extra slot.
+    N = sorted_idx.shape[0]
+    slots = torch.where((sorted_idx >= 0) & (sorted_idx < N), sorted_idx, N).long()
+    restore = torch.full((N + 1,), -1, device=sorted_idx.device, dtype=torch.int64)
+    restore.scatter_(0, slots, torch.arange(N, device=sorted_idx.device))
+    return combine(y, restore[:N], num_tokens, top_k)
+
+
+@_fused_expert_ffn_op.register_fake
+def _(permuted_tokens, w_gate, w_up, w_down, expert_offsets, top_k_weights, sorted_idx, num_tokens, top_k):
+    return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
+
+
+def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
+    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
+    _check_expert_weights(w_gate, w_up, w_down, num_experts, permuted_tokens.shape[1], permuted_tokens.dtype)
+    check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
 def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
     """v1 API: per-expert SwiGLU FFN on rows already in expert order. Returns [M, H]; rows past expert_offsets[-1]
-    are zero."""
-    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
-    return _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
+    are zero. Forward only."""
+    _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
+    return call(_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, None, 1, None)
 
 
 def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, top_k_weights, sorted_idx,
@@ -188,8 +341,9 @@ def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
     """v1 API: expert FFN on permuted rows, then the weighted combine back to token order -> [num_tokens, H].
 
     sorted_idx[p] is the assignment id (t * top_k + j) of row p, as returned by permute_tokens (-1: no assignment).
+    Forward only.
     """
-    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
+    _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
     check_index("sorted_idx", sorted_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("sorted_idx", sorted_idx, 0, permuted_tokens.shape[0], "rows of permuted_tokens")
@@ -197,11 +351,5 @@ def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
         raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
                          f"{num_tokens * top_k}")
     check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
-    y = _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, sorted_idx=sorted_idx,
-                         top_k=top_k, top_k_weights=top_k_weights)
-    # restore[a] = row of assignment a; rows without an assignment (sorted_idx < 0) land in a discarded extra slot.
-    N = sorted_idx.shape[0]
-    slots = torch.where(sorted_idx >= 0, sorted_idx, N)
-    restore = torch.full((N + 1,), -1, device=sorted_idx.device, dtype=torch.int64)
-    restore.scatter_(0, slots.long(), torch.arange(N, device=sorted_idx.device))
-    return combine(y, restore[:N], num_tokens, top_k)
+    return call(_fused_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, top_k_weights,
+                sorted_idx, num_tokens, top_k)

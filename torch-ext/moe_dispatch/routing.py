@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ._checks import check_choice, check_dim, check_float, check_same_device, check_top_k
 from ._device import dot_needs_fp32
+from ._library import call, custom_op
 
 GATINGS = {"softmax": 0, "sigmoid": 1}
 
@@ -159,11 +160,6 @@ def _topk_gating_kernel(
     tl.store(topk_weights_ptr + out_offs, b_weights, mask=mask_out)
 
 
-def _dot_precision(dtype):
-    # The router is tiny: fp32 callers get full fp32 logits so that top-k picks what a float64 router would.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None, n_group=None,
           topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
     """Launcher for 2-D `x` [T, H] (validated by the caller's `check_router_args`).
@@ -202,7 +198,9 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
         router_weight.stride(0), router_weight.stride(1),
         HAS_BIAS=router_bias is not None,
         DOT_FP32=dot_fp32,
-        DOT_PRECISION="ieee" if dot_fp32 else _dot_precision(x.dtype),
+        # The router is tiny: fp32 callers get full fp32 logits (never tf32), so top-k picks what a float64 router
+        # would; half-precision operands are exact products either way.
+        DOT_PRECISION="ieee",
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h,
         num_warps=4,
     )
@@ -264,6 +262,70 @@ def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, 
     return E
 
 
+@custom_op("route")
+def _route_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+              e_score_correction_bias: torch.Tensor | None, top_k: int, gating: str, renormalize: bool, n_group: int,
+              topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route` as an operator: (topk_ids [T, k] int64, topk_weights [T, k] fp32, logits [T, E] fp32)."""
+    return route(x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
+                 topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+                 routed_scaling_factor=routed_scaling_factor)
+
+
+@_route_op.register_fake
+def _(x, router_weight, router_bias, e_score_correction_bias, top_k, gating, renormalize, n_group, topk_group,
+      routed_scaling_factor):
+    T, E = x.shape[0], router_weight.shape[0]
+    return (x.new_empty((T, top_k), dtype=torch.int64), x.new_empty((T, top_k), dtype=torch.float32),
+            x.new_empty((T, E), dtype=torch.float32))
+
+
+def _route_setup_context(ctx, inputs, output):
+    x, router_weight, router_bias, _, _, gating, renormalize, _, _, routed_scaling_factor = inputs
+    topk_ids, _, logits = output
+    ctx.save_for_backward(x, router_weight, topk_ids, logits)
+    ctx.options = (GATINGS[gating] == 1, renormalize, routed_scaling_factor)
+    ctx.bias_dtype = router_bias.dtype if router_bias is not None else None
+
+
+def _route_backward(ctx, _, d_topk_weights, d_logits):
+    """Gradient through the gating weights (the top-k choice itself is not differentiated, as in PyTorch): the
+    [T, E] logit gradient, then the router GEMM's input and weight gradients (dense torch matmuls in fp32)."""
+    x, router_weight, topk_ids, logits = ctx.saved_tensors
+    sigmoid, renormalize, scale = ctx.options
+    d_total = torch.zeros_like(logits) if d_logits is None else d_logits.float()
+    if d_topk_weights is not None:
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+        picked = scores.gather(1, topk_ids)
+        d_picked = d_topk_weights.float() * scale
+        if renormalize:
+            denom = picked.sum(-1, keepdim=True) + (1e-6 if sigmoid else 0.0)
+            d_picked = d_picked / denom - (d_picked * picked).sum(-1, keepdim=True) / denom**2
+        d_scores = torch.zeros_like(scores).scatter(1, topk_ids, d_picked)  # top-k ids of a row are distinct
+        if sigmoid:
+            d_total = d_total + d_scores * scores * (1 - scores)
+        else:
+            d_total = d_total + scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
+    needs = ctx.needs_input_grad
+    d_x = (d_total @ router_weight.float()).to(x.dtype) if needs[0] else None
+    d_router_weight = (d_total.T @ x.float()).to(router_weight.dtype) if needs[1] else None
+    d_router_bias = d_total.sum(0).to(ctx.bias_dtype) if needs[2] else None
+    return (d_x, d_router_weight, d_router_bias) + (None,) * 7
+
+
+_route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+def route_with_grad(x, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None, n_group=None,
+                    topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
+    """`route` through its operator (differentiable in x, router_weight and router_bias; compilable)."""
+    if renormalize is None:
+        renormalize = GATINGS[gating] == 1
+    n_group = n_group or 1
+    return call(_route_op, x, router_weight, router_bias, e_score_correction_bias, top_k, gating, bool(renormalize),
+                n_group, topk_group or n_group, float(routed_scaling_factor))
+
+
 def moe_router(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,
                n_group=None, topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
     """Route tokens to experts.
@@ -274,7 +336,7 @@ def moe_router(hidden_states, router_weight, top_k, gating="softmax", router_bia
     check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
                       e_score_correction_bias)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    topk_ids, topk_weights, logits = route(
+    topk_ids, topk_weights, logits = route_with_grad(
         x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
         topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
         routed_scaling_factor=routed_scaling_factor)

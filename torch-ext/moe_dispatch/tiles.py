@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ._device import device_key
+from ._device import device_key, is_hip
 
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _log = logging.getLogger(__name__)
@@ -57,6 +57,36 @@ class MoeTiles:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+    def to_list(self) -> list[int]:
+        """Flat ints (block_m, then each GEMM's fields in order): the form custom operators take."""
+        return [self.block_m, *dataclasses.astuple(self.gate_up), *dataclasses.astuple(self.down)]
+
+    @classmethod
+    def from_list(cls, values):
+        n = len(dataclasses.fields(GemmTile))
+        return cls(int(values[0]), GemmTile(*values[1:1 + n]), GemmTile(*values[1 + n:1 + 2 * n]))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradTile:
+    """Launch parameters of the per-expert weight-gradient GEMM: a [block_i, block_j] tile of dW[e], reduced over the
+    expert's rows block_p at a time."""
+
+    block_i: int
+    block_j: int
+    block_p: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def select_weight_grad_tile(device: torch.device, dtype: torch.dtype) -> WeightGradTile:
+    """Tile of `_expert_weight_grad_kernel` (a fixed choice per backend until it is tuned like the forward's)."""
+    if device.type != "cuda":
+        return WeightGradTile(32, 32, 16)  # the interpreter: few, small programs
+    wide = torch.empty((), dtype=dtype).element_size() <= 2
+    stages = 2 if is_hip() else 3  # AMD's 64 KB of LDS holds two stages of the 128 x 128 tiles
+    return WeightGradTile(128, 128, 64 if wide else 32, num_warps=8, num_stages=stages)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,46 @@
+"""torch.library plumbing shared by the stage modules: operator names and when a call goes through an operator.
+
+Every Triton launcher a public function reaches is registered as a custom operator under this build's namespace
+(`_ops.py`), with a fake (meta) implementation, so torch.compile traces through it without a graph break and autograd
+sees the registered backward. In plain eager inference (no autograd, no tracing) `call` runs the operator's Python
+implementation directly: the same code, without the ~10 us the dispatcher adds per call, which matters at decode.
+"""
+
+import torch
+from torch._library.custom_ops import OPDEFS
+
+from ._ops import add_op_namespace_prefix
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def custom_op(name, mutates_args=()):
+    """`torch.library.custom_op` under this build's namespace.
+
+    Importing one build twice in a process (a second `get_kernel` of the same revision) reuses the operator the first
+    import registered: the same build id means the same source, and torch refuses a second definition.
+    """
+    qualname = add_op_namespace_prefix(name)
+    if qualname in OPDEFS:
+        return lambda fn: OPDEFS[qualname]
+    return torch.library.custom_op(qualname, mutates_args=mutates_args)
+
+
+def needs_operator(args) -> bool:
+    """True when a call must go through the registered operator: under torch.compile, on fake or wrapped tensors, or
+    when autograd has to record it."""
+    if torch.compiler.is_compiling():
+        return True
+    grad_mode = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if type(arg) not in _PLAIN_TENSORS or (grad_mode and arg.requires_grad):
+                return True
+    return False
+
+
+def call(op, *args):
+    """Run custom operator `op` on positional `args`: its implementation directly in eager inference, else the op."""
+    if needs_operator(args):
+        return op(*args)
+    return op._init_fn(*args)

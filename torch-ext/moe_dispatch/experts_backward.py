@@ -1,0 +1,417 @@
+"""Backward of the experts path (`fused_experts`): every gradient a grouped GEMM or a fixed-order reduction, no atomics.
+
+Forward, per kept assignment a at sorted position p (token t, expert e, routing weight w):
+    h = x_t @ W_gate_up[e]^T + b_gate_up[e]       preact [N, 2F], saved by the forward (gate columns, then up)
+    y = act(h_gate, h_up) @ W_down[e]^T + b_down[e],   out_t = sum over t's assignments of w * y
+Backward from dout [T, H], in launch order:
+
+  _down_grad_kernel         g = dout_t @ W_down[e] (a grouped GEMM over the tile map, rows gathered by token); its
+                            epilogue recomputes act from preact and writes d_preact = w * g * act'(h) [N, 2F],
+                            act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
+  _topk_weights_grad_kernel dw_a = sum of those column-tile partials in tile order (+ dout_t . b_down[e])
+  _gate_up_grad_kernel      dx rows = d_gate @ W_gate[e] + d_up @ W_up[e] [N, H]; combine.combine sums each token's
+                            rows in assignment order -> dx [T, H]
+  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = (w * dout[token])^T act,
+                            the bias gradients as the same loops' column sums
+
+Every output element is written by one program that sums in a fixed order, so two backward passes are bit-identical.
+What is saved for backward: x, the weights and topk_weights (already alive), the dispatch (expert_offsets, gather_idx,
+scatter_idx: int32 [E + 1] and 2 x [N]) and the pre-activations [N, 2F] in the activations' dtype. Saving them costs
+N * 2F elements and saves recomputing the gate/up GEMM (a third of the forward's FLOPs) in the backward.
+"""
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ._library import custom_op
+from .combine import combine
+from .dispatch import segment_dispatch
+from .grouped_gemm import (dot_options, gathered_rows, same_strides, tile_coords, tile_dot, tile_rows,
+                           weight_strides)
+from .tiles import WeightGradTile, select_tiles, select_weight_grad_tile
+
+
+@triton.jit
+def _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
+    """(act, d act / d gate, d act / d up) of fp32 pre-activations; clamps pass no gradient where they clamp."""
+    if ACTIVATION == 1:
+        b_sig = tl.sigmoid(b_gate)
+        b_silu = b_gate * b_sig
+        return b_silu * b_up, b_up * b_sig * (1.0 + b_gate * (1.0 - b_sig)), b_silu
+    else:
+        b_gate_c = tl.minimum(b_gate, limit)
+        b_up_c = tl.minimum(tl.maximum(b_up, -limit), limit)
+        b_sig = tl.sigmoid(alpha * b_gate_c)
+        b_glu = b_gate_c * b_sig
+        b_d_glu = b_sig + alpha * b_gate_c * b_sig * (1.0 - b_sig)
+        b_d_gate = tl.where(b_gate <= limit, (b_up_c + 1.0) * b_d_glu, 0.0)
+        b_d_up = tl.where((b_up >= -limit) & (b_up <= limit), b_glu, 0.0)
+        return (b_up_c + 1.0) * b_glu, b_d_gate, b_d_up
+
+
+@triton.jit
+def _down_grad_kernel(
+    # dout [T, H]: the A rows, read at each assignment's token
+    grad_out_ptr, stride_grad_t, stride_grad_h,
+    # W_down as [E, F, H] by strides (n = F, K = H)
+    w_ptr, stride_w_e, stride_w_n, stride_w_k,
+    # preact [N, 2F] from the forward; d_preact [N, 2F]; act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
+    preact_ptr, stride_preact_m,
+    d_preact_ptr, stride_d_preact_m,
+    act_ptr, stride_act_m,
+    partial_ptr,
+    # dispatch metadata
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
+    topk_weights_ptr, stride_topk_t, stride_topk_k,
+    # sizes
+    num_tokens, num_rows, n_cols, K, E, max_tiles,
+    alpha, limit,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_D_PREACT: tl.constexpr,
+    STORE_ACT: tl.constexpr,
+    STORE_PARTIAL: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(F, BLOCK_N),). Each program owns rows of one expert tile x BLOCK_N of the F columns."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if (expert < 0) | (expert >= E):
+        return
+    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
+    b_token, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :] * stride_grad_h
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # g = dout_t @ W_down[e], before the routing weight
+    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_ptrs, w_ptrs, mask_m, mask_n, K, stride_grad_h, stride_w_k,
+                         False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    preact_ptrs = preact_ptr + rows * stride_preact_m + offs_n[None, :]
+    b_gate = tl.load(preact_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+    b_up = tl.load(preact_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
+    b_act, b_d_gate, b_d_up = _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION)
+    if STORE_PARTIAL:
+        tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, tl.sum(tl.where(mask_mn, b_acc * b_act, 0.0),
+                                                                                axis=1), mask=mask_m)
+    if STORE_ACT:
+        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act.to(act_ptr.dtype.element_ty), mask=mask_mn)
+    if STORE_D_PREACT:
+        b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
+                         mask=mask_m, other=0.0).to(tl.float32)
+        b_d_act = b_acc * b_topk[:, None]
+        d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
+        tl.store(d_preact_ptrs, (b_d_act * b_d_gate).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(d_preact_ptrs + n_cols, (b_d_act * b_d_up).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _gate_up_grad_kernel(
+    # d_preact [N, 2F]: gate columns [0, F), up columns [F, 2F)
+    d_preact_ptr, stride_d_preact_m,
+    # W_gate and W_up as [E, H, F] by strides (n = H, K = F), one set of strides for both
+    w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+    # dx rows [N, H] in sorted order
+    out_ptr, stride_out_m,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    num_rows, n_cols, K, E, max_tiles,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(H, BLOCK_N),). out[p] = d_gate[p] @ W_gate[e] + d_up[p] @ W_up[e] for one tile."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if (expert < 0) | (expert >= E):
+        return
+    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.where(mask_m, offs_m, 0)[:, None].to(tl.int64)
+
+    a_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_offs = expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_gate_ptr + w_offs, w_gate_ptr + w_offs, mask_m, mask_n, K, 1,
+                         stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs + K, w_up_ptr + w_offs, w_up_ptr + w_offs, mask_m, mask_n, K, 1,
+                         stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    tl.store(out_ptr + rows * stride_out_m + offs_n[None, :], b_acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expert_weight_grad_kernel(
+    # left [rows, n_i] and right [rows, n_j]: row of sorted position p is p, or its token with GATHER_*
+    left_ptr, stride_left_m, stride_left_i,
+    right_ptr, stride_right_m, stride_right_j,
+    # out [E, n_i, n_j] and bias_grad [E, n_i] by strides
+    out_ptr, stride_out_e, stride_out_i, stride_out_j,
+    bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
+    expert_offsets_ptr, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k,
+    num_tokens, n_i, n_j,
+    TOP_K: tl.constexpr,
+    GATHER_LEFT: tl.constexpr,
+    WEIGHT_LEFT: tl.constexpr,
+    GATHER_RIGHT: tl.constexpr,
+    HAS_BIAS_GRAD: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Grid: (E * cdiv(n_i, BLOCK_I) * cdiv(n_j, BLOCK_J),). out[e, i, j] = sum over expert e's sorted positions p, in
+    order, of left[p, i] * right[p, j] (left scaled by the routing weight with WEIGHT_LEFT); bias_grad[e, i] = the
+    same sum of left[p, i]. An expert without rows gets zeros."""
+    pid = tl.program_id(0)
+    num_i = tl.cdiv(n_i, BLOCK_I)
+    num_j = tl.cdiv(n_j, BLOCK_J)
+    expert = pid // (num_i * num_j)
+    pid_i = (pid % (num_i * num_j)) // num_j
+    pid_j = pid % num_j
+    row_start = tl.load(expert_offsets_ptr + expert)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    mask_i = offs_i < n_i
+    mask_j = offs_j < n_j
+    b_acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    b_bias_acc = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    for p0 in range(row_start, row_end, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < row_end
+        b_token, b_assignment, mask_token = gathered_rows(gather_idx_ptr, offs_p, mask_p, num_tokens, TOP_K)
+        left_rows = b_token if GATHER_LEFT else offs_p
+        right_rows = b_token if GATHER_RIGHT else offs_p
+        mask_left = mask_token if GATHER_LEFT or WEIGHT_LEFT else mask_p
+        mask_right = mask_token if GATHER_RIGHT else mask_p
+        b_left = tl.load(left_ptr + left_rows[:, None].to(tl.int64) * stride_left_m + offs_i[None, :] * stride_left_i,
+                         mask=mask_left[:, None] & mask_i[None, :], other=0.0)  # [BLOCK_P, BLOCK_I]
+        if WEIGHT_LEFT:
+            b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t
+                             + (b_assignment % TOP_K) * stride_topk_k, mask=mask_left, other=0.0).to(tl.float32)
+            b_left = (b_left.to(tl.float32) * b_topk[:, None]).to(left_ptr.dtype.element_ty)
+        b_right = tl.load(right_ptr + right_rows[:, None].to(tl.int64) * stride_right_m
+                          + offs_j[None, :] * stride_right_j,
+                          mask=mask_right[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_P, BLOCK_J]
+        if HAS_BIAS_GRAD:
+            b_bias_acc += tl.sum(b_left.to(tl.float32), axis=0)
+        if DOT_FP32:
+            b_left = b_left.to(tl.float32)
+            b_right = b_right.to(tl.float32)
+        b_acc = tl.dot(tl.trans(b_left), b_right, b_acc, input_precision=DOT_PRECISION)
+    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
+                + offs_j[None, :] * stride_out_j)
+    tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
+    if HAS_BIAS_GRAD:
+        if pid_j == 0:
+            tl.store(bias_grad_ptr + expert.to(tl.int64) * stride_bias_grad_e + offs_i * stride_bias_grad_i,
+                     b_bias_acc.to(bias_grad_ptr.dtype.element_ty), mask=mask_i)
+
+
+@triton.jit
+def _topk_weights_grad_kernel(
+    partial_ptr, num_partials, scatter_idx_ptr,
+    grad_out_ptr, stride_grad_t, stride_grad_h,
+    down_bias_ptr, stride_bias_e, stride_bias_h,
+    topk_ids_ptr, stride_ids_t, stride_ids_k,
+    out_ptr, stride_out_t, stride_out_k,
+    num_assignments, H,
+    TOP_K: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid: (cdiv(N, BLOCK_A),). dw[a] = sum over column tiles n, in order, of partial[n, scatter_idx[a]]
+    (+ dout_t . b_down[e]); 0 for dropped assignments."""
+    offs_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    mask_a = offs_a < num_assignments
+    b_pos = tl.load(scatter_idx_ptr + offs_a, mask=mask_a, other=-1)
+    b_kept = mask_a & (b_pos >= 0) & (b_pos < num_assignments)
+    b_pos = tl.where(b_kept, b_pos, 0).to(tl.int64)
+    b_acc = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    for n in range(0, num_partials):
+        b_acc += tl.load(partial_ptr + n * num_assignments + b_pos, mask=b_kept, other=0.0)
+    offs_t = (offs_a // TOP_K).to(tl.int64)
+    offs_j = offs_a % TOP_K
+    if HAS_DOWN_BIAS:
+        b_expert = tl.load(topk_ids_ptr + offs_t * stride_ids_t + offs_j * stride_ids_k, mask=b_kept, other=0)
+        offs_h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            mask_ah = b_kept[:, None] & (h0 + offs_h < H)[None, :]
+            b_grad = tl.load(grad_out_ptr + offs_t[:, None] * stride_grad_t + (h0 + offs_h)[None, :] * stride_grad_h,
+                             mask=mask_ah, other=0.0).to(tl.float32)
+            b_bias = tl.load(down_bias_ptr + b_expert[:, None].to(tl.int64) * stride_bias_e
+                             + (h0 + offs_h)[None, :] * stride_bias_h, mask=mask_ah, other=0.0).to(tl.float32)
+            b_acc += tl.sum(b_grad * b_bias, axis=1)
+    tl.store(out_ptr + offs_t * stride_out_t + offs_j * stride_out_k,
+             tl.where(b_kept, b_acc, 0.0).to(out_ptr.dtype.element_ty), mask=mask_a)
+
+
+def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGradTile, *, gather_left=False,
+                 weight_left=False, gather_right=False):
+    """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernel."""
+    E, n_i, n_j = out.shape
+    dot_fp32, precision = dot_options(left.dtype)
+    grid = (E * triton.cdiv(n_i, tile.block_i) * triton.cdiv(n_j, tile.block_j),)
+    topk_t, topk_k = topk_weights.stride() if weight_left else (0, 0)
+    _expert_weight_grad_kernel[grid](
+        left, left.stride(0), left.stride(1),
+        right, right.stride(0), right.stride(1),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        bias_grad, *(bias_grad.stride() if bias_grad is not None else (0, 0)),
+        info.expert_offsets, info.gather_idx, topk_weights, topk_t, topk_k,
+        info.num_tokens, n_i, n_j,
+        TOP_K=info.top_k,
+        GATHER_LEFT=gather_left,
+        WEIGHT_LEFT=weight_left,
+        GATHER_RIGHT=gather_right,
+        HAS_BIAS_GRAD=bias_grad is not None,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION=precision,
+        BLOCK_I=tile.block_i,
+        BLOCK_J=tile.block_j,
+        BLOCK_P=tile.block_p,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsGrads:
+    """Output buffers of one backward; None where no gradient was asked for. Weight-shaped buffers are the gate/up
+    views of the gradient of the tensor the caller passed (so a concatenated or interleaved gate_up weight gets one
+    gradient tensor, written in place through the views), in the layout of `transposed`."""
+
+    x: torch.Tensor | None  # [T, H]
+    w_gate: torch.Tensor | None  # [E, F, H] views (or [E, H, F] when transposed)
+    w_up: torch.Tensor | None
+    w_down: torch.Tensor | None  # [E, H, F] (or [E, F, H])
+    topk_weights: torch.Tensor | None  # [T, top_k]
+    gate_bias: torch.Tensor | None  # [E, F] views
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None  # [E, H]
+
+
+def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
+                     gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, alpha, limit):
+    """Fill `grads` from grad_out [T, H]. The weights are the gate/up views the forward read; `preact` [N, 2F] and
+    the dispatch tensors are the forward's (see `moe.fused_experts`)."""
+    T, H = x.shape
+    E = w_down.shape[0]
+    top_k = topk_ids.shape[1]
+    F = preact.shape[1] // 2
+    N = T * top_k
+    grad_out = grad_out if grad_out.stride(1) == 1 else grad_out.contiguous()
+    needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate, grads.w_up, grads.gate_bias, grads.up_bias))
+    needs_act = grads.w_down is not None
+    needs_partial = grads.topk_weights is not None
+    tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+    info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
+                                                top_k=top_k), scatter_idx=scatter_idx)
+    device = x.device
+
+    d_preact = torch.empty((N, 2 * F), device=device, dtype=x.dtype) if needs_d_preact else None
+    act = torch.empty((N, F), device=device, dtype=x.dtype) if needs_act else None
+    tile = tiles.gate_up
+    n_partials = triton.cdiv(F, tile.block_n)
+    partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
+    if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
+        dot_fp32, precision = dot_options(x.dtype)
+        _down_grad_kernel[(info.max_tiles * n_partials,)](
+            grad_out, grad_out.stride(0), grad_out.stride(1),
+            w_down, *weight_strides(w_down, not transposed),
+            preact, preact.stride(0),
+            d_preact, d_preact.stride(0) if needs_d_preact else 0,
+            act, act.stride(0) if needs_act else 0,
+            partial,
+            info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
+            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
+            T, N, F, H, E, info.max_tiles,
+            float(alpha), float(limit),
+            TOP_K=top_k,
+            ACTIVATION={"silu": 1, "swiglu_oai": 2}[activation],
+            STORE_D_PREACT=needs_d_preact,
+            STORE_ACT=needs_act,
+            STORE_PARTIAL=needs_partial,
+            DOT_FP32=dot_fp32,
+            DOT_PRECISION=precision,
+            EVEN_K=H % tile.block_k == 0,
+            BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+    elif needs_d_preact:  # nothing kept (or F = 0): every gradient through the experts is zero
+        d_preact.zero_()
+        if needs_act:
+            act.zero_()
+
+    if grads.topk_weights is not None and N:
+        _topk_weights_grad_kernel[(triton.cdiv(N, 64),)](
+            partial, n_partials if F and info.max_tiles else 0, scatter_idx,
+            grad_out, grad_out.stride(0), grad_out.stride(1),
+            down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
+            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+            grads.topk_weights, grads.topk_weights.stride(0), grads.topk_weights.stride(1),
+            N, H,
+            TOP_K=top_k, HAS_DOWN_BIAS=down_bias is not None, BLOCK_A=64, BLOCK_H=64,
+        )
+
+    if grads.x is not None:
+        rows = torch.empty((N, H), device=device, dtype=x.dtype)
+        tile = tiles.down
+        if N and H and info.max_tiles:
+            w_gate_v, w_up_v = same_strides(w_gate, w_up)
+            dot_fp32, precision = dot_options(x.dtype)
+            _gate_up_grad_kernel[(info.max_tiles * triton.cdiv(H, tile.block_n),)](
+                d_preact, d_preact.stride(0),
+                w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed),
+                rows, rows.stride(0),
+                info.tile_expert, info.tile_row_start, info.expert_offsets,
+                N, H, F, E, info.max_tiles,
+                DOT_FP32=dot_fp32,
+                DOT_PRECISION=precision,
+                EVEN_K=F % tile.block_k == 0,
+                BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                num_warps=tile.num_warps, num_stages=tile.num_stages,
+            )
+        combine(rows, scatter_idx, T, top_k, out=grads.x)
+
+    weight_tile = select_weight_grad_tile(device, x.dtype)
+    # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
+    # A bias gradient alone runs the same loops against a one-column stand-in for the weight gradient.
+    for d_w, d_bias, half in ((grads.w_gate, grads.gate_bias, 0), (grads.w_up, grads.up_bias, 1)):
+        if d_w is None and d_bias is None:
+            continue
+        if d_w is not None:
+            out, right = (d_w.transpose(1, 2) if transposed else d_w), x
+        else:
+            out, right = torch.empty((E, F, 1), device=device, dtype=torch.float32), x[:, :1]
+        _weight_grad(d_preact[:, half * F:(half + 1) * F], right, out, d_bias, info, topk_weights, weight_tile,
+                     gather_right=True)
+    if grads.w_down is not None or grads.down_bias is not None:
+        if grads.w_down is not None:
+            out, right, gather_right = (grads.w_down.transpose(1, 2) if transposed else grads.w_down), act, False
+        else:
+            out, right, gather_right = torch.empty((E, H, 1), device=device, dtype=torch.float32), grad_out[:, :1], True
+        _weight_grad(grad_out, right, out, grads.down_bias, info, topk_weights, weight_tile, gather_left=True,
+                     weight_left=True, gather_right=gather_right)
