@@ -266,29 +266,31 @@ def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, 
 def _route_op(x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
               e_score_correction_bias: torch.Tensor | None, top_k: int, gating: str, renormalize: bool, n_group: int,
               topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`route` as an operator: (topk_ids [T, k] int64, topk_weights [T, k] fp32, logits [T, E] fp32)."""
-    return route(x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
-                 topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
-                 routed_scaling_factor=routed_scaling_factor)
+    """`route` as an operator: (topk_weights [T, k] fp32, logits [T, E] fp32, topk_ids [T, k] int64); the float
+    outputs come first (autograd test harnesses sum the outputs in the first one's dtype)."""
+    topk_ids, topk_weights, logits = route(
+        x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group, topk_group=topk_group,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor)
+    return topk_weights, logits, topk_ids
 
 
 @_route_op.register_fake
 def _(x, router_weight, router_bias, e_score_correction_bias, top_k, gating, renormalize, n_group, topk_group,
       routed_scaling_factor):
     T, E = x.shape[0], router_weight.shape[0]
-    return (x.new_empty((T, top_k), dtype=torch.int64), x.new_empty((T, top_k), dtype=torch.float32),
-            x.new_empty((T, E), dtype=torch.float32))
+    return (x.new_empty((T, top_k), dtype=torch.float32), x.new_empty((T, E), dtype=torch.float32),
+            x.new_empty((T, top_k), dtype=torch.int64))
 
 
 def _route_setup_context(ctx, inputs, output):
     x, router_weight, router_bias, _, _, gating, renormalize, _, _, routed_scaling_factor = inputs
-    topk_ids, _, logits = output
+    _, logits, topk_ids = output
     ctx.save_for_backward(x, router_weight, topk_ids, logits)
     ctx.options = (GATINGS[gating] == 1, renormalize, routed_scaling_factor)
     ctx.bias_dtype = router_bias.dtype if router_bias is not None else None
 
 
-def _route_backward(ctx, _, d_topk_weights, d_logits):
+def _route_backward(ctx, d_topk_weights, d_logits, _):
     """Gradient through the gating weights (the top-k choice itself is not differentiated, as in PyTorch): the
     [T, E] logit gradient, then the router GEMM's input and weight gradients (dense torch matmuls in fp32)."""
     x, router_weight, topk_ids, logits = ctx.saved_tensors
@@ -318,12 +320,14 @@ _route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 def route_with_grad(x, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None, n_group=None,
                     topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
-    """`route` through its operator (differentiable in x, router_weight and router_bias; compilable)."""
+    """`route` through its operator (differentiable in x, router_weight and router_bias; compilable). Same returns as
+    `route`: (topk_ids, topk_weights, logits)."""
     if renormalize is None:
         renormalize = GATINGS[gating] == 1
     n_group = n_group or 1
-    return call(_route_op, x, router_weight, router_bias, e_score_correction_bias, top_k, gating, bool(renormalize),
+    topk_weights, logits, topk_ids = call(_route_op, x, router_weight, router_bias, e_score_correction_bias, top_k, gating, bool(renormalize),
                 n_group, topk_group or n_group, float(routed_scaling_factor))
+    return topk_ids, topk_weights, logits
 
 
 def moe_router(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,

@@ -25,7 +25,7 @@ non-float weights) raises `NotImplementedError` naming the module and the attrib
 something else. Ids >= E (expert-parallel sentinels) contribute nothing.
 """
 
-import warnings
+import sys
 
 import torch
 
@@ -34,10 +34,19 @@ from .moe import fused_experts
 EXPERTS_IMPLEMENTATION = "moe_dispatch"
 """Default name under which `register_experts` puts `moe_dispatch_experts` in transformers' `ExpertsInterface`."""
 
-# Gate functions recognised by where transformers defines them ((module, qualified name) of `_apply_gate`), so a
-# subclass that inherits one is recognised too and a model-specific override is refused, never guessed at.
-_DEFAULT_GATE = ("transformers.integrations.moe", "_default_apply_gate")
-_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+# Gate functions recognised by identity with the ones transformers defines (module, attribute path of `_apply_gate`),
+# so a subclass that inherits one is recognised too and a model-specific override is refused, never guessed at.
+# Identity, not the function's name: torch.compile traces `is` but not every function attribute (`__qualname__`).
+_DEFAULT_GATE = ("transformers.integrations.moe", ("_default_apply_gate",))
+_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", ("GptOssExperts", "_apply_gate"))
+
+
+def _is_gate(apply_gate, where) -> bool:
+    """Whether `apply_gate` is the function at `where` (a module already imported, since a model uses it)."""
+    target = sys.modules.get(where[0])
+    for name in where[1]:
+        target = getattr(target, name, None)
+    return target is not None and apply_gate is target
 
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -84,40 +93,22 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
         options["down_bias"] = experts.down_proj_bias
 
     apply_gate = getattr(type(experts), "_apply_gate", None)
-    gate = (apply_gate.__module__, apply_gate.__qualname__) if apply_gate is not None else _DEFAULT_GATE
-    if gate == _DEFAULT_GATE:
+    if apply_gate is None or _is_gate(apply_gate, _DEFAULT_GATE):
         act_fn = getattr(experts, "act_fn", None)
         if not _is_silu(act_fn):
             raise _unsupported(experts, f"activation `act_fn` = {act_fn!r}; only SiLU (silu(gate) * up) is supported")
         options["activation"] = "silu"
-    elif gate == _GPT_OSS_GATE:
+    elif _is_gate(apply_gate, _GPT_OSS_GATE):
         options["activation"] = "swiglu_oai"
         options["swiglu_alpha"] = float(experts.alpha)
         options["swiglu_limit"] = float(experts.limit)
     else:
         raise _unsupported(
             experts,
-            f"gate function {gate[1]} from {gate[0]}; only transformers' default gate with SiLU and "
+            f"gate function {apply_gate.__qualname__} from {apply_gate.__module__}; only transformers' default gate with SiLU and "
             f"GPT-OSS's clamped SwiGLU are supported",
         )
     return options
-
-
-def _check_no_gradient_needed(experts, hidden_states, top_k_weights, options):
-    """The kernels are forward-only: refuse to train through them, warn once when a gradient would be cut."""
-    if not torch.is_grad_enabled():
-        return
-    tensors = [hidden_states, top_k_weights, experts.gate_up_proj, experts.down_proj]
-    tensors += [options[name] for name in ("gate_up_bias", "down_bias") if name in options]
-    if not any(t.requires_grad for t in tensors):
-        return
-    if experts.training:
-        raise _unsupported(experts, "training: moe_dispatch's experts forward has no backward yet")
-    warnings.warn(
-        "moe_dispatch_experts runs forward-only: its output carries no gradient to the experts, the router weights "
-        "or earlier layers through this path. Run inference under torch.no_grad() / torch.inference_mode().",
-        stacklevel=2,
-    )
 
 
 def moe_dispatch_experts(
@@ -131,7 +122,6 @@ def moe_dispatch_experts(
     `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
     """
     options = fused_experts_options(self)
-    _check_no_gradient_needed(self, hidden_states, top_k_weights, options)
     weight_dtype = self.gate_up_proj.dtype
     # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
     x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
