@@ -26,9 +26,10 @@ class MegaBlocksMoeMLP(nn.Module):
     router: nn.Module  # GptOssTopKRouter: (router_logits, router_scores [T, k], router_indices [T, k])
     experts: nn.Module  # GptOssExperts: transposed, interleaved gate/up, biases, alpha / limit
 
-    # Forward only: the Triton launches record no autograd graph and are not registered as torch custom ops.
-    can_torch_compile = False
-    has_backward = False
+    # The experts run as torch custom operators with a registered backward (tests/test_transformers.py trains and
+    # compiles through both layers).
+    can_torch_compile = True
+    has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
@@ -46,8 +47,8 @@ class SparseMoeBlock(nn.Module):
     # Optional, by model: `jitter_noise` (Mixtral, training only), `shared_expert` + `shared_expert_gate`
     # (Qwen2-MoE: sigmoid-gated shared expert), `shared_experts` (DeepSeek-V3: added ungated).
 
-    can_torch_compile = False
-    has_backward = False
+    can_torch_compile = True
+    has_backward = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, sequence_length, hidden_dim = hidden_states.shape

@@ -71,7 +71,7 @@ def _fused_experts_op(
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
     moe_tiles = MoeTiles.from_list(tiles) if tiles is not None else select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     info = dispatch(topk_ids, E, moe_tiles.block_m)
-    preact = x.new_empty((T * top_k, 2 * F) if save_preact else (0,))
+    preact = torch.empty((T * top_k, 2 * F) if save_preact else (0,), device=x.device, dtype=x.dtype)
     intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
                                gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias, alpha=alpha,
                                limit=limit, preact=preact if save_preact else None)
@@ -107,6 +107,7 @@ def _fused_experts_backward_op(
     """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere."""
     F = _ffn_size(w_down, transposed)
     axis = 2 if transposed else 1
+    needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = grads
     w_gate, w_up_view = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
@@ -128,8 +129,15 @@ def _fused_experts_backward_op(
     return grads
 
 
+def _needed(*inputs_and_needs):
+    """`needs` with the slots of absent (None) inputs switched off."""
+    *inputs, needs = inputs_and_needs
+    return [bool(need) and t is not None for t, need in zip(inputs, needs)]
+
+
 def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs):
     like = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
+    needs = _needed(*like, needs)
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else x.new_empty((0,))
                  for t, need in zip(like, needs))
 

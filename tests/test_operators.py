@@ -1,0 +1,139 @@
+"""The package's torch custom operators: names under the build's namespace, `torch.library.opcheck` (schema, fake
+implementation, autograd registration, AOT dispatch with dynamic shapes) for each, and torch.compile of the public
+functions with fullgraph=True (no graph break) and symbolic token counts."""
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import DEVICE
+from torch._dynamo.utils import counters
+
+import moe_dispatch as md
+from moe_dispatch import _ops, moe, routing
+from moe_dispatch.grouped_gemm import _grouped_gemm_op
+
+E, TOP_K, H, F = 4, 2, 16, 8
+
+
+def _ids(T):
+    return torch.stack([torch.randperm(E)[:TOP_K] for _ in range(T)]).to(DEVICE)
+
+
+def _experts_args(T, *, requires_grad, save_preact):
+    def rand(*shape):
+        return (torch.randn(*shape, device=DEVICE) * 0.3).requires_grad_(requires_grad)
+
+    return (rand(T, H), rand(E, 2 * F, H), None, rand(E, H, F), _ids(T), rand(T, TOP_K), rand(E, 2 * F), rand(E, H),
+            "silu", False, False, 1.702, 7.0, None, save_preact)
+
+
+def _segments(T):
+    permuted, offsets, sorted_idx, _ = md.permute_tokens(torch.randn(T, H, device=DEVICE), _ids(T), E)
+    return permuted, offsets, sorted_idx
+
+
+OPERATOR_CASES = ["fused_experts", "fused_experts-inference", "fused_experts_backward", "route", "grouped_gemm",
+                  "expert_ffn", "fused_expert_ffn"]
+
+
+def _operator_case(name):
+    """(operator, arguments) for one opcheck case; built inside the test, not at collection."""
+    permuted, offsets, sorted_idx = _segments(5)
+    w_gate, w_up = torch.randn(E, F, H, device=DEVICE), torch.randn(E, F, H, device=DEVICE)
+    w_down = torch.randn(E, H, F, device=DEVICE)
+    weights = torch.rand(5, TOP_K, device=DEVICE)
+    x, w_gate_up, _, w_down_t, ids, topk_weights, gate_up_bias, down_bias = _experts_args(
+        5, requires_grad=False, save_preact=True)[:8]
+    forward = moe._fused_experts_op._init_fn(x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
+                                             "silu", False, False, 1.702, 7.0, None, True)
+    cases = [
+        ("fused_experts", moe._fused_experts_op, _experts_args(5, requires_grad=True, save_preact=True)),
+        ("fused_experts-inference", moe._fused_experts_op, _experts_args(5, requires_grad=False, save_preact=False)),
+        ("fused_experts_backward", moe._fused_experts_backward_op,
+         (torch.randn(5, H, device=DEVICE), x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
+          *forward[1:], "silu", False, False, 1.702, 7.0, [True] * 7)),
+        ("route", routing._route_op, (torch.randn(5, H, device=DEVICE, requires_grad=True),
+                                      torch.randn(E, H, device=DEVICE, requires_grad=True), None, None, TOP_K,
+                                      "softmax", True, 1, 1, 1.0)),
+        ("grouped_gemm", _grouped_gemm_op, (permuted, w_gate, offsets)),
+        ("expert_ffn", moe._expert_ffn_op, (permuted, w_gate, w_up, w_down, offsets, None, 1, None)),
+        ("fused_expert_ffn", moe._fused_expert_ffn_op, (permuted, w_gate, w_up, w_down, offsets, weights, sorted_idx,
+                                                        5, TOP_K)),
+    ]
+    return {case[0]: case[1:] for case in cases}[name]
+
+
+@pytest.mark.parametrize("name", OPERATOR_CASES)
+def test_opcheck(name):
+    op, args = _operator_case(name)
+    assert op._qualname == _ops.add_op_namespace_prefix(op._name)
+    torch.library.opcheck(op, args)
+
+
+def _compile(fn):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=None)
+
+
+def test_compile_fused_experts_forward_backward():
+    """fullgraph: no graph break; new token counts reuse one dynamic graph (at most 2 graphs: static, then dynamic)."""
+    w_gate_up = (torch.randn(E, 2 * F, H, device=DEVICE) * 0.3).requires_grad_()
+    w_down = (torch.randn(E, H, F, device=DEVICE) * 0.3).requires_grad_()
+
+    def layer(x, ids, weights):
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights)
+
+    compiled = _compile(layer)
+    for T in (3, 5, 9, 17):
+        x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+        ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE, requires_grad=True)
+        out = compiled(x, ids, weights)
+        grads = torch.autograd.grad(out.square().sum(), [x, weights, w_gate_up, w_down])
+        eager = layer(x, ids, weights)
+        eager_grads = torch.autograd.grad(eager.square().sum(), [x, weights, w_gate_up, w_down])
+        assert torch.equal(out, eager)
+        for got, ref in zip(grads, eager_grads):
+            assert torch.equal(got, ref)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compile_fused_moe_forward_forward_backward():
+    router_weight = torch.randn(E, H, device=DEVICE, requires_grad=True)
+    w_gate, w_up = (torch.randn(E, F, H, device=DEVICE).mul(0.3).requires_grad_() for _ in range(2))
+    w_down = (torch.randn(E, H, F, device=DEVICE) * 0.3).requires_grad_()
+
+    def layer(x):
+        out, _, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, TOP_K, renormalize=True)
+        return out, weights
+
+    compiled = _compile(layer)
+    for T in (4, 6, 11):
+        x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+        out, weights = compiled(x)
+        params = [x, router_weight, w_gate, w_up, w_down]
+        grads = torch.autograd.grad(out.sum() + weights.sum(), params)
+        eager_out, eager_weights = layer(x)
+        eager_grads = torch.autograd.grad(eager_out.sum() + eager_weights.sum(), params)
+        assert torch.equal(out, eager_out)
+        for got, ref in zip(grads, eager_grads):
+            torch.testing.assert_close(got, ref)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compile_inference_v1_functions():
+    """The forward-only v1 functions compile too (their operators have fake implementations)."""
+    permuted, offsets, sorted_idx = _segments(6)
+    w_gate, w_up = torch.randn(E, F, H, device=DEVICE), torch.randn(E, F, H, device=DEVICE)
+    w_down = torch.randn(E, H, F, device=DEVICE)
+    weights = torch.rand(6, TOP_K, device=DEVICE)
+
+    def v1(permuted, offsets, sorted_idx, weights):
+        return (md.grouped_gemm(permuted, w_gate, offsets, E),
+                md.expert_ffn_triton(permuted, w_gate, w_up, w_down, offsets, E),
+                md.fused_expert_ffn(permuted, w_gate, w_up, w_down, offsets, E, weights, sorted_idx, 6, TOP_K))
+
+    with torch.no_grad():
+        for got, ref in zip(_compile(v1)(permuted, offsets, sorted_idx, weights),
+                            v1(permuted, offsets, sorted_idx, weights)):
+            assert torch.equal(got, ref)
