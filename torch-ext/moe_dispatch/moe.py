@@ -11,8 +11,9 @@ graph and replayed with new inputs.
 
 import torch
 
-from ._checks import (check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device,
-                      check_token_weights)
+from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
+                      check_same_device, check_tensor, check_token_weights, index_map_problems,
+                      segment_rows_problems, warn_if_gradient_cut)
 from .binned import drop_over_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
@@ -67,7 +68,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     check_float("w_gate_up", w_gate_up, ndim=3)
     check_float("w_down", w_down, ndim=3)
     check_index("topk_ids", topk_ids, ndim=2)
-    check_float("topk_weights", topk_weights, ndim=2)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
     check_choice("activation", activation, EXPERT_ACTIVATIONS)
     H = hidden_states.shape[-1]
     E = w_gate_up.shape[0]
@@ -176,32 +177,42 @@ def _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
     return grouped_matmul(intermediate, w_down, info, tiles.down, topk_weights=top_k_weights, out=out)
 
 
-def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
+def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, *, validate=None):
     """v1 API: per-expert SwiGLU FFN on rows already in expert order. Returns [M, H]; rows past expert_offsets[-1]
-    are zero."""
-    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
+    are zero. `validate` as in grouped_gemm. Forward-only."""
+    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts, validate)
+    warn_if_gradient_cut("expert_ffn_triton", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
     return _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
 
 
 def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, top_k_weights, sorted_idx,
-                     num_tokens, top_k):
+                     num_tokens, top_k, *, validate=None):
     """v1 API: expert FFN on permuted rows, then the weighted combine back to token order -> [num_tokens, H].
 
     sorted_idx[p] is the assignment id (t * top_k + j) of row p, as returned by permute_tokens (-1: no assignment).
+    `validate`: check expert_offsets (as in grouped_gemm) and sorted_idx (ids in [0, num_tokens * top_k), none twice,
+    none negative inside a segment); None checks CPU tensors only, True also on a GPU (one sync), False never.
+    Forward-only.
     """
-    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
+    check_float("permuted_tokens", permuted_tokens, ndim=2)
     check_index("sorted_idx", sorted_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("sorted_idx", sorted_idx, 0, permuted_tokens.shape[0], "rows of permuted_tokens")
+    check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
+    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts, validate,
+                         more_problems=lambda: (index_map_problems("sorted_idx", sorted_idx, num_tokens * top_k,
+                                                                   "assignments t * top_k + j")
+                                                + segment_rows_problems("sorted_idx", sorted_idx, expert_offsets)))
     if permuted_tokens.shape[0] != num_tokens * top_k:
         raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
                          f"{num_tokens * top_k}")
-    check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
+    warn_if_gradient_cut("fused_expert_ffn", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up,
+                         w_down=w_down, top_k_weights=top_k_weights)
     y = _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, sorted_idx=sorted_idx,
                          top_k=top_k, top_k_weights=top_k_weights)
     # restore[a] = row of assignment a; rows without an assignment (sorted_idx < 0) land in a discarded extra slot.
     N = sorted_idx.shape[0]
-    slots = torch.where(sorted_idx >= 0, sorted_idx, N)
+    slots = torch.where((sorted_idx >= 0) & (sorted_idx < N), sorted_idx, N)  # bad ids (unvalidated) go nowhere
     restore = torch.full((N + 1,), -1, device=sorted_idx.device, dtype=torch.int64)
     restore.scatter_(0, slots.long(), torch.arange(N, device=sorted_idx.device))
     return combine(y, restore[:N], num_tokens, top_k)
