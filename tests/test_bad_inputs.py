@@ -40,7 +40,7 @@ def _permuted(dtype=torch.float32):
     return x, ids, permuted, offsets, sorted_idx, restore_idx
 
 
-# Defect 1: indices from the caller ------------------------------------------------------------------------------
+# Defect 1: indices from the caller
 
 
 def test_fused_expert_ffn_rejects_bad_sorted_idx():
@@ -136,7 +136,15 @@ def test_binned_gather_bounds_unvalidated_bins():
     assert torch.equal(out.cpu(), torch.zeros(num_experts, capacity, 8))
 
 
-# Defect 2: NaN ----------------------------------------------------------------------------------------------------
+def test_padded_gather_names_a_negative_row_count():
+    """validate=False and no num_rows: the row count read from padded_bins[-1] is checked before allocating."""
+    x = torch.randn(2, 8, device=DEVICE)
+    indices, bins = torch.tensor([0, 1], device=DEVICE), torch.tensor([2], device=DEVICE)
+    with pytest.raises(ValueError, match="padded_bins"):
+        md.padded_gather(x, indices, indices, None, bins, torch.tensor([-3], device=DEVICE), 1, validate=False)
+
+
+# Defect 2: NaN
 
 
 def _forward(x, router_weight, gating="softmax", **kwargs):
@@ -206,7 +214,7 @@ def test_nan_hidden_state_in_fused_experts_is_not_zeroed_by_a_zero_weight():
     assert_close(out[keep], fused_experts_ref(x, w_gate_up, w_down, ids, weights)[keep], torch.float32)
 
 
-# Defect 3: int64 ids outside int32 ---------------------------------------------------------------------------------
+# Defect 3: int64 ids outside int32
 
 
 WIDE_IDS = [2**32 + 1, 2**31, -2**40, -2**32 + 3, -1]  # each would wrap (or did wrap) into [0, E) in 32 bits
@@ -241,7 +249,7 @@ def test_wide_ids_in_the_capacity_helpers():
     assert md.histogram(ids.reshape(-1), E).cpu().tolist() == [1, 1, 1, 0]
 
 
-# Defect 4: errors that name their argument -------------------------------------------------------------------------
+# Defect 4: errors that name their argument
 
 
 def test_errors_name_their_argument():
@@ -281,7 +289,7 @@ def test_float64_topk_weights_are_accepted():
                  unpermute_tokens_ref(permuted, weights, restore_idx, T, TOP_K), torch.float32)
 
 
-# Defect 5: gradients cut without a word ----------------------------------------------------------------------------
+# Defect 5: gradients cut without a word
 
 
 @pytest.fixture
@@ -324,3 +332,4 @@ def test_no_gradient_warning_under_no_grad(fresh_gradient_warnings):
         warnings.simplefilter("error")
         for call in calls.values():
             call()
+

@@ -319,6 +319,8 @@ def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num
                   n_rows_name="num_rows")
     if num_rows is None:
         num_rows = int(padded_bins[-1])
+        if num_rows < 0:
+            raise ValueError(f"padded_bins[-1] = {num_rows} gives a negative number of rows")
     layout = Layout(PADDED.value, top_k)
     return _gather(x, weights, indices, bins, padded_bins, layout, num_rows)
 
