@@ -55,12 +55,30 @@ def test_fused_expert_ffn_rejects_bad_sorted_idx():
             md.fused_expert_ffn(permuted, w_gate, w_up, w_down, offsets, E, weights, bad, T, TOP_K, validate=True)
 
 
+def test_cpu_index_tensors_are_checked_by_default():
+    """The issue's repro on CPU tensors, validate left at None: a ValueError, not a crash (checks are free there)."""
+    x = torch.randn(T, H)
+    permuted, offsets, sorted_idx, restore_idx = md.permute_tokens(x, torch.stack([torch.randperm(E)[:TOP_K]
+                                                                                  for _ in range(T)]), E)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device="cpu")
+    bad = sorted_idx.clone()
+    bad[0] = 10**6
+    with pytest.raises(ValueError, match="sorted_idx"):
+        md.fused_expert_ffn(permuted, w_gate, w_up, w_down, offsets, E, torch.rand(T, TOP_K), bad, T, TOP_K)
+    bad = restore_idx.clone()
+    bad[-1] = bad[0]
+    with pytest.raises(ValueError, match="restore_idx"):
+        md.unpermute_tokens(permuted, torch.rand(T, TOP_K), bad, T, TOP_K)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        md.expert_ffn_triton(permuted, w_gate, w_up, w_down, offsets.flip(0), E)
+
+
 def test_unpermute_tokens_rejects_duplicate_restore_idx():
     _, _, permuted, _, _, restore_idx = _permuted()
     bad = restore_idx.clone()
     bad[0] = bad[1]
     with pytest.raises(ValueError, match="restore_idx is not a permutation"):
-        md.unpermute_tokens(permuted, torch.rand(T, TOP_K, device=DEVICE), bad, T, TOP_K)
+        md.unpermute_tokens(permuted, torch.rand(T, TOP_K, device=DEVICE), bad, T, TOP_K, validate=True)
     with pytest.raises(TypeError, match="validate"):
         md.unpermute_tokens(permuted, torch.rand(T, TOP_K, device=DEVICE), restore_idx, T, TOP_K, validate="yes")
 
@@ -131,7 +149,7 @@ def test_binned_gather_bounds_unvalidated_bins():
     indices = backing[2:]  # backing[0:2] sit right before indices in memory
     bins = torch.tensor([-2, 4], device=DEVICE)
     with pytest.raises(ValueError, match="bins"):
-        md.binned_gather(x, indices, None, bins, capacity, top_k)
+        md.binned_gather(x, indices, None, bins, capacity, top_k, validate=True)
     out = md.binned_gather(x, indices, None, bins, capacity, top_k, validate=False)
     assert torch.equal(out.cpu(), torch.zeros(num_experts, capacity, 8))
 

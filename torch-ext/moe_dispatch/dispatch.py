@@ -322,7 +322,7 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
     kernels see are a sanitised copy (clamped into [0, num_rows], non-decreasing; equal to the input when valid).
     """
     device = expert_offsets.device
-    expert_offsets = torch.cummax(expert_offsets.clamp(0, num_rows), 0).values.to(torch.int32)
+    expert_offsets = torch.cummax(expert_offsets.clamp(0, num_rows), 0).values
     max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
     tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
     tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)

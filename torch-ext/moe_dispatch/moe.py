@@ -199,13 +199,13 @@ def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_
     check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("sorted_idx", sorted_idx, 0, permuted_tokens.shape[0], "rows of permuted_tokens")
     check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
+    if permuted_tokens.shape[0] != num_tokens * top_k:
+        raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
+                         f"{num_tokens * top_k}")
     check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts, validate,
                          more_problems=lambda: (index_map_problems("sorted_idx", sorted_idx, num_tokens * top_k,
                                                                    "assignments t * top_k + j")
                                                 + segment_rows_problems("sorted_idx", sorted_idx, expert_offsets)))
-    if permuted_tokens.shape[0] != num_tokens * top_k:
-        raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
-                         f"{num_tokens * top_k}")
     warn_if_gradient_cut("fused_expert_ffn", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up,
                          w_down=w_down, top_k_weights=top_k_weights)
     y = _ffn_on_segments(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, sorted_idx=sorted_idx,
