@@ -2,7 +2,9 @@
 layer are in `binned.py`, whose docstring draws the layouts and the kernel family.
 
 Launchers here trust their arguments (contiguous tensors, consistent routing) and allocate every output with
-`torch.empty`: each kernel writes all of its output.
+`torch.empty`: each kernel writes all of its output. They trust them for results only, not for memory: every index
+read from `indices`, `bins` or `padded_bins` is bounded before it addresses memory (inconsistent routing, unchecked
+on a GPU, gives wrong rows or zeros, never an access outside a tensor).
 """
 
 import dataclasses
@@ -79,7 +81,7 @@ def _gather_kernel(
         b_end = tl.load(bins_ptr + b_expert, mask=mask_e, other=0).to(tl.int64)
         b_pos = b_start + b_local
         mask_a = mask_e & (b_pos < b_end)  # binned: b_local < C by construction, so positions >= C are never read
-    mask_a = mask_a & (b_pos < N)
+    mask_a = mask_a & (b_pos >= 0) & (b_pos < N)  # bins / padded_bins are caller data: bound the position too
     b_assign = tl.load(indices_ptr + b_pos, mask=mask_a, other=0).to(tl.int64)
     mask_a = mask_a & (b_assign >= 0) & (b_assign < N)  # memory safety when indices is not a permutation
     b_token = b_assign // TOP_K
@@ -114,7 +116,7 @@ def _buffer_rows_kernel(
         if LAYOUT == PADDED:
             b_row = _bin_start(b_expert, padded_bins_ptr, mask_p) + b_local
         else:
-            b_row = tl.where(b_local < capacity, b_expert * capacity + b_local, -1)
+            b_row = tl.where((b_local >= 0) & (b_local < capacity), b_expert * capacity + b_local, -1)
     tl.store(buffer_row_ptr + b_assign, b_row, mask=mask_p & (b_assign >= 0) & (b_assign < N))
 
 

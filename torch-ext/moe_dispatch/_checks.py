@@ -1,9 +1,19 @@
-"""Argument validation shared by the public entry points. Every error names the argument at fault."""
+"""Argument validation shared by the public entry points. Every error names the argument at fault.
+
+Index tensors from a caller (`expert_offsets`, `sorted_idx`, `restore_idx`, ids) are checked by value only where that
+is free (CPU tensors) or asked for (`validate=True`: one device-to-host sync); the kernels bound every index they read
+anyway, so an unchecked bad index gives a wrong result, never a crash or a write outside an output.
+"""
+
+import math
+import warnings
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Routing weights are applied in fp32 inside the kernels, so a float64 router may hand its weights over unchanged.
+ROUTING_WEIGHT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
 def check_tensor(name, value, *, ndim=None, dtypes=None, min_ndim=None):
@@ -60,11 +70,10 @@ def check_ids_in_range(name, ids, num_experts, validate):
     """Raise for ids outside [0, num_experts).
 
     Reading ids costs a device-to-host sync on a GPU, so by default (`validate=None`) only CPU tensors are checked;
-    on a GPU out-of-range ids then contribute nothing (the expert-parallel sentinel convention).
+    on a GPU out-of-range ids then contribute nothing (the expert-parallel sentinel convention). Under torch.compile
+    values are never read (a data-dependent read would break the graph); the kernels skip such ids anyway.
     """
-    if validate is False or ids.numel() == 0:
-        return
-    if validate is None and ids.device.type != "cpu":
+    if not reads_values(validate, ids) or ids.numel() == 0:
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= num_experts:
@@ -73,10 +82,109 @@ def check_ids_in_range(name, ids, num_experts, validate):
 
 def check_token_weights(top_k_weights, num_tokens, top_k):
     """num_tokens / top_k given as ints by the v1 functions, and top_k_weights [num_tokens, top_k] to match."""
-    check_float("top_k_weights", top_k_weights, ndim=2)
+    check_tensor("top_k_weights", top_k_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
     check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")
+
+
+def check_hidden_size(name, value):
+    """The last dimension of `value` (H) must be at least 1: a router or an expert needs an input."""
+    if value.shape[-1] < 1:
+        raise ValueError(f"{name} must have a hidden size (last dimension) >= 1, got shape {tuple(value.shape)}")
+
+
+def check_finite_number(name, value, *, minimum=None):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def reads_values(validate, *tensors):
+    """Whether to check index values: always with validate=True (one sync on a GPU), never with False, and by
+    default (None) only when every tensor is on the CPU, where reading them costs nothing."""
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be None, True or False, got {validate!r}")
+    if torch.compiler.is_compiling():  # data-dependent reads would break the graph; the kernels bound indices anyway
+        return False
+    if validate is None:
+        return all(t.device.type == "cpu" for t in tensors if t is not None)
+    return validate
+
+
+def expert_offsets_problems(expert_offsets, num_rows, rows_name):
+    """(flag, message) pairs for `raise_problems`: offsets [E + 1] must start at 0, not decrease and end at or
+    before the num_rows rows they index."""
+    offsets = expert_offsets.long()
+    return [
+        (offsets[0] != 0, lambda: f"expert_offsets must start at 0, got expert_offsets[0] = {int(offsets[0])}"),
+        ((offsets[1:] < offsets[:-1]).any(),
+         lambda: f"expert_offsets must be non-decreasing, got {offsets.tolist()}"),
+        (offsets[-1] > num_rows,
+         lambda: f"expert_offsets[-1] = {int(offsets[-1])} exceeds the {num_rows} rows of {rows_name}"),
+    ]
+
+
+def index_map_problems(name, index, bound, what):
+    """(flag, message) pairs: entries of `index` point into range(bound) (`what` names it) or are negative ("none"),
+    and no two entries point to the same place (a permutation of part of range(bound))."""
+    if index.numel() == 0:
+        return []
+    values = index.long()
+    ordered = torch.sort(values).values
+    return [
+        (values.max() >= bound,
+         lambda: f"{name} must lie in [0, {bound}) ({what}) or be negative (none), got max {int(values.max())}"),
+        (((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any(),
+         lambda: f"{name} is not a permutation: value {_first_duplicate(ordered)} appears more than once"),
+    ]
+
+
+def _first_duplicate(ordered):
+    same = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    return int(ordered[1:][same][0])
+
+
+def raise_problems(problems):
+    """Raise ValueError for the first true flag; all flags are read from the device in one transfer."""
+    if not problems:
+        return
+    flags = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in problems]).tolist()
+    for flag, (_, message) in zip(flags, problems):
+        if flag:
+            raise ValueError(message())
+
+
+_GRADIENT_WARNED = set()  # names of the forward-only functions that have warned once in this process
+
+
+def warn_if_gradient_cut(function_name, **tensors):
+    """Warn once per function when grad mode is on and an input requires grad: forward-only kernels return tensors
+    without a grad_fn, so a gradient would stop here without a word."""
+    if function_name in _GRADIENT_WARNED or not torch.is_grad_enabled():
+        return
+    needing = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needing:
+        return
+    _GRADIENT_WARNED.add(function_name)
+    warnings.warn(
+        f"moe_dispatch.{function_name} is forward-only: its output carries no gradient to {', '.join(needing)}. "
+        f"Run it under torch.no_grad() / torch.inference_mode(), or detach the inputs.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def segment_rows_problems(name, index, expert_offsets):
+    """(flag, message) pair: every row inside a segment (p < expert_offsets[-1]) names an assignment (index >= 0)."""
+    inside = torch.arange(index.shape[0], device=index.device) < expert_offsets[-1]
+    bad = inside & (index < 0)
+    return [(bad.any(), lambda: f"{name} is negative (no assignment) at row {int(bad.nonzero()[0])}, which lies "
+                                f"inside a segment of expert_offsets")]

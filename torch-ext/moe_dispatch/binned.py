@@ -46,7 +46,7 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 import torch
 
 from ._binned_kernels import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
-from ._checks import check_same_device, check_tensor
+from ._checks import check_finite_number, check_same_device, check_tensor
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -319,6 +319,8 @@ def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num
                   n_rows_name="num_rows")
     if num_rows is None:
         num_rows = int(padded_bins[-1])
+        if num_rows < 0:
+            raise ValueError(f"padded_bins[-1] = {num_rows} gives a negative number of rows")
     layout = Layout(PADDED.value, top_k)
     return _gather(x, weights, indices, bins, padded_bins, layout, num_rows)
 
@@ -392,6 +394,11 @@ def histogram(x, max_val):
 def inclusive_cumsum(x, dim):
     """Inclusive prefix sum along `dim` in x's own dtype (torch.cumsum would widen int32 to int64)."""
     check_tensor("x", x)
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim must be in [{-ndim}, {ndim}) for x of shape {tuple(x.shape)}, got {dim}")
     return torch.cumsum(x, dim, dtype=x.dtype)
 
 
@@ -404,10 +411,7 @@ def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
     _check_int("num_tokens", num_tokens, 0)
     _check_int("top_k", top_k, 1)
     _check_int("num_experts", num_experts, 1)
-    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool):
-        raise TypeError(f"capacity_factor must be a number, got {type(capacity_factor).__name__}")
-    if not capacity_factor >= 0:
-        raise ValueError(f"capacity_factor must be >= 0, got {capacity_factor}")
+    check_finite_number("capacity_factor", capacity_factor, minimum=0)
     tokens_per_expert = top_k * num_tokens / num_experts
     return int(capacity_factor * tokens_per_expert)
 

@@ -2,7 +2,8 @@
 
   _combine_kernel   out[t] = sum_j w[t, j] * y[row_idx[t * top_k + j]]   (fp32 accumulation, j = 0..top_k-1)
 
-Rows with row_idx < 0 (dropped assignments) contribute nothing; without weights (the fused path applies them in the
+Rows with row_idx < 0 (dropped assignments) contribute nothing, and so do indices past the rows of y (a caller's bad
+`restore_idx`: bounded, never read); without weights (the fused path applies them in the
 down GEMM's epilogue) the sum is unweighted.
 """
 
@@ -10,13 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_dim, check_float, check_index, check_same_device, check_token_weights
+from ._checks import (check_dim, check_float, check_index, check_same_device, check_token_weights, index_map_problems,
+                      raise_problems, reads_values, warn_if_gradient_cut)
 
 
 @triton.jit
 def _combine_kernel(
     y_ptr, row_idx_ptr, weights_ptr, out_ptr,
-    T, H,
+    T, H, n_rows,
     stride_y_m, stride_w_t, stride_w_k, stride_out_t,
     TOP_K: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
@@ -31,7 +33,7 @@ def _combine_kernel(
     b_acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         b_row = tl.load(row_idx_ptr + offs_t.to(tl.int64) * TOP_K + j, mask=mask_t, other=-1)
-        b_keep = b_row >= 0
+        b_keep = (b_row >= 0) & (b_row < n_rows)
         b_y = tl.load(y_ptr + tl.where(b_keep, b_row, 0)[:, None].to(tl.int64) * stride_y_m + offs_h[None, :],
                       mask=(mask_t & b_keep)[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
@@ -54,7 +56,7 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
     w_t, w_k = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     _combine_kernel[grid](
-        y, row_idx, weights, out, num_tokens, H,
+        y, row_idx, weights, out, num_tokens, H, y.shape[0],
         y.stride(0), w_t, w_k, out.stride(0),
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h,
         num_warps=4,
@@ -62,18 +64,22 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
     return out
 
 
-def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top_k):
+def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top_k, *, validate=None):
     """v1 API: out[t] = sum_j top_k_weights[t, j] * expert_outputs[restore_idx[t * top_k + j]] -> [T, H].
 
     expert_outputs [T*top_k, H] in expert order (as returned by permute_tokens and the grouped GEMMs), restore_idx
     [T*top_k] (permute_tokens' inverse permutation; entries < 0 are skipped). Output in expert_outputs' dtype.
+    `validate`: check that restore_idx points into expert_outputs' rows with no row twice (ValueError otherwise);
+    None checks CPU tensors only, True also on a GPU (one sync), False never. Unchecked bad entries are bounded in the
+    kernel (rows past the end add nothing). Forward-only.
     """
     check_float("expert_outputs", expert_outputs, ndim=2)
     check_index("restore_idx", restore_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("restore_idx", restore_idx, 0, num_tokens * top_k, "num_tokens * top_k")
     check_same_device(expert_outputs=expert_outputs, top_k_weights=top_k_weights, restore_idx=restore_idx)
-    if restore_idx.device.type == "cpu" and restore_idx.numel() and int(restore_idx.max()) >= expert_outputs.shape[0]:
-        raise ValueError(f"restore_idx points past the {expert_outputs.shape[0]} rows of expert_outputs")
+    if reads_values(validate, restore_idx):
+        raise_problems(index_map_problems("restore_idx", restore_idx, expert_outputs.shape[0], "rows of expert_outputs"))
+    warn_if_gradient_cut("unpermute_tokens", expert_outputs=expert_outputs, top_k_weights=top_k_weights)
     y = expert_outputs if expert_outputs.stride(1) == 1 else expert_outputs.contiguous()
     return combine(y, restore_idx, num_tokens, top_k, weights=top_k_weights)

@@ -8,7 +8,12 @@ An assignment is a = t * top_k + j (token t's j-th expert). `dispatch` sorts the
   _assign_positions_kernel   per chunk: stable rank -> sorted position; writes gather_idx and scatter_idx
 
 When N fits in one chunk (decoding) `_dispatch_single_kernel` does all three in one launch. Ids outside [0, E) are
-dropped: they get no position (scatter_idx = -1) and contribute nothing downstream.
+dropped: they get no position (scatter_idx = -1) and contribute nothing downstream. Ids are compared with [0, E) in
+their own width (int64 ids at or past 2^31, or below -2^31, are out of range, not wrapped into it) before narrowing.
+
+`segment_dispatch` builds the tile map from a caller's `expert_offsets` (v1 functions on already-permuted rows); it
+clamps them into [0, rows] and makes them non-decreasing on the device first, so bad offsets (unchecked on a GPU)
+can give wrong rows but never a tile outside the rows.
 
 `permute_tokens` (v1 API) materialises the expert-ordered copy of the activations with the binned module's plain
 gather; the fused path never does: the first GEMM gathers rows through `gather_idx` in its loads.
@@ -21,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._binned_kernels import PLAIN, Layout, launch_gather
-from ._checks import check_float, check_ids_in_range, check_index, check_same_device
+from ._checks import check_float, check_ids_in_range, check_index, check_same_device, warn_if_gradient_cut
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
 BLOCK_C = 32  # chunk rows the offsets kernel scans at once
@@ -78,8 +83,8 @@ def _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K
     offs_a = chunk * CHUNK + tl.arange(0, CHUNK)
     mask_a = offs_a < N
     b_ids = tl.load(topk_ids_ptr + (offs_a // TOP_K).to(tl.int64) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
-                    mask=mask_a, other=-1).to(tl.int32)
-    b_ids = tl.where((b_ids >= 0) & (b_ids < E), b_ids, -1)
+                    mask=mask_a, other=-1)  # int32 or int64: range-checked in that width, then narrowed
+    b_ids = tl.where((b_ids >= 0) & (b_ids < E), b_ids, -1).to(tl.int32)
     return offs_a, mask_a, b_ids
 
 
@@ -272,7 +277,7 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=No
     sorted_idx [T*top_k] int64, restore_idx [T*top_k] int64): permuted_tokens[p] = hidden_states[sorted_idx[p] // top_k],
     expert e owns rows [expert_offsets[e], expert_offsets[e+1]), restore_idx[a] is the row of assignment a (its inverse).
     Order inside an expert follows the assignment id (stable). Ids outside [0, E) are rejected on the CPU (see
-    `validate_ids` in fused_experts); on a GPU they are dropped: restore_idx = -1 and no row.
+    `validate_ids` in fused_experts); on a GPU they are dropped: restore_idx = -1 and no row. Forward-only.
     """
     check_float("hidden_states", hidden_states, ndim=2)
     check_index("top_k_indices", top_k_indices, ndim=2)
@@ -283,6 +288,7 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=No
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
     check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate_ids)
+    warn_if_gradient_cut("permute_tokens", hidden_states=hidden_states)
     info = dispatch(top_k_indices, num_experts, block_m=16)
     # The plain (unpadded) MegaBlocks gather: row p = hidden_states[gather_idx[p] // top_k], zero where gather_idx < 0.
     permuted = launch_gather(hidden_states.contiguous(), info.gather_idx, None, None, None,
@@ -293,15 +299,18 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=No
 @triton.jit
 def _segment_tile_map_kernel(
     expert_offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
-    E, max_tiles,
+    E, num_rows, max_tiles,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
 ):
-    """Grid: (1,). Tile map for rows already in expert order, from expert_offsets [E + 1]."""
+    """Grid: (1,). Tile map for rows already in expert order, from expert_offsets [E + 1] (already sanitised: in
+    [0, num_rows] and non-decreasing; the clamps below only keep the tile map inside the rows regardless)."""
     offs_e = tl.arange(0, BLOCK_E)
-    b_start = tl.load(expert_offsets_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    b_end = tl.load(expert_offsets_ptr + offs_e + 1, mask=offs_e < E, other=0).to(tl.int32)
+    b_start = tl.load(expert_offsets_ptr + offs_e, mask=offs_e < E, other=0)
+    b_end = tl.load(expert_offsets_ptr + offs_e + 1, mask=offs_e < E, other=0)
+    b_start = tl.minimum(tl.maximum(b_start, 0), num_rows).to(tl.int32)
+    b_end = tl.minimum(tl.maximum(b_end, b_start), num_rows).to(tl.int32)
     _write_tile_map(b_end - b_start, b_start, tile_expert_ptr, tile_row_start_ptr, max_tiles,
                     BLOCK_E, BLOCK_M, BLOCK_TILES)
 
@@ -309,9 +318,11 @@ def _segment_tile_map_kernel(
 def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=None, top_k=1):
     """DispatchInfo for `num_rows` rows already sorted by expert (v1 functions that take `expert_offsets`).
 
-    gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None).
+    gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None). The offsets the
+    kernels see are a sanitised copy (clamped into [0, num_rows], non-decreasing; equal to the input when valid).
     """
     device = expert_offsets.device
+    expert_offsets = torch.cummax(expert_offsets.clamp(0, num_rows), 0).values
     max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
     tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
     tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
@@ -319,7 +330,7 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
         gather_idx = torch.arange(num_rows, device=device, dtype=torch.int32)
     if max_tiles:
         _segment_tile_map_kernel[(1,)](
-            expert_offsets, tile_expert, tile_row_start, num_experts, max_tiles,
+            expert_offsets, tile_expert, tile_row_start, num_experts, num_rows, max_tiles,
             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES,
         )
     return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,

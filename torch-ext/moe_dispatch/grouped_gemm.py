@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_dim, check_float, check_index, check_same_device
+from ._checks import (check_dim, check_float, check_index, check_same_device, expert_offsets_problems, raise_problems,
+                      reads_values, warn_if_gradient_cut)
 from ._device import dot_input_precision, dot_needs_fp32
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
@@ -257,19 +258,19 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     return c
 
 
-def check_segmented_rows(name, rows, expert_offsets, num_experts):
-    """Validation shared by the v1 functions that take already-permuted rows and `expert_offsets` [E+1]."""
+def check_segmented_rows(name, rows, expert_offsets, num_experts, validate=None, *, more_problems=None):
+    """Validation shared by the v1 functions that take already-permuted rows and `expert_offsets` [E+1]. Offset
+    values, and the problems `more_problems()` returns (see _checks.raise_problems), are read per `validate`
+    (_checks.reads_values), all in one transfer."""
     check_float(name, rows, ndim=2)
     check_index("expert_offsets", expert_offsets, ndim=1)
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     check_dim("expert_offsets", expert_offsets, 0, num_experts + 1, "num_experts + 1")
     check_same_device(**{name: rows, "expert_offsets": expert_offsets})
-    if expert_offsets.device.type == "cpu" and not torch.compiler.is_compiling():  # a sync on a GPU; data-dependent
-        if int(expert_offsets[0]) != 0 or bool((expert_offsets[1:] < expert_offsets[:-1]).any()):
-            raise ValueError("expert_offsets must start at 0 and be non-decreasing")
-        if int(expert_offsets[-1]) > rows.shape[0]:
-            raise ValueError(f"expert_offsets[-1]={int(expert_offsets[-1])} exceeds the {rows.shape[0]} rows of {name}")
+    if reads_values(validate, expert_offsets):  # value checks cost a sync on a GPU
+        raise_problems(expert_offsets_problems(expert_offsets, rows.shape[0], name)
+                       + (more_problems() if more_problems is not None else []))
 
 
 @custom_op("grouped_gemm")
@@ -287,15 +288,19 @@ def _(tokens, weights, expert_offsets):
     return tokens.new_empty((tokens.shape[0], weights.shape[1]))
 
 
-def grouped_gemm(tokens, weights, expert_offsets, num_experts):
+def grouped_gemm(tokens, weights, expert_offsets, num_experts, *, validate=None):
     """v1 API: out[r] = tokens[r] @ weights[e].T for every row r of segment e. tokens [M, K], weights [E, N, K].
 
-    Rows past expert_offsets[-1] are zero. Forward only (no gradient flows through it)."""
-    check_segmented_rows("tokens", tokens, expert_offsets, num_experts)
+    `validate`: check expert_offsets' values (start at 0, non-decreasing, end <= M; ValueError otherwise); None checks
+    CPU tensors only, True also on a GPU (one sync), False never (bad offsets are clamped into the rows). Rows outside
+    every segment are zero. Forward-only.
+    """
+    check_segmented_rows("tokens", tokens, expert_offsets, num_experts, validate)
     check_float("weights", weights, ndim=3)
     check_dim("weights", weights, 0, num_experts, "num_experts")
     check_dim("weights", weights, 2, tokens.shape[1], "K = tokens.shape[1]")
     check_same_device(tokens=tokens, weights=weights)
     if weights.dtype != tokens.dtype:
         raise TypeError(f"weights dtype {weights.dtype} differs from tokens dtype {tokens.dtype}")
+    warn_if_gradient_cut("grouped_gemm", tokens=tokens, weights=weights)
     return call(_grouped_gemm_op, tokens, weights, expert_offsets)

@@ -13,10 +13,11 @@ implementations with symbolic token counts.
 
 import torch
 
-from ._checks import (check_choice, check_dim, check_float, check_ids_in_range, check_index, check_same_device,
-                      check_token_weights)
-from .binned import drop_over_capacity
+from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
+                      check_same_device, check_tensor, check_token_weights, index_map_problems,
+                      segment_rows_problems, warn_if_gradient_cut)
 from ._library import call, custom_op
+from .binned import drop_over_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
@@ -205,7 +206,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     check_float("w_gate_up", w_gate_up, ndim=3)
     check_float("w_down", w_down, ndim=3)
     check_index("topk_ids", topk_ids, ndim=2)
-    check_float("topk_weights", topk_weights, ndim=2)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
     check_choice("activation", activation, EXPERT_ACTIVATIONS)
     H = hidden_states.shape[-1]
     E = w_gate_up.shape[0]
@@ -235,8 +236,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
         _check_weight_dtype(name, w, hidden_states.dtype)
     check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
                       topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
-    if not torch.compiler.is_compiling():  # reading the ids is a data-dependent host read; the kernels skip them anyway
-        check_ids_in_range("topk_ids", topk_ids, E, validate_ids)
+    check_ids_in_range("topk_ids", topk_ids, E, validate_ids)
 
     x = hidden_states.reshape(T, H)
     out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
@@ -331,33 +331,45 @@ def _(permuted_tokens, w_gate, w_up, w_down, expert_offsets, top_k_weights, sort
     return permuted_tokens.new_empty((num_tokens, permuted_tokens.shape[1]))
 
 
-def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
-    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts)
+def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate,
+                            more_problems=None):
+    check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts, validate,
+                         more_problems=more_problems)
     _check_expert_weights(w_gate, w_up, w_down, num_experts, permuted_tokens.shape[1], permuted_tokens.dtype)
     check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
-def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
+def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, *, validate=None):
     """v1 API: per-expert SwiGLU FFN on rows already in expert order. Returns [M, H]; rows past expert_offsets[-1]
-    are zero. Forward only."""
-    _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
+    are zero. `validate` as in grouped_gemm. Forward-only."""
+    _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate)
+    warn_if_gradient_cut("expert_ffn_triton", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
     return call(_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, None, 1, None)
 
 
 def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, top_k_weights, sorted_idx,
-                     num_tokens, top_k):
+                     num_tokens, top_k, *, validate=None):
     """v1 API: expert FFN on permuted rows, then the weighted combine back to token order -> [num_tokens, H].
 
     sorted_idx[p] is the assignment id (t * top_k + j) of row p, as returned by permute_tokens (-1: no assignment).
-    Forward only.
+    `validate`: check expert_offsets (as in grouped_gemm) and sorted_idx (ids in [0, num_tokens * top_k), none twice,
+    none negative inside a segment); None checks CPU tensors only, True also on a GPU (one sync), False never.
+    Forward-only.
     """
-    _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts)
+    check_float("permuted_tokens", permuted_tokens, ndim=2)
     check_index("sorted_idx", sorted_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)
     check_dim("sorted_idx", sorted_idx, 0, permuted_tokens.shape[0], "rows of permuted_tokens")
+    check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
     if permuted_tokens.shape[0] != num_tokens * top_k:
         raise ValueError(f"permuted_tokens has {permuted_tokens.shape[0]} rows, expected num_tokens * top_k = "
                          f"{num_tokens * top_k}")
-    check_same_device(permuted_tokens=permuted_tokens, top_k_weights=top_k_weights, sorted_idx=sorted_idx)
+    _check_segment_ffn_args(
+        permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate,
+        more_problems=lambda: (index_map_problems("sorted_idx", sorted_idx, num_tokens * top_k,
+                                                  "assignments t * top_k + j")
+                               + segment_rows_problems("sorted_idx", sorted_idx, expert_offsets)))
+    warn_if_gradient_cut("fused_expert_ffn", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up,
+                         w_down=w_down, top_k_weights=top_k_weights)
     return call(_fused_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, top_k_weights,
                 sorted_idx, num_tokens, top_k)

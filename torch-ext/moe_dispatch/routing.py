@@ -12,6 +12,10 @@ Semantics (kept from the v1 seed API, extended with DeepSeek-V3 routing):
   groups  : with n_group, each group's score is the sum of its two best `choice` values and only the best
             `topk_group` groups stay eligible
   top-k   : the top_k largest `choice` values; ties go to the lower expert id
+  NaN     : a NaN ranks above every number, as in torch.topk / torch.sort (ties between NaNs to the lower id), both
+            for experts and for group scores. So ids always lie in [0, E), and a token whose logits hold a NaN (a NaN
+            in its hidden state, in router_weight, or a softmax over all -inf logits) gets NaN weights: the NaN reaches
+            the layer output, as in eager PyTorch, instead of vanishing.
   weights = scores[top-k]; renormalised when `renormalize` (default: False for softmax, True for sigmoid, as the
             seed) by w / (sum(w) + eps) with eps 0 for softmax and 1e-6 for sigmoid; then times routed_scaling_factor.
 """
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_choice, check_dim, check_float, check_same_device, check_top_k
+from ._checks import check_choice, check_dim, check_float, check_hidden_size, check_same_device, check_top_k
 from ._device import dot_needs_fp32
 from ._library import call, custom_op
 
@@ -75,11 +79,19 @@ def _router_logits_kernel(
 
 
 @triton.jit
-def _first_argmax(b_values, offs, SENTINEL: tl.constexpr):
-    """Row-wise max of a [R, C] tile and the lowest column holding it (deterministic tie-break)."""
-    b_max = tl.max(b_values, axis=1)
-    b_arg = tl.min(tl.where(b_values == b_max[:, None], offs[None, :], SENTINEL), axis=1)
-    return b_max, b_arg
+def _first_argmax(b_values, b_available, offs, SENTINEL: tl.constexpr):
+    """Row-wise max over the available entries of a [R, C] tile and the lowest column holding it.
+
+    NaN ranks above everything (torch.topk's order): a row with an available NaN returns NaN and its lowest NaN
+    column. A row whose available entries are all -inf returns its lowest available column, so a pick is always an
+    available column (SENTINEL only for a row with nothing available)."""
+    b_nan = b_available & (b_values != b_values)
+    b_numbers = tl.where(b_available & ~b_nan, b_values, float("-inf"))
+    b_max = tl.max(b_numbers, axis=1)
+    b_has_nan = tl.max(b_nan.to(tl.int32), axis=1) > 0
+    b_hit = tl.where(b_has_nan[:, None], b_nan, b_available & (b_numbers == b_max[:, None]))
+    b_arg = tl.min(tl.where(b_hit, offs[None, :], SENTINEL), axis=1)
+    return tl.where(b_has_nan, float("nan"), b_max), b_arg
 
 
 @triton.jit
@@ -122,7 +134,9 @@ def _topk_gating_kernel(
     b_choice = b_scores
     if HAS_CORRECTION:
         b_choice += tl.load(correction_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
-    b_choice = tl.where(mask_e[None, :], b_choice, float("-inf"))
+    # Which experts a pick may still take: real ones (< E), in an allowed group, not taken yet. A mask rather than
+    # -inf values, so that -inf (and NaN) choices stay pickable and a pick is always an id in [0, E).
+    b_available = tl.broadcast_to(mask_e[None, :], (BLOCK_T, BLOCK_E))
 
     if N_GROUP > 1:
         # Group score = sum of the group's two best choices; keep the TOPK_GROUP best groups.
@@ -130,26 +144,29 @@ def _topk_gating_kernel(
         group_of = offs_e // group_size  # [BLOCK_E]
         b_group_scores = tl.full((BLOCK_T, BLOCK_G), float("-inf"), dtype=tl.float32)
         for g in tl.static_range(N_GROUP):
-            b_in_group = tl.where((group_of == g)[None, :], b_choice, float("-inf"))
-            b_best, b_best_at = _first_argmax(b_in_group, offs_e, BLOCK_E)
-            b_second = tl.max(tl.where(offs_e[None, :] == b_best_at[:, None], float("-inf"), b_in_group), axis=1)
+            b_in_group = b_available & (group_of == g)[None, :]
+            b_best, b_best_at = _first_argmax(b_choice, b_in_group, offs_e, BLOCK_E)
+            b_second, _ = _first_argmax(b_choice, b_in_group & (offs_e[None, :] != b_best_at[:, None]), offs_e,
+                                        BLOCK_E)
             b_group_scores = tl.where(offs_g[None, :] == g, (b_best + b_second)[:, None], b_group_scores)
+        b_group_open = tl.broadcast_to((offs_g < N_GROUP)[None, :], (BLOCK_T, BLOCK_G))
         b_allowed = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            _, b_group = _first_argmax(b_group_scores, offs_g, BLOCK_G)
+            _, b_group = _first_argmax(b_group_scores, b_group_open, offs_g, BLOCK_G)
             b_allowed = b_allowed | (group_of[None, :] == b_group[:, None])
-            b_group_scores = tl.where(offs_g[None, :] == b_group[:, None], float("-inf"), b_group_scores)
-        b_choice = tl.where(b_allowed, b_choice, float("-inf"))
+            b_group_open = b_group_open & (offs_g[None, :] != b_group[:, None])
+        b_available = b_available & b_allowed
 
     b_ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
     b_weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for j in range(TOP_K):
-        _, b_pick = _first_argmax(b_choice, offs_e, BLOCK_E)  # [BLOCK_T]
+        _, b_pick = _first_argmax(b_choice, b_available, offs_e, BLOCK_E)  # [BLOCK_T]
+        b_pick = tl.minimum(b_pick, E - 1)  # unreachable (top_k <= allowed experts); keeps ids in range regardless
         b_picked = offs_e[None, :] == b_pick[:, None]  # [BLOCK_T, BLOCK_E]
         b_w = tl.sum(tl.where(b_picked, b_scores, 0.0), axis=1)
         b_ids = tl.where(offs_k[None, :] == j, b_pick[:, None].to(tl.int64), b_ids)
         b_weights = tl.where(offs_k[None, :] == j, b_w[:, None], b_weights)
-        b_choice = tl.where(b_picked, float("-inf"), b_choice)
+        b_available = b_available & ~b_picked
     if RENORMALIZE:
         b_weights = b_weights / (tl.sum(b_weights, axis=1)[:, None] + renorm_eps)
     b_weights = b_weights * routed_scaling_factor
@@ -232,8 +249,12 @@ def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, 
     """Validate router arguments; returns E."""
     check_float("hidden_states", hidden_states, min_ndim=1)
     check_float("router_weight", router_weight, ndim=2)
+    check_hidden_size("hidden_states", hidden_states)
     E, H = router_weight.shape
     check_dim("router_weight", router_weight, 1, hidden_states.shape[-1], "hidden size H of hidden_states")
+    if router_weight.dtype != hidden_states.dtype:
+        raise TypeError(f"router_weight has dtype {router_weight.dtype} but hidden_states has {hidden_states.dtype}; "
+                        f"they must match")
     if E < 1:
         raise ValueError("router_weight must have at least one expert row")
     check_top_k(top_k, E)

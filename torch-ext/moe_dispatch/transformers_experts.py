@@ -137,6 +137,10 @@ def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
     Works the same on the local package and on the module `kernels.get_kernel` returns (each registers its own
     copy of the function). Register before building or loading a model that names it in `experts_implementation`.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError("name must be a non-empty str")
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(name, moe_dispatch_experts)
