@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate a device's GEMM tile table (torch-ext/moe_dispatch/configs/<device_key>.json) by measurement.
 
-For each model shape (tests/model_shapes.py) the token counts are grouped by rows per expert, ceil(T * top_k / E),
+For each model shape (benchmarks/model_shapes.py) the token counts are grouped by rows per expert, ceil(T * top_k / E),
 which is what the table is keyed by (tiles.select_tiles). For each such bucket the tuner
 
   1. times the current table's choice at every T of the bucket (the reference),
@@ -28,17 +28,16 @@ import datetime
 import importlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
+import reference
+from model_shapes import MODEL_SHAPES
 
-import bench  # noqa: E402  (also puts tests/ on sys.path)
-from model_shapes import MODEL_SHAPES  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SMEM_FALLBACK = 227 * 1024  # H100/H200 opt-in shared memory per block, when torch does not report it
 
@@ -140,7 +139,7 @@ class BucketTuner:
             seed = args.seed * 1000003 + t
             ids, weights = bench.random_routing(t, shape.num_experts, shape.top_k, device, seed)
             rows = bench.check_rows(t, args.check_rows, device, seed)
-            ref = bench.experts_ref(prob.x[:t][rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
+            ref = reference.fused_experts_ref(prob.x[:t][rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
             self.cases.append({"tokens": t, "ids": ids, "weights": weights, "rows": rows, "ref": ref})
         self.reference_ms = None
         self.tried = 0
@@ -153,8 +152,8 @@ class BucketTuner:
                                              tiles=tiles)
 
         out = call()
-        err = bench.rel_err(out[case["rows"]], case["ref"])
-        if not err <= bench.TOLERANCE[self.prob.dtype]:
+        err = reference.relative_error(out[case["rows"]], case["ref"])
+        if not err <= reference.TOLERANCE[self.prob.dtype]:
             raise ValueError(f"rel err {err:.2e}")
         return self.timer.plain(call)
 
@@ -164,7 +163,7 @@ class BucketTuner:
         try:
             return {c["tokens"]: self._time(tiles, c) for c in self.cases}
         except Exception as exc:  # out of shared memory, wrong output, ...
-            print(f"    rejected {tiles}: {bench._error_text(exc)[:160]}", flush=True)
+            print(f"    rejected {tiles}: {bench.error_text(exc)[:160]}", flush=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return None
@@ -286,7 +285,7 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
             speedup = [entry["previous_us"][str(t)] / entry["measured_us"][str(t)] for t in tokens]
             summary.append((shape.name, rows, tokens, f"{tried} tried", (entry, speedup, changed)))
         del prob
-        bench._free(device)
+        bench.free_memory(device)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(dump_table(table))
     lines = [f"tile table -> {out_path} ({time.monotonic() - started:.0f} s)",

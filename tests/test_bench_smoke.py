@@ -7,24 +7,16 @@ would catch a wrong kernel.
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
+import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
+import bench
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does the same)
+from helpers import DEVICE
+from model_shapes import MODEL_SHAPES, shrunk
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import _bench_ceilings  # noqa: E402
-import bench  # noqa: E402
-from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {name: shrunk(shape) for name, shape in MODEL_SHAPES.items()}
 FAKE_MS = 0.05
 

@@ -3,14 +3,13 @@
 
 import pytest
 import torch
-from conftest import ON_GPU
+from helpers import assert_close, needs_gpu
 from model_shapes import MODEL_SHAPES
 from reference import experts_ref, fused_experts_ref, fused_moe_forward_ref
-from test_moe import assert_close
 
 import moe_dispatch as md
 
-pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+pytestmark = needs_gpu
 DTYPE = torch.bfloat16
 
 

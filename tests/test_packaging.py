@@ -13,7 +13,6 @@ depend on whether this checkout is clean. On a CPU-only machine the loader accep
 variants are therefore loaded by pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -30,7 +29,9 @@ from hub_server import HubServer
 from reference import fused_moe_forward_ref
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+# What the client processes import by name: test_packaging and hub_server (tests/), the float64 references
+# (benchmarks/) and _hub_release (scripts/), the folders conftest.py puts on sys.path here.
+CLIENT_PATH = [str(ROOT / folder) for folder in ("tests", "benchmarks", "scripts")]
 REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in build.toml only
 TOKEN = "hf_test_token"
 VARIANTS = ("torch-cuda", "torch-rocm", "torch-universal")
@@ -100,7 +101,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HF_TOKEN", "HF_HUB_DISABLE_TELEMETRY", "LOCAL_KERNELS", "KERNELS_CACHE", "HF_HUB_OFFLINE")}
     env.update(HF_HUB_DISABLE_PROGRESS_BARS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (*CLIENT_PATH, os.environ.get("PYTHONPATH")) if p))
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     env.update(extra)
@@ -120,12 +121,10 @@ def run_python(code: str, env: dict[str, str]) -> dict:
 
 
 def hub_release():
-    """scripts/_hub_release.py as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("_hub_release", ROOT / "scripts" / "_hub_release.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """scripts/_hub_release.py (scripts/ is on sys.path through conftest.py)."""
+    import _hub_release
+
+    return _hub_release
 
 
 CLI_MAIN = {"kernels": "kernels.cli", "hf": "huggingface_hub.cli.hf"}
@@ -302,6 +301,15 @@ def test_publish_refuses_a_hub_client_without_kernel_repo_commits(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "__version__", "1.33.0")
     with pytest.raises(release_module.ReleaseError, match="cannot commit to kernel repos"):
         release_module.check_hub_client()
+
+
+@requires_git
+def test_git_blob_id_is_gits_object_id(tmp_path):
+    """The one blob hash, used by scripts/publish and by the Hub's test double, is git's own object id."""
+    path = tmp_path / "file"
+    path.write_bytes(b"moe\0dispatch\n")
+    git_id = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
+    assert hub_release().git_blob_id(path.read_bytes()) == git_id.strip()
 
 
 @pytest.fixture(scope="module")
