@@ -11,7 +11,8 @@
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
 #
 # Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, bench/{bench.json, bench.md,
-# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and the tuned table (SUITE_TUNE).
+# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and, with SUITE_TUNE, the tuned table and
+# its tuning log in place of roofline.png (redrawn from bench.json when wanted).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -68,7 +69,7 @@ if [ -n "${SUITE_TUNE:-}" ] && [ "$(left)" -gt 180 ]; then
   key=$(python3 -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(0)).strip("_"))')
   timeout $(( $(left) - 150 )) "$python" scripts/tune.py --models "$SUITE_TUNE" --budget-s $(( $(left) - 200 )) \
     2>&1 | tee -a "$log"
-  cp "torch-ext/moe_dispatch/configs/$key.json" "$OUT/" 2>/dev/null || true
+  cp "torch-ext/moe_dispatch/configs/$key.json" "docs/results/tuning-$key.json" "$OUT/" 2>/dev/null || true
 fi
 
 say "benchmark ($mode)"
@@ -80,6 +81,8 @@ timeout "$remaining" "$python" scripts/bench.py "${quick[@]}" --out "$OUT/bench"
   ${BENCH_ARGS:-} >> "$log" 2>&1
 bench_rc=$?
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
+
+[ -n "${SUITE_TUNE:-}" ] && rm -f "$OUT/bench/roofline.png"  # keeps the files under $OUT at 8
 
 say "done"
 echo "$pytest_summary" | tee -a "$log"

@@ -177,10 +177,16 @@ def test_tune_writes_a_loadable_table(tmp_path):
     table = json.loads(out.read_text())
     assert table["measured"] is True and table["buckets"]
     shape = TINY["mixtral-8x7b"]
-    buckets = table["shapes"][f"{shape.num_experts},{shape.ffn},{shape.hidden}"]
+    shape_key = f"{shape.num_experts},{shape.ffn},{shape.hidden}"
+    buckets = table["shapes"][shape_key]
     assert [b["max_rows_per_expert"] for b in buckets][:2] == [1, 2]
     for bucket in buckets + table["buckets"]:
+        assert set(bucket) == {"max_rows_per_expert", "block_m", "gate_up", "down"}  # runtime data only
         tiles.MoeTiles.from_dict(bucket)
+    history = json.loads((tmp_path / f"tuning-{table['device']}.json").read_text())  # the run's log, beside --out
+    (run,) = history["runs"]
+    assert [(b["shape"], b["max_rows_per_expert"]) for b in run["buckets"]] == [(shape_key, 1), (shape_key, 2)]
+    assert all(set(b["measured_us"]) == {str(t) for t in b["tuned_tokens"]} for b in run["buckets"])
 
 
 def test_results_name_no_machine_paths(tmp_path):
