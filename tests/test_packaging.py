@@ -200,10 +200,13 @@ def built(build_run) -> Path:
     return build_run[0]
 
 
+GENERATED = {"_ops.py", "_version.py", "metadata.json"}  # written by scripts/build for each variant
+
+
 def package_files() -> set[str]:
     src = ROOT / "torch-ext" / "moe_dispatch"
     return {p.relative_to(src).as_posix() for p in src.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name != "_ops.py"}
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name not in GENERATED}
 
 
 def test_build_writes_each_variant(build_run):
@@ -214,7 +217,7 @@ def test_build_writes_each_variant(build_run):
     for variant in VARIANTS:
         vdir = built / variant
         files = {p.relative_to(vdir).as_posix() for p in vdir.rglob("*") if p.is_file()}
-        assert files == package_files() | {"_ops.py", "metadata.json"}, variant
+        assert files == package_files() | GENERATED, variant
         assert any(f.startswith("configs/") and f.endswith(".json") for f in files)
         for rel in package_files():
             assert (vdir / rel).read_bytes() == (ROOT / "torch-ext" / "moe_dispatch" / rel).read_bytes()
@@ -227,6 +230,17 @@ def test_build_writes_each_variant(build_run):
         assert str(metadata.backend.backend_type).lower() == backend_type
         assert metadata.backend.archs == (["gfx942"] if backend == "rocm" else ["8.0", "9.0"])
         assert f'NAMESPACE = "{metadata.id}"' in (vdir / "_ops.py").read_text()
+        # No release tag on this checkout's HEAD is assumed: a development build says so, with its commit.
+        version = re.search(r'__version__ = "([^"]+)"', (vdir / "_version.py").read_text()).group(1)
+        assert re.fullmatch(rf"1\.x\.dev\+{match.group(1)}(\.dirty)?", version) or re.fullmatch(r"1\.\d+\.\d+", version)
+
+
+def test_source_version_names_the_api_major():
+    """A checkout's __version__ is "<build.toml version>.x.dev"; builds get theirs from the git tag."""
+    with open(ROOT / "build.toml", "rb") as f:
+        major = tomllib.load(f)["general"]["version"]
+    source = (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text()
+    assert f'__version__ = "{major}.x.dev"' in source
 
 
 @requires_git
@@ -386,7 +400,7 @@ def test_release_layout_on_the_hub(hub, releases):
     files = repo.commits[second].files
     for variant in VARIANTS:
         assert {p.split("/", 2)[2] for p in files if p.startswith(f"build/{variant}/")} == \
-            package_files() | {"_ops.py", "metadata.json"}
+            package_files() | GENERATED
     assert b"# release v1.1.0" in files["build/torch-universal/__init__.py"]
     assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-universal/__init__.py"]
     card = repo.resolve("main").files["README.md"].decode()
@@ -411,6 +425,7 @@ check_forward(newest)
 pinned = get_kernel("REPO_ID", revision="v1.0.0", trust_remote_code=True)
 check_forward(pinned)
 report["newest"], report["pinned"] = snapshot_of(newest), snapshot_of(pinned)
+report["versions"] = [newest.__version__, pinned.__version__]
 report["newest_marked"] = "# release v1.1.0" in open(newest.__file__).read()
 report["pinned_marked"] = "# release v1.1.0" in open(pinned.__file__).read()
 try:
@@ -427,6 +442,7 @@ def test_fresh_client_gets_newest_v1_pinned_release_and_version_error(hub, relea
     assert report["newest"] == [releases["v1.1.0"], PREFERRED_VARIANT] and report["newest_marked"]
     assert report["pinned"] == [releases["v1.0.0"], PREFERRED_VARIANT] and not report["pinned_marked"]
     assert report["version_2"] == "Version 2 not found, available versions: 1"
+    assert report["versions"] == ["1.1.0", "1.0.0"]  # __version__ written by scripts/build from the release tag
 
 
 LOCKED_CLIENT = """
@@ -487,10 +503,11 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     init = clone / "torch-ext" / "moe_dispatch" / "__init__.py"
     init.write_text(init.read_text() + "# another change\n")
     git(clone, "commit", "-q", "-am", "another change")
-    assert run_script(clone, "build", env=clean_env()).returncode == 0
     before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
-        git(clone, "tag", "-f", tag)
+        git(clone, "tag", "-d", "v1.1.0")  # HEAD carries only the tag under test (the build's __version__ is its)
+        git(clone, "tag", tag)
+        assert run_script(clone, "build", env=clean_env()).returncode == 0
         result = publish(clone, hub, "--tag", tag)
         assert result.returncode == 2 and reason in result.stderr, result.stderr
     assert (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits)) == before
@@ -525,20 +542,37 @@ def _stale_commit(repo):
     return [], "build is stale"
 
 
+def _tag_and_build(repo, tag):
+    """A release build: scripts/build writes the tag on HEAD into the build's __version__."""
+    git(repo, "tag", tag)
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+
+
 def _stale_files(repo):
-    git(repo, "tag", "v1.0.0")
+    _tag_and_build(repo, "v1.0.0")
     with open(repo / "build" / "torch-rocm" / "moe.py", "a") as f:
         f.write("# edited after the build\n")
     return [], "torch-rocm differs from torch-ext/moe_dispatch in ['moe.py']"
 
 
-def _missing_token(repo):
+def _build_before_the_tag(repo):
+    git(repo, "tag", "v1.0.0")  # the build (made before) says 1.x.dev+<commit>, not 1.0.0
+    return [], "torch-cuda differs from torch-ext/moe_dispatch in ['_version.py']"
+
+
+def _older_of_two_tags(repo):
     git(repo, "tag", "v1.0.0")
+    _tag_and_build(repo, "v1.0.1")  # the build's __version__ is HEAD's newest release tag
+    return ["--tag", "v1.0.0"], "makes the build version 1.0.1, not 1.0.0"
+
+
+def _missing_token(repo):
+    _tag_and_build(repo, "v1.0.0")
     return [], "HF_TOKEN is not set"
 
 
 REFUSALS = [_tag_major_mismatch, _malformed_tag, _dirty_tree, _tag_not_on_head, _stale_commit, _stale_files,
-            _missing_token]
+            _build_before_the_tag, _older_of_two_tags, _missing_token]
 
 
 @requires_git
@@ -569,3 +603,4 @@ def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
         assert step in out, step
     for variant in VARIANTS:
         assert f"build/{variant}/metadata.json" in out and f"build/{variant}/_ops.py" in out
+        assert f"build/{variant}/_version.py" in out
