@@ -330,3 +330,14 @@ def assert_close(out, ref, dtype=None, what="output", *, exact_zeros=False):
     assert rms_rel <= tolerance, (
         f"{what}: rms rel err {rms_rel:.3e} > {tolerance:.1e} ({dtype}); max rel err {max_rel:.3e}, worst at {worst}: "
         f"got {out[worst].item():.6g}, expected {ref[worst].item():.6g}")
+
+
+# Routing in half precision may pick another expert where two scores are within rounding of each other; checks of
+# a kernel's routing against moe_router_ref ask for this share of tokens with exactly the reference's k experts.
+ROUTING_AGREEMENT_MIN = 0.99
+
+
+def routing_agreement(ids, ref_ids):
+    """Share of tokens whose set of k experts equals the reference's."""
+    ids, ref_ids = ids.detach().long().cpu(), ref_ids.detach().long().cpu()
+    return (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()

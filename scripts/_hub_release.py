@@ -17,7 +17,8 @@ Publish (tag v<major>.<minor>.<patch> -> Hub)::
 
     checks (nothing is sent when one fails): tag format, tag major == build.toml version, git tag on HEAD,
     clean tree, build/ fresh for HEAD, HF_TOKEN set, huggingface_hub able to commit to kernel repos
-    create_repo(kernel) -> README card on main -> branch v<major> -> commit build/<variant>/** (+ deletions)
+    create_repo(kernel) -> README card on main -> branch v<major> -> commit build/<variant>/** and benchmarks/*.py
+    (+ deletions)
     -> Hub tag named like the git tag on that commit
 """
 
@@ -51,6 +52,7 @@ SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 TAG_PATTERN = re.compile(r"v(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
 CARD_PATH = "README.md"
+BENCHMARKS_DIR = "benchmarks"  # the Hub's benchmark convention: committed beside build/ on the release branch
 # huggingface_hub 1.x and 2.0 refuse repo_type="kernel" in create_commit; 2.4.0 (requirements.txt) is the one tested.
 MIN_HUB_CLIENT = (2, 4)
 
@@ -263,6 +265,13 @@ def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
     return written
 
 
+def benchmark_files(project: Project) -> dict[str, bytes]:
+    """benchmarks/*.py of the source tree, by their path in the Hub repo: `kernels benchmark <repo>@v<major>` runs the
+    benchmark*.py files of that folder on the branch (the others are the modules they load)."""
+    folder = project.root / BENCHMARKS_DIR
+    return {f"{BENCHMARKS_DIR}/{path.name}": path.read_bytes() for path in sorted(folder.glob("*.py"))}
+
+
 def variant_tree(variant_dir: Path) -> dict[str, bytes]:
     return {
         path.relative_to(variant_dir).as_posix(): path.read_bytes()
@@ -429,6 +438,15 @@ def render_card(project: Project, repo_id: str) -> str:
     for variant in project.variants:
         _, backend_type, key = VARIANTS[variant]
         lines.append(f"- `build/{variant}`: backend `{backend_type}`, declared archs {', '.join(archs[key]) or 'any'}")
+    benchmarks = sorted(path for path in benchmark_files(project) if Path(path).name.startswith("benchmark"))
+    if benchmarks:
+        lines += [
+            "",
+            "## Benchmarks",
+            "",
+            f"`kernels benchmark {repo_id}@v{project.version}` runs {', '.join(f'`{p}`' for p in benchmarks)} of this "
+            "branch (needs `kernels[benchmark]`): each workload is timed and verified against float64 references.",
+        ]
     hardware = _readme_section(project.root, "Supported hardware")
     if hardware:
         lines += ["", "## Supported hardware", *hardware]
@@ -502,6 +520,10 @@ def publish(
         raise ReleaseError(f"HEAD's newest v{major} tag makes the build version {version}, not {tag[1:]}; "
                            f"release that tag, or check out a commit whose newest release tag is {tag}")
     trees = check_build_fresh(project, build_dir if build_dir is not None else root / "build", commit, version)
+    # Hub path -> content of every file the release commits next to the card: the variants and the benchmarks.
+    uploads = {f"build/{variant}/{rel}": content for variant, tree in trees.items() for rel, content in tree.items()}
+    uploads.update(benchmark_files(project))
+    uploaded_prefixes = (*(f"build/{variant}/" for variant in trees), f"{BENCHMARKS_DIR}/")
     if not dry_run and not token:
         raise ReleaseError("HF_TOKEN is not set: a write token for the kernel repo is needed (CI: secrets.HF_TOKEN)")
     if not dry_run:
@@ -509,19 +531,18 @@ def publish(
 
     branch = f"v{project.version}"
     card = render_card(project, repo_id).encode()
-    n_files = sum(len(tree) for tree in trees.values())
     prefix = "[dry-run] " if dry_run else ""
-    log(f"{prefix}release {tag} of {repo_id} from commit {commit[:7]}: {n_files} files in {len(trees)} variants")
+    log(f"{prefix}release {tag} of {repo_id} from commit {commit[:7]}: {len(uploads)} files in {len(trees)} variants "
+        f"and {BENCHMARKS_DIR}/")
     log(f"{prefix}1. create kernel repo {repo_id} if missing (repo_type='kernel')")
     log(f"{prefix}2. check tags: stop if {tag} already holds this build; refuse if it holds another, "
         f"or if a newer v{major} release exists")
     log(f"{prefix}3. commit {CARD_PATH} (card, {len(card)} bytes) to main")
     log(f"{prefix}4. create branch {branch} from main if missing")
     log(f"{prefix}5. commit to {branch}: {CARD_PATH} and")
-    for variant, tree in trees.items():
-        for rel in tree:
-            log(f"{prefix}     build/{variant}/{rel}")
-    log(f"{prefix}   deleting files under {', '.join(f'build/{v}/' for v in trees)} on {branch} that are not listed")
+    for path in uploads:
+        log(f"{prefix}     {path}")
+    log(f"{prefix}   deleting files under {', '.join(uploaded_prefixes)} on {branch} that are not listed")
     log(f"{prefix}6. create tag {tag} on the new {branch} commit")
     if dry_run:
         log("[dry-run] nothing was sent")
@@ -536,16 +557,12 @@ def publish(
 
     refs = api.list_repo_refs(repo_id, repo_type="kernel")
     tags = {ref.name: ref.target_commit for ref in refs.tags}
-    local_ids = {
-        f"build/{variant}/{rel}": git_blob_id(content)
-        for variant, tree in trees.items()
-        for rel, content in tree.items()
-    }
+    local_ids = {path: git_blob_id(content) for path, content in uploads.items()}
     if tag in tags:
         remote = {
             f.path: f.blob_id
             for f in api.list_repo_tree(repo_id, repo_type="kernel", revision=tags[tag], recursive=True)
-            if isinstance(f, RepoFile) and f.path.startswith("build/")
+            if isinstance(f, RepoFile) and f.path.startswith(uploaded_prefixes)
         }
         if remote == local_ids:
             log(f"2. tag {tag} already points to {tags[tag][:7]} with this exact build: nothing to do")
@@ -579,13 +596,8 @@ def publish(
         log(f"4. branch {branch} exists at {branches[branch][:7]}")
 
     remote_files = api.list_repo_files(repo_id, repo_type="kernel", revision=branch)
-    uploaded_prefixes = tuple(f"build/{variant}/" for variant in trees)
     operations = [CommitOperationAdd(path_in_repo=CARD_PATH, path_or_fileobj=card)]
-    operations += [
-        CommitOperationAdd(path_in_repo=f"build/{variant}/{rel}", path_or_fileobj=content)
-        for variant, tree in trees.items()
-        for rel, content in tree.items()
-    ]
+    operations += [CommitOperationAdd(path_in_repo=path, path_or_fileobj=content) for path, content in uploads.items()]
     stale = sorted(p for p in remote_files if p.startswith(uploaded_prefixes) and p not in local_ids)
     operations += [CommitOperationDelete(path_in_repo=path) for path in stale]
     release_commit = api.create_commit(

@@ -39,7 +39,7 @@ BACKEND_OF = {"torch-cuda": ("cuda", "cuda"), "torch-rocm": ("rocm", "rocm"), "t
 ON_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
 # The variant the loader picks from a full build on this machine.
 PREFERRED_VARIANT = "torch-cuda" if ON_CUDA else "torch-rocm" if torch.cuda.is_available() else "torch-universal"
-RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs",
+RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs", "benchmarks",
                  "scripts/_hub_release.py", "scripts/build", "scripts/publish", "torch-ext/moe_dispatch"]
 HAS_GIT = shutil.which("git") is not None
 requires_git = pytest.mark.skipif(not HAS_GIT, reason="needs the git command")
@@ -401,10 +401,14 @@ def test_release_layout_on_the_hub(hub, releases):
     for variant in VARIANTS:
         assert {p.split("/", 2)[2] for p in files if p.startswith(f"build/{variant}/")} == \
             package_files() | GENERATED
+    benchmarks = {p for p in files if p.startswith("benchmarks/")}  # the Hub's benchmark convention, beside build/
+    assert benchmarks == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")}
+    assert "benchmarks/benchmark_moe.py" in benchmarks
     assert b"# release v1.1.0" in files["build/torch-universal/__init__.py"]
     assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-universal/__init__.py"]
     card = repo.resolve("main").files["README.md"].decode()
     assert f'get_kernel("{REPO_ID}", version=1' in card and "revision=" in card and "kernels lock" in card
+    assert f"kernels benchmark {REPO_ID}@v1" in card
     for name in ("fused_moe_forward", "fused_experts", "moe_router", "grouped_gemm"):
         assert f"`{name}`" in card
     assert hub.state.unhandled == []
@@ -604,3 +608,4 @@ def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
     for variant in VARIANTS:
         assert f"build/{variant}/metadata.json" in out and f"build/{variant}/_ops.py" in out
         assert f"build/{variant}/_version.py" in out
+    assert "benchmarks/benchmark_moe.py" in out
