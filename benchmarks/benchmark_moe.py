@@ -67,6 +67,7 @@ class _Layer:
         if experts:
             self.w_gate_up = randn(E, 2 * F, H, scale=H**-0.5)
             self.w_down = randn(E, H, F, scale=0.2 * F**-0.5)
+            self.w_gate, self.w_up = self.w_gate_up.split(F, dim=1)  # views: fused_moe_forward's seed layout
         self.router_weight = randn(E, H, scale=0.1 * H**-0.5)
         self.router_kwargs = dict(self.shape.routing_kwargs())
         if self.shape.router_bias:
@@ -76,14 +77,6 @@ class _Layer:
         scores = torch.rand(T, E, device=self.device)
         self.topk_ids = scores.topk(self.shape.top_k, dim=1).indices
         self.topk_weights = torch.rand(T, self.shape.top_k, device=self.device).softmax(dim=1)
-
-    @property
-    def w_gate(self):
-        return self.w_gate_up[:, : self.shape.ffn]
-
-    @property
-    def w_up(self):
-        return self.w_gate_up[:, self.shape.ffn:]
 
     def checked(self, out, ref, what):
         reference.assert_close(out, ref, self.dtype, what)
