@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """MoE forward benchmark: moe_dispatch against the physical floor and the alternatives users would otherwise run.
 
-For every model shape (tests/model_shapes.py) and token count T, and for both entry points
+For every model shape (benchmarks/model_shapes.py) and token count T, and for both entry points
 
   fused_experts      given topk_ids / topk_weights (random routing)
   fused_moe_forward  routing included (random router weights)
 
 it times moe_dispatch (plain launches, and CUDA-graph replays for small T), checks the output against the float64
-references of tests/reference.py (all rows for small T, a row sample above), and puts the time next to
+references of benchmarks/reference.py (all rows for small T, a row sample above), and puts the time next to
 
   floor  = max(bytes / R, flops / P)         bytes = weights of the experts actually hit + activations in and out
   target = max(1.15 bytes / R, flops / (f P)) + 10 us (+ 15 us routing for fused_moe_forward), f = 0.9 or 0.8 by model
@@ -42,22 +42,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs kernels interpreted
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT / "scripts", ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
+# Imported by name: scripts/ (this folder), benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh).
+import reference  # noqa: E402  (benchmarks/reference.py: the float64 references and the tolerance table)
 from _bench_ceilings import measure_ceilings  # noqa: E402
-import reference  # noqa: E402  (tests/reference.py: the float64 references)
 from model_shapes import MODEL_SHAPES, ModelShape, shrunk  # noqa: E402
+from reference import ROUTING_AGREEMENT_MIN, TOLERANCE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ALL_TOKENS = tuple(2**i for i in range(15))  # 1 .. 16384
 QUICK_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 PATHS = ("fused_experts", "fused_moe_forward")
 BASELINES = ("grouped_mm", "vllm", "eager")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # ||out - ref|| / ||ref|| against the float64 reference
-ROUTING_MATCH_MIN = 0.99  # share of checked tokens whose k experts equal the reference's (near-ties may flip)
 
 READ_SLACK = 1.15  # targets of issue 4
 LAUNCH_ALLOWANCE_S = 10e-6
@@ -146,10 +143,7 @@ def select_models(spec, shapes):
 def load_kernel(kernel_dir=None):
     """The package: torch-ext/moe_dispatch by default, else a build variant folder or a kernel repo root."""
     if kernel_dir is None:
-        path = str(ROOT / "torch-ext")
-        if path not in sys.path:
-            sys.path.insert(0, path)
-        import moe_dispatch
+        import moe_dispatch  # torch-ext/ is on PYTHONPATH (scripts/_env.sh) or sys.path (tests/conftest.py)
 
         return moe_dispatch
     folder = Path(kernel_dir).resolve()
@@ -377,31 +371,10 @@ def check_rows(num_tokens, limit, device, seed):
     return torch.randperm(num_tokens, device=device, generator=gen)[:limit].sort().values
 
 
-def experts_ref(x, w_gate_up, w_down, topk_ids, topk_weights):
-    """float64 MoE experts (reference.expert_mlp_ref) for a few rows, upcasting one expert hit at a time: the whole
-    weight set in float64 would not fit at DeepSeek-V3 size (reference.experts_ref upcasts all of it)."""
-    ffn = w_down.shape[-1]
-    x64 = x.double()
-    out = torch.zeros(x.shape[0], w_down.shape[1], device=x.device, dtype=torch.float64)
-    for expert in torch.unique(topk_ids).tolist():
-        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        w = w_gate_up[expert: expert + 1].double()
-        y = reference.expert_mlp_ref(x64[token], w[:, :ffn], w[:, ffn:], w_down[expert: expert + 1].double(), 0)
-        out.index_add_(0, token, y * topk_weights[token, slot, None].double())
-    return out
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("nan")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def check_output(prob, rows, out, topk_ids, topk_weights):
     x = prob.x[: out.shape[0]]
-    ref = experts_ref(x[rows], prob.w_gate_up, prob.w_down, topk_ids[rows], topk_weights[rows])
-    return rel_err(out[rows], ref)
+    ref = reference.fused_experts_ref(x[rows], prob.w_gate_up, prob.w_down, topk_ids[rows], topk_weights[rows])
+    return reference.relative_error(out[rows], ref)
 
 
 def check_routing(prob, rows, num_tokens, topk_ids, topk_weights):
@@ -418,18 +391,18 @@ def check_routing(prob, rows, num_tokens, topk_ids, topk_weights):
         return match, float("nan")
     got_w = topk_weights[rows].gather(1, order)[same]
     ref_w = ref_weights.gather(1, ref_order)[same]
-    return match, rel_err(got_w, ref_w)
+    return match, reference.relative_error(got_w, ref_w)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # one model
 
 
-def _error_text(exc):
+def error_text(exc):
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _free(device):
+def free_memory(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -458,17 +431,17 @@ class Runner:
             del output
             record["plain_us"] = self.timer.plain(fn) * 1e3
         except Exception as exc:
-            record["error"] = _error_text(exc)
-            _free(self.device)
+            record["error"] = error_text(exc)
+            free_memory(self.device)
             return
         if graph and self.device.type == "cuda" and hasattr(self.timer, "graph"):
             try:
                 record["graph_us"] = self.timer.graph(fn) * 1e3
             except Exception as exc:
-                record["graph_error"] = _error_text(exc)
+                record["graph_error"] = error_text(exc)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-            _free(self.device)
+            free_memory(self.device)
 
 
 def finish_record(record, acct, ceilings):
@@ -498,7 +471,7 @@ def bench_model(shape, args, runner, kernel, vllm_fn, dtype, tokens, baselines, 
             continue
         records.extend(bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines))
     del prob
-    _free(device)
+    free_memory(device)
     return records
 
 
@@ -520,15 +493,16 @@ def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baseli
 
     def experts_check(output):
         if not given_ref:
-            given_ref.append(experts_ref(x[rows], prob.w_gate_up, prob.w_down, topk_ids[rows], topk_weights[rows]))
-        err = rel_err(output[rows], given_ref[0])
+            given_ref.append(reference.fused_experts_ref(x[rows], prob.w_gate_up, prob.w_down, topk_ids[rows],
+                                                        topk_weights[rows]))
+        err = reference.relative_error(output[rows], given_ref[0])
         return {"rel_err": err, "ok": err <= TOLERANCE[dtype]}
 
     def forward_check(output):
         result, ids, weights = output
         err = check_output(prob, rows, result, ids, weights)
         match, weight_err = check_routing(prob, rows, num_tokens, ids, weights)
-        ok = err <= TOLERANCE[dtype] and match >= ROUTING_MATCH_MIN
+        ok = err <= TOLERANCE[dtype] and match >= ROUTING_AGREEMENT_MIN
         ok = ok and (not weight_err == weight_err or weight_err <= TOLERANCE[dtype])  # nan: no token matched
         return {"rel_err": err, "routing_match": match, "routing_weight_err": weight_err, "ok": bool(ok)}
 

@@ -10,10 +10,8 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "torch-ext"), os.path.join(ROOT, "tests")]
 
-import moe_dispatch as md  # noqa: E402
+import moe_dispatch as md  # noqa: E402  (scripts/_env.sh puts torch-ext/ and benchmarks/ on PYTHONPATH)
 from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
 from reference import fused_moe_forward_ref  # noqa: E402
 

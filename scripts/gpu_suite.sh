@@ -11,10 +11,13 @@
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
 #
 # Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, bench/{bench.json, bench.md,
-# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and the tuned table (SUITE_TUNE).
+# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and, with SUITE_TUNE, the tuned table and
+# its tuning log in place of roofline.png (redrawn from bench.json when wanted).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+source scripts/_env.sh  # $python, and PYTHONPATH for the scripts' imports
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 mode="${1:-quick}"
@@ -58,15 +61,15 @@ fi
 if [ -f scripts/bench_binned.py ] && [ "$(left)" -gt 120 ]; then
   say "binned routing benchmark"
   mkdir -p "$OUT/binned"
-  timeout 90 python3 scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
+  timeout 90 "$python" scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
 fi
 
 if [ -n "${SUITE_TUNE:-}" ] && [ "$(left)" -gt 180 ]; then
   say "tile tuning: $SUITE_TUNE"
   key=$(python3 -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(0)).strip("_"))')
-  timeout $(( $(left) - 150 )) python3 scripts/tune.py --models "$SUITE_TUNE" --budget-s $(( $(left) - 200 )) \
+  timeout $(( $(left) - 150 )) "$python" scripts/tune.py --models "$SUITE_TUNE" --budget-s $(( $(left) - 200 )) \
     2>&1 | tee -a "$log"
-  cp "torch-ext/moe_dispatch/configs/$key.json" "$OUT/" 2>/dev/null || true
+  cp "torch-ext/moe_dispatch/configs/$key.json" "docs/results/tuning-$key.json" "$OUT/" 2>/dev/null || true
 fi
 
 say "benchmark ($mode)"
@@ -74,10 +77,12 @@ quick=(--quick)
 [ "$mode" = "full" ] && quick=()
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
 remaining=$(left)
-timeout "$remaining" python3 scripts/bench.py "${quick[@]}" --out "$OUT/bench" --deadline-s $((remaining - 40)) \
+timeout "$remaining" "$python" scripts/bench.py "${quick[@]}" --out "$OUT/bench" --deadline-s $((remaining - 40)) \
   ${BENCH_ARGS:-} >> "$log" 2>&1
 bench_rc=$?
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
+
+[ -n "${SUITE_TUNE:-}" ] && rm -f "$OUT/bench/roofline.png"  # keeps the files under $OUT at 8
 
 say "done"
 echo "$pytest_summary" | tee -a "$log"

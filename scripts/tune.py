@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Regenerate a device's GEMM tile table (torch-ext/moe_dispatch/configs/<device_key>.json) by measurement.
 
-For each model shape (tests/model_shapes.py) the token counts are grouped by rows per expert, ceil(T * top_k / E),
-which is what the table is keyed by (tiles.select_tiles). For each such bucket the tuner
+For each model shape (benchmarks/model_shapes.py) the token counts are grouped by rows per expert,
+ceil(T * top_k / E), which is what the table is keyed by (tiles.select_tiles). For each such bucket the tuner
 
   1. times the current table's choice at every T of the bucket (the reference),
   2. for each candidate BLOCK_M (fixed by the rows per expert), sweeps the gate_up GEMM's tiles with the down
@@ -13,7 +13,10 @@ which is what the table is keyed by (tiles.select_tiles). For each such bucket t
 
 Every candidate's output is checked against the float64 reference (all rows up to 256 tokens, a sample above) and
 rejected when it is off or does not compile (e.g. too much shared memory). Buckets the run does not reach keep the
-existing table's entries; the file is rewritten after every bucket, so a run cut short keeps what it measured.
+existing table's entries. The table keeps only what the package reads (tiles per bucket); the run itself (the T
+measured per bucket, the new and the previous table's times, versions) is appended to a tuning log,
+docs/results/tuning-<device_key>.json (beside --out when given). Both files are rewritten after every bucket, so a
+run cut short keeps what it measured.
 
     scripts/tune --models mixtral-8x7b,qwen3-30b-a3b --out "$OUT/NVIDIA_H200.json" --budget-s 400
 
@@ -28,17 +31,16 @@ import datetime
 import importlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
+import reference
+from model_shapes import MODEL_SHAPES
 
-import bench  # noqa: E402  (also puts tests/ on sys.path)
-from model_shapes import MODEL_SHAPES  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SMEM_FALLBACK = 227 * 1024  # H100/H200 opt-in shared memory per block, when torch does not report it
 
@@ -65,6 +67,9 @@ def parse_args(argv):
                    help="token counts; grouped into buckets by rows per expert")
     p.add_argument("--out", default=None,
                    help="table to write (default torch-ext/moe_dispatch/configs/<device_key>.json)")
+    p.add_argument("--history", default=None,
+                   help="tuning log to append this run to (default docs/results/tuning-<device_key>.json, or "
+                        "tuning-<device_key>.json beside --out when --out is given)")
     p.add_argument("--base", default=None,
                    help="table to start from (default: --out if it exists, else the package's table for this device, "
                         "else configs/default.json)")
@@ -140,7 +145,7 @@ class BucketTuner:
             seed = args.seed * 1000003 + t
             ids, weights = bench.random_routing(t, shape.num_experts, shape.top_k, device, seed)
             rows = bench.check_rows(t, args.check_rows, device, seed)
-            ref = bench.experts_ref(prob.x[:t][rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
+            ref = reference.fused_experts_ref(prob.x[:t][rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
             self.cases.append({"tokens": t, "ids": ids, "weights": weights, "rows": rows, "ref": ref})
         self.reference_ms = None
         self.tried = 0
@@ -153,8 +158,8 @@ class BucketTuner:
                                              tiles=tiles)
 
         out = call()
-        err = bench.rel_err(out[case["rows"]], case["ref"])
-        if not err <= bench.TOLERANCE[self.prob.dtype]:
+        err = reference.relative_error(out[case["rows"]], case["ref"])
+        if not err <= reference.TOLERANCE[self.prob.dtype]:
             raise ValueError(f"rel err {err:.2e}")
         return self.timer.plain(call)
 
@@ -164,7 +169,7 @@ class BucketTuner:
         try:
             return {c["tokens"]: self._time(tiles, c) for c in self.cases}
         except Exception as exc:  # out of shared memory, wrong output, ...
-            print(f"    rejected {tiles}: {bench._error_text(exc)[:160]}", flush=True)
+            print(f"    rejected {tiles}: {bench.error_text(exc)[:160]}", flush=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return None
@@ -205,11 +210,18 @@ def tune_bucket(tiles_module, kernel, prob, rows, tokens, args, timer, device):
                     local, local_ms, local_score = trial, ms, s
         if local_score < best_score:
             best, best_ms, best_score = local, local_ms, local_score
-    entry = {"max_rows_per_expert": rows, **best.to_dict(),
-             "tuned_tokens": list(tokens),
-             "measured_us": {str(t): round(ms * 1e3, 2) for t, ms in best_ms.items()},
-             "previous_us": {str(t): round(ms * 1e3, 2) for t, ms in tuner.reference_ms.items()}}
-    return entry, tuner.tried, best != current
+    entry = {"max_rows_per_expert": rows, **best.to_dict()}
+    measured = {"tuned_tokens": list(tokens),
+                "measured_us": {str(t): round(ms * 1e3, 2) for t, ms in best_ms.items()},
+                "previous_us": {str(t): round(ms * 1e3, 2) for t, ms in tuner.reference_ms.items()}}
+    return entry, measured, tuner.tried, best != current
+
+
+def load_history(path, key):
+    """The tuning log of a device: {"device": key, "runs": [...]}, one run per scripts/tune call, oldest first."""
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"device": key, "runs": []}
 
 
 def load_base(args, out_path, tiles_module, key):
@@ -237,6 +249,13 @@ def dump_table(table):
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
+def write_outputs(out_path, table, history_path, history):
+    """The table (runtime data only) and the tuning log, rewritten after every bucket."""
+    for path, text in ((out_path, dump_table(table)), (history_path, json.dumps(history, indent=1) + "\n")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 def merge_bucket(buckets, entry):
     """Replace the entry with the same max_rows_per_expert (or add it), keep the list sorted."""
     kept = [b for b in buckets if b["max_rows_per_expert"] != entry["max_rows_per_expert"]]
@@ -256,15 +275,25 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
     key = device_module.device_key(device)
     out_path = Path(args.out) if args.out else ROOT / "torch-ext" / "moe_dispatch" / "configs" / f"{key}.json"
     table = load_base(args, out_path, tiles_module, key)
+    if args.history:
+        history_path = Path(args.history)
+    elif args.out:
+        history_path = out_path.with_name(f"tuning-{key}.json")
+    else:
+        history_path = ROOT / "docs" / "results" / f"tuning-{key}.json"
+    history = load_history(history_path, key)
     import triton
 
-    table.update({
-        "device": key,
-        "measured": True,
-        "note": (f"scripts/tune on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-                 f"{datetime.date.today().isoformat()}, torch {torch.__version__}, triton {triton.__version__}, "
-                 f"{args.dtype}"),
-    })
+    # The table keeps what the package reads at run time; how it was measured goes to the tuning log.
+    table.update({"device": key, "measured": True,
+                  "note": f"measured by scripts/tune; the runs are logged in docs/results/tuning-{key}.json"})
+    run = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+        "buckets": [],  # per (shape, bucket): the tiles kept, the T measured, their time and the previous table's
+    }
+    history["runs"].append(run)
     table.setdefault("shapes", {})
     summary = []
     for shape in models:
@@ -276,20 +305,20 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
                 summary.append((shape.name, rows, tokens, "skipped: budget", None))
                 continue
             print(f"{shape.name} rows/expert={rows} T={tokens}", flush=True)
-            entry, tried, changed = tune_bucket(tiles_module, kernel, prob, rows, tokens, args, timer, device)
+            entry, measured, tried, changed = tune_bucket(tiles_module, kernel, prob, rows, tokens, args, timer,
+                                                          device)
             buckets = merge_bucket([dict(b) for b in buckets if "max_rows_per_expert" in b], entry)
             table["shapes"][shape_key] = buckets
             if args.generic_from == shape.name:
                 table["buckets"] = table["shapes"][shape_key]
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(dump_table(table))
-            speedup = [entry["previous_us"][str(t)] / entry["measured_us"][str(t)] for t in tokens]
+            run["buckets"].append({"model": shape.name, "shape": shape_key, **entry, "changed": changed, **measured})
+            write_outputs(out_path, table, history_path, history)
+            speedup = [measured["previous_us"][str(t)] / measured["measured_us"][str(t)] for t in tokens]
             summary.append((shape.name, rows, tokens, f"{tried} tried", (entry, speedup, changed)))
         del prob
-        bench._free(device)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(dump_table(table))
-    lines = [f"tile table -> {out_path} ({time.monotonic() - started:.0f} s)",
+        bench.free_memory(device)
+    write_outputs(out_path, table, history_path, history)
+    lines = [f"tile table -> {out_path}, tuning log -> {history_path} ({time.monotonic() - started:.0f} s)",
              f"{'model':<15}{'rows':>6} {'T':<22} {'BM':>4} {'gate_up n/k/w/s':<16} {'down n/k/w/s':<16} speedup"]
     for name, rows, tokens, note, result in summary:
         if result is None:

@@ -5,12 +5,6 @@ import dataclasses
 import torch
 from model_shapes import MODEL_SHAPES, shrunk
 
-# Relative error bounds against the float64 reference, by dtype: ||out - ref|| / ||ref||.
-# fp32 runs fp32 dots (the interpreter, or ieee on a GPU unless torch allows tf32); half precisions round the
-# [T*k, F] intermediate and the expert rows to the input dtype once each.
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str

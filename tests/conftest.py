@@ -9,11 +9,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The one place that edits sys.path: the package (torch-ext/), the float64 references and model shapes shared with the
+# benchmarks (benchmarks/), the benchmark and release tooling under test (scripts/), and the test helpers (tests/).
+# Everything is then imported by name; scripts/_env.sh sets the same folders as PYTHONPATH for the scripts.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "torch-ext"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+for _folder in ("torch-ext", "benchmarks", "scripts", "tests"):
+    sys.path.insert(0, os.path.join(ROOT, _folder))
 
 import pytest  # noqa: E402
+from helpers import poison_empty  # noqa: E402,F401  (a fixture every test can ask for)
 
 
 def _load_from_hub_build():
@@ -41,15 +45,6 @@ LOADED_FROM = _load_from_hub_build() if os.environ.get("MOE_DISPATCH_FROM") == "
 
 def pytest_report_header(config):
     return LOADED_FROM
-
-
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@pytest.fixture
-def device():
-    return DEVICE
 
 
 @pytest.fixture(autouse=True)

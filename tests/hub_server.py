@@ -41,14 +41,11 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from _hub_release import git_blob_id  # scripts/ is on sys.path (conftest.py, or the client's PYTHONPATH)
+
 REPO_TYPES = {"kernels": "kernel", "models": "model", "datasets": "dataset", "spaces": "space"}
 SHA_PATTERN = re.compile(r"[0-9a-f]{40}")
 INITIAL_FILES = {".gitattributes": b"*.bin filter=lfs diff=lfs merge=lfs -text\n"}
-
-
-def git_blob_id(content: bytes) -> str:
-    """Git's object id of a blob: what the Hub reports as `oid` of regular files."""
-    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
 
 
 @dataclass

@@ -7,24 +7,16 @@ would catch a wrong kernel.
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
+import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
+import bench
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does the same)
+from helpers import DEVICE
+from model_shapes import MODEL_SHAPES, shrunk
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import _bench_ceilings  # noqa: E402
-import bench  # noqa: E402
-from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {name: shrunk(shape) for name, shape in MODEL_SHAPES.items()}
 FAKE_MS = 0.05
 
@@ -185,10 +177,16 @@ def test_tune_writes_a_loadable_table(tmp_path):
     table = json.loads(out.read_text())
     assert table["measured"] is True and table["buckets"]
     shape = TINY["mixtral-8x7b"]
-    buckets = table["shapes"][f"{shape.num_experts},{shape.ffn},{shape.hidden}"]
+    shape_key = f"{shape.num_experts},{shape.ffn},{shape.hidden}"
+    buckets = table["shapes"][shape_key]
     assert [b["max_rows_per_expert"] for b in buckets][:2] == [1, 2]
     for bucket in buckets + table["buckets"]:
+        assert set(bucket) == {"max_rows_per_expert", "block_m", "gate_up", "down"}  # runtime data only
         tiles.MoeTiles.from_dict(bucket)
+    history = json.loads((tmp_path / f"tuning-{table['device']}.json").read_text())  # the run's log, beside --out
+    (run,) = history["runs"]
+    assert [(b["shape"], b["max_rows_per_expert"]) for b in run["buckets"]] == [(shape_key, 1), (shape_key, 2)]
+    assert all(set(b["measured_us"]) == {str(t) for t in b["tuned_tokens"]} for b in run["buckets"])
 
 
 def test_results_name_no_machine_paths(tmp_path):

@@ -3,14 +3,14 @@
 
 import pytest
 import torch
-from conftest import ON_GPU
+from helpers import assert_close, needs_gpu
 from model_shapes import MODEL_SHAPES
-from reference import experts_ref, fused_experts_ref, fused_moe_forward_ref
-from test_moe import assert_close
+from reference import (ROUTING_AGREEMENT_MIN, experts_ref, fused_experts_ref, fused_moe_forward_ref,
+                       routing_agreement)
 
 import moe_dispatch as md
 
-pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+pytestmark = needs_gpu
 DTYPE = torch.bfloat16
 
 
@@ -40,8 +40,8 @@ def test_real_model_sizes_bf16(name, T):
     assert_close(out, ref, DTYPE)
     ref_out, ref_ids, _ = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, shape.num_experts,
                                                 shape.top_k, shape.gating, **kwargs)
-    agree = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
-    assert agree > 0.99, f"routing agrees with float64 on only {agree:.3f} of tokens"
+    agree = routing_agreement(ids, ref_ids)
+    assert agree >= ROUTING_AGREEMENT_MIN, f"routing agrees with float64 on only {agree:.3f} of tokens"
     del w_gate, w_up, w_down
     torch.cuda.empty_cache()
 

@@ -2,28 +2,14 @@
 
 import pytest
 import torch
-from cases import FORWARD_CASES, TOLERANCE, Case
-from conftest import DEVICE
-from reference import (experts_ref, expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref, fused_moe_forward_ref,
-                       grouped_gemm_ref, moe_router_ref, permute_tokens_ref, unpermute_tokens_ref)
+from cases import FORWARD_CASES, Case
+from helpers import DEVICE, assert_close
+from reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref,
+                       fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref, permute_tokens_ref,
+                       unpermute_tokens_ref)
 
 import moe_dispatch as md
-from moe_dispatch.dispatch import CHUNK, dispatch, max_tiles_bound
-
-
-def assert_close(out, ref, dtype, what="output"):
-    """Normalised error check: max and RMS relative error printed on failure; NaN never passes."""
-    out = out.detach().double().cpu()
-    ref = ref.detach().double().cpu()
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(out).any(), f"{what}: NaN in output"
-    diff = out - ref
-    scale = ref.norm().clamp_min(1e-30)
-    rms_rel = (diff.norm() / scale).item()
-    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-30)).item() if ref.numel() else 0.0
-    where = divmod(int(diff.abs().argmax()), out.shape[-1]) if out.numel() else None
-    assert rms_rel <= TOLERANCE[dtype], (
-        f"{what}: rms rel err {rms_rel:.3e} > {TOLERANCE[dtype]:.0e} (max rel {max_rel:.3e} at {where})")
+from moe_dispatch.dispatch import CHUNK, dispatch
 
 
 def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
@@ -42,23 +28,6 @@ def make_inputs(case: Case, device=DEVICE):
     if case.correction:
         extras["e_score_correction_bias"] = (torch.randn(case.E) * 0.1).to(device, torch.float32)
     return x, router_weight, extras
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Every torch.empty returns NaN (floats) or a huge value (ints): a kernel that leaves an element unwritten and
-    then reads it shows up as NaN or a wild index."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(2**30)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: c.id)
@@ -205,19 +174,50 @@ def test_dispatch_metadata(T, E, top_k, kind, block_m):
     assert torch.equal(info.gather_idx.long().cpu(), ref_sorted)
     assert torch.equal(info.scatter_idx.long().cpu(), ref_restore)
     assert info.expert_offsets[-1].item() == T * top_k
-    assert info.max_tiles == max_tiles_bound(T * top_k, E, block_m)
+    _check_tile_map(info, ids, E, block_m)
+
+
+def _check_tile_map(info, ids, num_experts, block_m):
+    """Every kept sorted row is in exactly one tile, each tile inside one expert's segment; unused tiles are -1 and
+    come after the used ones. Returns the number of tiles used."""
+    flat = ids.reshape(-1).cpu().long()
+    kept = flat[(flat >= 0) & (flat < num_experts)]
+    counts = torch.bincount(kept, minlength=num_experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     tile_expert, tile_start = info.tile_expert.cpu().long(), info.tile_row_start.cpu().long()
-    covered = torch.zeros(T * top_k, dtype=torch.int64)
-    offsets = ref_offsets
+    covered = torch.zeros(kept.numel(), dtype=torch.int64)
     for e, start in zip(tile_expert.tolist(), tile_start.tolist()):
         if e < 0:
             continue
-        end = min(start + block_m, offsets[e + 1].item())
-        assert offsets[e] <= start < offsets[e + 1]
-        covered[start:end] += 1
-    assert torch.equal(covered, torch.ones_like(covered))
+        assert 0 <= e < num_experts and offsets[e] <= start < offsets[e + 1], (e, start)
+        covered[start:min(start + block_m, offsets[e + 1].item())] += 1
+    assert torch.equal(covered, torch.ones_like(covered)), "a kept row is in no tile or in two"
     used = (tile_expert >= 0).sum().item()
     assert (tile_expert[used:] == -1).all() and (tile_expert[:used] >= 0).all()
+    return used
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("kind", ["worst-case", "worst-case-with-sentinels", "one-expert", "all-sentinels"])
+def test_dispatch_tile_map_adversarial(kind, block_m):
+    """Routings that need the most tiles (every expert one row past a tile edge), with expert-parallel sentinels
+    mixed in, on one expert, or nothing kept: the static tile map still covers every kept row exactly once."""
+    E = 5
+    if kind.startswith("worst-case"):  # each expert gets block_m + 1 rows: 2 tiles each, one of them a single row
+        ids = torch.arange(E).repeat_interleave(block_m + 1)[torch.randperm(E * (block_m + 1))].view(-1, 1)
+        if kind == "worst-case-with-sentinels":
+            ids = torch.cat([ids, torch.full_like(ids, E + 3)], dim=1)  # top_k = 2, every second id dropped
+            ids[::4, 1] = -1
+    elif kind == "one-expert":
+        ids = torch.full((3 * block_m + 1, 2), 2)
+    else:
+        ids = torch.full((block_m + 3, 2), E)
+    info = dispatch(ids.to(DEVICE), E, block_m)
+    used = _check_tile_map(info, ids, E, block_m)
+    if kind.startswith("worst-case"):
+        assert used == 2 * E
+    elif kind == "all-sentinels":
+        assert used == 0 and info.expert_offsets[-1].item() == 0
 
 
 def test_dispatch_drops_out_of_range_ids():
@@ -355,16 +355,6 @@ def test_v1_function_errors():
         md.unpermute_tokens(x, torch.rand(3, 3), torch.arange(6), 3, 2)
 
 
-def _capacity_keep_ref(ids, num_experts, capacity):
-    """Per expert, keep its first `capacity` assignments in order a = t * top_k + j (MegaBlocks)."""
-    seen = [0] * num_experts
-    keep = []
-    for e in ids.reshape(-1).tolist():
-        keep.append(seen[e] < capacity)
-        seen[e] += 1
-    return torch.tensor(keep).view(ids.shape)
-
-
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 4.0])
 def test_fused_moe_forward_capacity(capacity_factor):
     """capacity_factor drops exactly MegaBlocks' overflow: C = int(cf * T * k / E), earliest assignments kept."""
@@ -376,7 +366,7 @@ def test_fused_moe_forward_capacity(capacity_factor):
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, top_k,
                                              capacity_factor=capacity_factor)
     capacity = int(capacity_factor * T * top_k / E)
-    keep = _capacity_keep_ref(ids.cpu(), E, capacity).to(DEVICE)
+    keep = capacity_keep_mask_ref(ids, E, capacity)
     if capacity_factor == 0.5:
         assert not keep.all(), "the case must overflow some expert"
     ref = experts_ref(x, w_gate, w_up, w_down, ids, weights.float() * keep)

@@ -13,7 +13,6 @@ depend on whether this checkout is clean. On a CPU-only machine the loader accep
 variants are therefore loaded by pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -30,7 +29,9 @@ from hub_server import HubServer
 from reference import fused_moe_forward_ref
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+# What the client processes import by name: test_packaging and hub_server (tests/), the float64 references
+# (benchmarks/) and _hub_release (scripts/), the folders conftest.py puts on sys.path here.
+CLIENT_PATH = [str(ROOT / folder) for folder in ("tests", "benchmarks", "scripts")]
 REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in build.toml only
 TOKEN = "hf_test_token"
 VARIANTS = ("torch-cuda", "torch-rocm", "torch-universal")
@@ -38,7 +39,7 @@ BACKEND_OF = {"torch-cuda": ("cuda", "cuda"), "torch-rocm": ("rocm", "rocm"), "t
 ON_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
 # The variant the loader picks from a full build on this machine.
 PREFERRED_VARIANT = "torch-cuda" if ON_CUDA else "torch-rocm" if torch.cuda.is_available() else "torch-universal"
-RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs",
+RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs", "benchmarks",
                  "scripts/_hub_release.py", "scripts/build", "scripts/publish", "torch-ext/moe_dispatch"]
 HAS_GIT = shutil.which("git") is not None
 requires_git = pytest.mark.skipif(not HAS_GIT, reason="needs the git command")
@@ -100,7 +101,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HF_TOKEN", "HF_HUB_DISABLE_TELEMETRY", "LOCAL_KERNELS", "KERNELS_CACHE", "HF_HUB_OFFLINE")}
     env.update(HF_HUB_DISABLE_PROGRESS_BARS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (*CLIENT_PATH, os.environ.get("PYTHONPATH")) if p))
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     env.update(extra)
@@ -120,12 +121,10 @@ def run_python(code: str, env: dict[str, str]) -> dict:
 
 
 def hub_release():
-    """scripts/_hub_release.py as a module (scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("_hub_release", ROOT / "scripts" / "_hub_release.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """scripts/_hub_release.py (scripts/ is on sys.path through conftest.py)."""
+    import _hub_release
+
+    return _hub_release
 
 
 CLI_MAIN = {"kernels": "kernels.cli", "hf": "huggingface_hub.cli.hf"}
@@ -201,10 +200,13 @@ def built(build_run) -> Path:
     return build_run[0]
 
 
+GENERATED = {"_ops.py", "_version.py", "metadata.json"}  # written by scripts/build for each variant
+
+
 def package_files() -> set[str]:
     src = ROOT / "torch-ext" / "moe_dispatch"
     return {p.relative_to(src).as_posix() for p in src.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name != "_ops.py"}
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name not in GENERATED}
 
 
 def test_build_writes_each_variant(build_run):
@@ -215,7 +217,7 @@ def test_build_writes_each_variant(build_run):
     for variant in VARIANTS:
         vdir = built / variant
         files = {p.relative_to(vdir).as_posix() for p in vdir.rglob("*") if p.is_file()}
-        assert files == package_files() | {"_ops.py", "metadata.json"}, variant
+        assert files == package_files() | GENERATED, variant
         assert any(f.startswith("configs/") and f.endswith(".json") for f in files)
         for rel in package_files():
             assert (vdir / rel).read_bytes() == (ROOT / "torch-ext" / "moe_dispatch" / rel).read_bytes()
@@ -228,6 +230,17 @@ def test_build_writes_each_variant(build_run):
         assert str(metadata.backend.backend_type).lower() == backend_type
         assert metadata.backend.archs == (["gfx942"] if backend == "rocm" else ["8.0", "9.0"])
         assert f'NAMESPACE = "{metadata.id}"' in (vdir / "_ops.py").read_text()
+        # No release tag on this checkout's HEAD is assumed: a development build says so, with its commit.
+        version = re.search(r'__version__ = "([^"]+)"', (vdir / "_version.py").read_text()).group(1)
+        assert re.fullmatch(rf"1\.x\.dev\+{match.group(1)}(\.dirty)?", version) or re.fullmatch(r"1\.\d+\.\d+", version)
+
+
+def test_source_version_names_the_api_major():
+    """A checkout's __version__ is "<build.toml version>.x.dev"; builds get theirs from the git tag."""
+    with open(ROOT / "build.toml", "rb") as f:
+        major = tomllib.load(f)["general"]["version"]
+    source = (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text()
+    assert f'__version__ = "{major}.x.dev"' in source
 
 
 @requires_git
@@ -304,6 +317,15 @@ def test_publish_refuses_a_hub_client_without_kernel_repo_commits(monkeypatch):
         release_module.check_hub_client()
 
 
+@requires_git
+def test_git_blob_id_is_gits_object_id(tmp_path):
+    """The one blob hash, used by scripts/publish and by the Hub's test double, is git's own object id."""
+    path = tmp_path / "file"
+    path.write_bytes(b"moe\0dispatch\n")
+    git_id = subprocess.run(["git", "hash-object", str(path)], capture_output=True, text=True, check=True).stdout
+    assert hub_release().git_blob_id(path.read_bytes()) == git_id.strip()
+
+
 @pytest.fixture(scope="module")
 def hub():
     with HubServer(token=TOKEN) as server:
@@ -378,11 +400,15 @@ def test_release_layout_on_the_hub(hub, releases):
     files = repo.commits[second].files
     for variant in VARIANTS:
         assert {p.split("/", 2)[2] for p in files if p.startswith(f"build/{variant}/")} == \
-            package_files() | {"_ops.py", "metadata.json"}
+            package_files() | GENERATED
+    benchmarks = {p for p in files if p.startswith("benchmarks/")}  # the Hub's benchmark convention, beside build/
+    assert benchmarks == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")}
+    assert "benchmarks/benchmark_moe.py" in benchmarks
     assert b"# release v1.1.0" in files["build/torch-universal/__init__.py"]
     assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-universal/__init__.py"]
     card = repo.resolve("main").files["README.md"].decode()
     assert f'get_kernel("{REPO_ID}", version=1' in card and "revision=" in card and "kernels lock" in card
+    assert f"kernels benchmark {REPO_ID}@v1" in card
     for name in ("fused_moe_forward", "fused_experts", "moe_router", "grouped_gemm"):
         assert f"`{name}`" in card
     assert hub.state.unhandled == []
@@ -403,6 +429,7 @@ check_forward(newest)
 pinned = get_kernel("REPO_ID", revision="v1.0.0", trust_remote_code=True)
 check_forward(pinned)
 report["newest"], report["pinned"] = snapshot_of(newest), snapshot_of(pinned)
+report["versions"] = [newest.__version__, pinned.__version__]
 report["newest_marked"] = "# release v1.1.0" in open(newest.__file__).read()
 report["pinned_marked"] = "# release v1.1.0" in open(pinned.__file__).read()
 try:
@@ -419,6 +446,7 @@ def test_fresh_client_gets_newest_v1_pinned_release_and_version_error(hub, relea
     assert report["newest"] == [releases["v1.1.0"], PREFERRED_VARIANT] and report["newest_marked"]
     assert report["pinned"] == [releases["v1.0.0"], PREFERRED_VARIANT] and not report["pinned_marked"]
     assert report["version_2"] == "Version 2 not found, available versions: 1"
+    assert report["versions"] == ["1.1.0", "1.0.0"]  # __version__ written by scripts/build from the release tag
 
 
 LOCKED_CLIENT = """
@@ -479,10 +507,11 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     init = clone / "torch-ext" / "moe_dispatch" / "__init__.py"
     init.write_text(init.read_text() + "# another change\n")
     git(clone, "commit", "-q", "-am", "another change")
-    assert run_script(clone, "build", env=clean_env()).returncode == 0
     before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
-        git(clone, "tag", "-f", tag)
+        git(clone, "tag", "-d", "v1.1.0")  # HEAD carries only the tag under test (the build's __version__ is its)
+        git(clone, "tag", tag)
+        assert run_script(clone, "build", env=clean_env()).returncode == 0
         result = publish(clone, hub, "--tag", tag)
         assert result.returncode == 2 and reason in result.stderr, result.stderr
     assert (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits)) == before
@@ -517,20 +546,37 @@ def _stale_commit(repo):
     return [], "build is stale"
 
 
+def _tag_and_build(repo, tag):
+    """A release build: scripts/build writes the tag on HEAD into the build's __version__."""
+    git(repo, "tag", tag)
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+
+
 def _stale_files(repo):
-    git(repo, "tag", "v1.0.0")
+    _tag_and_build(repo, "v1.0.0")
     with open(repo / "build" / "torch-rocm" / "moe.py", "a") as f:
         f.write("# edited after the build\n")
     return [], "torch-rocm differs from torch-ext/moe_dispatch in ['moe.py']"
 
 
-def _missing_token(repo):
+def _build_before_the_tag(repo):
+    git(repo, "tag", "v1.0.0")  # the build (made before) says 1.x.dev+<commit>, not 1.0.0
+    return [], "torch-cuda differs from torch-ext/moe_dispatch in ['_version.py']"
+
+
+def _older_of_two_tags(repo):
     git(repo, "tag", "v1.0.0")
+    _tag_and_build(repo, "v1.0.1")  # the build's __version__ is HEAD's newest release tag
+    return ["--tag", "v1.0.0"], "makes the build version 1.0.1, not 1.0.0"
+
+
+def _missing_token(repo):
+    _tag_and_build(repo, "v1.0.0")
     return [], "HF_TOKEN is not set"
 
 
 REFUSALS = [_tag_major_mismatch, _malformed_tag, _dirty_tree, _tag_not_on_head, _stale_commit, _stale_files,
-            _missing_token]
+            _build_before_the_tag, _older_of_two_tags, _missing_token]
 
 
 @requires_git
@@ -561,3 +607,5 @@ def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
         assert step in out, step
     for variant in VARIANTS:
         assert f"build/{variant}/metadata.json" in out and f"build/{variant}/_ops.py" in out
+        assert f"build/{variant}/_version.py" in out
+    assert "benchmarks/benchmark_moe.py" in out

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import moe_dispatch  # from torch-ext (conftest.py)
+from helpers import DEVICE, assert_close, needs_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
@@ -30,14 +31,6 @@ kernels = pytest.importorskip("kernels")
 
 HUB_REPO_ID = "moe-dispatch-tests/moe-dispatch"  # only ever resolved through LOCAL_KERNELS
 VOCAB = 96
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"  # tiny models too run on the GPU when there is one (Triton needs it there)
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
-# Norm-wise relative error against eager transformers. fp32: only summation order differs (seen ~2e-7 on the CPU;
-# scaling the routing weights by 1.001 gives 4e-4). Half precision: both sides round the expert intermediates, each
-# its own way (fp16 seen ~1e-3).
-RTOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass(frozen=True)
@@ -160,19 +153,6 @@ def moe_blocks(model, case: ModelCase) -> list:
     return [module for module in model.modules() if isinstance(module, block_cls)]
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str):
-    """Norm-wise relative error; on failure says how large and where the worst element is."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, expected.shape)
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    diff = (actual.double() - expected.double()).abs()
-    rel = (diff.norm() / expected.double().norm().clamp_min(1e-30)).item()
-    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-    assert rel <= rtol, (
-        f"{what}: relative error {rel:.2e} > {rtol:.0e}; max abs diff {diff.max().item():.2e} at {worst} "
-        f"(got {actual[worst].item():.5f}, expected {expected[worst].item():.5f})"
-    )
-
-
 @pytest.fixture
 def count_kernel_calls(monkeypatch):
     """Counts `fused_experts` launches made by a package's transformers integration (proof the kernel ran)."""
@@ -235,14 +215,14 @@ def run(model, ids):
 
 
 def check_outputs(case: ModelCase, got, ref, dtype: torch.dtype, what: str):
-    assert_close(got.logits, ref.logits, RTOL[dtype], f"{case.id} {what} logits")
+    assert_close(got.logits, ref.logits, dtype, f"{case.id} {what} logits")
     # The router ran, and its logits reached transformers' output recorder (hence aux losses).
     assert len(got.router_logits) == len(ref.router_logits) > 0
     for layer, (got_logits, ref_logits) in enumerate(zip(got.router_logits, ref.router_logits)):
-        assert_close(got_logits, ref_logits, RTOL[dtype], f"{case.id} {what} router logits of layer {layer}")
+        assert_close(got_logits, ref_logits, dtype, f"{case.id} {what} router logits of layer {layer}")
     # Half precision may flip a near-tie top-k choice in a later layer: a discrete jump in the load-balancing loss.
     if ref.aux_loss is not None and dtype == torch.float32:
-        assert_close(got.aux_loss, ref.aux_loss, RTOL[dtype], f"{case.id} {what} aux loss")
+        assert_close(got.aux_loss, ref.aux_loss, dtype, f"{case.id} {what} aux loss")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -311,11 +291,11 @@ def test_kernelize_layers_match_eager(case, count_kernel_calls, hook_block_class
         block_out = blocks[0](block_input)
     if isinstance(ref_block_out, tuple):
         assert isinstance(block_out, tuple) and len(block_out) == len(ref_block_out)
-        assert_close(block_out[0], ref_block_out[0], RTOL[dtype], f"{case.id} block output")
+        assert_close(block_out[0], ref_block_out[0], dtype, f"{case.id} block output")
         torch.testing.assert_close(block_out[1], ref_block_out[1], rtol=0, atol=0)
     else:
         assert isinstance(block_out, torch.Tensor)
-        assert_close(block_out, ref_block_out, RTOL[dtype], f"{case.id} block output")
+        assert_close(block_out, ref_block_out, dtype, f"{case.id} block output")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -435,7 +415,7 @@ def test_expert_parallel_sentinels_contribute_nothing():
     with torch.no_grad():
         expected = experts(hidden_states, top_k_index, top_k_weights)  # eager
         got = moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, top_k_weights)
-    assert_close(got, expected, RTOL[torch.float32], "experts with sentinels")
+    assert_close(got, expected, torch.float32, "experts with sentinels")
     assert torch.equal(got[4], torch.zeros_like(got[4]))
 
 
@@ -554,7 +534,7 @@ def test_layers_follow_kernelize_rules():
 # GPU: real layer sizes in bf16, and generate()
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
 def test_gpu_real_layer_sizes_bf16(case, count_kernel_calls):
     """One decoder layer of the released model; bf16 kernel vs bf16 eager on the same weights."""
@@ -573,11 +553,11 @@ def test_gpu_real_layer_sizes_bf16(case, count_kernel_calls):
     handle.remove()
     assert len(calls) == 1
     first = (lambda out: out[0] if isinstance(out, tuple) else out)
-    assert_close(first(outputs["block"]), first(ref_block), RTOL[torch.bfloat16], f"{case.id} real-size block")
+    assert_close(first(outputs["block"]), first(ref_block), torch.bfloat16, f"{case.id} real-size block")
     check_outputs(case, got, ref, torch.bfloat16, "real-size bf16")
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("case_id", ["mixtral", "gpt_oss"])
 def test_gpu_generate_tokens_match_eager(case_id):
     """Greedy decoding (prefill then T=1 steps) picks the same tokens with the kernel as with eager."""
@@ -594,7 +574,7 @@ def test_gpu_generate_tokens_match_eager(case_id):
     assert torch.equal(got, ref), f"{case_id}: tokens differ\n{got}\n{ref}"
 
 
-@needs_cuda
+@needs_gpu
 def test_gpu_from_pretrained_use_kernels(tmp_path, hub_kernel):
     """transformers' own switch: `from_pretrained(use_kernels=True, kernel_config=KernelConfig(...))` on GPT-OSS.
 

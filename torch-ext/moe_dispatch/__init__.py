@@ -35,7 +35,7 @@ from .routing import moe_router
 from . import layers, transformers_experts  # bound by name: hub-loaded packages need explicit attributes
 from .transformers_experts import moe_dispatch_experts, register_experts
 
-__version__ = "1.0.0"
+from ._version import __version__  # "1.x.dev" in a checkout; a build has its release tag's (scripts/build)
 
 __all__ = [
     # v1 surface shared with bassrehab/moe-dispatch (same names, argument order, defaults, returns)

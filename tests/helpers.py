@@ -1,0 +1,35 @@
+"""Shared test helpers: the device, the tolerance table and comparison, and the poisoned allocator.
+
+Import them by name (`from helpers import DEVICE, TOLERANCE, assert_close`); tests/ and benchmarks/ are on sys.path
+through conftest.py. The tolerance table and `assert_close` live beside the float64 references they judge against
+(benchmarks/reference.py), because the Hub benchmark that ships benchmarks/ verifies with them too.
+"""
+
+import pytest
+import torch
+from reference import TOLERANCE, assert_close, relative_error
+
+__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "needs_gpu", "poison_empty", "relative_error"]
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+def _poison(t):
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:  # a wild index: out of range of any tensor a test builds, and not the -1 sentinel
+        t.fill_(min(2**30, torch.iinfo(t.dtype).max))
+    return t
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """torch.empty / torch.empty_like return NaN floats, True booleans and 2^30 integers, so an output element a
+    kernel forgets to write, or a buffer it reads before writing, shows up as NaN or a wild index."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: _poison(real_empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: _poison(real_empty_like(*args, **kwargs)))
