@@ -308,13 +308,14 @@ def relative_error(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def assert_close(out, ref, dtype=None, what="output", *, exact_zeros=False):
-    """out within TOLERANCE[dtype] (default: out's dtype) of ref by RMS relative error; never NaN or inf.
+def assert_close(out, ref, dtype=None, what="output", *, exact_zeros=False, tolerance=None):
+    """out within TOLERANCE[dtype] (default: out's dtype; `tolerance` overrides) of ref by RMS relative error; never
+    NaN or inf.
 
     On failure the message gives the RMS and the max relative error and the worst element (index, got, expected).
     exact_zeros: where ref is exactly zero (dropped, unused, padding), out must be exactly zero too."""
     dtype = out.dtype if dtype is None else dtype
-    tolerance = TOLERANCE[dtype]
+    tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
     out = out.detach().double().cpu()
     ref = ref.detach().double().cpu()
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"

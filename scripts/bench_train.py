@@ -37,6 +37,8 @@ def parse_args():
     p.add_argument("--tokens", default="4096,16384")
     p.add_argument("--out", default="train-out")
     p.add_argument("--rep-ms", type=int, default=300, help="do_bench measuring time per call site")
+    p.add_argument("--liger-models", default="mixtral-8x7b",
+                   help="models Liger runs on (its autotuning takes minutes per new shape)")
     return p.parse_args()
 
 
@@ -128,6 +130,9 @@ def main():
             row = dict(model=name, T=T, flops=flops, P=P)
             grads = {}
             for impl in impls:
+                if impl == "liger" and name not in args.liger_models.split(","):
+                    row[impl] = dict(error="not run (--liger-models)")
+                    continue
                 started = time.time()
                 try:
                     fn = step_fn(impl, shape, (x, w_gate_up, w_down, weights), ids, grad_out)

@@ -9,8 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from cases import TOLERANCE
-from conftest import DEVICE
+from helpers import DEVICE, TOLERANCE, assert_close
 from reference import fused_experts_ref, fused_moe_forward_ref, moe_router_ref
 
 import moe_dispatch as md
@@ -20,30 +19,8 @@ import moe_dispatch as md
 GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
 
 
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Every torch.empty returns NaN (floats) or a huge value (ints): a gradient element left unwritten shows."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(2**30)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def assert_grad_close(got, ref, dtype, what):
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN in the gradient (an element was never written?)"
-    diff = got - ref
-    rel = (diff.norm() / ref.norm().clamp_min(1e-30)).item()
-    worst = tuple(int(i) for i in torch.unravel_index(diff.abs().argmax(), diff.shape)) if diff.numel() else ()
-    assert rel <= GRAD_TOLERANCE[dtype], f"{what}: rel err {rel:.2e} > {GRAD_TOLERANCE[dtype]:.0e}, worst at {worst}"
+    assert_close(got, ref, dtype, what, tolerance=GRAD_TOLERANCE[dtype])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE, ROOT
+from conftest import ROOT
+from helpers import DEVICE, ON_GPU
 from reference import (binned_gather_ref, fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
                        unpermute_tokens_ref)
 from test_moe import assert_close, make_weights
@@ -55,6 +56,8 @@ def test_fused_expert_ffn_rejects_bad_sorted_idx():
             md.fused_expert_ffn(permuted, w_gate, w_up, w_down, offsets, E, weights, bad, T, TOP_K, validate=True)
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors run the kernels only through the interpreter; on a GPU the "
+                                   "validate=True tests below cover the same checks")
 def test_cpu_index_tensors_are_checked_by_default():
     """The issue's repro on CPU tensors, validate left at None: a ValueError, not a crash (checks are free there)."""
     x = torch.randn(T, H)
@@ -120,19 +123,23 @@ def test_segment_functions_clamp_unvalidated_expert_offsets(offsets):
 
 _SEGFAULT_SCRIPT = """
 import torch, moe_dispatch as md
+torch.set_default_device("cuda" if torch.cuda.is_available() else "cpu")
 T, E, k, H, F = 4, 3, 2, 8, 4
 x = torch.randn(T, H)
 p, off, si, ri = md.permute_tokens(x, torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]]), E)
 si[0] = 2**40
 out = md.fused_expert_ffn(p, torch.randn(E, F, H), torch.randn(E, F, H), torch.randn(E, H, F), off, E,
                           torch.rand(T, k), si, T, k, validate=False)
+torch.cuda.synchronize() if torch.cuda.is_available() else None
 print("returned", tuple(out.shape))
 """
 
 
 def test_fused_expert_ffn_unvalidated_sorted_idx_does_not_crash():
     """The issue's segfault, with validation off: must return, not kill the process (run in a child process)."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "torch-ext"), TRITON_INTERPRET="1")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "torch-ext"))
+    if not ON_GPU:  # on a GPU machine the repro runs on the GPU (an unbounded index there is an illegal access)
+        env["TRITON_INTERPRET"] = "1"
     run = subprocess.run([sys.executable, "-c", _SEGFAULT_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and "returned (4, 8)" in run.stdout, (run.returncode, run.stderr[-2000:])
@@ -269,19 +276,21 @@ def test_wide_ids_in_the_capacity_helpers():
 
 
 def test_errors_name_their_argument():
-    x = torch.randn(T, H)
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device="cpu")
+    x = torch.randn(T, H, device=DEVICE)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     with pytest.raises(TypeError, match="router_weight"):
-        md.fused_moe_forward(x.half(), torch.randn(E, H), w_gate.half(), w_up.half(), w_down.half(), E, TOP_K)
+        md.fused_moe_forward(x.half(), torch.randn(E, H, device=DEVICE), w_gate.half(), w_up.half(), w_down.half(), E,
+                             TOP_K)
     with pytest.raises(TypeError, match="router_weight"):
-        md.moe_router(x, torch.randn(E, H, dtype=torch.bfloat16), TOP_K)
+        md.moe_router(x, torch.randn(E, H, dtype=torch.bfloat16, device=DEVICE), TOP_K)
     with pytest.raises(ValueError, match="hidden_states"):
-        md.moe_router(torch.randn(T, 0), torch.randn(E, 0), TOP_K)
+        md.moe_router(torch.randn(T, 0, device=DEVICE), torch.randn(E, 0, device=DEVICE), TOP_K)
     for factor in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="capacity_factor"):
             md.expert_capacity(T, TOP_K, E, factor)
     with pytest.raises(ValueError, match="capacity_factor"):
-        md.fused_moe_forward(x, torch.randn(E, H), w_gate, w_up, w_down, E, TOP_K, capacity_factor=float("inf"))
+        md.fused_moe_forward(x, torch.randn(E, H, device=DEVICE), w_gate, w_up, w_down, E, TOP_K,
+                             capacity_factor=float("inf"))
     with pytest.raises(ValueError, match="dim"):
         md.inclusive_cumsum(torch.arange(3), 5)
     with pytest.raises(TypeError, match="dim"):

@@ -3,13 +3,13 @@ capture of forward + backward, bit-identical reruns, and torch.compile with indu
 
 import pytest
 import torch
-from conftest import ON_GPU
+from helpers import needs_gpu
 from model_shapes import MODEL_SHAPES
 from reference import fused_experts_ref
 
 import moe_dispatch as md
 
-pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+pytestmark = needs_gpu
 DTYPE = torch.bfloat16
 # bf16 gradients: the saved pre-activations, d_preact and the activations are rounded to bf16 once each, and every
 # weight-gradient element sums T*k/E products; norm-wise error against float64.

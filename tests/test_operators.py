@@ -5,7 +5,7 @@ functions with fullgraph=True (no graph break) and symbolic token counts."""
 import pytest
 import torch
 import torch._dynamo
-from conftest import DEVICE
+from helpers import DEVICE
 from torch._dynamo.utils import counters
 
 import moe_dispatch as md

@@ -474,13 +474,13 @@ def test_training_step_matches_eager(case):
     ids = input_ids()
     ref_loss, ref_grads = _training_step(ref_model, ids)
     loss, grads = _training_step(model, ids)
-    assert_close(loss, ref_loss, RTOL[torch.float32], f"{case.id} loss")
+    assert_close(loss, ref_loss, torch.float32, f"{case.id} loss")
     experts_grads = 0
     for param_name, ref_grad in ref_grads.items():
         if ref_grad is None:
             assert grads[param_name] is None, param_name
             continue
-        assert_close(grads[param_name], ref_grad, 1e-4, f"{case.id} d {param_name}")
+        assert_close(grads[param_name], ref_grad, torch.float32, f"{case.id} d {param_name}")
         experts_grads += ".experts." in param_name
     assert experts_grads >= 2 * TINY["num_hidden_layers"]  # the routed experts' weights did get gradients
 
@@ -498,10 +498,10 @@ def test_compiled_training_step(case_id):
     torch._dynamo.reset()
     compiled_loss, compiled_grads = _training_step(
         model, ids, torch.compile(model, fullgraph=True, backend="aot_eager"))
-    assert_close(compiled_loss, loss, RTOL[torch.float32], f"{case_id} compiled loss")
+    assert_close(compiled_loss, loss, torch.float32, f"{case_id} compiled loss")
     for param_name, grad in grads.items():
         if grad is not None:
-            assert_close(compiled_grads[param_name], grad, 1e-4, f"{case_id} compiled d {param_name}")
+            assert_close(compiled_grads[param_name], grad, torch.float32, f"{case_id} compiled d {param_name}")
 
 
 def test_swish_act_fn_is_accepted():

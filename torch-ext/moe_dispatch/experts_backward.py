@@ -7,12 +7,12 @@ Backward from dout [T, H], in launch order:
 
   _down_grad_kernel         g = dout_t @ W_down[e] (a grouped GEMM over the tile map, rows gathered by token); its
                             epilogue recomputes act from preact and writes d_preact = w * g * act'(h) [N, 2F],
-                            act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
+                            w * act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
   _topk_weights_grad_kernel dw_a = sum of those column-tile partials in tile order (+ dout_t . b_down[e])
   _gate_up_grad_kernel      dx rows = d_gate @ W_gate[e] + d_up @ W_up[e] [N, H]; combine.combine sums each token's
                             rows in assignment order -> dx [T, H]
-  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = (w * dout[token])^T act,
-                            the bias gradients as the same loops' column sums
+  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = dout[token]^T (w * act),
+                            the bias gradients as the same loops' column sums (d b_down weighted by w)
 
 Every output element is written by one program that sums in a fixed order, so two backward passes are bit-identical.
 What is saved for backward: x, the weights and topk_weights (already alive), the dispatch (expert_offsets, gather_idx,
@@ -31,7 +31,7 @@ from .combine import combine
 from .dispatch import segment_dispatch
 from .grouped_gemm import (dot_options, gathered_rows, same_strides, tile_coords, tile_dot, tile_rows,
                            weight_strides)
-from .tiles import WeightGradTile, select_tiles, select_weight_grad_tile
+from .tiles import MoeTiles, WeightGradTile, select_tiles, select_weight_grad_tile
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _down_grad_kernel(
     grad_out_ptr, stride_grad_t, stride_grad_h,
     # W_down as [E, F, H] by strides (n = F, K = H)
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
-    # preact [N, 2F] from the forward; d_preact [N, 2F]; act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
+    # preact [N, 2F] from the forward; d_preact [N, 2F]; w * act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
     preact_ptr, stride_preact_m,
     d_preact_ptr, stride_d_preact_m,
     act_ptr, stride_act_m,
@@ -108,11 +108,12 @@ def _down_grad_kernel(
     if STORE_PARTIAL:
         tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, tl.sum(tl.where(mask_mn, b_acc * b_act, 0.0),
                                                                                 axis=1), mask=mask_m)
-    if STORE_ACT:
-        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act.to(act_ptr.dtype.element_ty), mask=mask_mn)
+    b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
+                     mask=mask_m, other=0.0).to(tl.float32)
+    if STORE_ACT:  # weighted: dW_down[e] = sum_p dout_t^T (w act_p)
+        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], (b_act * b_topk[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=mask_mn)
     if STORE_D_PREACT:
-        b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
-                         mask=mask_m, other=0.0).to(tl.float32)
         b_d_act = b_acc * b_topk[:, None]
         d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
         tl.store(d_preact_ptrs, (b_d_act * b_d_gate).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
@@ -171,9 +172,9 @@ def _expert_weight_grad_kernel(
     num_tokens, n_i, n_j,
     TOP_K: tl.constexpr,
     GATHER_LEFT: tl.constexpr,
-    WEIGHT_LEFT: tl.constexpr,
     GATHER_RIGHT: tl.constexpr,
     HAS_BIAS_GRAD: tl.constexpr,
+    WEIGHT_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -181,8 +182,8 @@ def _expert_weight_grad_kernel(
     BLOCK_P: tl.constexpr,
 ):
     """Grid: (E * cdiv(n_i, BLOCK_I) * cdiv(n_j, BLOCK_J),). out[e, i, j] = sum over expert e's sorted positions p, in
-    order, of left[p, i] * right[p, j] (left scaled by the routing weight with WEIGHT_LEFT); bias_grad[e, i] = the
-    same sum of left[p, i]. An expert without rows gets zeros."""
+    order, of left[p, i] * right[p, j]; bias_grad[e, i] = the same sum of left[p, i] (times the routing weight with
+    WEIGHT_BIAS). An expert without rows gets zeros."""
     pid = tl.program_id(0)
     num_i = tl.cdiv(n_i, BLOCK_I)
     num_j = tl.cdiv(n_j, BLOCK_J)
@@ -203,23 +204,26 @@ def _expert_weight_grad_kernel(
         b_token, b_assignment, mask_token = gathered_rows(gather_idx_ptr, offs_p, mask_p, num_tokens, TOP_K)
         left_rows = b_token if GATHER_LEFT else offs_p
         right_rows = b_token if GATHER_RIGHT else offs_p
-        mask_left = mask_token if GATHER_LEFT or WEIGHT_LEFT else mask_p
+        mask_left = mask_token if GATHER_LEFT else mask_p
         mask_right = mask_token if GATHER_RIGHT else mask_p
-        b_left = tl.load(left_ptr + left_rows[:, None].to(tl.int64) * stride_left_m + offs_i[None, :] * stride_left_i,
-                         mask=mask_left[:, None] & mask_i[None, :], other=0.0)  # [BLOCK_P, BLOCK_I]
-        if WEIGHT_LEFT:
-            b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t
-                             + (b_assignment % TOP_K) * stride_topk_k, mask=mask_left, other=0.0).to(tl.float32)
-            b_left = (b_left.to(tl.float32) * b_topk[:, None]).to(left_ptr.dtype.element_ty)
+        # left^T read directly as [BLOCK_I, BLOCK_P] (the dot's A operand, no transpose in registers)
+        b_left_t = tl.load(left_ptr + offs_i[:, None] * stride_left_i
+                           + left_rows[None, :].to(tl.int64) * stride_left_m,
+                           mask=mask_i[:, None] & mask_left[None, :], other=0.0)
         b_right = tl.load(right_ptr + right_rows[:, None].to(tl.int64) * stride_right_m
                           + offs_j[None, :] * stride_right_j,
                           mask=mask_right[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_P, BLOCK_J]
         if HAS_BIAS_GRAD:
-            b_bias_acc += tl.sum(b_left.to(tl.float32), axis=0)
+            if WEIGHT_BIAS:
+                b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t
+                                 + (b_assignment % TOP_K) * stride_topk_k, mask=mask_token, other=0.0)
+                b_bias_acc += tl.sum(b_left_t.to(tl.float32) * b_topk.to(tl.float32)[None, :], axis=1)
+            else:
+                b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
         if DOT_FP32:
-            b_left = b_left.to(tl.float32)
+            b_left_t = b_left_t.to(tl.float32)
             b_right = b_right.to(tl.float32)
-        b_acc = tl.dot(tl.trans(b_left), b_right, b_acc, input_precision=DOT_PRECISION)
+        b_acc = tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
                 + offs_j[None, :] * stride_out_j)
     tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
@@ -269,12 +273,12 @@ def _topk_weights_grad_kernel(
 
 
 def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGradTile, *, gather_left=False,
-                 weight_left=False, gather_right=False):
+                 gather_right=False, weight_bias=False):
     """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernel."""
     E, n_i, n_j = out.shape
     dot_fp32, precision = dot_options(left.dtype)
     grid = (E * triton.cdiv(n_i, tile.block_i) * triton.cdiv(n_j, tile.block_j),)
-    topk_t, topk_k = topk_weights.stride() if weight_left else (0, 0)
+    topk_t, topk_k = topk_weights.stride()
     _expert_weight_grad_kernel[grid](
         left, left.stride(0), left.stride(1),
         right, right.stride(0), right.stride(1),
@@ -284,9 +288,9 @@ def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGr
         info.num_tokens, n_i, n_j,
         TOP_K=info.top_k,
         GATHER_LEFT=gather_left,
-        WEIGHT_LEFT=weight_left,
         GATHER_RIGHT=gather_right,
         HAS_BIAS_GRAD=bias_grad is not None,
+        WEIGHT_BIAS=weight_bias,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
         BLOCK_I=tile.block_i,
@@ -314,9 +318,12 @@ class ExpertsGrads:
 
 
 def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
-                     gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, alpha, limit):
+                     gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, alpha, limit,
+                     tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None):
     """Fill `grads` from grad_out [T, H]. The weights are the gate/up views the forward read; `preact` [N, 2F] and
-    the dispatch tensors are the forward's (see `moe.fused_experts`)."""
+    the dispatch tensors are the forward's (see `moe.fused_experts`). `tiles` (the input-gradient GEMMs: gate_up's
+    for dA, down's for dX) and `weight_tile` force launch configurations (tuning, tests); by default the forward's
+    table and `select_weight_grad_tile`."""
     T, H = x.shape
     E = w_down.shape[0]
     top_k = topk_ids.shape[1]
@@ -326,7 +333,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate, grads.w_up, grads.gate_bias, grads.up_bias))
     needs_act = grads.w_down is not None
     needs_partial = grads.topk_weights is not None
-    tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+    tiles = tiles or select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
                                                 top_k=top_k), scatter_idx=scatter_idx)
     device = x.device
@@ -396,7 +403,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             )
         combine(rows, scatter_idx, T, top_k, out=grads.x)
 
-    weight_tile = select_weight_grad_tile(device, x.dtype)
+    weight_tile = weight_tile or select_weight_grad_tile(device, x.dtype)
     # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
     # A bias gradient alone runs the same loops against a one-column stand-in for the weight gradient.
     for d_w, d_bias, half in ((grads.w_gate, grads.gate_bias, 0), (grads.w_up, grads.up_bias, 1)):
@@ -414,4 +421,4 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         else:
             out, right, gather_right = torch.empty((E, H, 1), device=device, dtype=torch.float32), grad_out[:, :1], True
         _weight_grad(grad_out, right, out, grads.down_bias, info, topk_weights, weight_tile, gather_left=True,
-                     weight_left=True, gather_right=gather_right)
+                     gather_right=gather_right, weight_bias=True)

@@ -17,7 +17,7 @@ from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_floa
                       check_same_device, check_tensor, check_token_weights, index_map_problems,
                       segment_rows_problems, warn_if_gradient_cut)
 from ._library import call, custom_op
-from .binned import drop_over_capacity
+from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
@@ -283,6 +283,8 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
     _check_expert_weights(w_gate, w_up, w_down, E, H, hidden_states.dtype)
     check_same_device(hidden_states=hidden_states, w_gate=w_gate, w_up=w_up, w_down=w_down)
     x = hidden_states.reshape(-1, H)
+    if capacity_factor is not None:
+        expert_capacity(x.shape[0], top_k, E, capacity_factor)  # checks capacity_factor before anything runs
     topk_ids, topk_weights, _ = route_with_grad(
         x, router_weight, top_k, gating, router_bias, renormalize=renormalize, n_group=n_group,
         topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
