@@ -24,7 +24,7 @@ import torch
 # Imported by name: scripts/ (this folder), benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh).
 import reference  # benchmarks/reference.py: the float64 references and the tolerance table
 from _bench_ceilings import measure_copy_bandwidth
-from moe_dispatch import _binned_kernels, binned
+from moe_dispatch import row_copies, binned
 from reference import TOLERANCE
 TARGET = 0.80  # fraction of the copy ceiling (issue 6)
 SWEEP = [  # (block_rows, block_h, num_warps) candidates for --sweep
@@ -159,7 +159,7 @@ def bench_binned(num_tokens=16384, hidden=4096, top_k=2, num_experts=8, dtype=to
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     copy = measure_copy_bandwidth(timer, device, 2 * 2**30)["copy_bytes_per_s"]
-    cfg = _binned_kernels.copy_config(hidden, x.element_size(), device)
+    cfg = row_copies.copy_config(hidden, x.element_size(), device)
     print(f"T={num_tokens} H={hidden} top_k={top_k} E={num_experts} {str(dtype).replace('torch.', '')} "
           f"capacity={r.capacity} (factor {capacity_factor}) kept={r.kept}/{r.indices.shape[0]} padded block={block}")
     print(f"copy ceiling (read + write): {copy / 1e12:.2f} TB/s; tile {cfg}")
@@ -182,15 +182,15 @@ def bench_binned(num_tokens=16384, hidden=4096, top_k=2, num_experts=8, dtype=to
 
 def _sweep(x, grad, r, copy, timer):
     """Time the three binned ops under every SWEEP tile (monkeypatching copy_config)."""
-    original = _binned_kernels.copy_config
+    original = row_copies.copy_config
     selected = [op for op in ops(x, grad, r, x.dtype) if op[0] in ("binned_gather", "binned_scatter",
                                                                     "binned_scatter_wgrad")]
     results = []
     print(f"\n{'tile (rows, h, warps)':24s} " + " ".join(f"{name:>22s}" for name, *_ in selected))
     try:
         for block_rows, block_h, num_warps in SWEEP:
-            tile = _binned_kernels.CopyConfig(block_rows, block_h, num_warps)
-            _binned_kernels.copy_config = lambda *args, tile=tile: tile
+            tile = row_copies.CopyConfig(block_rows, block_h, num_warps)
+            row_copies.copy_config = lambda *args, tile=tile: tile
             cells = []
             for name, fn, nbytes, _ in selected:
                 ms = timer.plain(fn)
@@ -199,7 +199,7 @@ def _sweep(x, grad, r, copy, timer):
                 cells.append(f"{ms * 1e3:8.1f} us {nbytes / (ms * 1e-3) / copy:7.1%}")
             print(f"{str((block_rows, block_h, num_warps)):24s} " + " ".join(f"{c:>22s}" for c in cells))
     finally:
-        _binned_kernels.copy_config = original
+        row_copies.copy_config = original
     return results
 
 

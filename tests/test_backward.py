@@ -95,7 +95,7 @@ def _experts_inputs(case, device=DEVICE):
 def _run_experts(inputs, ids, options, grad_out):
     out = md.fused_experts(inputs["hidden_states"], inputs["w_gate_up"], inputs["w_down"], ids,
                            inputs["topk_weights"], gate_up_bias=inputs.get("gate_up_bias"),
-                           down_bias=inputs.get("down_bias"), validate_ids=False, **options)
+                           down_bias=inputs.get("down_bias"), validate=False, **options)
     return out, dict(zip(inputs, torch.autograd.grad(out, list(inputs.values()), grad_out)))
 
 

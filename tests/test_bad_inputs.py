@@ -4,7 +4,7 @@ Each test names the defect it guards:
   1 caller indices (sorted_idx, restore_idx, expert_offsets, indices, bins) are bounded in the kernels, and invalid
     ones raise ValueError naming them on CPU tensors or with validate=True
   2 NaN in a hidden state, in router_weight, or an all -inf router_bias: ids stay in [0, E), NaN reaches the output
-  3 int64 ids outside int32 are outside [0, E) with validate_ids=False, not wrapped into it
+  3 int64 ids outside int32 are outside [0, E) with validate=False, not wrapped into it
   4 errors that name their argument
   5 forward-only v1 functions warn once when they cut a gradient
 Shapes are tiny (the interpreter runs every kernel); values are compared with the float64 references.
@@ -250,17 +250,17 @@ def test_wide_ids_contribute_nothing_without_validation():
     for t, wide in enumerate(WIDE_IDS):
         ids[t, t % TOP_K] = wide
     weights = torch.rand(T, TOP_K, device=DEVICE)
-    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate_ids=False)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
     assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights), torch.float32)  # the ref skips them
     with pytest.raises(ValueError, match="topk_ids"):
-        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate_ids=True)
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=True)
 
 
 def test_wide_ids_get_no_row_in_permute_tokens():
     x = torch.randn(T, H, device=DEVICE)
     ids = _routed()
     ids[:, 0] = torch.tensor(WIDE_IDS + [2**33], device=DEVICE)
-    _, offsets, _, restore_idx = md.permute_tokens(x, ids, E, validate_ids=False)
+    _, offsets, _, restore_idx = md.permute_tokens(x, ids, E, validate=False)
     assert int(offsets[-1]) == T  # only column 1 kept
     assert (restore_idx.view(T, TOP_K)[:, 0] == -1).all() and (restore_idx.view(T, TOP_K)[:, 1] >= 0).all()
 

@@ -17,10 +17,10 @@ import torch
 
 import reference as ref
 from helpers import DEVICE, assert_close, needs_gpu
-from moe_dispatch import _binned_kernels, binned
+from moe_dispatch import row_copies, binned
 
 
-TINY_TILES = _binned_kernels.CopyConfig(block_rows=4, block_h=16, num_warps=1)
+TINY_TILES = row_copies.CopyConfig(block_rows=4, block_h=16, num_warps=1)
 LAYOUTS = ("binned", "padded", "plain")
 
 
@@ -173,7 +173,7 @@ pytestmark = pytest.mark.usefixtures("poison_empty")
 def tiles(request, monkeypatch):
     """Run under the device's default tile and under 4 x 16 tiles (expert-straddling row tiles, hidden tails)."""
     if request.param == "tiny_tiles":
-        monkeypatch.setattr(_binned_kernels, "copy_config", lambda *args: TINY_TILES)
+        monkeypatch.setattr(row_copies, "copy_config", lambda *args: TINY_TILES)
     return request.param
 
 

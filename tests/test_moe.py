@@ -234,7 +234,7 @@ def test_dispatch_drops_out_of_range_ids():
     x = torch.randn(T, H, device=DEVICE)
     weights = torch.rand(T, top_k, device=DEVICE)
     w_gate_up, w_down = torch.randn(E, 2 * F, H, device=DEVICE) * 0.1, torch.randn(E, H, F, device=DEVICE) * 0.1
-    out = md.fused_experts(x, w_gate_up, w_down, ids.to(DEVICE), weights, validate_ids=False)
+    out = md.fused_experts(x, w_gate_up, w_down, ids.to(DEVICE), weights, validate=False)
     keep = (~dropped).reshape(T, top_k).to(DEVICE)
     ref = fused_experts_ref(x, w_gate_up, w_down, torch.where(keep, ids.to(DEVICE), 0), weights * keep)
     assert_close(out, ref, torch.float32)
@@ -371,3 +371,18 @@ def test_fused_moe_forward_capacity(capacity_factor):
         assert not keep.all(), "the case must overflow some expert"
     ref = experts_ref(x, w_gate, w_up, w_down, ids, weights.float() * keep)
     assert_close(out, ref, torch.float32)
+
+
+def test_validate_ids_is_a_deprecated_spelling_of_validate():
+    """v1.0 callers' `validate_ids=` keeps working (same meaning) with a DeprecationWarning; a disagreeing pair is
+    refused."""
+    x = torch.randn(3, 8, device=DEVICE)
+    w_gate_up, w_down = torch.randn(2, 8, 8, device=DEVICE), torch.randn(2, 8, 4, device=DEVICE)
+    ids, weights = torch.tensor([[0], [1], [5]], device=DEVICE), torch.rand(3, 1, device=DEVICE)
+    with pytest.warns(DeprecationWarning, match="validate_ids"), pytest.raises(ValueError, match="topk_ids"):
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate_ids=True)
+    with pytest.warns(DeprecationWarning, match="validate_ids"):
+        out = md.permute_tokens(x, ids, 2, validate_ids=False)[0]
+    assert out.shape == (3, 8)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, validate_ids=True)

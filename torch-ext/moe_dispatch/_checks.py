@@ -107,6 +107,18 @@ def check_finite_number(name, value, *, minimum=None):
     return value
 
 
+def validate_option(validate, validate_ids, function):
+    """The one `validate` switch of a function that also accepts the v1.0 spelling `validate_ids` (deprecated alias:
+    same meaning, kept so v1.0 callers keep working)."""
+    if validate_ids is None:
+        return validate
+    warnings.warn(f"{function}(validate_ids=...) is deprecated; pass validate=... (same meaning)", DeprecationWarning,
+                  stacklevel=3)
+    if validate is not None and validate != validate_ids:
+        raise ValueError(f"{function}: validate={validate!r} and validate_ids={validate_ids!r} disagree")
+    return validate_ids
+
+
 def reads_values(validate, *tensors):
     """Whether to check index values: always with validate=True (one sync on a GPU), never with False, and by
     default (None) only when every tensor is on the CPU, where reading them costs nothing."""

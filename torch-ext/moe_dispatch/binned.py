@@ -16,7 +16,7 @@ The three layouts differ only in where sorted position p (of expert e, j = p - s
   padded   row padded_start_e + j                         padded_gather/scatter[_wgrad]       buffer [R, H]
   binned   row e * C + j, DROPPED when j >= C             binned_gather/scatter[_wgrad]       buffer [E, C, H]
 
-One kernel family in `_binned_kernels.py` serves all three (the `LAYOUT` constexpr):
+One kernel family in `row_copies.py` serves all three (the `LAYOUT` constexpr):
 
   _gather_kernel        grid over buffer rows: buffer[r] = x[a // top_k] * weights[a] (zeros where r holds nothing)
   _buffer_rows_kernel   grid over sorted positions: buffer_row[a] = row of assignment a in the buffer, -1 if dropped
@@ -45,8 +45,8 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 
 import torch
 
-from ._binned_kernels import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 from ._checks import check_finite_number, check_same_device, check_tensor
+from .row_copies import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -15,8 +15,8 @@ their own width (int64 ids at or past 2^31, or below -2^31, are out of range, no
 clamps them into [0, rows] and makes them non-decreasing on the device first, so bad offsets (unchecked on a GPU)
 can give wrong rows but never a tile outside the rows.
 
-`permute_tokens` (v1 API) materialises the expert-ordered copy of the activations with the binned module's plain
-gather; the fused path never does: the first GEMM gathers rows through `gather_idx` in its loads.
+`permute_tokens` (v1 API) materialises the expert-ordered copy of the activations with row_copies' plain gather
+(shared with binned routing); the fused path never does: the first GEMM gathers rows through `gather_idx` in its loads.
 """
 
 import dataclasses
@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._binned_kernels import PLAIN, Layout, launch_gather
-from ._checks import check_float, check_ids_in_range, check_index, check_same_device, warn_if_gradient_cut
+from ._checks import (check_float, check_ids_in_range, check_index, check_same_device, validate_option,
+                      warn_if_gradient_cut)
+from .row_copies import PLAIN, Layout, launch_gather
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
 BLOCK_C = 32  # chunk rows the offsets kernel scans at once
@@ -270,14 +271,14 @@ def dispatch(topk_ids, num_experts, block_m):
     return info
 
 
-def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=None):
+def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate=None, validate_ids=None):
     """Sort token copies by expert (v1 API).
 
     hidden_states [T, H], top_k_indices [T, top_k]. Returns (permuted_tokens [T*top_k, H], expert_offsets [E+1] int64,
     sorted_idx [T*top_k] int64, restore_idx [T*top_k] int64): permuted_tokens[p] = hidden_states[sorted_idx[p] // top_k],
     expert e owns rows [expert_offsets[e], expert_offsets[e+1]), restore_idx[a] is the row of assignment a (its inverse).
     Order inside an expert follows the assignment id (stable). Ids outside [0, E) are rejected on the CPU (see
-    `validate_ids` in fused_experts); on a GPU they are dropped: restore_idx = -1 and no row. Forward-only.
+    `validate` in fused_experts; `validate_ids` is its deprecated v1.0 spelling); on a GPU they are dropped: restore_idx = -1 and no row. Forward-only.
     """
     check_float("hidden_states", hidden_states, ndim=2)
     check_index("top_k_indices", top_k_indices, ndim=2)
@@ -287,7 +288,8 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate_ids=No
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
-    check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate_ids)
+    validate = validate_option(validate, validate_ids, "permute_tokens")
+    check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate)
     warn_if_gradient_cut("permute_tokens", hidden_states=hidden_states)
     info = dispatch(top_k_indices, num_experts, block_m=16)
     # The plain (unpadded) MegaBlocks gather: row p = hidden_states[gather_idx[p] // top_k], zero where gather_idx < 0.

@@ -15,7 +15,7 @@ import torch
 
 from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
                       check_same_device, check_tensor, check_token_weights, index_map_problems,
-                      segment_rows_problems, warn_if_gradient_cut)
+                      segment_rows_problems, validate_option, warn_if_gradient_cut)
 from ._library import call, custom_op
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
@@ -190,7 +190,7 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                  validate_ids=None, tiles: MoeTiles | None = None):
+                  validate=None, validate_ids=None, tiles: MoeTiles | None = None):
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -198,9 +198,14 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     first). expert(x) = down(act(gate_up(x) + gate_up_bias)) + down_bias with act "silu" (silu(gate) * up) or
     "swiglu_oai" (GPT-OSS: gate clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)).
     topk_ids [T, k] int32/int64; topk_weights [T, k] any float dtype (applied in fp32).
-    Ids outside [0, E) contribute nothing. Checking for them costs a device-to-host sync, so `validate_ids=None` raises
-    only when the ids are on the CPU; True always checks, False never (expert-parallel sentinels).
+    Ids outside [0, E) contribute nothing. Checking for them costs a device-to-host sync, so `validate=None` raises
+    only when the ids are on the CPU; True always checks, False never (expert-parallel sentinels). `validate_ids` is
+    the deprecated v1.0 spelling of `validate`.
     `tiles` forces a tile configuration (tuning and tests). Returns out [..., H] in hidden_states' dtype.
+
+    Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
+    experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
+    gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
     """
     check_float("hidden_states", hidden_states, min_ndim=1)
     check_float("w_gate_up", w_gate_up, ndim=3)
@@ -236,7 +241,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
         _check_weight_dtype(name, w, hidden_states.dtype)
     check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
                       topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
-    check_ids_in_range("topk_ids", topk_ids, E, validate_ids)
+    check_ids_in_range("topk_ids", topk_ids, E, validate_option(validate, validate_ids, "fused_experts"))
 
     x = hidden_states.reshape(T, H)
     out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,

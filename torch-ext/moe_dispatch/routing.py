@@ -191,8 +191,8 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
     block_e = min(max(16, triton.next_power_of_2(E)), 32)
     block_h = 128
     # Few token tiles: split H as well, so the router weight is read by ~64+ programs in parallel (decode).
-    tiles = max(1, triton.cdiv(T, block_t) * triton.cdiv(E, block_e))
-    split_h = max(1, min(triton.cdiv(H, 4 * block_h), triton.cdiv(64, tiles))) if tiles < 64 else 1
+    programs = max(1, triton.cdiv(T, block_t) * triton.cdiv(E, block_e))
+    split_h = max(1, min(triton.cdiv(H, 4 * block_h), triton.cdiv(64, programs))) if programs < 64 else 1
     h_per_split = triton.cdiv(triton.cdiv(max(H, 1), split_h), block_h) * block_h
     split_h = max(1, triton.cdiv(H, h_per_split))
     partials = torch.empty((split_h, T, E), device=device, dtype=torch.float32)

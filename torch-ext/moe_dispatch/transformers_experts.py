@@ -126,7 +126,7 @@ def moe_dispatch_experts(
     # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
     x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
     out = fused_experts(
-        x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate_ids=False, **options
+        x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate=False, **options
     )
     return out.to(hidden_states.dtype)
 

@@ -1,5 +1,6 @@
-"""Kernels and raw launchers of the MegaBlocks-style routing copies; the public API, its checks and the autograd
-layer are in `binned.py`, whose docstring draws the layouts and the kernel family.
+"""Row copies between token order and expert order: the kernels and raw launchers shared by dispatch.py
+(`permute_tokens`' plain gather) and binned.py (MegaBlocks' plain, padded and capacity-limited copies, whose public API,
+checks and autograd live there; binned.py's docstring draws the layouts and the kernel family).
 
 Launchers here trust their arguments (contiguous tensors, consistent routing) and allocate every output with
 `torch.empty`: each kernel writes all of its output. They trust them for results only, not for memory: every index
