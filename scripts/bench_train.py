@@ -178,7 +178,8 @@ def format_row(row, impls):
 
 
 def markdown(rows, impls, P):
-    head = "| model | T | " + " | ".join(f"{i} ms (TFLOP/s, peak GiB)" for i in impls) + " | ours / 0.8 P | max grad diff |"
+    head = ("| model | T | " + " | ".join(f"{i} ms (TFLOP/s, peak GiB)" for i in impls)
+            + " | ours / 0.8 P | max grad diff |")
     lines = [f"bf16 matmul P = {P / 1e12:.0f} TFLOP/s", "", head, "|" + "---|" * (len(impls) + 4)]
     for row in rows:
         cells = []

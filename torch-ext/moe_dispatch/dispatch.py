@@ -278,7 +278,8 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate=None, 
     sorted_idx [T*top_k] int64, restore_idx [T*top_k] int64): permuted_tokens[p] = hidden_states[sorted_idx[p] // top_k],
     expert e owns rows [expert_offsets[e], expert_offsets[e+1]), restore_idx[a] is the row of assignment a (its inverse).
     Order inside an expert follows the assignment id (stable). Ids outside [0, E) are rejected on the CPU (see
-    `validate` in fused_experts; `validate_ids` is its deprecated v1.0 spelling); on a GPU they are dropped: restore_idx = -1 and no row. Forward-only.
+    `validate` in fused_experts; `validate_ids` is its deprecated v1.0 spelling); on a GPU they are dropped:
+    restore_idx = -1 and no row. Forward-only.
     """
     check_float("hidden_states", hidden_states, ndim=2)
     check_index("top_k_indices", top_k_indices, ndim=2)

@@ -29,8 +29,7 @@ import triton.language as tl
 from ._library import custom_op
 from .combine import combine
 from .dispatch import segment_dispatch
-from .grouped_gemm import (dot_options, gathered_rows, same_strides, tile_coords, tile_dot, tile_rows,
-                           weight_strides)
+from .grouped_gemm import dot_options, gathered_rows, same_strides, tile_dot, tile_setup, weight_strides
 from .tiles import MoeTiles, WeightGradTile, select_tiles, select_weight_grad_tile
 
 
@@ -83,14 +82,12 @@ def _down_grad_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(F, BLOCK_N),). Each program owns rows of one expert tile x BLOCK_N of the F columns."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if (expert < 0) | (expert >= E):
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
+                                                               GROUP_M)
+    if expert < 0:
         return
-    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
     b_token, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_cols
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :] * stride_grad_h
@@ -111,8 +108,8 @@ def _down_grad_kernel(
     b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
                      mask=mask_m, other=0.0).to(tl.float32)
     if STORE_ACT:  # weighted: dW_down[e] = sum_p dout_t^T (w act_p)
-        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], (b_act * b_topk[:, None]).to(act_ptr.dtype.element_ty),
-                 mask=mask_mn)
+        b_act_weighted = (b_act * b_topk[:, None]).to(act_ptr.dtype.element_ty)
+        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act_weighted, mask=mask_mn)
     if STORE_D_PREACT:
         b_d_act = b_acc * b_topk[:, None]
         d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
@@ -139,13 +136,11 @@ def _gate_up_grad_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(H, BLOCK_N),). out[p] = d_gate[p] @ W_gate[e] + d_up[p] @ W_up[e] for one tile."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if (expert < 0) | (expert >= E):
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
+                                                               GROUP_M)
+    if expert < 0:
         return
-    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_cols
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.where(mask_m, offs_m, 0)[:, None].to(tl.int64)
 

@@ -60,12 +60,18 @@ def tile_coords(pid, n_cols, max_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.const
 
 
 @triton.jit
-def tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M: tl.constexpr):
-    """Sorted positions of row tile `pid_m` (of a valid expert) and their mask: inside the expert and inside C."""
+def tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile over the tile map: (expert, -1 for a sentinel tile or one naming no expert in
+    [0, E); sorted positions and their mask, inside the expert and inside C; column tile, columns and their mask)."""
+    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    expert = tl.where((expert >= 0) & (expert < E), expert, -1)
     row_start = tl.load(tile_row_start_ptr + pid_m)
-    row_end = tl.minimum(tl.load(expert_offsets_ptr + expert + 1), num_rows)
+    row_end = tl.minimum(tl.load(expert_offsets_ptr + tl.maximum(expert, 0) + 1), num_rows)
     offs_m = row_start + tl.arange(0, BLOCK_M)
-    return offs_m, (offs_m >= 0) & (offs_m < row_end)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, offs_m, (offs_m >= 0) & (offs_m < row_end), pid_n, offs_n, offs_n < n_cols
 
 
 @triton.jit
@@ -142,17 +148,15 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
-    expert = tl.load(tile_expert_ptr + pid_m)
-    if (expert < 0) | (expert >= E):
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
+                                                               GROUP_M)
+    if expert < 0:
         return
-    offs_m, mask_m = tile_rows(expert, pid_m, tile_row_start_ptr, expert_offsets_ptr, num_rows, BLOCK_M)
     if GATHER_A or MUL_ROUTED_WEIGHT:
         a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
     if not GATHER_A:
         a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_cols
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]

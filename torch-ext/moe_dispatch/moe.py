@@ -219,7 +219,8 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     layout = "[E, H, 2F]" if transposed else "[E, 2F, H]"
     check_dim("w_gate_up", w_gate_up, h_axis, H, f"hidden size H of hidden_states, layout {layout}")
     if w_gate_up.shape[f_axis] % 2:
-        raise ValueError(f"w_gate_up dimension {f_axis} (2F, layout {layout}) must be even, got {w_gate_up.shape[f_axis]}")
+        raise ValueError(f"w_gate_up dimension {f_axis} (2F, layout {layout}) must be even, "
+                         f"got {w_gate_up.shape[f_axis]}")
     F = w_gate_up.shape[f_axis] // 2
     check_dim("w_down", w_down, 0, E, "number of experts E of w_gate_up")
     down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
@@ -277,8 +278,10 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
     those of `moe_router`. With `capacity_factor`, each expert takes at most C = int(capacity_factor * T * top_k / E)
     assignments, the earliest in order t * top_k + j (MegaBlocks' rule; C = 0 drops nothing, as MegaBlocks falls back
     to the largest count); dropped assignments contribute nothing to `out` but are still reported in the returned ids
-    and weights (`binned.capacity_keep_mask` tells which were kept). Returns (out [..., H] in the input dtype, top_k_indices [T, top_k] int64, top_k_weights
-    [T, top_k] in the input dtype) with T the product of the leading dims.
+    and weights (`binned.capacity_keep_mask` tells which were kept). Returns (out [..., H] in the input dtype,
+    top_k_indices [T, top_k] int64, top_k_weights [T, top_k] in the input dtype) with T the product of the leading dims.
+    Differentiable in hidden_states, router_weight, router_bias and the three expert weights (see `fused_experts`; the
+    routing weights' gradient flows through the softmax / sigmoid, the top-k choice is not differentiated).
     """
     E = check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
                           e_score_correction_bias)

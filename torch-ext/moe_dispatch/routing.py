@@ -346,8 +346,9 @@ def route_with_grad(x, router_weight, top_k, gating="softmax", router_bias=None,
     if renormalize is None:
         renormalize = GATINGS[gating] == 1
     n_group = n_group or 1
-    topk_weights, logits, topk_ids = call(_route_op, x, router_weight, router_bias, e_score_correction_bias, top_k, gating, bool(renormalize),
-                n_group, topk_group or n_group, float(routed_scaling_factor))
+    topk_weights, logits, topk_ids = call(_route_op, x, router_weight, router_bias, e_score_correction_bias, top_k,
+                                          gating, bool(renormalize), n_group, topk_group or n_group,
+                                          float(routed_scaling_factor))
     return topk_ids, topk_weights, logits
 
 

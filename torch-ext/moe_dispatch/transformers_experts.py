@@ -105,8 +105,8 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
     else:
         raise _unsupported(
             experts,
-            f"gate function {apply_gate.__qualname__} from {apply_gate.__module__}; only transformers' default gate with SiLU and "
-            f"GPT-OSS's clamped SwiGLU are supported",
+            f"gate function {apply_gate.__qualname__} from {apply_gate.__module__}; only transformers' default gate "
+            f"with SiLU and GPT-OSS's clamped SwiGLU are supported",
         )
     return options
 
