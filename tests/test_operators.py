@@ -10,7 +10,9 @@ from torch._dynamo.utils import counters
 
 import moe_dispatch as md
 from moe_dispatch import _ops, moe, routing
+from moe_dispatch import binned as binned_ops
 from moe_dispatch.grouped_gemm import _grouped_gemm_op
+from moe_dispatch.row_copies import BINNED, PADDED
 
 E, TOP_K, H, F = 4, 2, 16, 8
 
@@ -33,7 +35,7 @@ def _segments(T):
 
 
 OPERATOR_CASES = ["fused_experts", "fused_experts-inference", "fused_experts_backward", "route", "grouped_gemm",
-                  "expert_ffn", "fused_expert_ffn"]
+                  "expert_ffn", "fused_expert_ffn", "row_gather-binned", "row_scatter-binned", "row_wgrad-padded"]
 
 
 def _operator_case(name):
@@ -46,7 +48,23 @@ def _operator_case(name):
         5, requires_grad=False, save_preact=True)[:8]
     forward = moe._fused_experts_op._init_fn(x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
                                              "silu", False, False, 1.702, 7.0, None, True)
+    flat = _ids(5).reshape(-1).int()
+    _, indices = md.sort(flat)
+    bins = md.inclusive_cumsum(md.histogram(flat, E), 0)
+    padded_bins = md.inclusive_cumsum((md.histogram(flat, E) + 3) // 4 * 4, 0)
+    x_rows = torch.randn(5, H, device=DEVICE, requires_grad=True)
+    copy_weights = torch.rand(5 * TOP_K, device=DEVICE, requires_grad=True)
+    capacity = 3
+    binned = torch.randn(E * capacity, H, device=DEVICE, requires_grad=True)
+    padded = torch.randn(int(padded_bins[-1]), H, device=DEVICE)
     cases = [
+        ("row_gather-binned", binned_ops._row_gather_op,
+         (x_rows, copy_weights, indices, bins, None, BINNED.value, TOP_K, capacity, E * capacity)),
+        ("row_scatter-binned", binned_ops._row_scatter_op,
+         (binned, copy_weights, indices, bins, None, BINNED.value, TOP_K, capacity, 5)),
+        ("row_wgrad-padded", binned_ops._row_wgrad_op,
+         (padded, torch.randn(5, H, device=DEVICE), indices, bins, padded_bins, PADDED.value, TOP_K, 0,
+          torch.float32)),
         ("fused_experts", moe._fused_experts_op, _experts_args(5, requires_grad=True, save_preact=True)),
         ("fused_experts-inference", moe._fused_experts_op, _experts_args(5, requires_grad=False, save_preact=False)),
         ("fused_experts_backward", moe._fused_experts_backward_op,
@@ -137,3 +155,26 @@ def test_compile_inference_v1_functions():
         for got, ref in zip(_compile(v1)(permuted, offsets, sorted_idx, weights),
                             v1(permuted, offsets, sorted_idx, weights)):
             assert torch.equal(got, ref)
+
+
+def test_compile_binned_routing_forward_backward():
+    """MegaBlocks-style copies compile too: sort, histogram, cumsum, binned gather and scatter, with gradients."""
+    T, capacity = 8, 3
+
+    def layer(x, weights, ids):
+        flat = ids.reshape(-1).int()
+        _, indices = md.sort(flat)
+        bins = md.inclusive_cumsum(md.histogram(flat, E), 0)
+        buffer = md.binned_gather(x, indices, None, bins, capacity, TOP_K)
+        return md.binned_scatter(buffer * 2.0, indices, weights, bins, TOP_K)
+
+    x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+    weights = torch.rand(T * TOP_K, device=DEVICE, requires_grad=True)
+    ids = _ids(T)
+    out = _compile(layer)(x, weights, ids)
+    grads = torch.autograd.grad(out.square().sum(), [x, weights])
+    eager = layer(x, weights, ids)
+    eager_grads = torch.autograd.grad(eager.square().sum(), [x, weights])
+    assert torch.equal(out, eager)
+    for got, ref in zip(grads, eager_grads):
+        assert torch.equal(got, ref)

@@ -28,8 +28,10 @@ accumulate in fp32 (fp64 for fp64 inputs); offsets are int64. Output shapes come
 (E = len(bins), C given, T = len(indices) // top_k), so the forward never syncs with the device; the one exception is
 `padded_gather` without `num_rows`, which reads padded_bins[-1] like MegaBlocks does.
 
-Autograd: every gather/scatter function is itself differentiable with respect to `x` and `weights` (it goes through
-a `torch.autograd.Function` when one of them requires grad, and calls the kernels directly otherwise). Backward:
+Autograd and compile: the three copies are torch custom operators (`row_gather`, `row_scatter`, `row_wgrad`, under the
+build's namespace like the experts' operators), so every function here compiles with fullgraph=True; gather and
+scatter register their backward, so every gather/scatter function is differentiable with respect to `x` and
+`weights` (eager inference calls the kernels directly, see _library.call). Backward:
 gather's dx = scatter of the gradient with the same weights (unweighted when weights is None), d(weights) = wgrad;
 scatter's dx = gather of the gradient with the same weights, d(weights) = wgrad. The `*_wgrad` functions themselves
 are not differentiable.
@@ -45,80 +47,105 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 
 import torch
 
-from ._checks import check_finite_number, check_same_device, check_tensor
+from ._checks import check_finite_number, check_same_device, check_tensor, reads_values
+from ._library import call, custom_op
 from .row_copies import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class _GatherFunction(torch.autograd.Function):
-    """buffer = gather(x, weights). dx = scatter(d buffer, weights); d weights[a] = <d buffer[row(a)], x[a // k]>."""
-
-    @staticmethod
-    def forward(ctx, x, weights, indices, bins, padded_bins, layout, n_rows):
-        ctx.layout = layout
-        ctx.num_tokens = x.shape[0]
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weights, indices, bins, padded_bins)
-        return launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_buffer):
-        x, weights, indices, bins, padded_bins = ctx.saved_tensors
-        grad_buffer = grad_buffer.contiguous()
-        buffer_row = buffer_rows(indices, bins, padded_bins, ctx.layout)
-        grad_x = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_x = launch_scatter(grad_buffer, buffer_row, weights, ctx.layout.top_k, ctx.num_tokens)
-        if ctx.needs_input_grad[1]:
-            grad_weights = launch_wgrad(grad_buffer, x, buffer_row, ctx.layout.top_k, weights.dtype)
-        return grad_x, grad_weights, None, None, None, None, None
+# The three copies as torch custom operators (compilable; gather and scatter carry their autograd). A layout travels
+# as (kind, top_k, capacity): see row_copies.Layout.
 
 
-class _ScatterFunction(torch.autograd.Function):
-    """out = scatter(buffer, weights). d buffer = gather(d out, weights); d weights[a] = <buffer[row(a)], d out[t]>."""
+@custom_op("row_gather")
+def _row_gather_op(x: torch.Tensor, weights: torch.Tensor | None, indices: torch.Tensor, bins: torch.Tensor | None,
+                   padded_bins: torch.Tensor | None, kind: int, top_k: int, capacity: int, n_rows: int) -> torch.Tensor:
+    return launch_gather(x, indices, weights, bins, padded_bins, Layout(kind, top_k, capacity), n_rows)
 
-    @staticmethod
-    def forward(ctx, x, weights, indices, bins, padded_bins, layout, num_tokens):
-        ctx.layout = layout
-        ctx.n_rows = x.shape[0]
-        buffer_row = buffer_rows(indices, bins, padded_bins, layout)
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weights, indices, bins, padded_bins, buffer_row)
-        return launch_scatter(x, buffer_row, weights, layout.top_k, num_tokens)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        x, weights, indices, bins, padded_bins, buffer_row = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_x = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_x = launch_gather(grad_out, indices, weights, bins, padded_bins, ctx.layout, ctx.n_rows)
-        if ctx.needs_input_grad[1]:
-            grad_weights = launch_wgrad(x, grad_out, buffer_row, ctx.layout.top_k, weights.dtype)
-        return grad_x, grad_weights, None, None, None, None, None
+@_row_gather_op.register_fake
+def _(x, weights, indices, bins, padded_bins, kind, top_k, capacity, n_rows):
+    return x.new_empty((n_rows, x.shape[1]))
+
+
+@custom_op("row_scatter")
+def _row_scatter_op(x: torch.Tensor, weights: torch.Tensor | None, indices: torch.Tensor, bins: torch.Tensor | None,
+                    padded_bins: torch.Tensor | None, kind: int, top_k: int, capacity: int,
+                    num_tokens: int) -> torch.Tensor:
+    layout = Layout(kind, top_k, capacity)
+    return launch_scatter(x, buffer_rows(indices, bins, padded_bins, layout), weights, top_k, num_tokens)
+
+
+@_row_scatter_op.register_fake
+def _(x, weights, indices, bins, padded_bins, kind, top_k, capacity, num_tokens):
+    return x.new_empty((num_tokens, x.shape[1]))
+
+
+@custom_op("row_wgrad")
+def _row_wgrad_op(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor | None,
+                  padded_bins: torch.Tensor | None, kind: int, top_k: int, capacity: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    layout = Layout(kind, top_k, capacity)
+    return launch_wgrad(x, grad, buffer_rows(indices, bins, padded_bins, layout), top_k, out_dtype)
+
+
+@_row_wgrad_op.register_fake
+def _(x, grad, indices, bins, padded_bins, kind, top_k, capacity, out_dtype):
+    return x.new_empty((indices.shape[0],), dtype=out_dtype)
+
+
+def _save_copy_context(ctx, inputs, output):
+    x, weights, indices, bins, padded_bins, kind, top_k, capacity, rows = inputs
+    ctx.save_for_backward(x, weights, indices, bins, padded_bins)
+    ctx.layout = (kind, top_k, capacity)
+    ctx.input_rows = x.shape[0]
+
+
+def _gather_backward(ctx, grad_buffer):
+    """buffer = gather(x, weights): dx = scatter(d buffer, weights); d weights[a] = <d buffer[row(a)], x[a // k]>."""
+    x, weights, indices, bins, padded_bins = ctx.saved_tensors
+    grad_buffer = grad_buffer.contiguous()
+    grad_x = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _row_scatter_op(grad_buffer, weights, indices, bins, padded_bins, *ctx.layout, ctx.input_rows)
+    if ctx.needs_input_grad[1]:
+        grad_weights = _row_wgrad_op(grad_buffer, x, indices, bins, padded_bins, *ctx.layout, weights.dtype)
+    return grad_x, grad_weights, None, None, None, None, None, None, None
+
+
+def _scatter_backward(ctx, grad_out):
+    """out = scatter(buffer, weights): d buffer = gather(d out, weights); d weights[a] = <buffer[row(a)], d out[t]>."""
+    x, weights, indices, bins, padded_bins = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_x = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _row_gather_op(grad_out, weights, indices, bins, padded_bins, *ctx.layout, ctx.input_rows)
+    if ctx.needs_input_grad[1]:
+        grad_weights = _row_wgrad_op(x, grad_out, indices, bins, padded_bins, *ctx.layout, weights.dtype)
+    return grad_x, grad_weights, None, None, None, None, None, None, None
+
+
+_row_gather_op.register_autograd(_gather_backward, setup_context=_save_copy_context)
+_row_scatter_op.register_autograd(_scatter_backward, setup_context=_save_copy_context)
 
 
 def _gather(x, weights, indices, bins, padded_bins, layout, n_rows):
-    x = x.contiguous()
     weights = weights.contiguous() if weights is not None else None
-    if torch.is_grad_enabled() and (x.requires_grad or (weights is not None and weights.requires_grad)):
-        return _GatherFunction.apply(x, weights, indices, bins, padded_bins, layout, n_rows)
-    return launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows)
+    return call(_row_gather_op, x.contiguous(), weights, indices, bins, padded_bins, layout.kind, layout.top_k,
+                layout.capacity, n_rows)
 
 
 def _scatter(x, weights, indices, bins, padded_bins, layout, num_tokens):
-    x = x.contiguous()
     weights = weights.contiguous() if weights is not None else None
-    if torch.is_grad_enabled() and (x.requires_grad or (weights is not None and weights.requires_grad)):
-        return _ScatterFunction.apply(x, weights, indices, bins, padded_bins, layout, num_tokens)
-    return launch_scatter(x, buffer_rows(indices, bins, padded_bins, layout), weights, layout.top_k, num_tokens)
+    return call(_row_scatter_op, x.contiguous(), weights, indices, bins, padded_bins, layout.kind, layout.top_k,
+                layout.capacity, num_tokens)
 
 
 def _wgrad(x, grad, indices, bins, padded_bins, layout):
-    buffer_row = buffer_rows(indices, bins, padded_bins, layout)
-    return launch_wgrad(x.detach().contiguous(), grad.detach().contiguous(), buffer_row, layout.top_k, x.dtype)
+    return call(_row_wgrad_op, x.detach().contiguous(), grad.detach().contiguous(), indices, bins, padded_bins,
+                layout.kind, layout.top_k, layout.capacity, x.dtype)
 
 
 def _check_int(name, value, minimum):
@@ -161,8 +188,9 @@ def _check_num_tokens(name, value, num_assignments, top_k):
 
 
 def _check_values(validate, indices, bins, *, bin_ids=None, padded_bins=None, n_rows=None, n_rows_name=None):
-    """Value checks that read device memory: only on the CPU, or anywhere with validate=True."""
-    if validate is False or (validate is None and indices.device.type != "cpu"):
+    """Value checks that read device memory: only on the CPU, or anywhere with validate=True (never under
+    torch.compile: see _checks.reads_values)."""
+    if not reads_values(validate, indices):
         return
     num_assignments = indices.shape[0]
     bounds = bins.long()
