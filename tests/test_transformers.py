@@ -298,6 +298,30 @@ def test_kernelize_layers_match_eager(case, count_kernel_calls, hook_block_class
         assert_close(block_out, ref_block_out, dtype, f"{case.id} block output")
 
 
+@pytest.mark.parametrize("case_id", ["mixtral", "gpt_oss"])
+def test_kernelize_layers_train(case_id, count_kernel_calls, hook_block_class):
+    """kernelize(mode=Mode.TRAINING) picks the layers (has_backward) and a training step matches eager's."""
+    case = next(c for c in MODELS if c.id == case_id)
+    ref_model = build_model(case, torch.float32, "eager").train()
+    model = build_model(case, torch.float32, "eager").train()
+    model.load_state_dict(ref_model.state_dict())
+    hook_block_class(case)
+    mapping = {case.layer: {DEVICE: {kernels.Mode.TRAINING: PackageLayers(moe_dispatch, case.layer)}}}
+    with kernels.use_kernel_mapping(mapping):
+        kernels.kernelize(model, mode=kernels.Mode.TRAINING, device=DEVICE, use_fallback=ONLY_UNMAPPED_LAYERS)
+    layer_cls = getattr(moe_dispatch.layers, case.layer)
+    assert all(block.forward.__func__ is layer_cls.forward for block in moe_blocks(model, case))
+    calls = count_kernel_calls(moe_dispatch)
+    ids = input_ids()
+    ref_loss, ref_grads = _training_step(ref_model, ids)
+    loss, grads = _training_step(model, ids)
+    assert len(calls) == TINY["num_hidden_layers"]
+    assert_close(loss, ref_loss, torch.float32, f"{case_id} kernelized loss")
+    for name, ref_grad in ref_grads.items():
+        if ref_grad is not None:
+            assert_close(grads[name], ref_grad, torch.float32, f"{case_id} kernelized d {name}")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The same package built as a Hub kernel and loaded with kernels.get_kernel + LOCAL_KERNELS
 
