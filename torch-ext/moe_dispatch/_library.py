@@ -43,4 +43,4 @@ def call(op, *args):
     """Run custom operator `op` on positional `args`: its implementation directly in eager inference, else the op."""
     if needs_operator(args):
         return op(*args)
-    return op._init_fn(*args)
+    return op._init_fn(*args)  # the function the op was defined from (CustomOpDef keeps it as `_init_fn`)
