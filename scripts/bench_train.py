@@ -9,9 +9,9 @@ model's sizes, all four models run the same SiLU-gated experts) and Liger-Kernel
 peak during one step above what was allocated before it (inputs and weights). Every cell checks moe_dispatch's
 gradients against grouped_mm's (both bf16; norm-wise relative difference).
 
-Run from the repository root with the package and the test tables importable:
+Run it through its launcher (which puts the package and benchmarks/ on PYTHONPATH, scripts/_env.sh):
 
-    PYTHONPATH=torch-ext:tests python3 scripts/bench_train.py --out results/train
+    scripts/bench_train --out results/train
 
 Writes train.json and train.md under --out and prints the table.
 """

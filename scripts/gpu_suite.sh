@@ -5,7 +5,8 @@
 #   bash scripts/gpu_suite.sh            # quick benchmark (T = 1, 16, 128, 1024, 4096, 16384; all models)
 #   bash scripts/gpu_suite.sh full       # every T from 1 to 16384
 #
-# Environment knobs: OUT (output folder, default ./gpu-out), SUITE_BUDGET_S (wall-clock budget of the whole script,
+# Environment knobs: SUITE_TRAIN=1 (also the training benchmark, scripts/bench_train.py; SUITE_TRAIN_LIGER=model,...
+# adds Liger-Kernel where its wheel is carried, minutes of autotuning per shape), OUT (output folder, default ./gpu-out), SUITE_BUDGET_S (wall-clock budget of the whole script,
 # default 540), SUITE_TESTS=0 (skip pytest), PYTEST_ARGS (extra pytest arguments), PYTEST_BUDGET_S (default 240), SUITE_TUNE="model,model"
 # (run scripts/tune first; its table is used by the benchmark and copied to $OUT), BENCH_ARGS (extra benchmark
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
@@ -62,6 +63,13 @@ if [ -f scripts/bench_binned.py ] && [ "$(left)" -gt 120 ]; then
   say "binned routing benchmark"
   mkdir -p "$OUT/binned"
   timeout 90 "$python" scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
+fi
+
+if [ -n "${SUITE_TRAIN:-}" ] && [ "$(left)" -gt 240 ]; then
+  say "training benchmark (forward + backward; Liger on: ${SUITE_TRAIN_LIGER:-none})"
+  timeout $(( $(left) / 2 )) "$python" scripts/bench_train.py --out "$OUT/train" --rep-ms 100 \
+    --liger-models "${SUITE_TRAIN_LIGER:-none}" 2>&1 | tee -a "$log"
+  rm -f "$OUT/train/train.json"  # the table is in train.md and suite.log; $OUT keeps to 8 files
 fi
 
 if [ -n "${SUITE_TUNE:-}" ] && [ "$(left)" -gt 180 ]; then

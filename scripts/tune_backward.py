@@ -2,7 +2,7 @@
 one backward, then the whole backward timed for each candidate weight-gradient tile and each candidate set of
 input-gradient GEMM tiles, with the gradients checked against the default configuration's.
 
-    PYTHONPATH=torch-ext:benchmarks python3 scripts/tune_backward.py --models mixtral-8x7b,qwen3-30b-a3b --tokens 4096
+    scripts/tune_backward --models mixtral-8x7b,qwen3-30b-a3b --tokens 4096
 
 Prints one table per model and token count; writes tune_backward.json under --out.
 """

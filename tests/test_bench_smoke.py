@@ -194,3 +194,15 @@ def test_results_name_no_machine_paths(tmp_path):
     results = bench.main(argv, timer=CountingTimer(), kernel=TorchKernel(), shapes=TINY)
     text = json.dumps(results["meta"])
     assert str(tmp_path) not in text and str(ROOT) not in text
+
+
+@pytest.mark.parametrize("launcher", ["bench_train", "tune_backward"])
+def test_gpu_only_scripts_start(launcher):
+    """The GPU-only training benchmark and backward tuner import and parse their arguments on any machine (their
+    measurements need a GPU: docs/performance.md, "Training")."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(["bash", str(root / "scripts" / launcher), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "--models" in run.stdout, run.stderr[-2000:]
