@@ -120,3 +120,22 @@ def test_inductor_compile_forward_backward():
         assert torch.equal(got, ref)
         for a, b in zip(got_grads, ref_grads):
             assert _rel(a, b) < 1e-2
+
+
+def test_backward_offsets_past_32_bits():
+    """T*k*H > 2^31: the backward's row offsets (dout gathers, dX rows, weight-gradient row loads) must be 64-bit.
+    Checked on sampled rows of dx and on the gradient of topk_weights against float64."""
+    T, E, k, H, F = 2**18 + 1000, 8, 2, 4096, 128
+    assert T * k * H > 2**31
+    x = torch.randn(T, H, device="cuda", dtype=DTYPE, requires_grad=True)
+    w_gate_up = (torch.randn(E, 2 * F, H, device="cuda") * 0.02).to(DTYPE).requires_grad_()
+    w_down = (torch.randn(E, H, F, device="cuda") * 0.02).to(DTYPE).requires_grad_()
+    ids = torch.randint(0, E, (T, k), device="cuda")
+    weights = torch.rand(T, k, device="cuda", requires_grad=True)
+    grad_out = torch.randn(T, H, device="cuda", dtype=DTYPE)
+    d_x, d_weights = torch.autograd.grad(md.fused_experts(x, w_gate_up, w_down, ids, weights), [x, weights], grad_out)
+    rows = torch.cat([torch.arange(64), torch.randint(0, T, (128,)), torch.arange(T - 64, T)]).cuda()
+    leaves = [x.detach()[rows].double().requires_grad_(), weights.detach()[rows].double().requires_grad_()]
+    ref = fused_experts_ref(leaves[0], w_gate_up.detach(), w_down.detach(), ids[rows], leaves[1])
+    ref_d_x, ref_d_weights = torch.autograd.grad(ref, leaves, grad_out[rows].double())
+    assert _rel(d_x[rows], ref_d_x) <= GRAD_TOLERANCE and _rel(d_weights[rows], ref_d_weights) <= GRAD_TOLERANCE
