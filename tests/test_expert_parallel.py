@@ -14,7 +14,10 @@ capacity formula and bad inputs.
 import dataclasses
 import datetime
 import os
+import re
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -328,3 +331,17 @@ def test_layer_from_all_experts_on_one_rank():
     layer = ExpertParallelExperts.from_experts(w_gate_up, w_down)
     assert torch.equal(layer(x, ids, weights), md.fused_experts(x, w_gate_up, w_down, ids, weights))
     assert {name for name, _ in layer.named_parameters()} == {"w_gate_up_local", "w_down_local"}
+
+
+def test_torchrun_example_runs_on_cpu():
+    """scripts/ep_example.py as the README runs it on a CPU: torchrun, 2 ranks, gloo, Triton's interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "torch-ext"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), "scripts/ep_example.py"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2" in run.stdout and f"rank {rank}: capacity mode" in run.stdout, run.stdout
+    errors = [float(e) for e in re.findall(r"relative error vs all experts on one rank (\S+)", run.stdout)]
+    assert len(errors) == 2 and max(errors) <= 1e-4, run.stdout
