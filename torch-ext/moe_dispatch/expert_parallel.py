@@ -70,6 +70,7 @@ class _Plan(NamedTuple):
     send_sizes: list | None  # rows to each destination; None: equal split (capacity mode)
     recv_sizes: list | None  # rows from each source; None: equal split
     num_recv: int
+    padded: bool  # capacity mode: slots may be unused (slot_token == T)
     stats: ExpertParallelStats
 
 
@@ -94,26 +95,35 @@ def _group_size_and_rank(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _exchange(rows, recv_sizes, send_sizes, num_recv, group, world_size):
-    """all_to_all_single of rows [n, ...] grouped by destination -> [num_recv, ...] grouped by source."""
+def _exchange(rows, recv_sizes, send_sizes, num_recv, group, world_size, zero_row=False):
+    """all_to_all_single of rows [n, ...] grouped by destination -> [num_recv, ...] grouped by source; with
+    `zero_row`, one more row of zeros at the end (index num_recv: "no slot" for `_sum_token_slots`), at no copy."""
     if world_size == 1:
-        return rows
-    out = rows.new_empty((num_recv,) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+        return _with_zero_row(rows) if zero_row else rows
+    out = rows.new_empty((num_recv + int(zero_row),) + tuple(rows.shape[1:]))
+    if zero_row:
+        out[num_recv].zero_()
+    dist.all_to_all_single(out[:num_recv], rows.contiguous(), recv_sizes, send_sizes, group=group)
     return out
 
 
-def _gather_rows(rows, index):
-    """rows [n, C] at index [m] with n meaning a zero row (padding)."""
-    padded = torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
-    return padded.index_select(0, index)
+def _with_zero_row(rows):
+    return torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+
+
+def _token_rows(rows, slot_token, padded):
+    """rows [T, C] -> [n_slots, C], slot s holding the row of token slot_token[s]; `padded` (capacity mode): T
+    marks an unused slot, a zero row."""
+    return (_with_zero_row(rows) if padded else rows).index_select(0, slot_token)
 
 
 def _sum_token_slots(slot_rows, token_slots, dtype):
-    """out[t] = sum_c slot_rows[token_slots[c, t]] over c = 0, 1, ... (rank order), accumulated in fp32."""
-    acc = _gather_rows(slot_rows, token_slots[0]).float()  # [T, C]
+    """out[t] = sum_c slot_rows[token_slots[c, t]] over c = 0, 1, ... (rank order), accumulated in fp32.
+
+    slot_rows [n_slots + 1, C] ends with a zero row, where tokens with fewer than R destinations point."""
+    acc = slot_rows.index_select(0, token_slots[0]).float()  # [T, C]
     for c in range(1, token_slots.shape[0]):
-        acc += _gather_rows(slot_rows, token_slots[c])
+        acc += slot_rows.index_select(0, token_slots[c])
     return acc.to(dtype)
 
 
@@ -152,7 +162,8 @@ def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
     slot_pair.scatter_(0, pair_slot.reshape(-1), pair_index)
     slot_pair = slot_pair[:num_slots]  # [n_slots] pair in slot s (num_pairs: padding)
     pair_token = torch.arange(T, device=device).repeat(W)  # [W * T]
-    slot_token = torch.cat([pair_token, pair_token.new_full((1,), T)]).index_select(0, slot_pair)
+    slot_token = _with_zero_row(pair_token).index_select(0, slot_pair)
+    slot_token = torch.where(slot_pair < num_pairs, slot_token, T)
     padding_ids = torch.full((1, top_k), experts_per_rank, device=device, dtype=torch.int32)
     slot_local_ids = torch.cat([pair_local_ids.reshape(num_pairs, top_k), padding_ids]).index_select(0, slot_pair)
     # Each token's kept slots in rank order: a stable sort moves kept destinations first, ascending.
@@ -160,7 +171,8 @@ def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
     order = torch.sort(torch.where(kept, 0, 1), dim=0, stable=True).indices[:R]  # [R, T] destination ranks
     token_slots = torch.where(kept.gather(0, order), pair_slot.gather(0, order), num_slots)
     stats = ExpertParallelStats(wanted_rows, wanted_rows - send_counts)
-    return _Plan(slot_token, slot_local_ids, token_slots, send_sizes, recv_sizes, num_recv, stats)
+    return _Plan(slot_token, slot_local_ids, token_slots, send_sizes, recv_sizes, num_recv, capacity is not None,
+                 stats)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -171,8 +183,8 @@ class _Dispatch(torch.autograd.Function):
         ctx.plan, ctx.group, ctx.world_size = plan, group, world_size
         ctx.x_dtype, ctx.weights_dtype = x.dtype, topk_weights.dtype
         args = (plan.recv_sizes, plan.send_sizes, plan.num_recv, group, world_size)
-        rows = _exchange(_gather_rows(x, plan.slot_token), *args)
-        weights = _exchange(_gather_rows(topk_weights, plan.slot_token), *args)
+        rows = _exchange(_token_rows(x, plan.slot_token, plan.padded), *args)
+        weights = _exchange(_token_rows(topk_weights, plan.slot_token, plan.padded), *args)
         ids = _exchange(plan.slot_local_ids, *args)
         ctx.mark_non_differentiable(ids)
         return rows, weights, ids
@@ -182,8 +194,8 @@ class _Dispatch(torch.autograd.Function):
         plan = ctx.plan
         # The reverse exchange, always both tensors in this order, so every rank runs the same collectives.
         args = (plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], ctx.group, ctx.world_size)
-        grad_rows = _exchange(grad_rows, *args)
-        grad_weights = _exchange(grad_weights, *args)
+        grad_rows = _exchange(grad_rows, *args, zero_row=True)
+        grad_weights = _exchange(grad_weights, *args, zero_row=True)
         grad_x = grad_topk = None
         if ctx.needs_input_grad[0]:
             grad_x = _sum_token_slots(grad_rows, plan.token_slots, ctx.x_dtype)
@@ -198,13 +210,14 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partials, plan, group, world_size):
         ctx.plan, ctx.group, ctx.world_size = plan, group, world_size
-        returned = _exchange(partials, plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], group, world_size)
+        returned = _exchange(partials, plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], group, world_size,
+                             zero_row=True)
         return _sum_token_slots(returned, plan.token_slots, partials.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         plan = ctx.plan
-        grad_slots = _gather_rows(grad_out, plan.slot_token)  # the sum's transpose: each slot's token gradient
+        grad_slots = _token_rows(grad_out, plan.slot_token, plan.padded)  # the sum's transpose
         return _exchange(grad_slots, plan.recv_sizes, plan.send_sizes, plan.num_recv, ctx.group,
                          ctx.world_size), None, None, None
 
