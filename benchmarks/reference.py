@@ -284,6 +284,26 @@ def capacity_keep_mask_ref(topk_ids, num_experts, capacity):
     return torch.tensor(keep, dtype=torch.bool, device=topk_ids.device).view(topk_ids.shape)
 
 
+
+def ep_capacity_keep_ref(topk_ids, experts_per_rank, world_size, capacity):
+    """bool [T, top_k] for one source rank of expert parallelism with `capacity` rows per destination rank.
+
+    Rank d holds experts [d * experts_per_rank, (d + 1) * experts_per_rank). Walking the source's tokens in order,
+    a token needs one row on each rank holding at least one of its experts; each destination takes the first
+    `capacity` such rows. Assignment (t, j) is kept when its expert is in [0, experts_per_rank * world_size) and the
+    row of token t for its expert's rank was taken."""
+    rows_taken = [0] * world_size
+    keep = []
+    for token_ids in topk_ids.detach().cpu().long().tolist():
+        ranks = {e // experts_per_rank for e in token_ids if 0 <= e < experts_per_rank * world_size}
+        taken = set()
+        for d in sorted(ranks):
+            if rows_taken[d] < capacity:
+                rows_taken[d] += 1
+                taken.add(d)
+        keep.append([0 <= e < experts_per_rank * world_size and e // experts_per_rank in taken for e in token_ids])
+    return torch.tensor(keep, dtype=torch.bool, device=topk_ids.device).view(topk_ids.shape)
+
 # Agreement with the references: one tolerance table and one comparison for every test and benchmark (the tests
 # import them through tests/helpers.py; scripts/bench*.py and benchmarks/benchmark_moe.py from here).
 #

@@ -443,6 +443,23 @@ def test_expert_parallel_sentinels_contribute_nothing():
     assert torch.equal(got[4], torch.zeros_like(got[4]))
 
 
+@pytest.mark.parametrize("case_id", ["mixtral", "gpt_oss"])
+def test_expert_parallel_layer_replaces_an_experts_module(case_id):
+    """README's swap `block.experts = ExpertParallelExperts.from_experts_module(block.experts, group)`, here on one
+    rank (no process group): same forward signature and result as the eager experts module, layout and activation
+    read as the experts function reads them (GPT-OSS: transposed, interleaved, biases, clamped SwiGLU)."""
+    _, experts = _tiny_experts(case_id)
+    layer = moe_dispatch.ExpertParallelExperts.from_experts_module(experts)
+    generator = torch.Generator().manual_seed(5)
+    hidden_states = torch.randn(6, experts.gate_up_proj.shape[2 if case_id == "mixtral" else 1],
+                                generator=generator).to(DEVICE)
+    top_k_index = torch.rand(6, experts.num_experts, generator=generator).argsort(dim=1)[:, :2].to(DEVICE)
+    top_k_weights = torch.rand(6, 2, generator=generator).to(DEVICE)
+    with torch.no_grad():
+        assert_close(layer(hidden_states, top_k_index, top_k_weights),
+                     experts(hidden_states, top_k_index, top_k_weights), torch.float32, "EP layer vs eager")
+
+
 def _fake_gate(self, gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.relu(gate) * up

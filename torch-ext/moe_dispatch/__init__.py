@@ -9,6 +9,8 @@ Pipeline (each stage a module; `moe.py` only composes them)::
                          GEMM2: x w_down, routed weight in the epilogue        -> [T*k, H] in expert order
       -> combine.py      deterministic sum of each token's k rows (fp32)      -> out [T, H]
 
+expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
+
 `__all__` is the versioned public surface (API major = build.toml `version`).
 """
 
@@ -29,10 +31,12 @@ from .binned import (
 )
 from .combine import unpermute_tokens
 from .dispatch import permute_tokens
+from .expert_parallel import ExpertParallelExperts, ep_fused_experts
 from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
 from .routing import moe_router
-from . import layers, transformers_experts  # bound by name: hub-loaded packages need explicit attributes
+# bound by name: hub-loaded packages need explicit attributes
+from . import expert_parallel, layers, transformers_experts
 from .transformers_experts import moe_dispatch_experts, register_experts
 
 from ._version import __version__  # "1.x.dev" in a checkout; a build has its release tag's (scripts/build)
@@ -65,4 +69,7 @@ __all__ = [
     "histogram",
     "inclusive_cumsum",
     "expert_capacity",
+    # expert parallelism (v1.x addition)
+    "ep_fused_experts",
+    "ExpertParallelExperts",
 ]

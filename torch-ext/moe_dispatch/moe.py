@@ -188,6 +188,53 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
                 tiles.to_list() if tiles is not None else None, save_preact)[0]
 
 
+def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
+                       down_bias, transposed, suffix=""):
+    """Shape, dtype and device checks of `fused_experts`' arguments (host only, no value read) -> (T, H, E, F).
+
+    `suffix` is appended to the weight and bias names in messages (expert parallelism: "_local").
+    """
+    w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
+    gate_up_bias_name, down_bias_name = "gate_up_bias" + suffix, "down_bias" + suffix
+    check_float("hidden_states", hidden_states, min_ndim=1)
+    check_float(w_gate_up_name, w_gate_up, ndim=3)
+    check_float(w_down_name, w_down, ndim=3)
+    check_index("topk_ids", topk_ids, ndim=2)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
+    check_choice("activation", activation, EXPERT_ACTIVATIONS)
+    H = hidden_states.shape[-1]
+    E = w_gate_up.shape[0]
+    h_axis, f_axis = (1, 2) if transposed else (2, 1)
+    layout = "[E, H, 2F]" if transposed else "[E, 2F, H]"
+    check_dim(w_gate_up_name, w_gate_up, h_axis, H, f"hidden size H of hidden_states, layout {layout}")
+    if w_gate_up.shape[f_axis] % 2:
+        raise ValueError(f"{w_gate_up_name} dimension {f_axis} (2F, layout {layout}) must be even, "
+                         f"got {w_gate_up.shape[f_axis]}")
+    F = w_gate_up.shape[f_axis] // 2
+    check_dim(w_down_name, w_down, 0, E, f"number of experts E of {w_gate_up_name}")
+    down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
+    check_dim(w_down_name, w_down, down_h_axis, H, "hidden size H")
+    check_dim(w_down_name, w_down, down_f_axis, F, f"ffn size F (half of {w_gate_up_name}'s 2F)")
+    T = hidden_states.shape[:-1].numel()
+    check_dim("topk_ids", topk_ids, 0, T, "number of tokens T")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)} but topk_ids has {tuple(topk_ids.shape)}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError("topk_ids must have at least one column (top_k >= 1)")
+    for name, bias, size in ((gate_up_bias_name, gate_up_bias, 2 * F), (down_bias_name, down_bias, H)):
+        if bias is not None:
+            check_float(name, bias, ndim=2)
+            check_dim(name, bias, 0, E, "number of experts E")
+            check_dim(name, bias, 1, size, "output size of the projection")
+    for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down), (gate_up_bias_name, gate_up_bias),
+                    (down_bias_name, down_bias)):
+        _check_weight_dtype(name, w, hidden_states.dtype)
+    check_same_device(hidden_states=hidden_states, **{w_gate_up_name: w_gate_up, w_down_name: w_down},
+                      topk_ids=topk_ids, topk_weights=topk_weights,
+                      **{gate_up_bias_name: gate_up_bias, down_bias_name: down_bias})
+    return T, H, E, F
+
+
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
                   validate=None, validate_ids=None, tiles: MoeTiles | None = None):
@@ -207,41 +254,8 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
     gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
     """
-    check_float("hidden_states", hidden_states, min_ndim=1)
-    check_float("w_gate_up", w_gate_up, ndim=3)
-    check_float("w_down", w_down, ndim=3)
-    check_index("topk_ids", topk_ids, ndim=2)
-    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
-    check_choice("activation", activation, EXPERT_ACTIVATIONS)
-    H = hidden_states.shape[-1]
-    E = w_gate_up.shape[0]
-    h_axis, f_axis = (1, 2) if transposed else (2, 1)
-    layout = "[E, H, 2F]" if transposed else "[E, 2F, H]"
-    check_dim("w_gate_up", w_gate_up, h_axis, H, f"hidden size H of hidden_states, layout {layout}")
-    if w_gate_up.shape[f_axis] % 2:
-        raise ValueError(f"w_gate_up dimension {f_axis} (2F, layout {layout}) must be even, "
-                         f"got {w_gate_up.shape[f_axis]}")
-    F = w_gate_up.shape[f_axis] // 2
-    check_dim("w_down", w_down, 0, E, "number of experts E of w_gate_up")
-    down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
-    check_dim("w_down", w_down, down_h_axis, H, "hidden size H")
-    check_dim("w_down", w_down, down_f_axis, F, "ffn size F (half of w_gate_up's 2F)")
-    T = hidden_states.shape[:-1].numel()
-    check_dim("topk_ids", topk_ids, 0, T, "number of tokens T")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)} but topk_ids has {tuple(topk_ids.shape)}")
-    if topk_ids.shape[1] < 1:
-        raise ValueError("topk_ids must have at least one column (top_k >= 1)")
-    for name, bias, size in (("gate_up_bias", gate_up_bias, 2 * F), ("down_bias", down_bias, H)):
-        if bias is not None:
-            check_float(name, bias, ndim=2)
-            check_dim(name, bias, 0, E, "number of experts E")
-            check_dim(name, bias, 1, size, "output size of the projection")
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("gate_up_bias", gate_up_bias),
-                    ("down_bias", down_bias)):
-        _check_weight_dtype(name, w, hidden_states.dtype)
-    check_same_device(hidden_states=hidden_states, w_gate_up=w_gate_up, w_down=w_down, topk_ids=topk_ids,
-                      topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    T, H, E, _ = check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation=activation,
+                                    gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed)
     check_ids_in_range("topk_ids", topk_ids, E, validate_option(validate, validate_ids, "fused_experts"))
 
     x = hidden_states.reshape(T, H)

@@ -1,0 +1,347 @@
+"""Expert parallelism (expert_parallel.py) on the CPU: gloo process groups of 2 and 4 ranks, Triton's interpreter.
+
+One spawn per world size runs every case of that size (each spawned rank imports torch and triton once, the slow
+part). Every rank builds the same global problem from the case's seed (all ranks' tokens, all E experts), runs
+`ep_fused_experts` on its own tokens with its shard of the experts, then forward and backward of the single-process
+`fused_experts` with all experts on all tokens, and compares its slice: the output rows of its tokens and the
+gradients of its hidden_states, its topk_weights and its rows of every expert weight and bias. Capacity cases
+compare with the single-process run on ids masked by `ep_capacity_keep_ref` (benchmarks/reference.py, the rule
+written out in Python), and their drop statistics exactly. A rank collects its failures and raises them together
+at the end, so mp.spawn fails with every message. The in-process tests cover one rank, the plan's integers, the
+capacity formula and bad inputs.
+"""
+
+import dataclasses
+import datetime
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import assert_close
+from reference import capacity_keep_mask_ref, ep_capacity_keep_ref
+
+import moe_dispatch as md
+from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _plan, ep_capacity,
+                                          ep_fused_experts)
+
+H, F, E_LOCAL = 16, 8, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EpCase:
+    id: str
+    why: str
+    tokens: tuple  # T of each rank
+    top_k: int = 2
+    routing: str = "random"  # "random": distinct experts per token; "skewed": every token on rank 0's experts
+    gpt_oss: bool = False  # transposed [E, H, 2F] / [E, F, H], interleaved gate/up, biases, clamped SwiGLU
+    capacity_factor: float | None = None
+    max_tokens_per_rank: int | None = None
+    rerun: bool = False  # run twice: outputs and gradients bit-equal
+
+
+CASES = {
+    2: [
+        EpCase("dropless-unequal-T", "T differs per rank (7, 5): split sizes differ both ways; rows deduplicated",
+               (7, 5), rerun=True),
+        EpCase("skewed", "every token on rank 0's experts: rank 1 receives no rows (T = 0 experts call)", (6, 6),
+               routing="skewed"),
+        EpCase("zero-tokens", "rank 1 has no tokens but still holds experts and receives rows", (9, 0)),
+        EpCase("gpt-oss", "GPT-OSS layout: transposed, interleaved, both biases, swiglu_oai; k = 3", (5, 6),
+               top_k=3, gpt_oss=True),
+        EpCase("capacity", "C = int(0.5 * 8 * 2 / 2) = 4 rows per rank pair: drops; padded rows are sentinels",
+               (8, 8), capacity_factor=0.5, rerun=True),
+        EpCase("capacity-max-tokens", "unequal T with max_tokens_per_rank = 10 fixing C = 5 on both ranks",
+               (10, 6), capacity_factor=0.5, max_tokens_per_rank=10),
+    ],
+    4: [
+        EpCase("dropless-k3", "k = 3 over 4 ranks: a token reaches up to three ranks, summed in rank order",
+               (6, 5, 0, 7), top_k=3),
+        EpCase("capacity", "C = int(0.75 * 6 * 2 / 4) = 2 per pair, skew-free routing still overflows", (6, 6, 6, 6),
+               capacity_factor=0.75),
+        EpCase("skewed-gpt-oss", "everything to rank 0, GPT-OSS variant: three ranks idle", (4, 5, 3, 4),
+               routing="skewed", gpt_oss=True),
+    ],
+}
+
+
+def _problem(case, world_size):
+    """The global problem every rank rebuilds from the case id: all tokens, all E experts, the upstream gradient."""
+    g = torch.Generator().manual_seed(sum(map(ord, case.id)) + world_size)
+    E = E_LOCAL * world_size
+    T_all = sum(case.tokens)
+    x = torch.randn(T_all, H, generator=g)
+    if case.routing == "skewed":
+        ids = torch.rand(T_all, E_LOCAL, generator=g).argsort(dim=1)[:, :case.top_k]
+    else:
+        ids = torch.rand(T_all, E, generator=g).argsort(dim=1)[:, :case.top_k]
+    weights = torch.rand(T_all, case.top_k, generator=g)
+    gate_up_shape, down_shape = ((E, H, 2 * F), (E, F, H)) if case.gpt_oss else ((E, 2 * F, H), (E, H, F))
+    w_gate_up = torch.randn(gate_up_shape, generator=g) * 0.2
+    w_down = torch.randn(down_shape, generator=g) * 0.2
+    biases = (torch.randn(E, 2 * F, generator=g) * 0.1, torch.randn(E, H, generator=g) * 0.1) if case.gpt_oss else (
+        None, None)
+    grad_out = torch.randn(T_all, H, generator=g)
+    return x, ids, weights, w_gate_up, w_down, biases, grad_out
+
+
+def _options(case):
+    if case.gpt_oss:
+        return dict(activation="swiglu_oai", interleaved=True, transposed=True, swiglu_limit=1.5)
+    return {}
+
+
+def _capacity(case, world_size):
+    if case.capacity_factor is None:
+        return None
+    return ep_capacity(case.max_tokens_per_rank or case.tokens[0], case.top_k, world_size, case.capacity_factor)
+
+
+def _kept_ids(case, world_size, ids):
+    """Global ids with the assignments the capacity rule drops (per source rank) replaced by E."""
+    capacity = _capacity(case, world_size)
+    if capacity is None:
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    kept, start = [], 0
+    for T in case.tokens:
+        kept.append(ep_capacity_keep_ref(ids[start:start + T], E_LOCAL, world_size, capacity))
+        start += T
+    keep = torch.cat(kept)
+    return torch.where(keep, ids, E_LOCAL * world_size), keep
+
+
+def _dropped_rows_ref(ids, keep, world_size):
+    """Per destination: rows a token wanted (an expert there) minus rows it kept (a kept assignment there)."""
+    rank = ids // E_LOCAL
+    wanted = torch.stack([(rank == d).any(1) for d in range(world_size)], 1).sum(0)
+    kept = torch.stack([((rank == d) & keep).any(1) for d in range(world_size)], 1).sum(0)
+    return wanted, wanted - kept
+
+
+def _leaf(t):
+    return None if t is None else t.clone().requires_grad_()
+
+
+def _run_ep(case, rank, world_size, problem):
+    x, ids, weights, w_gate_up, w_down, (gate_up_bias, down_bias), grad_out = problem
+    start = sum(case.tokens[:rank])
+    mine = slice(start, start + case.tokens[rank])
+    shard = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    leaves = [_leaf(t) for t in (x[mine], weights[mine], w_gate_up[shard], w_down[shard],
+                                  None if gate_up_bias is None else gate_up_bias[shard],
+                                  None if down_bias is None else down_bias[shard])]
+    x_r, weights_r, w_gate_up_r, w_down_r, gate_up_bias_r, down_bias_r = leaves
+    out, stats = ep_fused_experts(x_r, w_gate_up_r, w_down_r, ids[mine], weights_r,
+                                  capacity_factor=case.capacity_factor, max_tokens_per_rank=case.max_tokens_per_rank,
+                                  gate_up_bias_local=gate_up_bias_r, down_bias_local=down_bias_r,
+                                  num_experts=E_LOCAL * world_size, return_stats=True, **_options(case))
+    (out * grad_out[mine]).sum().backward()
+    grads = [t.grad if t is not None else None for t in leaves]
+    return out.detach(), grads, stats
+
+
+def _run_reference(case, world_size, problem):
+    """Single-process fused_experts with all experts on all tokens (capacity drops applied to the ids)."""
+    x, ids, weights, w_gate_up, w_down, (gate_up_bias, down_bias), grad_out = problem
+    kept_ids, keep = _kept_ids(case, world_size, ids)
+    leaves = [_leaf(t) for t in (x, weights, w_gate_up, w_down, gate_up_bias, down_bias)]
+    x_all, weights_all, w_gate_up_all, w_down_all, gate_up_bias_all, down_bias_all = leaves
+    out = md.fused_experts(x_all, w_gate_up_all, w_down_all, kept_ids, weights_all, gate_up_bias=gate_up_bias_all,
+                           down_bias=down_bias_all, validate=False, **_options(case))
+    (out * grad_out).sum().backward()
+    return out.detach(), [t.grad if t is not None else None for t in leaves], kept_ids, keep
+
+
+def _check_case(case, rank, world_size, group):
+    problem = _problem(case, world_size)
+    x, ids, weights, w_gate_up, w_down = problem[:5]
+    start = sum(case.tokens[:rank])
+    mine = slice(start, start + case.tokens[rank])
+    shard = slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    # Every collective first, on every rank, so a failed comparison cannot leave the ranks out of step.
+    out, grads, stats = _run_ep(case, rank, world_size, problem)
+    again = _run_ep(case, rank, world_size, problem) if case.rerun else None
+    layer_out = None
+    if case.routing == "random" and not case.gpt_oss and case.capacity_factor is None:
+        layer = ExpertParallelExperts.from_experts(w_gate_up, w_down, group)
+        layer_out = layer(x[mine], ids[mine], weights[mine]).detach()
+
+    if again is not None:
+        assert torch.equal(out, again[0]), "rerun: output not bit-equal"
+        for name, a, b in zip(("x", "topk_weights", "w_gate_up", "w_down"), grads, again[1]):
+            assert torch.equal(a, b), f"rerun: gradient of {name} not bit-equal"
+    ref_out, ref_grads, kept_ids, keep = _run_reference(case, world_size, problem)
+    assert_close(out, ref_out[mine], torch.float32, "output")
+    names = ("hidden_states", "topk_weights", "w_gate_up_local", "w_down_local", "gate_up_bias_local",
+             "down_bias_local")
+    for i, (name, grad, ref) in enumerate(zip(names, grads, ref_grads)):
+        if ref is not None:
+            assert_close(grad, ref[mine] if i < 2 else ref[shard], torch.float32, f"gradient of {name}",
+                         exact_zeros=i == 1)
+    wanted, dropped = _dropped_rows_ref(ids[mine], keep[mine], world_size)
+    assert torch.equal(stats.wanted_rows, wanted), f"wanted rows {stats.wanted_rows.tolist()} != {wanted.tolist()}"
+    assert torch.equal(stats.dropped_rows, dropped), f"dropped rows {stats.dropped_rows.tolist()} != {dropped.tolist()}"
+    if case.capacity_factor is not None:
+        assert (kept_ids != ids).any(), "the capacity case should drop something somewhere"
+    if layer_out is not None:
+        assert torch.equal(layer_out, out), "ExpertParallelExperts.from_experts differs from ep_fused_experts"
+
+
+def _worker(rank, world_size, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    failures = []
+    try:
+        group = dist.group.WORLD
+        for case in CASES[world_size]:
+            try:
+                _check_case(case, rank, world_size, group)
+            except AssertionError as error:
+                failures.append(f"rank {rank} case {case.id} ({case.why}): {error}")
+        if world_size == 4:
+            # Bad input raises on every rank before any collective.
+            weights = torch.zeros(3, 2 * F, H), torch.zeros(3, H, F)
+            try:
+                ExpertParallelExperts.from_experts(*weights)
+                failures.append(f"rank {rank}: from_experts accepted E = 3 over 4 ranks")
+            except ValueError as error:
+                if "not divisible by the group size 4" not in str(error):
+                    failures.append(f"rank {rank}: from_experts error {error}")
+            try:
+                ep_fused_experts(torch.zeros(2, H), *[w[:2] for w in weights], torch.zeros(2, 1, dtype=torch.long),
+                                 torch.ones(2, 1), num_experts=6)
+                failures.append(f"rank {rank}: num_experts=6 accepted with 2 experts on each of 4 ranks")
+            except ValueError as error:
+                if "num_experts=6" not in str(error):
+                    failures.append(f"rank {rank}: num_experts error {error}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_expert_parallel_gloo(world_size, monkeypatch):
+    """Every case of CASES[world_size] in one spawn of world_size gloo ranks (see the module docstring)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children run the kernels on the CPU, GPU or not
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(world_size, _free_port()), nprocs=world_size, join=True,
+             start_method="spawn")
+
+
+# In-process: one rank, the plan, the capacity rule, bad inputs.
+
+T, TOP_K, E = 7, 2, 4
+
+
+def _inputs(E=E, T=T, top_k=TOP_K):
+    x = torch.randn(T, H, requires_grad=True)
+    w_gate_up = (torch.randn(E, 2 * F, H) * 0.2).requires_grad_()
+    w_down = (torch.randn(E, H, F) * 0.2).requires_grad_()
+    ids = torch.rand(T, E).argsort(dim=1)[:, :top_k]
+    return x, w_gate_up, w_down, ids, torch.rand(T, top_k, requires_grad=True)
+
+
+def test_one_rank_falls_back_to_fused_experts():
+    """No process group: dropless is fused_experts itself (bit-equal); capacity drops by the same rule with W = 1."""
+    assert not dist.is_initialized()
+    x, w_gate_up, w_down, ids, weights = _inputs()
+    out, stats = ep_fused_experts(x, w_gate_up, w_down, ids, weights, return_stats=True)
+    assert torch.equal(out, md.fused_experts(x, w_gate_up, w_down, ids, weights))
+    assert stats.wanted_rows.tolist() == [T] and stats.dropped_rows.tolist() == [0]
+    capacity = ep_capacity(T, TOP_K, 1, 0.3)  # int(0.3 * 7 * 2) = 4 of the 7 tokens
+    assert capacity == 4
+    out, stats = ep_fused_experts(x, w_gate_up, w_down, ids, weights, capacity_factor=0.3, return_stats=True)
+    kept_ids = torch.where(ep_capacity_keep_ref(ids, E, 1, capacity), ids, E)
+    assert_close(out, md.fused_experts(x, w_gate_up, w_down, kept_ids, weights, validate=False), torch.float32,
+                 exact_zeros=True)
+    assert stats.dropped_rows.tolist() == [T - capacity]
+    out.sum().backward()
+    assert torch.equal(weights.grad[capacity:], torch.zeros(T - capacity, TOP_K)), "dropped tokens get no gradient"
+
+
+def test_plan_dedups_rows_and_pads_capacity_slots():
+    """Capacity-mode plan (no communication) for W = 3, E_local = 2, C = 2, integers exact."""
+    ids = torch.tensor([[0, 1], [2, 5], [5, 4], [1, 0], [3, 9]])  # 9 is outside [0, 6): no rank
+    plan = _plan(ids, 3, 2, 2, None)
+    # rank 0: tokens 0, 3 (each once, though both have two experts there); rank 1: tokens 1, 4; rank 2: 1, 2
+    assert plan.slot_token.tolist() == [0, 3, 1, 4, 1, 2]
+    assert plan.slot_local_ids.tolist() == [[0, 1], [1, 0], [0, 2], [1, 2], [2, 1], [1, 0]]
+    pad = 6  # no slot
+    assert plan.token_slots.tolist() == [[0, 2, 5, 1, 3], [pad, 4, pad, pad, pad]]
+    assert plan.stats.wanted_rows.tolist() == [2, 2, 2] and plan.stats.dropped_rows.tolist() == [0, 0, 0]
+    plan = _plan(ids, 3, 2, 1, None)  # C = 1: the earliest token per destination
+    assert plan.slot_token.tolist() == [0, 1, 1] and plan.stats.dropped_rows.tolist() == [1, 1, 1]
+    assert plan.token_slots.tolist() == [[0, 1, 3, 3, 3], [3, 2, 3, 3, 3]]  # token 1: ranks 1 and 2
+
+
+def test_capacity_formula():
+    assert ep_capacity(8, 2, 2, 0.5) == 4  # int(0.5 * 8 * 2 / 2)
+    assert ep_capacity(8, 8, 2, 1.0) == 8  # 32 clamped to T: a source has at most T rows per destination
+    assert ep_capacity(1, 2, 8, 1.0) == 1  # int(0.25) = 0: no dropping (MegaBlocks' fallback), C = T
+    assert ep_capacity(0, 2, 4, 1.0) == 0
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ep_capacity(8, 2, 2, -1.0)
+
+
+def test_capacity_reference_is_megablocks_rule_with_one_expert_per_rank():
+    """With E_local = 1 a (token, rank) row is one assignment: the EP rule is MegaBlocks' per-expert rule."""
+    ids = torch.rand(40, 8).argsort(dim=1)[:, :3]
+    for capacity in (0, 3, 10, 40):
+        assert torch.equal(ep_capacity_keep_ref(ids, 1, 8, capacity), capacity_keep_mask_ref(ids, 8, capacity))
+
+
+def test_bad_inputs_name_the_argument():
+    x, w_gate_up, w_down, ids, weights = _inputs()
+    with pytest.raises(ValueError, match="w_down_local"):
+        ep_fused_experts(x, w_gate_up, w_down[:3], ids, weights)
+    with pytest.raises(ValueError, match="gate_up_bias_local"):
+        ep_fused_experts(x, w_gate_up, w_down, ids, weights, gate_up_bias_local=torch.zeros(3, 2 * F))
+    with pytest.raises(ValueError, match="num_experts"):
+        ep_fused_experts(x, w_gate_up, w_down, ids, weights, num_experts=8)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        ep_fused_experts(x, w_gate_up, w_down, ids, weights, capacity_factor=1.0, max_tokens_per_rank=T - 1)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        ep_fused_experts(x, w_gate_up, w_down, ids, weights, max_tokens_per_rank=T)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ep_fused_experts(x, w_gate_up, w_down, ids, weights, capacity_factor=-0.5)
+    with pytest.raises(ValueError, match="topk_ids"):
+        ep_fused_experts(x, w_gate_up, w_down, ids + E, weights)  # CPU ids are read: E..2E-1 are on no rank
+    with pytest.raises(TypeError, match="unknown options"):
+        ExpertParallelExperts(w_gate_up, w_down, capacity=2)
+    assert isinstance(ep_fused_experts(x, w_gate_up, w_down, ids, weights, return_stats=True)[1], ExpertParallelStats)
+
+
+def test_layer_from_all_experts_on_one_rank():
+    x, w_gate_up, w_down, ids, weights = _inputs()
+    layer = ExpertParallelExperts.from_experts(w_gate_up, w_down)
+    assert torch.equal(layer(x, ids, weights), md.fused_experts(x, w_gate_up, w_down, ids, weights))
+    assert {name for name, _ in layer.named_parameters()} == {"w_gate_up_local", "w_down_local"}
+
+
+def test_torchrun_example_runs_on_cpu():
+    """scripts/ep_example.py as the README runs it on a CPU: torchrun, 2 ranks, gloo, Triton's interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "torch-ext"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), "scripts/ep_example.py"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2" in run.stdout and f"rank {rank}: capacity mode" in run.stdout, run.stdout
+    errors = [float(e) for e in re.findall(r"relative error vs all experts on one rank (\S+)", run.stdout)]
+    assert len(errors) == 2 and max(errors) <= 1e-4, run.stdout

@@ -1,0 +1,338 @@
+"""Expert parallelism (EP) over torch.distributed: each rank holds a contiguous shard of the experts.
+
+Rank r of the group (W ranks) holds experts [r * E_local, (r + 1) * E_local), so E = E_local * W; `topk_ids` are
+global ids. Every rank runs the same steps on its own tokens (T may differ per rank in dropless mode)::
+
+    hidden_states [T, H], topk_ids / topk_weights [T, k] (global ids)
+      -> plan        (device) pair (destination d, token t) wanted when one of t's k experts lives on d;
+                     rows per destination in token order, the slot of each kept pair       -> slot_token [n_slots]
+                     dropless: counts exchanged (all_to_all_single of [W] int64), ONE host read of the split sizes
+                     capacity: C rows per (source, destination), pairs past C dropped; no host read at all
+      -> dispatch    gather each kept (token, d) row ONCE, with t's k routing weights and its k local ids on d
+                     (slots whose expert lives elsewhere: sentinel E_local) -> all_to_all_single   -> [n_recv, H]
+      -> experts     fused_experts(validate=False) on the received rows with the local weights: per received row,
+                     the weighted sum of that token's experts on this rank (sentinels contribute nothing)
+      -> combine     all_to_all_single back (the reverse splits), then each token sums its per-rank partials in
+                     rank order 0, 1, ... in fp32 (a fixed order, atomic-free: bit-identical reruns)  -> out [T, H]
+
+Choices:
+- **Dedup**: a token with several experts on one rank sends one row to that rank, not one per expert; the receiving
+  `fused_experts` sees the row with up to k valid local ids, exactly like a single-GPU call.
+- **Dropless** (default): the only device-to-host read is `.tolist()` on the [2W] send/receive counts right after the
+  counts all-to-all (`_plan`); it waits for the routing and that exchange, costs one sync per call (tens of
+  microseconds of idle GPU at small T) and makes the split sizes host ints, as `all_to_all_single` needs.
+  T may differ per rank, including T = 0.
+- **Capacity** (`capacity_factor`): C = `ep_capacity(T_max, top_k, W, capacity_factor)` =
+  int(capacity_factor * T_max * top_k / W), clamped to T_max; C = 0 drops nothing (C = T_max), MegaBlocks' fallback.
+  T_max is `max_tokens_per_rank` when given (ranks may then hold different T <= T_max), else the local T, which
+  must then be equal on every rank (not checked: checking would cost a collective; unequal C makes the exchange
+  fail or hang). Every (source, destination) pair exchanges exactly C rows; a source keeps, per destination, its
+  earliest C tokens that want that destination (token order, the "earliest first" rule of
+  `binned.capacity_keep_mask`); unused rows are zero with sentinel ids. With one expert per rank (E_local = 1) and
+  distinct ids per token this is MegaBlocks' per-expert capacity C = int(capacity_factor * T * top_k / E). Sizes are
+  host ints from shapes, so a forward (and backward) can be captured in a CUDA graph with NCCL.
+- **Gradients** (hidden_states, local weights and biases, topk_weights): the dispatch and the combine are each one
+  autograd node around `torch.distributed.all_to_all_single` whose backward is the reverse exchange (the all-to-all
+  is its own transpose) followed by the same fixed-order per-token sum, so the backward is deterministic too and
+  every rank runs its backward collectives in the same order (rows, then weights). The local experts use
+  `fused_experts`' registered Triton backward. Autograd must reach the EP nodes on every rank (the backward
+  exchanges are collectives): requires_grad must agree across ranks, and every rank calls backward.
+  `torch.distributed.nn.functional.all_to_all_single` would give the same exchange, but as one node per tensor,
+  whose relative order in the backward autograd does not promise, and with an index_add (float atomics on a GPU)
+  for the rows a token sent to several ranks.
+- **One rank** (group of size 1, or group None without an initialised process group): dropless calls
+  `fused_experts` directly; capacity mode drops by the same rule with the exchange skipped.
+- Not for torch.compile (the dropless split sizes are data-dependent; not tested in capacity mode).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._checks import check_finite_number, check_ids_in_range
+from .moe import check_experts_args, fused_experts
+
+
+class ExpertParallelStats(NamedTuple):
+    """Per destination rank, on the device (int64 [W]); `return_stats=True` returns it beside the output."""
+
+    wanted_rows: torch.Tensor  # (token, destination) rows this rank needed to send: tokens with an expert there
+    dropped_rows: torch.Tensor  # rows beyond the capacity, not sent (always 0 in dropless mode)
+
+
+class _Plan(NamedTuple):
+    """Where every row goes; index tensors are int64 on the device, sizes are host ints."""
+
+    slot_token: torch.Tensor  # [n_slots] token sent in slot s (T: padding, a zero row); slots grouped by destination
+    slot_local_ids: torch.Tensor  # [n_slots, k] int32 ids on the destination (E_local: another rank's or padding)
+    token_slots: torch.Tensor  # [R, T] slots of token t in rank order, R = min(k, W) (n_slots: none, a zero row)
+    send_sizes: list | None  # rows to each destination; None: equal split (capacity mode)
+    recv_sizes: list | None  # rows from each source; None: equal split
+    num_recv: int
+    padded: bool  # capacity mode: slots may be unused (slot_token == T)
+    stats: ExpertParallelStats
+
+
+def ep_capacity(num_tokens, top_k, world_size, capacity_factor):
+    """Rows per (source, destination) pair in capacity mode: C = int(capacity_factor * num_tokens * top_k / world_size)
+    clamped to num_tokens (a source never has more rows for one destination); C = 0 means no dropping (C =
+    num_tokens), as MegaBlocks falls back to the largest count."""
+    for name, value, minimum in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("world_size", world_size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    check_finite_number("capacity_factor", capacity_factor, minimum=0)
+    capacity = min(num_tokens, int(capacity_factor * num_tokens * top_k / world_size))
+    return capacity if capacity > 0 else num_tokens
+
+
+def _group_size_and_rank(group):
+    """(W, rank in group); (1, 0) when torch.distributed is absent or not initialised and no group is given."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _exchange(rows, recv_sizes, send_sizes, num_recv, group, world_size, zero_row=False):
+    """all_to_all_single of rows [n, ...] grouped by destination -> [num_recv, ...] grouped by source; with
+    `zero_row`, one more row of zeros at the end (index num_recv: "no slot" for `_sum_token_slots`), at no copy."""
+    if world_size == 1:
+        return _with_zero_row(rows) if zero_row else rows
+    out = rows.new_empty((num_recv + int(zero_row),) + tuple(rows.shape[1:]))
+    if zero_row:
+        out[num_recv].zero_()
+    dist.all_to_all_single(out[:num_recv], rows.contiguous(), recv_sizes, send_sizes, group=group)
+    return out
+
+
+def _with_zero_row(rows):
+    return torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+
+
+def _token_rows(rows, slot_token, padded):
+    """rows [T, C] -> [n_slots, C], slot s holding the row of token slot_token[s]; `padded` (capacity mode): T
+    marks an unused slot, a zero row."""
+    return (_with_zero_row(rows) if padded else rows).index_select(0, slot_token)
+
+
+def _sum_token_slots(slot_rows, token_slots, dtype):
+    """out[t] = sum_c slot_rows[token_slots[c, t]] over c = 0, 1, ... (rank order), accumulated in fp32.
+
+    slot_rows [n_slots + 1, C] ends with a zero row, where tokens with fewer than R destinations point."""
+    acc = slot_rows.index_select(0, token_slots[0]).float()  # [T, C]
+    for c in range(1, token_slots.shape[0]):
+        acc += slot_rows.index_select(0, token_slots[c])
+    return acc.to(dtype)
+
+
+def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
+    """Routing -> `_Plan`. capacity None: dropless (exchanges counts, one host read); else C rows per destination."""
+    T, top_k = topk_ids.shape
+    device = topk_ids.device
+    W = world_size
+    first_expert = torch.arange(W, device=device) * experts_per_rank  # [W]
+    local_ids = topk_ids.long().unsqueeze(0) - first_expert.view(W, 1, 1)  # [W, T, k]
+    on_rank = (local_ids >= 0) & (local_ids < experts_per_rank)  # ids outside [0, E) are on no rank
+    pair_local_ids = torch.where(on_rank, local_ids, experts_per_rank).to(torch.int32)  # [W, T, k]
+    wanted = on_rank.any(dim=2)  # [W, T]: pair (destination d, token t) needs a row
+    position = torch.cumsum(wanted, dim=1) - 1  # [W, T] row of t among d's rows, token order
+    wanted_rows = wanted.sum(dim=1)  # [W]
+    if capacity is None:
+        kept = wanted
+        send_counts = wanted_rows
+        recv_counts = _exchange(send_counts, None, None, W, group, W)
+        # The one device-to-host read of dropless mode: split sizes must be host ints for all_to_all_single.
+        sizes = torch.cat([send_counts, recv_counts]).tolist()
+        send_sizes, recv_sizes = sizes[:W], sizes[W:]
+        num_slots, num_recv = sum(send_sizes), sum(recv_sizes)
+        slot_base = torch.cumsum(send_counts, 0) - send_counts  # [W] exclusive
+    else:
+        kept = wanted & (position < capacity)  # earliest C tokens per destination
+        send_counts = wanted_rows.clamp(max=capacity)
+        send_sizes = recv_sizes = None
+        num_slots = num_recv = W * capacity
+        slot_base = torch.arange(W, device=device) * capacity
+    num_pairs = W * T
+    pair_index = torch.arange(num_pairs, device=device)
+    # Kept pairs take their slot; the others a private place past num_slots, so every scatter index is unique.
+    pair_slot = torch.where(kept, slot_base.view(W, 1) + position, num_slots + pair_index.view(W, T))  # [W, T]
+    slot_pair = torch.full((num_slots + num_pairs,), num_pairs, device=device, dtype=torch.int64)
+    slot_pair.scatter_(0, pair_slot.reshape(-1), pair_index)
+    slot_pair = slot_pair[:num_slots]  # [n_slots] pair in slot s (num_pairs: padding)
+    pair_token = torch.arange(T, device=device).repeat(W)  # [W * T]
+    slot_token = _with_zero_row(pair_token).index_select(0, slot_pair)
+    slot_token = torch.where(slot_pair < num_pairs, slot_token, T)
+    padding_ids = torch.full((1, top_k), experts_per_rank, device=device, dtype=torch.int32)
+    slot_local_ids = torch.cat([pair_local_ids.reshape(num_pairs, top_k), padding_ids]).index_select(0, slot_pair)
+    # Each token's kept slots in rank order: a stable sort moves kept destinations first, ascending.
+    R = min(top_k, W)
+    order = torch.sort(torch.where(kept, 0, 1), dim=0, stable=True).indices[:R]  # [R, T] destination ranks
+    token_slots = torch.where(kept.gather(0, order), pair_slot.gather(0, order), num_slots)
+    stats = ExpertParallelStats(wanted_rows, wanted_rows - send_counts)
+    return _Plan(slot_token, slot_local_ids, token_slots, send_sizes, recv_sizes, num_recv, capacity is not None,
+                 stats)
+
+
+class _Dispatch(torch.autograd.Function):
+    """(x [T, H], topk_weights [T, k]) -> received (rows [n_recv, H], weights [n_recv, k], local ids [n_recv, k])."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, plan, group, world_size):
+        ctx.plan, ctx.group, ctx.world_size = plan, group, world_size
+        ctx.x_dtype, ctx.weights_dtype = x.dtype, topk_weights.dtype
+        args = (plan.recv_sizes, plan.send_sizes, plan.num_recv, group, world_size)
+        rows = _exchange(_token_rows(x, plan.slot_token, plan.padded), *args)
+        weights = _exchange(_token_rows(topk_weights, plan.slot_token, plan.padded), *args)
+        ids = _exchange(plan.slot_local_ids, *args)
+        ctx.mark_non_differentiable(ids)
+        return rows, weights, ids
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights, _):
+        plan = ctx.plan
+        # The reverse exchange, always both tensors in this order, so every rank runs the same collectives.
+        args = (plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], ctx.group, ctx.world_size)
+        grad_rows = _exchange(grad_rows, *args, zero_row=True)
+        grad_weights = _exchange(grad_weights, *args, zero_row=True)
+        grad_x = grad_topk = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _sum_token_slots(grad_rows, plan.token_slots, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_topk = _sum_token_slots(grad_weights, plan.token_slots, ctx.weights_dtype)
+        return grad_x, grad_topk, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Received partials [n_recv, H] -> back to their sources -> out [T, H], each token's partials in rank order."""
+
+    @staticmethod
+    def forward(ctx, partials, plan, group, world_size):
+        ctx.plan, ctx.group, ctx.world_size = plan, group, world_size
+        returned = _exchange(partials, plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], group, world_size,
+                             zero_row=True)
+        return _sum_token_slots(returned, plan.token_slots, partials.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan = ctx.plan
+        grad_slots = _token_rows(grad_out, plan.slot_token, plan.padded)  # the sum's transpose
+        return _exchange(grad_slots, plan.recv_sizes, plan.send_sizes, plan.num_recv, ctx.group,
+                         ctx.world_size), None, None, None
+
+
+def ep_fused_experts(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights, group=None, *,
+                     capacity_factor=None, max_tokens_per_rank=None, activation="silu", gate_up_bias_local=None,
+                     down_bias_local=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
+                     num_experts=None, validate=None, return_stats=False):
+    """`fused_experts` with the experts sharded over the ranks of `group` (default: the default process group).
+
+    Rank r holds experts [r * E_local, (r + 1) * E_local): w_gate_up_local / w_down_local / the biases are
+    `fused_experts`' tensors with E_local leading rows (same layouts, `transposed`, `interleaved`, activations).
+    hidden_states [..., H], topk_ids [T, k] global ids in [0, E_local * W), topk_weights [T, k]. Returns out
+    [..., H] equal (within rounding: each rank's partial is rounded to the input dtype once) to `fused_experts` with
+    all E experts; with `return_stats`, (out, ExpertParallelStats). Ids outside [0, E) contribute nothing;
+    `validate` as in `fused_experts` (None: read and check ids only on the CPU). `num_experts`, when given, must
+    equal E_local * W.
+
+    Dropless by default (one device-to-host read per call); `capacity_factor` switches to C rows per rank pair
+    (`ep_capacity`; `max_tokens_per_rank` sets T_max when ranks hold different T), no host read, overflow dropped
+    earliest-first and counted in the stats. Every rank of the group must call it (collectives), and, in training,
+    backward. Differentiable in hidden_states, the local weights and biases and topk_weights. See the module
+    docstring for the data flow.
+    """
+    W, _ = _group_size_and_rank(group)
+    T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
+                                          activation=activation, gate_up_bias=gate_up_bias_local,
+                                          down_bias=down_bias_local, transposed=transposed, suffix="_local")
+    if num_experts is not None and num_experts != E_local * W:
+        raise ValueError(f"num_experts={num_experts!r} but w_gate_up_local holds {E_local} experts on each of {W} "
+                         f"ranks ({E_local * W} in all)")
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+    capacity = None
+    if capacity_factor is not None:
+        if max_tokens_per_rank is None:
+            max_tokens_per_rank = T
+        elif not isinstance(max_tokens_per_rank, int) or isinstance(max_tokens_per_rank, bool):
+            raise TypeError(f"max_tokens_per_rank must be an int, got {type(max_tokens_per_rank).__name__}")
+        elif max_tokens_per_rank < T:
+            raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} but this rank holds T={T} tokens")
+        capacity = ep_capacity(max_tokens_per_rank, topk_ids.shape[1], W, capacity_factor)
+    elif max_tokens_per_rank is not None:
+        raise ValueError("max_tokens_per_rank is only used with capacity_factor")
+    check_ids_in_range("topk_ids", topk_ids, E_local * W, validate)
+
+    options = dict(activation=activation, gate_up_bias=gate_up_bias_local, down_bias=down_bias_local,
+                   interleaved=interleaved, transposed=transposed, swiglu_alpha=swiglu_alpha,
+                   swiglu_limit=swiglu_limit, validate=False)
+    x = hidden_states.reshape(T, H)
+    if W == 1 and capacity is None:
+        out = fused_experts(x, w_gate_up_local, w_down_local, topk_ids, topk_weights, **options)
+        wanted = ((topk_ids >= 0) & (topk_ids < E_local)).any(dim=1).sum().view(1)
+        stats = ExpertParallelStats(wanted, torch.zeros_like(wanted))
+    else:
+        with torch.no_grad():
+            plan = _plan(topk_ids, W, E_local, capacity, group)
+        rows, weights, local_ids = _Dispatch.apply(x, topk_weights, plan, group, W)
+        partials = fused_experts(rows, w_gate_up_local, w_down_local, local_ids, weights, **options)
+        out = _Combine.apply(partials, plan, group, W)
+        stats = plan.stats
+    out = out.reshape(hidden_states.shape)
+    return (out, stats) if return_stats else out
+
+
+class ExpertParallelExperts(torch.nn.Module):
+    """This rank's shard of the experts as parameters; forward(hidden_states, topk_ids, topk_weights) -> out.
+
+    The forward has the signature of transformers' experts modules (`MixtralExperts`, ...), so it can replace one
+    (`from_experts_module`). `options` are `ep_fused_experts`' keywords (capacity_factor, activation, transposed, ...).
+    """
+
+    _OPTIONS = ("capacity_factor", "max_tokens_per_rank", "activation", "interleaved", "transposed", "swiglu_alpha",
+                "swiglu_limit", "num_experts", "validate")
+
+    def __init__(self, w_gate_up_local, w_down_local, group=None, *, gate_up_bias_local=None, down_bias_local=None,
+                 **options):
+        super().__init__()
+        unknown = sorted(set(options) - set(self._OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown options {unknown}; known: {list(self._OPTIONS)}")
+        self.w_gate_up_local = torch.nn.Parameter(w_gate_up_local)
+        self.w_down_local = torch.nn.Parameter(w_down_local)
+        self.gate_up_bias_local = None if gate_up_bias_local is None else torch.nn.Parameter(gate_up_bias_local)
+        self.down_bias_local = None if down_bias_local is None else torch.nn.Parameter(down_bias_local)
+        self.group = group
+        self.options = options
+
+    @classmethod
+    def from_experts(cls, w_gate_up, w_down, group=None, *, gate_up_bias=None, down_bias=None, **options):
+        """Keep this rank's rows [r * E_local, (r + 1) * E_local) of all-expert tensors (copies, E divisible by W)."""
+        W, rank = _group_size_and_rank(group)
+        E = w_gate_up.shape[0]
+        if E % W:
+            raise ValueError(f"w_gate_up has {E} experts, not divisible by the group size {W}")
+        E_local = E // W
+
+        def shard(t):
+            return None if t is None else t.detach()[rank * E_local:(rank + 1) * E_local].clone()
+
+        return cls(shard(w_gate_up), shard(w_down), group, gate_up_bias_local=shard(gate_up_bias),
+                   down_bias_local=shard(down_bias), num_experts=E, **options)
+
+    @classmethod
+    def from_experts_module(cls, experts, group=None, **options):
+        """This rank's shard of a transformers experts module (gate_up_proj, down_proj, biases, layout, activation
+        read as `moe_dispatch_experts` reads them)."""
+        from .transformers_experts import fused_experts_options
+
+        read = fused_experts_options(experts)
+        gate_up_bias, down_bias = read.pop("gate_up_bias", None), read.pop("down_bias", None)
+        return cls.from_experts(experts.gate_up_proj, experts.down_proj, group, gate_up_bias=gate_up_bias,
+                                down_bias=down_bias, **read, **options)
+
+    def forward(self, hidden_states, topk_ids, topk_weights):
+        return ep_fused_experts(hidden_states, self.w_gate_up_local, self.w_down_local, topk_ids, topk_weights,
+                                self.group, gate_up_bias_local=self.gate_up_bias_local,
+                                down_bias_local=self.down_bias_local, **self.options)
