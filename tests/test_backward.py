@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from cases import GRAD_CASES
 from helpers import DEVICE, TOLERANCE, assert_close
 from reference import fused_experts_ref, fused_moe_forward_ref, moe_router_ref
 
@@ -21,43 +22,6 @@ GRAD_TOLERANCE = {dtype: 2 * tol for dtype, tol in TOLERANCE.items()}
 
 def assert_grad_close(got, ref, dtype, what):
     assert_close(got, ref, dtype, what, tolerance=GRAD_TOLERANCE[dtype])
-
-
-@dataclasses.dataclass(frozen=True)
-class GradCase:
-    id: str
-    why: str
-    T: int
-    E: int
-    top_k: int
-    H: int
-    F: int
-    dtype: torch.dtype = torch.float32
-    activation: str = "silu"
-    interleaved: bool = False
-    transposed: bool = False
-    bias: bool = False
-    ids: str = "random"  # "random", "sentinels" (some ids outside [0, E)), "few-experts" (ids in [0, 3) only)
-    limit: float = 7.0
-
-
-GRAD_CASES = [
-    GradCase("silu", "transformers layout: concatenated gate/up, SiLU", 9, 4, 2, 32, 24),
-    GradCase("silu-interleaved-bias", "interleaved gate/up with both biases", 9, 4, 2, 32, 24, interleaved=True,
-             bias=True),
-    GradCase("gpt-oss", "GPT-OSS: transposed, interleaved, biases, clamped SwiGLU with both clamps active",
-             11, 4, 2, 32, 24, activation="swiglu_oai", interleaved=True, transposed=True, bias=True, limit=0.5),
-    GradCase("swiglu-transposed-concat", "transposed layout with concatenated gate/up", 7, 3, 2, 32, 16,
-             activation="swiglu_oai", transposed=True, limit=0.5),
-    GradCase("sentinels", "ids outside [0, E): no contribution, zero weight gradient", 10, 4, 2, 32, 16,
-             ids="sentinels", bias=True),
-    GradCase("empty-experts", "E = 7, ids in [0, 3): experts without rows get exactly zero weight gradients", 8, 7, 2,
-             32, 16, ids="few-experts", bias=True),
-    GradCase("top1-ragged", "top_k = 1, H = 33, F = 17: masked K and N tails in every backward GEMM", 13, 5, 1, 33,
-             17),
-    GradCase("multi-chunk-fp16", "N = 300 > one dispatch chunk, fp16", 150, 16, 2, 32, 32, torch.float16),
-    GradCase("bf16", "bf16 through the interpreter (dots upcast)", 12, 4, 2, 32, 32, torch.bfloat16, bias=True),
-]
 
 
 def _ids(case, generator):
