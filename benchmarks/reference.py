@@ -364,3 +364,34 @@ def routing_agreement(ids, ref_ids):
     """Share of tokens whose set of k experts equals the reference's."""
     ids, ref_ids = ids.detach().long().cpu(), ref_ids.detach().long().cpu()
     return (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1).float().mean().item()
+
+
+def dequantize_fp8_ref(w_fp8, scale, block_shape=(128, 128), *, n_axis=1):
+    """float64 w_fp8 * scale, from the `weight_scale_inv` convention: w_fp8 [E, d1, d2]; scale [E] (per tensor),
+    [E, N] (per output channel, N = dimension `n_axis`) or [E, ceil(d1/b1), ceil(d2/b2)] (per (b1, b2) block, a
+    trailing partial block keeping its own scale)."""
+    w = w_fp8.to(torch.float64)
+    scale = scale.to(torch.float64)
+    if scale.dim() == 1:
+        return w * scale[:, None, None]
+    if scale.dim() == 2:
+        return w * (scale[:, :, None] if n_axis == 1 else scale[:, None, :])
+    b1, b2 = block_shape
+    out = torch.empty_like(w)
+    for i in range(scale.shape[1]):
+        for j in range(scale.shape[2]):
+            rows, cols = slice(i * b1, (i + 1) * b1), slice(j * b2, (j + 1) * b2)
+            out[:, rows, cols] = w[:, rows, cols] * scale[:, i, j, None, None]
+    return out
+
+
+def fused_experts_fp8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, w_gate_up_scale=None,
+                          w_down_scale=None, fp8_block_shape=(128, 128), transposed=False, **kwargs):
+    """`fused_experts_ref` on the float64 dequantized weights (a float weight without a scale is used as it is)."""
+    n_axis = 2 if transposed else 1
+    if w_gate_up_scale is not None:
+        w_gate_up = dequantize_fp8_ref(w_gate_up, w_gate_up_scale, fp8_block_shape, n_axis=n_axis)
+    if w_down_scale is not None:
+        w_down = dequantize_fp8_ref(w_down, w_down_scale, fp8_block_shape, n_axis=n_axis)
+    return fused_experts_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, transposed=transposed,
+                             **kwargs)

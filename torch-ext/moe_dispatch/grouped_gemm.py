@@ -9,6 +9,10 @@ spans two experts, tiles past the real work exit at once). The forward kernel's 
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
   STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
+  WEIGHT_SCALE       float8 weights (see fp8.py): 0 none (float weights); 1 per-tensor and 2 per-channel scales, the
+                     fp8 tile converted to the activation dtype for the dot and the fp32 accumulator scaled after the
+                     K loop; 3 block scales, each tile element multiplied in fp32 by its block's scale before the
+                     conversion (any BLOCK_N / BLOCK_K against any block shape)
 
 The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
   _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue
@@ -32,9 +36,11 @@ from ._checks import (check_dim, check_float, check_index, check_same_device, ex
 from ._device import dot_input_precision, dot_needs_fp32
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
+from .fp8 import WeightScale
 from .tiles import GemmTile, select_tiles
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
+NO_SCALE = WeightScale(None, 0, (0, 0, 0))  # float weights: WEIGHT_SCALE = 0, the scale arguments unused
 
 
 @triton.jit
@@ -84,12 +90,30 @@ def gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K: tl.constexp
 
 
 @triton.jit
+def load_weight_tile(w_ptrs, w_mask, s_ptrs, offs_k, stride_s_k, scale_block_k, a_ptrs,
+                     DOT_FP32: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile ready for the dot with A: fp8 tiles converted to A's dtype, block-scaled
+    ones first multiplied by the scale of their block (s_ptrs [BLOCK_N]: each column's scale row at k = 0)."""
+    b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if WEIGHT_SCALE == 3:
+        b_s = tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask, other=0.0)
+        b_w = (b_w.to(tl.float32) * b_s).to(a_ptrs.dtype.element_ty)
+    elif WEIGHT_SCALE != 0:
+        b_w = b_w.to(a_ptrs.dtype.element_ty)
+    if DOT_FP32:
+        b_w = b_w.to(tl.float32)
+    return b_w
+
+
+@triton.jit
 def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
               GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, s_ptrs=None, s_up_ptrs=None, stride_s_k=0, scale_block_k=1,
+              WEIGHT_SCALE: tl.constexpr = 0):
     """The K loop: b_acc += A[rows, :K] @ W[:K, cols] (and b_acc_up with the up weights when GATED).
 
     a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; rows/columns outside the masks read 0.
+    Block-scaled fp8 weights (WEIGHT_SCALE 3) also take s_ptrs / s_up_ptrs, see `load_weight_tile`.
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
@@ -101,15 +125,14 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
             a_mask = mask_m[:, None] & mask_k[None, :]
             w_mask = mask_k[:, None] & mask_n[None, :]
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        b_w = load_weight_tile(w_ptrs, w_mask, s_ptrs, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs, DOT_FP32,
+                               WEIGHT_SCALE)
         if DOT_FP32:
             b_a = b_a.to(tl.float32)
-            b_w = b_w.to(tl.float32)
         b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
-            if DOT_FP32:
-                b_wu = b_wu.to(tl.float32)
+            b_wu = load_weight_tile(w_up_ptrs, w_mask, s_up_ptrs, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
+                                    DOT_FP32, WEIGHT_SCALE)
             b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
@@ -124,6 +147,10 @@ def _grouped_gemm_kernel(
     # W: per-expert weights [E, n_cols, K] by strides; up weights (gated variants) share the strides
     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # fp8 weight scales (WEIGHT_SCALE != 0, see fp8.WeightScale): column j of the view reads row
+    # j * scale_row_step (+ scale_up_row_offset for the up view) of the unsplit weight's scales
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
     # C: [num_rows, n_cols] in sorted order; preact: [num_rows, 2 * n_cols], gate columns then up columns
     c_ptr, stride_c_m, stride_c_n, num_rows,
     preact_ptr, stride_preact_m,
@@ -139,6 +166,7 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_PREACT: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -165,9 +193,25 @@ def _grouped_gemm_kernel(
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHT_SCALE != 0:
+        scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
+        scale_up_rows = scale_rows + scale_up_row_offset
+        if WEIGHT_SCALE == 3:
+            scale_rows = scale_rows // scale_block_n
+            scale_up_rows = scale_up_rows // scale_block_n
+        s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
+        s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
+    else:
+        s_ptrs = scale_ptr
+        s_up_ptrs = scale_ptr
     b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                                 mask_m, mask_n, K, stride_a_k, stride_w_k,
-                                ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+                                ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
+                                s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
+    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_scale_n = 0) or per-channel: scale the sums
+        b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if ACTIVATION != 0:
+            b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
 
     if HAS_BIAS:
         bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
@@ -210,12 +254,14 @@ def dot_options(dtype):
 
 def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,
                 activation="none", bias=None, bias_up=None, topk_weights=None, alpha=1.702, limit=7.0, out=None,
-                preact=None):
+                preact=None, weight_scale: WeightScale | None = None):
     """Launch `_grouped_gemm_kernel` over the rows of `info`; returns C [num_assignments, n] in a's dtype.
 
     `weight` is [E, n, K] (or [E, K, n] when `transposed`); gated activations also take `weight_up` (same shape) and
     compute act(a @ weight^T, a @ weight_up^T); `preact` [num_assignments, 2n] then receives both pre-activations.
     Biases are [E, n] views. K is a.shape[1]. Rows of C past info.expert_offsets[E] are left unwritten.
+    float8 weights come with `weight_scale` (fp8.WeightScale, shared by the gate and up views); the dot then runs in
+    a's dtype.
     """
     num_rows = info.num_assignments
     K = a.shape[1]
@@ -232,11 +278,13 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
     topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    ws = weight_scale or NO_SCALE
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
         weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
         bias, bias_up if bias_up is not None else bias,
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k,
         c, c.stride(0), c.stride(1), c.shape[0],
         preact, preact.stride(0) if preact is not None else 0,
         info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
@@ -249,6 +297,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         HAS_BIAS=bias is not None,
         STORE_PREACT=preact is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        WEIGHT_SCALE=ws.code,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
         EVEN_K=K % tile.block_k == 0,

@@ -21,11 +21,13 @@ from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
+from .fp8 import WeightScale, check_block_shape, check_fp8_weight, infer_scheme, is_fp8
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
 from .tiles import MoeTiles, select_tiles
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
 
 
 def _check_weight_dtype(name, weight, dtype):
@@ -57,11 +59,15 @@ def _fused_experts_op(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
     interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None, save_preact: bool,
+    w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
+    fp8_block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> (out [T, H], preact [N, 2F] or [0], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
 
     w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
     [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs.
+    float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
+    inputs that need no gradient and save_preact False.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -73,18 +79,33 @@ def _fused_experts_op(
     moe_tiles = MoeTiles.from_list(tiles) if tiles is not None else select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F) if save_preact else (0,), device=x.device, dtype=x.dtype)
+    gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
+                                               transposed)
     intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
                                gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias, alpha=alpha,
-                               limit=limit, preact=preact if save_preact else None)
+                               limit=limit, preact=preact if save_preact else None, weight_scale=gate_up_scale)
     y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
-                    topk_weights=topk_weights)
+                    topk_weights=topk_weights, weight_scale=down_scale)
     out = combine(y, info.scatter_idx, T, top_k)
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
 
 
+def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interleaved, transposed):
+    """fp8.WeightScale of each GEMM (None for a float weight). The gate and up views of w_gate_up read the one scale
+    tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated."""
+    block_shape = tuple(block_shape) if block_shape is not None else DEFAULT_FP8_BLOCK_SHAPE
+    gate_up = down = None
+    if w_gate_up_scale is not None:
+        gate_up = WeightScale.of(w_gate_up_scale, infer_scheme(w_gate_up_scale), block_shape, transposed=transposed,
+                                 row_step=2 if interleaved else 1, up_row_offset=1 if interleaved else num_ffn)
+    if w_down_scale is not None:
+        down = WeightScale.of(w_down_scale, infer_scheme(w_down_scale), block_shape, transposed=transposed)
+    return gate_up, down
+
+
 @_fused_experts_op.register_fake
 def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
-      transposed, alpha, limit, tiles, save_preact):
+      transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None):
     T, H = x.shape
     N = T * topk_ids.shape[1]
     F = _ffn_size(w_down, transposed)
@@ -151,7 +172,7 @@ def _(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias
 
 def _fused_experts_setup_context(ctx, inputs, output):
     (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved, transposed,
-     alpha, limit, _, save_preact) = inputs
+     alpha, limit, _, save_preact, *_fp8) = inputs
     _, preact, expert_offsets, gather_idx, scatter_idx = output
     ctx.save_for_backward(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                           expert_offsets, gather_idx, scatter_idx)
@@ -172,33 +193,48 @@ def _fused_experts_backward(ctx, grad_out, *_):
                                        interleaved, transposed, alpha, limit, needs)
     d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = (
         g if need else None for g, need in zip(grads, needs))
-    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 7
+    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 10
 
 
 _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
 
 
 def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias=None, down_bias=None, *,
-                 activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None):
-    """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed."""
-    save_preact = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias))
+                 activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None,
+                 w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
+    """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
+
+    With float8 weights (forward only) every input is detached: the output carries no gradient (warned once)."""
+    inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
+    fp8 = is_fp8(w_gate_up) or is_fp8(w_down)
+    if fp8:
+        warn_if_gradient_cut("fused_experts with float8 weights", hidden_states=x, topk_weights=topk_weights,
+                             gate_up_bias=gate_up_bias, down_bias=down_bias)
+        x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias = (
+            t.detach() if t is not None else None for t in inputs)
+        w_gate_up_scale, w_down_scale = (s.detach() if s is not None else None for s in (w_gate_up_scale, w_down_scale))
+    save_preact = not fp8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    scales = (w_gate_up_scale, w_down_scale, list(fp8_block_shape)) if fp8 else ()
     return call(_fused_experts_op, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                 activation, interleaved, transposed, float(alpha), float(limit),
-                tiles.to_list() if tiles is not None else None, save_preact)[0]
+                tiles.to_list() if tiles is not None else None, save_preact, *scales)[0]
 
 
 def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
-                       down_bias, transposed, suffix=""):
+                       down_bias, transposed, suffix="", w_gate_up_scale=None, w_down_scale=None,
+                       fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
     """Shape, dtype and device checks of `fused_experts`' arguments (host only, no value read) -> (T, H, E, F).
 
-    `suffix` is appended to the weight and bias names in messages (expert parallelism: "_local").
+    `suffix` is appended to the weight and bias names in messages (expert parallelism: "_local"). float8 weights
+    need their scales (see fp8.check_fp8_weight); float weights match hidden_states' dtype.
     """
     w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
     gate_up_bias_name, down_bias_name = "gate_up_bias" + suffix, "down_bias" + suffix
     check_float("hidden_states", hidden_states, min_ndim=1)
-    check_float(w_gate_up_name, w_gate_up, ndim=3)
-    check_float(w_down_name, w_down, ndim=3)
+    for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down)):
+        check_tensor(name, w, ndim=3)
+        if not is_fp8(w):
+            check_float(name, w)
     check_index("topk_ids", topk_ids, ndim=2)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
     check_choice("activation", activation, EXPERT_ACTIVATIONS)
@@ -228,16 +264,24 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
             check_dim(name, bias, 1, size, "output size of the projection")
     for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down), (gate_up_bias_name, gate_up_bias),
                     (down_bias_name, down_bias)):
-        _check_weight_dtype(name, w, hidden_states.dtype)
+        if not is_fp8(w):
+            _check_weight_dtype(name, w, hidden_states.dtype)
+    if is_fp8(w_gate_up) or is_fp8(w_down) or w_gate_up_scale is not None or w_down_scale is not None:
+        block_shape = check_block_shape(fp8_block_shape)
+        check_fp8_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, block_shape,
+                         n_axis=f_axis)
+        check_fp8_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, block_shape, n_axis=down_h_axis)
     check_same_device(hidden_states=hidden_states, **{w_gate_up_name: w_gate_up, w_down_name: w_down},
                       topk_ids=topk_ids, topk_weights=topk_weights,
-                      **{gate_up_bias_name: gate_up_bias, down_bias_name: down_bias})
+                      **{gate_up_bias_name: gate_up_bias, down_bias_name: down_bias,
+                         "w_gate_up_scale" + suffix: w_gate_up_scale, "w_down_scale" + suffix: w_down_scale})
     return T, H, E, F
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                  validate=None, validate_ids=None, tiles: MoeTiles | None = None):
+                  validate=None, validate_ids=None, tiles: MoeTiles | None = None, w_gate_up_scale=None,
+                  w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -253,15 +297,25 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
     experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
     gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
+
+    FP8 expert weights (v1.x addition, forward only; see fp8.py and the README's FP8 section): w_gate_up and/or w_down
+    in float8_e4m3fn / float8_e4m3fnuz with fp32 scales `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 * scale),
+    the scheme read from the scale's shape: [E, ceil(d1/b1), ceil(d2/b2)] block scales over the weight as stored
+    ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for w_down);
+    [E] per tensor. hidden_states stay bf16/fp16/fp32 and so does the output; the dots run in that dtype. The output
+    carries no gradient (a warning says so once when an input requires grad).
     """
     T, H, E, _ = check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation=activation,
-                                    gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed)
+                                    gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
+                                    w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
+                                    fp8_block_shape=fp8_block_shape)
     check_ids_in_range("topk_ids", topk_ids, E, validate_option(validate, validate_ids, "fused_experts"))
 
     x = hidden_states.reshape(T, H)
     out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                        activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
-                       limit=swiglu_limit, tiles=tiles)
+                       limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
+                       fp8_block_shape=fp8_block_shape)
     return out.reshape(hidden_states.shape)
 
 
