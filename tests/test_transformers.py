@@ -635,3 +635,72 @@ def test_gpu_from_pretrained_use_kernels(tmp_path, hub_kernel):
     assert block.forward.__func__ is package.layers.MegaBlocksMoeMLP.forward
     ids = input_ids()
     check_outputs(case, run(model, ids), run(ref_model, ids), torch.bfloat16, "use_kernels")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FP8 checkpoints: transformers' FP8Experts through FP8ExpertsInterface
+
+
+def _fp8_experts_model(quant_block=(16, 16), **experts_changes):
+    """Tiny Mixtral whose experts are transformers' `FP8Experts` holding block-quantized copies of the random weights,
+    and the same model with the float32 dequantized weights in its ordinary experts (the reference)."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers.integrations.moe import use_experts_implementation
+
+    from moe_dispatch.fp8 import dequantize_experts_fp8, quantize_experts_fp8
+
+    class TinyFP8Experts(finegrained.FP8Experts):  # a subclass: wrapping FP8Experts itself would patch it globally
+        pass
+
+    fp8_class = use_experts_implementation(experts_class=TinyFP8Experts,
+                                           experts_interface=finegrained.ALL_FP8_EXPERTS_FUNCTIONS)
+    case = MODELS[MODEL_IDS.index("mixtral")]
+    reference = build_model(case, torch.float32, "eager")
+    model = build_model(case, torch.float32, "eager")
+    for block, ref_block in zip(moe_blocks(model, case), moe_blocks(reference, case)):
+        experts = fp8_class(model.config, block_size=quant_block)
+        for name in ("gate_up_proj", "down_proj"):
+            q, scale = quantize_experts_fp8(getattr(block.experts, name).detach(), block_shape=quant_block)
+            setattr(experts, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(experts, f"{name}_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
+            with torch.no_grad():
+                getattr(ref_block.experts, name).copy_(dequantize_experts_fp8(q, scale, block_shape=quant_block))
+        for key, value in experts_changes.items():  # the variants moe_dispatch refuses, set after the weights
+            setattr(experts, key, value)
+        block.experts = experts.to(DEVICE)
+    return model, reference
+
+
+def test_fp8_experts_interface_matches_dequantized_eager(count_kernel_calls):
+    """FP8Experts (block scales 16 x 16 over 2F = 96, H = 32) through `experts_implementation="moe_dispatch"` equal
+    transformers' eager experts on the dequantized weights. transformers' own FP8 path (`FP8Experts.forward`, its
+    grouped_mm) needs the finegrained-fp8 GPU kernels from the Hub and does not run on the CPU; the GPU suite
+    compares against it (tests/test_gpu_fp8.py)."""
+    calls = count_kernel_calls(moe_dispatch)
+    model, reference = _fp8_experts_model()
+    model.set_experts_implementation(moe_dispatch.register_experts())
+    ids = input_ids()
+    got, ref = run(model, ids), run(reference, ids)
+    assert calls, "the FP8 experts did not run through moe_dispatch"
+    assert_close(got.logits, ref.logits, torch.float32, "fp8 mixtral logits")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(activation_scheme="static"), "activation_scheme='static'"),
+    (dict(block_size=None), "block_size=None"),
+    (dict(limit=7.0), "clamped SiLU"),
+])
+def test_fp8_experts_unsupported_raise_clearly(change, message):
+    model, _ = _fp8_experts_model(**change)
+    model.set_experts_implementation(moe_dispatch.register_experts())
+    with pytest.raises(NotImplementedError, match=message):
+        run(model, input_ids())
+
+
+def test_fp8_experts_ue8m0_scales_refused():
+    model, _ = _fp8_experts_model()
+    experts = moe_blocks(model, MODELS[MODEL_IDS.index("mixtral")])[0].experts
+    experts.down_proj_scale_inv = torch.nn.Parameter(experts.down_proj_scale_inv.to(torch.float8_e8m0fnu),
+                                                     requires_grad=False)
+    with pytest.raises(NotImplementedError, match="not UE8M0"):
+        moe_dispatch.transformers_experts.fp8_experts_options(experts)

@@ -1,5 +1,7 @@
 """Device facts in one place: which backend runs the kernels and what it can do.
 
+FP8: `has_fp8_tensor_cores` and `fp8_dtype` record the facts an FP8 tensor-core path would choose by (fp8.py).
+
 Everything vendor-specific is decided here or in the tile tables (configs/*.json); the kernels themselves are the same
 portable Triton source for NVIDIA, AMD and the CPU interpreter.
 """
@@ -51,3 +53,19 @@ def dot_input_precision(dtype: torch.dtype) -> str:
     `torch.backends.cuda.matmul.allow_tf32` is set), so fp32 callers get what torch.matmul would give; half-precision
     operands run at their own precision ("ieee": the setting only concerns fp32 operands)."""
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+@functools.lru_cache(maxsize=None)
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
+    (MI300X has FP8 matrix cores, in e4m3fnuz; a w8a8 path there is not built either) and on the interpreter. No
+    code path reads this yet: the portable dequantize-in-the-loads path runs everywhere (see fp8.py)."""
+    if device.type != "cuda" or not is_cuda():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_dtype(device: torch.device) -> torch.dtype:
+    """The float8 dtype checkpoints are converted to for `device`: e4m3fnuz on AMD (MI300X's native format: no negative
+    zero, bias 8, max 240), e4m3fn elsewhere (max 448). Both run on the portable path on every device."""
+    return torch.float8_e4m3fnuz if device.type == "cuda" and is_hip() else torch.float8_e4m3fn

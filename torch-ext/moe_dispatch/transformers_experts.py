@@ -23,12 +23,27 @@ What the experts module must look like (read from it on every call, nothing is c
 Anything else (a different activation or gate function, experts without a gate projection, a post-expert norm,
 non-float weights) raises `NotImplementedError` naming the module and the attribute, rather than computing
 something else. Ids >= E (expert-parallel sentinels) contribute nothing.
+
+FP8 checkpoints (`FineGrainedFP8Config`: DeepSeek-V3/R1, Qwen3-*-FP8) replace the experts with transformers'
+`FP8Experts`, whose forward goes through `FP8ExpertsInterface`; `register_experts` registers the same function there,
+under the same name, so `experts_implementation="moe_dispatch"` covers both. It reads:
+
+    gate_up_proj, down_proj                 float8_e4m3fn (or e4m3fnuz), layout as above
+    gate_up_proj_scale_inv, down_proj_scale_inv   fp32 block scales [E, ceil(2F/b0), ceil(H/b1)], [E, ceil(H/b0), ...]
+    block_size                              (b0, b1), e.g. (128, 128)
+    activation_scheme                       "dynamic"
+
+and runs the portable FP8 path (fp8.py: weights dequantized in the GEMMs' loads, activations kept in the model
+dtype, so activations are not quantized as transformers' own FP8 kernels do). Refused with `NotImplementedError`:
+`activation_scheme="static"` (per-expert activation scales), UE8M0 (`float8_e8m0fnu`) scales, FP4-packed int8
+weights, `block_size=None` (per-tensor scales stored per gate/up half), gates other than SiLU or GPT-OSS's SwiGLU.
 """
 
 import sys
 
 import torch
 
+from .fp8 import FP8_DTYPES
 from .moe import fused_experts
 
 EXPERTS_IMPLEMENTATION = "moe_dispatch"
@@ -49,6 +64,7 @@ def _is_gate(apply_gate, where) -> bool:
     return target is not None and apply_gate is target
 
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_EXPERTS_GATE = ("transformers.integrations.finegrained_fp8", ("FP8Experts", "_apply_gate"))
 
 
 def _unsupported(experts: torch.nn.Module, what: str) -> NotImplementedError:
@@ -111,6 +127,58 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
     return options
 
 
+def fp8_experts_options(experts: torch.nn.Module) -> dict:
+    """`fused_experts` keyword arguments for transformers' `FP8Experts` (weights, scales, block shape, layout and
+    gate); raises `NotImplementedError` for the variants the portable FP8 path does not run (see the module doc)."""
+    if not getattr(experts, "has_gate", True):
+        raise _unsupported(experts, "experts without a gate projection (has_gate=False) are not supported")
+    scheme = getattr(experts, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _unsupported(experts, f"activation_scheme={scheme!r} (static activation scales) is not supported")
+    block_size = getattr(experts, "block_size", None)
+    if block_size is None:
+        raise _unsupported(experts, "block_size=None (per-tensor FP8 scales) is not supported; block scales are")
+    options = {"transposed": bool(getattr(experts, "is_transposed", False)),
+               "interleaved": not getattr(experts, "is_concatenated", True),
+               "fp8_block_shape": tuple(int(b) for b in block_size)}
+    for name, key in (("gate_up_proj", "w_gate_up_scale"), ("down_proj", "w_down_scale")):
+        weight = getattr(experts, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise _unsupported(experts, f"`{name}` is not a 3-D tensor")
+        if weight.dtype == torch.int8:
+            raise _unsupported(experts, f"`{name}` is FP4-packed (int8); only float8 expert weights are supported")
+        if weight.dtype not in FP8_DTYPES:
+            raise _unsupported(experts, f"`{name}` has dtype {weight.dtype}; float8_e4m3fn(uz) expected")
+        scale = getattr(experts, f"{name}_scale_inv", None)
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+            what = getattr(scale, "dtype", type(scale).__name__)
+            raise _unsupported(experts, f"`{name}_scale_inv` is {what}; float32 scales are supported (not UE8M0)")
+        options[key] = scale
+    if getattr(experts, "has_bias", False):
+        options["gate_up_bias"] = experts.gate_up_proj_bias
+        options["down_bias"] = experts.down_proj_bias
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is None or not _is_gate(apply_gate, _FP8_EXPERTS_GATE):
+        raise _unsupported(experts, "a gate function other than FP8Experts' own")
+    if getattr(experts, "swiglu_alpha", None) is not None:
+        options.update(activation="swiglu_oai", swiglu_alpha=float(experts.swiglu_alpha),
+                       swiglu_limit=float(experts.swiglu_limit))
+    elif getattr(experts, "limit", None) is not None:
+        raise _unsupported(experts, "a clamped SiLU gate (`limit` without `swiglu_alpha`) is not supported")
+    elif not _is_silu(getattr(experts, "act_fn", None)):
+        raise _unsupported(experts, f"activation `act_fn` = {experts.act_fn!r}; only SiLU (silu(gate) * up) is "
+                                    f"supported")
+    else:
+        options["activation"] = "silu"
+    return options
+
+
+def _is_fp8_experts(experts) -> bool:
+    """An FP8Experts-style module: its weights come with `*_scale_inv` scales (float8 weights without them are
+    refused by `fused_experts_options`)."""
+    return hasattr(experts, "gate_up_proj_scale_inv")
+
+
 def moe_dispatch_experts(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -120,11 +188,16 @@ def moe_dispatch_experts(
     """transformers experts-interface function: `self` is the experts module, returns `[T, H]` in the input dtype.
 
     `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
+    `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales, activations in their own dtype.
     """
-    options = fused_experts_options(self)
-    weight_dtype = self.gate_up_proj.dtype
-    # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
-    x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
+    if _is_fp8_experts(self):
+        options = fp8_experts_options(self)
+        x = hidden_states
+    else:
+        options = fused_experts_options(self)
+        weight_dtype = self.gate_up_proj.dtype
+        # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
+        x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
     out = fused_experts(
         x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate=False, **options
     )
@@ -132,7 +205,8 @@ def moe_dispatch_experts(
 
 
 def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
-    """Register `moe_dispatch_experts` in transformers' `ExpertsInterface` under `name`; returns `name`.
+    """Register `moe_dispatch_experts` in transformers' `ExpertsInterface` under `name`, and in `FP8ExpertsInterface`
+    (FP8 checkpoints' `FP8Experts`) where this transformers has it; returns `name`.
 
     Works the same on the local package and on the module `kernels.get_kernel` returns (each registers its own
     copy of the function). Register before building or loading a model that names it in `experts_implementation`.
@@ -144,4 +218,9 @@ def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(name, moe_dispatch_experts)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers without FP8 experts
+        return name
+    FP8ExpertsInterface.register(name, moe_dispatch_experts)
     return name
