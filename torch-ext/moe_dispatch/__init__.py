@@ -9,6 +9,7 @@ Pipeline (each stage a module; `moe.py` only composes them)::
                          GEMM2: x w_down, routed weight in the epilogue        -> [T*k, H] in expert order
       -> combine.py      deterministic sum of each token's k rows (fp32)      -> out [T, H]
 
+fp8.py holds the FP8 weight formats (quantizer, checks); the grouped GEMMs dequantize fp8 weights in their loads.
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
 
 `__all__` is the versioned public surface (API major = build.toml `version`).
@@ -32,11 +33,12 @@ from .binned import (
 from .combine import unpermute_tokens
 from .dispatch import permute_tokens
 from .expert_parallel import ExpertParallelExperts, ep_fused_experts
+from .fp8 import dequantize_experts_fp8, quantize_experts_fp8
 from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
 from .routing import moe_router
 # bound by name: hub-loaded packages need explicit attributes
-from . import expert_parallel, layers, transformers_experts
+from . import expert_parallel, fp8, layers, transformers_experts
 from .transformers_experts import moe_dispatch_experts, register_experts
 
 from ._version import __version__  # "1.x.dev" in a checkout; a build has its release tag's (scripts/build)
@@ -72,4 +74,7 @@ __all__ = [
     # expert parallelism (v1.x addition)
     "ep_fused_experts",
     "ExpertParallelExperts",
+    # FP8 expert weights (v1.x addition; `fused_experts` takes them with their scales)
+    "quantize_experts_fp8",
+    "dequantize_experts_fp8",
 ]
