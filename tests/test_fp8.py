@@ -181,3 +181,6 @@ def test_quantize_bad_inputs():
         quantize_experts_fp8(w, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="3 dimensions"):
         quantize_experts_fp8(w[0])
+    q, scale = quantize_experts_fp8(w, "channel")
+    with pytest.raises(ValueError, match="scheme='block'"):
+        dequantize_experts_fp8(q, scale, "block")

@@ -180,7 +180,9 @@ def dequantize_experts_fp8(w_fp8, scale, scheme=None, block_shape=(128, 128), *,
     """w_fp8 * scale (each element times the scale of its block, channel or expert) in `dtype`. `scheme` defaults to
     the one the scale's rank names; `n_axis` as in `quantize_experts_fp8`."""
     block_shape = check_block_shape(block_shape)
-    scheme = scheme or infer_scheme(scale)
-    check_fp8_weight("w_fp8", w_fp8, "scale", scale, block_shape, n_axis=n_axis)
+    inferred = check_fp8_weight("w_fp8", w_fp8, "scale", scale, block_shape, n_axis=n_axis)
+    if scheme is not None and scheme != inferred:
+        raise ValueError(f"scheme={scheme!r} but scale has shape {tuple(scale.shape)}, the shape of {inferred} scales")
+    scheme = inferred
     expanded = _expand_scale(scale, scheme, w_fp8.shape, block_shape, n_axis)
     return (w_fp8.to(torch.float32) * expanded).to(dtype)
