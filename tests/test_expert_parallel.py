@@ -323,6 +323,8 @@ def test_bad_inputs_name_the_argument():
         ep_fused_experts(x, w_gate_up, w_down, ids + E, weights)  # CPU ids are read: E..2E-1 are on no rank
     with pytest.raises(TypeError, match="unknown options"):
         ExpertParallelExperts(w_gate_up, w_down, capacity=2)
+    with pytest.raises(TypeError, match="w_down_local is torch.float8_e4m3fn"):
+        ep_fused_experts(x, w_gate_up, w_down.to(torch.float8_e4m3fn), ids, weights)
     assert isinstance(ep_fused_experts(x, w_gate_up, w_down, ids, weights, return_stats=True)[1], ExpertParallelStats)
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_finite_number, check_ids_in_range
+from .fp8 import is_fp8
 from .moe import check_experts_args, fused_experts
 
 
@@ -243,6 +244,10 @@ def ep_fused_experts(hidden_states, w_gate_up_local, w_down_local, topk_ids, top
     docstring for the data flow.
     """
     W, _ = _group_size_and_rank(group)
+    for name, weight in (("w_gate_up_local", w_gate_up_local), ("w_down_local", w_down_local)):
+        if is_fp8(weight):
+            raise TypeError(f"{name} is {weight.dtype}: ep_fused_experts takes float weights only for now (float8 "
+                            f"experts run through fused_experts on one GPU, see the README's FP8 section)")
     T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
                                           activation=activation, gate_up_bias=gate_up_bias_local,
                                           down_bias=down_bias_local, transposed=transposed, suffix="_local")
