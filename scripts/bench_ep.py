@@ -237,6 +237,7 @@ def main():
         table = markdown(rows, nvlink)
         (out / "ep.md").write_text(table + "\n")
         print(table)
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 
