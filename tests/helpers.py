@@ -9,7 +9,8 @@ import pytest
 import torch
 from reference import TOLERANCE, assert_close, relative_error
 
-__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "needs_gpu", "poison_empty", "relative_error"]
+__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "needs_gpu", "poison_empty",
+           "relative_error"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
@@ -33,3 +34,18 @@ def poison_empty(monkeypatch):
     real_empty, real_empty_like = torch.empty, torch.empty_like
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: _poison(real_empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: _poison(real_empty_like(*args, **kwargs)))
+
+
+def capture_cuda_graph(fn, warmups=1):
+    """(graph, fn's outputs inside it): `fn` runs `warmups` times on a side stream first (Triton compiles its kernels
+    outside the capture), then once under capture; `graph.replay()` reruns it on whatever the inputs hold now."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    return graph, static

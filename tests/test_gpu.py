@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from helpers import assert_close, needs_gpu
+from helpers import assert_close, capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
 from reference import (ROUTING_AGREEMENT_MIN, experts_ref, fused_experts_ref, fused_moe_forward_ref,
                        routing_agreement)
@@ -62,14 +62,7 @@ def test_cuda_graph_capture_and_replay(path, T):
             return md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, k, **kwargs)[0]
         return md.fused_experts(x, w_gate_up, w_down, ids, topk_weights)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm-up compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = capture_cuda_graph(run)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.randint(0, E, (T, k), device="cuda"))

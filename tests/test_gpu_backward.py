@@ -3,7 +3,7 @@ capture of forward + backward, bit-identical reruns, and torch.compile with indu
 
 import pytest
 import torch
-from helpers import needs_gpu
+from helpers import capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
 from reference import fused_experts_ref
 
@@ -79,14 +79,7 @@ def test_cuda_graph_capture_forward_backward(gpt_oss):
     def step():
         return torch.autograd.grad(_forward(inputs, ids, options), list(inputs.values()), grad_out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grads = step()
+    graph, static_grads = capture_cuda_graph(step)
     for _ in range(2):
         with torch.no_grad():
             inputs["hidden_states"].copy_(torch.randn_like(inputs["hidden_states"]))

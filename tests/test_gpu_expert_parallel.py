@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import capture_cuda_graph
 from model_shapes import MODEL_SHAPES
 from reference import assert_close
 
@@ -106,15 +107,7 @@ def _check_capacity_graph(rank, T_per_rank):
         return md.ep_fused_experts(static[0], w_gate_up_r, w_down_r, static[1], static[2], capacity_factor=1.0,
                                    return_stats=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_stats = run()
+    graph, (static_out, static_stats) = capture_cuda_graph(run, warmups=2)
     for seed in (1, 2):
         x2, ids2, weights2, _, _ = _problem(shape, T_per_rank, seed=seed)
         for buffer, new in zip(static, (x2[mine], ids2[mine], weights2[mine])):

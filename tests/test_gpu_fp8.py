@@ -7,7 +7,7 @@ interpreter at tiny sizes). The first H200 run should report here and in docs/pe
 
 import pytest
 import torch
-from helpers import assert_close, needs_gpu
+from helpers import assert_close, capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
 from reference import fused_experts_fp8_ref
 
@@ -59,14 +59,7 @@ def test_fp8_cuda_graph_capture_and_replay(T):
     def run():
         return md.fused_experts(x, q_gate_up, q_down, ids, weights, **scales)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = capture_cuda_graph(run)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.randint(0, E, (T, k), device="cuda"))

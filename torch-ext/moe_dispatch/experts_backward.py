@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._library import custom_op
 from .combine import combine
 from .dispatch import segment_dispatch
 from .grouped_gemm import dot_options, gathered_rows, same_strides, tile_dot, tile_setup, weight_strides
