@@ -120,7 +120,7 @@ def main():
                 except Exception as error:
                     print(f"  gemm tiles {tiles}: {type(error).__name__} {str(error)[:120]}", flush=True)
             results.append(row)
-            del prob, ref
+            prob = ref = None  # free the problem before the next one
             torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune_backward.json"), "w") as f:
         json.dump(results, f, indent=1)

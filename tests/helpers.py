@@ -9,8 +9,8 @@ import pytest
 import torch
 from reference import TOLERANCE, assert_close, relative_error
 
-__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "needs_gpu", "poison_empty",
-           "relative_error"]
+__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights", "needs_gpu",
+           "poison_empty", "relative_error"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
@@ -49,3 +49,11 @@ def capture_cuda_graph(fn, warmups=1):
     with torch.cuda.graph(graph):
         static = fn()
     return graph, static
+
+
+def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
+    """Seed-layout expert weights: w_gate, w_up [E, F, H] and w_down [E, H, F], randn * scale."""
+    w_gate = (torch.randn(E, F, H) * scale).to(device, dtype)
+    w_up = (torch.randn(E, F, H) * scale).to(device, dtype)
+    w_down = (torch.randn(E, H, F) * scale).to(device, dtype)
+    return w_gate, w_up, w_down

@@ -18,10 +18,8 @@ import warnings
 import pytest
 import torch
 from conftest import ROOT
-from helpers import DEVICE, ON_GPU
-from reference import (binned_gather_ref, fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
-                       unpermute_tokens_ref)
-from test_moe import assert_close, make_weights
+from helpers import DEVICE, ON_GPU, assert_close, make_weights
+from reference import fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref, unpermute_tokens_ref
 
 import moe_dispatch as md
 from moe_dispatch import _checks

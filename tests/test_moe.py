@@ -3,20 +3,13 @@
 import pytest
 import torch
 from cases import FORWARD_CASES, Case
-from helpers import DEVICE, assert_close
+from helpers import DEVICE, assert_close, make_weights
 from reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref,
                        fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref, permute_tokens_ref,
                        unpermute_tokens_ref)
 
 import moe_dispatch as md
 from moe_dispatch.dispatch import CHUNK, dispatch
-
-
-def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
-    w_gate = (torch.randn(E, F, H) * scale).to(device, dtype)
-    w_up = (torch.randn(E, F, H) * scale).to(device, dtype)
-    w_down = (torch.randn(E, H, F) * scale).to(device, dtype)
-    return w_gate, w_up, w_down
 
 
 def make_inputs(case: Case, device=DEVICE):
