@@ -45,6 +45,7 @@ if not torch.cuda.is_available():
 # Imported by name: scripts/ (this folder), benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh).
 import reference  # noqa: E402  (benchmarks/reference.py: the float64 references and the tolerance table)
 from _bench_ceilings import measure_ceilings  # noqa: E402
+from _peer_figures import BEFORE_US, VLLM_US  # noqa: E402
 from model_shapes import MODEL_SHAPES, ModelShape, shrunk  # noqa: E402
 from reference import ROUTING_AGREEMENT_MIN, TOLERANCE  # noqa: E402
 
@@ -96,6 +97,10 @@ def parse_args(argv):
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop starting new cells after this many seconds (the outputs keep what was measured)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skewed-tokens", default="16,1024,16384",
+                   help="T at which fused_experts is also timed under skewed routing (a few hot experts; 'none')")
+    p.add_argument("--hot-rep-ms", type=float, default=20.0,
+                   help="triton.testing.do_bench_cudagraph window of the hot (no L2 flush) timing")
     p.add_argument("--shrunk", action="store_true",
                    help="interpreter-sized shapes (model_shapes.shrunk): a plumbing run, e.g. --device cpu")
     args = p.parse_args(argv)
@@ -122,6 +127,8 @@ def parse_args(argv):
             p.error(f"unknown baseline {name!r}; choose from {BASELINES}")
     args.fp16_spot = () if args.fp16_spot in ("", "none") else tuple(args.fp16_spot.split(","))
     args.fp16_spot_tokens = tuple(int(t) for t in args.fp16_spot_tokens.split(",") if t)
+    args.skewed_tokens = () if args.skewed_tokens in ("", "none") else tuple(
+        int(t) for t in args.skewed_tokens.split(","))
     return args
 
 
@@ -161,14 +168,21 @@ def load_kernel(kernel_dir=None):
 
 
 class EventTimer:
-    """Median times in ms: `plain` times launches as they come, `graph` times replays of a captured CUDA graph.
-
-    Both use triton.testing.do_bench, which clears the L2 cache before each timed call (so weights come from HBM).
+    """Median times in ms: `plain` times launches as they come, `graph` times replays of a captured CUDA graph of one
+    call; both use triton.testing.do_bench, which clears the L2 cache before each timed call (weights come from HBM).
+    `hot` is triton.testing.do_bench_cudagraph: the call repeated in one CUDA graph, no L2 flush in between (the way
+    issue 12's vLLM figures were taken; weights a call reuses from the previous one may hit L2).
     """
 
-    def __init__(self, warmup_ms, rep_ms):
+    def __init__(self, warmup_ms, rep_ms, hot_rep_ms=20.0):
         self.warmup_ms = warmup_ms
         self.rep_ms = rep_ms
+        self.hot_rep_ms = hot_rep_ms
+
+    def hot(self, fn):
+        from triton.testing import do_bench_cudagraph
+
+        return do_bench_cudagraph(fn, rep=self.hot_rep_ms, return_mode="median")
 
     def plain(self, fn):
         from triton.testing import do_bench
@@ -208,7 +222,9 @@ class WallTimer:
 
 
 def make_timer(args, device):
-    return EventTimer(args.warmup_ms, args.rep_ms) if device.type == "cuda" else WallTimer()
+    if device.type != "cuda":
+        return WallTimer()
+    return EventTimer(args.warmup_ms, args.rep_ms, getattr(args, "hot_rep_ms", 20.0))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -265,6 +281,24 @@ def random_routing(num_tokens, num_experts, top_k, device, seed):
     topk_ids = scores.topk(top_k, dim=1).indices
     topk_weights = torch.randn(num_tokens, top_k, device=device, generator=gen).softmax(dim=1)
     return topk_ids, topk_weights
+
+
+def skewed_routing(num_tokens, num_experts, top_k, device, seed, exponent=1.0):
+    """A few hot experts, as trained routers produce: k distinct experts per token drawn without replacement with
+    probability proportional to 1 / rank^exponent over a seeded random ranking of the experts (Zipf; with exponent 1
+    the hottest expert takes 1/H_E of the draws: 37% for E = 8, 18% for E = 128); softmax weights as `random_routing`.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ranking = torch.randperm(num_experts, device=device, generator=gen)
+    probs = torch.empty(num_experts, device=device)
+    probs[ranking] = 1.0 / torch.arange(1, num_experts + 1, device=device, dtype=torch.float32) ** exponent
+    topk_ids = torch.multinomial(probs.expand(max(num_tokens, 1), -1), top_k, replacement=False,
+                                 generator=gen)[:num_tokens]
+    topk_weights = torch.randn(num_tokens, top_k, device=device, generator=gen).softmax(dim=1)
+    return topk_ids, topk_weights
+
+
+ROUTINGS = {"balanced": random_routing, "skewed": skewed_routing}
 
 
 def torch_route(shape, x, router_weight, router_bias, correction_bias, *, reference=False):
@@ -417,9 +451,10 @@ class Runner:
         self.device = device
         self.ceilings = ceilings
 
-    def run(self, record, fn, *, graph, check, inspect=None):
+    def run(self, record, fn, *, graph, check, inspect=None, hot=True):
         """fn() -> output; check(output) -> correctness fields (skipped by --no-check); inspect(output) -> fields
-        always wanted (experts hit by the routing). Fills record in place."""
+        always wanted (experts hit by the routing). Fills record in place: plain_us, graph_us (when `graph`),
+        hot_us (when `hot`; see EventTimer)."""
         try:
             output = fn()  # compiles on first use; its result is what gets checked
             if self.device.type == "cuda":
@@ -441,6 +476,13 @@ class Runner:
                 record["graph_error"] = error_text(exc)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
+            free_memory(self.device)
+        if hot and self.device.type == "cuda" and hasattr(self.timer, "hot"):
+            try:
+                record["hot_us"] = self.timer.hot(fn) * 1e3
+            except Exception as exc:
+                record["hot_error"] = error_text(exc)
+                torch.cuda.synchronize()
             free_memory(self.device)
 
 
@@ -470,16 +512,24 @@ def bench_model(shape, args, runner, kernel, vllm_fn, dtype, tokens, baselines, 
                             "skipped": "deadline"})
             continue
         records.extend(bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines))
+        if num_tokens in args.skewed_tokens:
+            records.extend(bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines,
+                                      routing="skewed"))
     del prob
     free_memory(device)
     return records
 
 
-def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines):
+def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baselines, routing="balanced"):
+    """Every implementation at one (model, T). routing "skewed" (see `skewed_routing`) times fused_experts only
+    (ours and grouped_mm); its records carry routing = "skewed"."""
     shape, dtype, device = prob.shape, prob.dtype, runner.device
     seed = args.seed * 1000003 + num_tokens
     x = prob.x[:num_tokens]
-    topk_ids, topk_weights = random_routing(num_tokens, shape.num_experts, shape.top_k, device, seed)
+    topk_ids, topk_weights = ROUTINGS[routing](num_tokens, shape.num_experts, shape.top_k, device, seed)
+    if routing != "balanced":
+        args = argparse.Namespace(**{**vars(args), "paths": ("fused_experts",)})
+        baselines = tuple(b for b in baselines if b == "grouped_mm")
     rows = check_rows(num_tokens, args.check_rows, device, seed)
     hit_given = int(torch.unique(topk_ids).numel())
     graph = num_tokens <= args.graph_max_tokens
@@ -487,7 +537,8 @@ def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baseli
     out = []
 
     def new(path, impl):
-        return {"model": shape.name, "tokens": num_tokens, "path": path, "impl": impl, "dtype": dtype_name}
+        return {"model": shape.name, "tokens": num_tokens, "path": path, "impl": impl, "dtype": dtype_name,
+                "routing": routing}
 
     given_ref = []  # the float64 reference of the given routing, shared by every fused_experts implementation
 
@@ -571,7 +622,7 @@ def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baseli
     if "eager" in baselines and "fused_experts" in args.paths and num_tokens <= args.eager_max_tokens:
         rec = new("fused_experts", "eager")
         runner.run(rec, lambda: eager_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights),
-                   graph=False, check=experts_check)
+                   graph=False, hot=False, check=experts_check)
         out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
                                                  runner.ceilings), runner.ceilings))
 
@@ -602,9 +653,10 @@ def _fmt(value, spec=".1f", none="-"):
     return format(value, spec)
 
 
-def _find(cells, model, tokens, path, impl, dtype):
+def _find(cells, model, tokens, path, impl, dtype, routing="balanced"):
     for c in cells:
-        if (c["model"], c["tokens"], c.get("path"), c.get("impl"), c["dtype"]) == (model, tokens, path, impl, dtype):
+        if ((c["model"], c["tokens"], c.get("path"), c.get("impl"), c["dtype"], c.get("routing", "balanced"))
+                == (model, tokens, path, impl, dtype, routing)):
             return c
     return None
 
@@ -630,7 +682,9 @@ def write_markdown(results, path):
     cells = results["cells"]
     models = list(dict.fromkeys(c["model"] for c in cells))
     lines += ["", "## Summary (the layout of docs/performance.md's current table)", ""] + summary_table(results)
-    header = ("| T | path | dtype | hit | plain | graph | floor | target | time/floor | TB/s | TFLOP/s | "
+    lines += ["", "## Side by side with issue 12's vLLM figures (hot: CUDA-graph replays of repeated calls, no L2 "
+              "flush, median)", ""] + peer_table(results)
+    header = ("| T | path | dtype | hit | plain | graph | hot | floor | target | time/floor | TB/s | TFLOP/s | "
               "grouped_mm | vs gmm | vLLM | eager | rel err | target met |")
     for model in models:
         shape = results["shapes"][model]
@@ -641,15 +695,17 @@ def write_markdown(results, path):
                 if c["model"] == model and c.get("skipped"):
                     lines.append(f"| {c['tokens']} | skipped ({c['skipped']}) |" + " |" * 15)
                 continue
-            gmm = _find(cells, model, c["tokens"], c["path"], "grouped_mm", c["dtype"]) or {}
-            vllm = _find(cells, model, c["tokens"], c["path"], "vllm", c["dtype"]) or {}
-            eager = _find(cells, model, c["tokens"], c["path"], "eager", c["dtype"]) or {}
+            routing = c.get("routing", "balanced")
+            gmm = _find(cells, model, c["tokens"], c["path"], "grouped_mm", c["dtype"], routing) or {}
+            vllm = _find(cells, model, c["tokens"], c["path"], "vllm", c["dtype"], routing) or {}
+            eager = _find(cells, model, c["tokens"], c["path"], "eager", c["dtype"], routing) or {}
             met = _met(c, "yes", "**MISS**")
             if c.get("error"):
                 met = f"error: {c['error'][:80]}"
             lines.append(
-                f"| {c['tokens']} | {c['path']} | {c['dtype']} | {c.get('experts_hit', '-')} | "
-                f"{_fmt(c.get('plain_us'))} | {_fmt(c.get('graph_us'))} | {_fmt(c.get('floor_us'))} | "
+                f"| {c['tokens']} | {c['path']}{'' if routing == 'balanced' else f' ({routing})'} | {c['dtype']} | "
+                f"{c.get('experts_hit', '-')} | {_fmt(c.get('plain_us'))} | {_fmt(c.get('graph_us'))} | "
+                f"{_fmt(c.get('hot_us'))} | {_fmt(c.get('floor_us'))} | "
                 f"{_fmt(c.get('target_us'))} | {_fmt(c.get('time_over_floor'), '.2f')} | "
                 f"{_fmt(c.get('tb_per_s'), '.2f')} | {_fmt(c.get('tflop_per_s'), '.0f')} | "
                 f"{_fmt(gmm.get('time_us'))} | {_fmt(c.get('vs_grouped_mm'), '.2f')} | "
@@ -680,6 +736,34 @@ def summary_table(results):
             row += [_fmt(c.get("time_us")), _fmt(c.get("time_over_floor"), ".2f"), met,
                     _fmt(c.get("vs_grouped_mm"), ".2f")]
         lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def peer_table(results):
+    """fused_experts hot time against issue 12's vLLM figure and this package's figure before (same method), per
+    model and T; also the L2-flushed time; ratios > 1 mean slower than the figure."""
+    cells, dtype = results["cells"], results["meta"]["dtype"]
+    lines = ["| model | T | ours hot | vLLM (issue 12) | ours / vLLM | before (issue 12) | ours / before | "
+             "ours flushed | skewed hot | skewed gmm hot |", "|" + " --- |" * 10]
+    ratios = []
+    for model, tokens in dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype):
+        c = _find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}
+        skew = _find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype, "skewed") or {}
+        skew_gmm = _find(cells, model, tokens, "fused_experts", "grouped_mm", dtype, "skewed") or {}
+        hot, vllm, before = c.get("hot_us"), VLLM_US.get((model, tokens)), BEFORE_US.get((model, tokens))
+        vs_vllm = hot / vllm if hot and vllm else None
+        vs_before = hot / before if hot and before else None
+        if vs_vllm:
+            ratios.append(vs_vllm)
+        mark = "" if vs_vllm is None or vs_vllm <= 1.0 else " **slower**"
+        lines.append(f"| {model} | {tokens} | {_fmt(hot)} | {_fmt(vllm)} | {_fmt(vs_vllm, '.3f')}{mark} | "
+                     f"{_fmt(before)} | {_fmt(vs_before, '.3f')} | {_fmt(c.get('plain_us'))} | "
+                     f"{_fmt(skew.get('hot_us'))} | {_fmt(skew_gmm.get('hot_us'))} |")
+    if ratios:
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        slower = sum(r > 1.0 for r in ratios)
+        lines += ["", f"Geometric mean ours / vLLM over {len(ratios)} cells: {geo:.3f}; cells above the vLLM figure: "
+                      f"{slower}."]
     return lines
 
 
@@ -737,7 +821,7 @@ def short_table(results):
     lines = [
         f"{_ceilings_line(results)} · {results['meta']['device']}",
         f"{'model':<15}{'T':>6} {'fe_us':>9} {'/flr':>5} {'tgt':>4} {'xgmm':>5} {'fwd_us':>9} {'/flr':>5} {'tgt':>4} "
-        f"{'xgmm':>5} {'err':>7}",
+        f"{'xgmm':>5} {'err':>7} {'fe_hot':>8} {'/vllm':>6}",
     ]
     cells, dtype = results["cells"], results["meta"]["dtype"]
     seen = list(dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype))
@@ -762,9 +846,13 @@ def short_table(results):
                 if not c.get("ok", True):
                     errors += 1
         parts.append(f"{_fmt(worst_err, '.1e'):>7}")
+        hot = (_find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}).get("hot_us")
+        vllm = VLLM_US.get((model, tokens))
+        parts.append(f"{_fmt(hot):>8} {_fmt(hot / vllm if hot and vllm else None, '.3f'):>6}")
         lines.append(" ".join(parts))
     lines.append(f"cells missing target: {misses}; cells with errors or failed checks: {errors}; "
-                 "xgmm = grouped_mm time / ours ('!' = not faster)")
+                 "xgmm = grouped_mm time / ours ('!' = not faster); fe_hot = fused_experts hot (graph of repeated calls, "
+                 "no L2 flush), /vllm = fe_hot / issue 12's vLLM figure")
     return "\n".join(lines)
 
 
