@@ -56,6 +56,16 @@ def dot_input_precision(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def has_tma(device: torch.device) -> bool:
+    """Tensor descriptors with a copy engine behind them (TMA): NVIDIA compute capability >= 9.0 (Hopper on). The
+    interpreter emulates descriptors, so it says True there too (the CPU suite runs the persistent kernel); AMD and
+    SM80 use pointer loads."""
+    if device.type != "cuda":
+        return is_interpreter()
+    return is_cuda() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
     (MI300X has FP8 matrix cores, in e4m3fnuz; a w8a8 path there is not built either) and on the interpreter. No

@@ -70,7 +70,15 @@ def tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's output tile over the tile map: (expert, -1 for a sentinel tile or one naming no expert in
     [0, E); sorted positions and their mask, inside the expert and inside C; column tile, columns and their mask)."""
-    pid_m, pid_n = tile_coords(tl.program_id(0), n_cols, max_tiles, BLOCK_N, GROUP_M)
+    return tile_setup_at(tl.program_id(0), tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols,
+                         E, max_tiles, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def tile_setup_at(tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`tile_setup` for output tile `tile_id` (persistent kernels walk several)."""
+    pid_m, pid_n = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     expert = tl.where((expert >= 0) & (expert < E), expert, -1)
     row_start = tl.load(tile_row_start_ptr + pid_m)
@@ -141,6 +149,48 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
 
 
 @triton.jit
+def tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K: tl.constexpr, GATHER_A: tl.constexpr,
+              NEEDS_ASSIGNMENT: tl.constexpr):
+    """(A row of each sorted position, its assignment (0 when not needed), the row mask): gathered rows go through
+    gather_idx (`gathered_rows`); otherwise A is in sorted order and row p is p, bounded by A's rows."""
+    if GATHER_A or NEEDS_ASSIGNMENT:
+        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    else:
+        b_assignment = tl.zeros_like(offs_m)
+    if not GATHER_A:
+        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
+    return a_rows, b_assignment, mask_m
+
+
+@triton.jit
+def tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
+                  bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
+                  preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                  TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
+                  MUL_ROUTED_WEIGHT: tl.constexpr):
+    """Bias, saved pre-activations, activation, routing weight, then the masked store of one C tile (rows outside
+    mask_m, e.g. the next expert's rows a tile load reached, are never written)."""
+    if HAS_BIAS:
+        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
+        b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
+        tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+    if ACTIVATION != 0:
+        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
+    if MUL_ROUTED_WEIGHT:
+        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
+                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
+    tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     # A: [num_a_rows, K]; with GATHER_A the row of sorted position p is gather_idx[p] // TOP_K
     a_ptr, stride_a_m, stride_a_k, num_a_rows,
@@ -181,10 +231,8 @@ def _grouped_gemm_kernel(
                                                                GROUP_M)
     if expert < 0:
         return
-    if GATHER_A or MUL_ROUTED_WEIGHT:
-        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
-    if not GATHER_A:
-        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
+    a_rows, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K,
+                                             GATHER_A, MUL_ROUTED_WEIGHT)
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
@@ -213,24 +261,10 @@ def _grouped_gemm_kernel(
         if ACTIVATION != 0:
             b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
 
-    if HAS_BIAS:
-        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
-        b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    if STORE_PREACT:
-        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
-        tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
-        tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
-    if ACTIVATION != 0:
-        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
-    if MUL_ROUTED_WEIGHT:
-        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
-                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
-        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
-    tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
+    tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
+                  bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
+                  preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                  TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT)
 
 
 def weight_strides(weight, transposed):
@@ -275,6 +309,14 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     c = out if out is not None else torch.empty((num_rows, n_cols), device=a.device, dtype=a.dtype)
     if num_rows == 0 or n_cols == 0 or info.max_tiles == 0:
         return c
+    if tile.persistent:
+        from .persistent_gemm import persistent_expert_gemm, supports  # imports this module's jit helpers
+
+        if supports(a, weight, weight_up if gated else None, transposed=transposed, gather_a=gather_a,
+                    weight_scale=weight_scale):
+            return persistent_expert_gemm(a, weight, info, tile, c, weight_up=weight_up if gated else None,
+                                          gather_a=gather_a, activation=activation, bias=bias, bias_up=bias_up,
+                                          topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
     topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)

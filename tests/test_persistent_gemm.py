@@ -1,0 +1,153 @@
+"""The persistent descriptor-fed grouped GEMM (persistent_gemm.py) against the float64 reference and the pointer kernel.
+
+The interpreter emulates tensor descriptors, so the CPU suite runs the same kernel the H200 runs at prefill. Tiles are
+forced through `fused_experts(tiles=...)` with `persistent=1` on both GEMMs; a spy records which launcher ran, so a
+silent fallback to the pointer kernel fails the test instead of passing it.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import DEVICE, ON_GPU, assert_close
+from reference import fused_experts_ref
+
+import moe_dispatch as md
+from moe_dispatch import persistent_gemm
+from moe_dispatch.moe import _run_experts  # the seed layout's entry (fused_moe_forward routes first)
+from moe_dispatch.tiles import GemmTile, MoeTiles
+
+
+@dataclasses.dataclass(frozen=True)
+class PCase:
+    id: str
+    why: str
+    T: int = 37
+    E: int = 5
+    top_k: int = 2
+    H: int = 96
+    F: int = 80
+    dtype: torch.dtype = torch.bfloat16
+    block_m: int = 16
+    layout: dict = dataclasses.field(default_factory=dict)
+
+
+CASES = [
+    PCase("concat", "the transformers layout: gate and up halves of one [E, 2F, H] weight, two descriptors on it"),
+    PCase("interleaved", "gate/up rows alternate: a descriptor row stride of 2H", layout={"interleaved": True}),
+    PCase("bias-swiglu", "GPT-OSS's epilogue (biases, clamped SwiGLU) after descriptor loads",
+          layout={"activation": "swiglu_oai", "bias": True}),
+    PCase("seed-layout", "separate gate and up weights: two descriptors over two tensors", layout={"w_up": True}),
+    PCase("bm32-fp16", "fp16, 32-row tiles: a tile's rows reach into the next expert's rows (masked at the store)",
+          dtype=torch.float16, block_m=32),
+    PCase("one-expert", "every token on one expert: most tiles of the map are sentinels the loop skips", E=4,
+          layout={"one_expert": True}),
+    PCase("K-tail", "H and F not multiples of BLOCK_K: the descriptors' zero fill past K", H=72, F=40),
+]
+
+
+class _Spy:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = persistent_gemm.persistent_expert_gemm
+
+        def spy(*args, **kwargs):
+            self.calls.append(kwargs["gather_a"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(persistent_gemm, "persistent_expert_gemm", spy)
+
+
+def _problem(case, gen):
+    E, H, F, dtype = case.E, case.H, case.F, case.dtype
+    x = torch.randn(case.T, H, generator=gen).to(DEVICE, dtype)
+    w_gate_up = (torch.randn(E, 2 * F, H, generator=gen) * 0.1).to(DEVICE, dtype)
+    w_down = (torch.randn(E, H, F, generator=gen) * 0.1).to(DEVICE, dtype)
+    ids = torch.rand(case.T, E, generator=gen).argsort(dim=1)[:, :case.top_k].to(DEVICE)
+    if case.layout.get("one_expert"):
+        ids = torch.stack([torch.full((case.T,), 1), torch.full((case.T,), 3)], dim=1)[:, :case.top_k].to(DEVICE)
+    weights = torch.rand(case.T, case.top_k, generator=gen).to(DEVICE)
+    kwargs = {k: v for k, v in case.layout.items() if k in ("interleaved", "activation")}
+    if case.layout.get("bias"):
+        kwargs["gate_up_bias"] = (torch.randn(E, 2 * F, generator=gen) * 0.1).to(DEVICE, dtype)
+        kwargs["down_bias"] = (torch.randn(E, H, generator=gen) * 0.1).to(DEVICE, dtype)
+    return x, w_gate_up, w_down, ids, weights, kwargs
+
+
+def _tiles(block_m, persistent):
+    return MoeTiles(block_m, GemmTile(32, 32, group_m=2, persistent=persistent),
+                    GemmTile(32, 64, group_m=2, persistent=persistent))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_persistent_matches_reference_and_pointer_kernel(case, monkeypatch, poison_empty):
+    gen = torch.Generator().manual_seed(0)
+    x, w_gate_up, w_down, ids, weights, kwargs = _problem(case, gen)
+    F = case.F
+    if case.layout.get("w_up"):  # seed layout: gate and up as two tensors
+        w_gate, w_up = w_gate_up[:, :F].contiguous(), w_gate_up[:, F:].contiguous()
+        run = lambda tiles: _run_experts(x, w_gate, w_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
+    else:
+        run = lambda tiles: md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
+    spy = _Spy(monkeypatch)
+    out = run(_tiles(case.block_m, 1))
+    assert spy.calls == [True, False], "both GEMMs must run the persistent kernel (GEMM1 gathered, GEMM2 not)"
+    ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs)
+    assert_close(out, ref)
+    pointer = run(_tiles(case.block_m, 0))
+    assert_close(out, pointer)
+
+
+def test_persistent_nan_row_stays_in_its_token(monkeypatch):
+    """A NaN token row gives NaN in its own output row only, though descriptor tiles read rows of other tokens."""
+    case = CASES[0]
+    gen = torch.Generator().manual_seed(1)
+    x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)
+    x[5] = float("nan")
+    spy = _Spy(monkeypatch)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, 1))
+    assert spy.calls == [True, False]
+    assert torch.isnan(out[5]).all()
+    others = torch.cat([out[:5], out[6:]])
+    assert not torch.isnan(others).any()
+
+
+def test_persistent_saves_preactivations_for_training(monkeypatch):
+    """With a gradient wanted, GEMM1's epilogue also stores the pre-activations; the gradients match the pointer
+    kernel's forward (the backward kernels are the same)."""
+    case = CASES[0]
+    gen = torch.Generator().manual_seed(2)
+    x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)
+    grads = []
+    spy = _Spy(monkeypatch)
+    for persistent in (1, 0):
+        xs = x.clone().requires_grad_(True)
+        md.fused_experts(xs, w_gate_up, w_down, ids, weights, tiles=_tiles(16, persistent)).float().sum().backward()
+        grads.append(xs.grad)
+    assert spy.calls == [True, False]
+    assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("layout", ["transposed", "fp32"])
+def test_layouts_without_descriptors_fall_back(layout, monkeypatch):
+    """Transposed weights (K not contiguous) and fp32 run the pointer kernel even when the tile asks for persistent."""
+    case = CASES[0]
+    gen = torch.Generator().manual_seed(3)
+    x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)
+    kwargs = {}
+    if layout == "transposed":
+        w_gate_up, w_down, kwargs = w_gate_up.transpose(1, 2), w_down.transpose(1, 2), {"transposed": True}
+    else:
+        x, w_gate_up, w_down = x.float(), w_gate_up.float(), w_down.float()
+    spy = _Spy(monkeypatch)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, 1), **kwargs)
+    assert spy.calls == []
+    ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs)
+    assert_close(out, ref)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's answer; a GPU answers by its compute capability")
+def test_interpreter_reports_descriptor_support():
+    from moe_dispatch._device import has_tma
+
+    assert has_tma(torch.device("cpu"))

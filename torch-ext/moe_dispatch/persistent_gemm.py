@@ -1,0 +1,179 @@
+"""The grouped GEMM as a persistent kernel fed by tensor descriptors (TMA on Hopper): the prefill variant.
+
+`_grouped_gemm_kernel` (grouped_gemm.py) launches one program per output tile and loads every operand through
+pointers; on an H200 that shape of kernel stays near 70% of the tensor cores on a plain GEMM, while a persistent
+kernel (one program per SM walking tiles in grouped order) whose operands arrive through descriptors matches cuBLAS
+(../docs/performance.md, "Prefill"). This kernel is that variant of the same computation:
+
+- Weight tiles [BLOCK_N, BLOCK_K] come through a 2-D descriptor over the expert-stacked weight, viewed as
+  [(E - 1) * rows_per_expert + n_cols, K] with row stride stride_n: expert e's row j is descriptor row
+  e * rows_per_expert + j. A tile that runs past the view's n_cols reads the next rows of the same allocation (the up
+  half after the gate half, the next expert) or the descriptor's zero fill past the last expert: those columns are
+  masked at the store. K past the end is zero-filled.
+- A rows: gathered through gather_idx with pointer loads when GATHER_A (Hopper's TMA has no row gather), else
+  [BLOCK_M, BLOCK_K] descriptor tiles of the expert-sorted rows starting at the tile's first row; rows of the next
+  expert that such a tile reaches are computed and never stored (the epilogue's row mask).
+- The epilogue (bias, saved pre-activations, activation, routing weight, masked pointer store) is grouped_gemm's.
+
+It takes the same tile map (dispatch.DispatchInfo) and the same flags as `_grouped_gemm_kernel` minus float8 weights,
+and requires what descriptors require: K contiguous (stride 1), the other strides and the base 16-byte aligned, and
+rows_per_expert = stride_e / stride_n an integer; `expert_gemm` falls back to the pointer kernel otherwise.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._device import has_tma, num_sms
+from .grouped_gemm import ACTIVATIONS, dot_options, tile_coords, tile_epilogue, tile_rows, tile_setup_at
+
+INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles
+
+
+@triton.jit
+def _persistent_grouped_gemm_kernel(
+    # A [num_a_rows, K]: a_desc ([BLOCK_M, BLOCK_K] tiles) unless GATHER_A, when rows come through gather_idx
+    a_ptr, a_desc, stride_a_m, stride_a_k, num_a_rows,
+    # weights through descriptors of [BLOCK_N, BLOCK_K] tiles; expert e's row j is row e * w_rows_per_expert + j
+    w_desc, w_up_desc, w_rows_per_expert,
+    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    c_ptr, stride_c_m, stride_c_n, num_rows,
+    preact_ptr, stride_preact_m,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
+    topk_weights_ptr, stride_topk_t, stride_topk_k, num_tokens,
+    n_cols, K, E, max_tiles,
+    alpha, limit,
+    TOP_K: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: (NUM_PROGRAMS,). Program p computes output tiles p, p + NUM_PROGRAMS, ... of the
+    max_tiles * cdiv(n_cols, BLOCK_N) tiles (in tile_coords' grouped order); sentinel tiles are skipped."""
+    num_tiles = max_tiles * tl.cdiv(n_cols, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup_at(
+            tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+            BLOCK_M, BLOCK_N, GROUP_M)
+        if expert >= 0:
+            a_rows, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K,
+                                                     GATHER_A, MUL_ROUTED_WEIGHT)
+            pid_m, _ = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
+            row_start = tl.load(tile_row_start_ptr + pid_m)
+            w_row = expert * w_rows_per_expert + pid_n * BLOCK_N
+            a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k
+            b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if GATHER_A:
+                    if EVEN_K:
+                        b_a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                    else:
+                        b_a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
+                    a_ptrs += BLOCK_K * stride_a_k
+                else:
+                    b_a = a_desc.load([row_start, k0])
+                b_w = w_desc.load([w_row, k0])
+                if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
+                    b_a = b_a.to(tl.float32)
+                    b_w = b_w.to(tl.float32)
+                b_acc = tl.dot(b_a, b_w.T, b_acc)
+                if ACTIVATION != 0:
+                    b_wu = w_up_desc.load([w_row, k0])
+                    if DOT_FP32:
+                        b_wu = b_wu.to(tl.float32)
+                    b_acc_up = tl.dot(b_a, b_wu.T, b_acc_up)
+            tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
+                          bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
+                          preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k,
+                          alpha, limit, TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT)
+
+
+def _aligned(t):
+    return t.data_ptr() % 16 == 0
+
+
+def _descriptor_rows(weight, n_cols):
+    """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see the module docstring) and rows per expert;
+    None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
+    whole number of rows apart)."""
+    stride_e, stride_n, stride_k = weight.stride()
+    size = weight.element_size()
+    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not _aligned(weight):
+        return None
+    rows_per_expert = stride_e // stride_n
+    return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
+
+
+def supports(a, weight, weight_up, *, transposed, gather_a, weight_scale):
+    """Whether the persistent descriptor kernel can run this GEMM (else `expert_gemm` uses the pointer kernel)."""
+    if transposed or weight_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not has_tma(a.device) or a.shape[1] == 0 or weight.shape[0] == 0:
+        return False
+    n_cols = weight.shape[1]
+    if _descriptor_rows(weight, n_cols) is None:
+        return False
+    if weight_up is not None and (not _aligned(weight_up) or weight_up.stride() != weight.stride()):
+        return False
+    if not gather_a and (a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or not _aligned(a)):
+        return False
+    return True
+
+
+def persistent_expert_gemm(a, weight, info, tile, c, *, weight_up, gather_a, activation, bias, bias_up, topk_weights,
+                           alpha, limit, preact):
+    """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, already checked by
+    `supports`; weight is [E, n, K]). Returns c."""
+    K = a.shape[1]
+    n_cols = weight.shape[1]
+    gated = ACTIVATIONS[activation] != 0
+    w_rows, rows_per_expert = _descriptor_rows(weight, n_cols)
+    w_block = [tile.block_n, tile.block_k]
+    w_desc = TensorDescriptor(weight, [w_rows, K], [weight.stride(1), 1], w_block)
+    w_up_desc = TensorDescriptor(weight_up, [w_rows, K], [weight.stride(1), 1], w_block) if gated else w_desc
+    a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
+    dot_fp32, _ = dot_options(a.dtype)
+    num_tiles = info.max_tiles * triton.cdiv(n_cols, tile.block_n)
+    programs = INTERPRETER_PROGRAMS if a.device.type != "cuda" else num_sms(a.device)
+    programs = max(1, min(programs, num_tiles))
+    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    _persistent_grouped_gemm_kernel[(programs,)](
+        a, a_desc, a.stride(0), a.stride(1), a.shape[0],
+        w_desc, w_up_desc, rows_per_expert,
+        bias, bias_up if bias_up is not None else bias,
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        c, c.stride(0), c.stride(1), c.shape[0],
+        preact, preact.stride(0) if preact is not None else 0,
+        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
+        topk_weights, topk_t, topk_k, info.num_tokens,
+        n_cols, K, info.num_experts, info.max_tiles,
+        float(alpha), float(limit),
+        TOP_K=info.top_k,
+        GATHER_A=gather_a,
+        ACTIVATION=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None,
+        STORE_PREACT=preact is not None,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        EVEN_K=K % tile.block_k == 0,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=info.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return c
