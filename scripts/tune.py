@@ -237,13 +237,22 @@ def dump_table(table):
         pad = " " * indent
         return "[\n" + ",\n".join(pad + "  " + json.dumps(b) for b in buckets) + "\n" + pad + "]"
 
+    def shapes_text(shapes, indent):
+        pad = " " * indent
+        return "{\n" + ",\n".join(f'{pad}  {json.dumps(k)}: {buckets_text(v, indent + 2)}'
+                                    for k, v in shapes.items()) + "\n" + pad + "}"
+
     lines = []
     for key, value in table.items():
         if key == "buckets":
             lines.append(f'  "buckets": {buckets_text(value, 2)}')
         elif key == "shapes":
-            shapes = ",\n".join(f'    {json.dumps(k)}: {buckets_text(v, 4)}' for k, v in value.items())
-            lines.append('  "shapes": {\n' + shapes + "\n  }")
+            lines.append(f'  "shapes": {shapes_text(value, 2)}')
+        elif key == "decode":  # the decode path's entry (tiles.select_decode_tiles), same layout one level down
+            parts = [f'    "buckets": {buckets_text(value["buckets"], 4)}']
+            if value.get("shapes"):
+                parts.append(f'    "shapes": {shapes_text(value["shapes"], 4)}')
+            lines.append('  "decode": {\n' + ",\n".join(parts) + "\n  }")
         else:
             lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"

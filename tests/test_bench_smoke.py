@@ -13,7 +13,7 @@ import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
 import bench
 import pytest
 import torch
-from helpers import DEVICE
+from helpers import DEVICE, TOLERANCE
 from model_shapes import MODEL_SHAPES, shrunk
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,3 +206,59 @@ def test_gpu_only_scripts_start(launcher):
     run = subprocess.run(["bash", str(root / "scripts" / launcher), "--help"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and "--models" in run.stdout, run.stderr[-2000:]
+
+
+def test_sweep_decode_smoke(tmp_path):
+    """scripts/sweep_decode.py --cpu-smoke on one tiny model: the outputs are written, every candidate's output was
+    checked, and the table it writes selects the decode path through the package's own code."""
+    import sweep_decode
+
+    kernel = bench.load_kernel()
+    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["DecodeTiles"])
+    argv = ["--cpu-smoke", "--models", "gpt-oss-120b", "--tokens", "1,2", "--candidates", "2", "--out",
+            str(tmp_path)]
+    results = sweep_decode.main(argv, kernel=kernel)
+    for cell in results["cells"]:
+        assert cell["general"]["rel_err"] <= TOLERANCE[torch.bfloat16], cell
+        assert len(cell["decode"]["gate_up"]) == len(cell["decode"]["down"]) == 2
+        assert cell["best"]["rel_err"] <= TOLERANCE[torch.bfloat16], cell
+    assert str(tmp_path) not in json.dumps(results["meta"])
+    data = json.loads((tmp_path / "sweep_decode.json").read_text())
+    assert [c["tokens"] for c in data["cells"]] == [1, 2]
+    assert "| gpt-oss-120b | 2 | 8 |" in (tmp_path / "sweep_decode.md").read_text()
+    entry = json.loads((tmp_path / "decode_entry.json").read_text())["decode"]
+    table = json.loads((tmp_path / "interpreter.json").read_text())
+    assert table["decode"] == entry and table["buckets"] == tiles.load_table("interpreter")["buckets"]
+    for bucket in entry["buckets"] + [b for buckets in entry["shapes"].values() for b in buckets]:
+        tiles.DecodeTiles.from_dict(bucket)
+
+
+def _sweep_record(model, shape, tokens, top_k, decode_us, general_us, tiles=(32, 64)):
+    """A measured cell as sweep_decode writes it, with a decode sweep of two candidates per kernel."""
+    gate_up = {"block_n": tiles[0], "block_k": 128, "num_warps": 4, "num_stages": 3}
+    down = {"block_n": tiles[1], "block_k": 128, "num_warps": 4, "num_stages": 3}
+    sweep = [{"tile": f"{tiles[0]}/128/4/3", "graph_us": decode_us}, {"tile": "other", "graph_us": 2 * decode_us}]
+    return {"model": model, "shape": shape, "tokens": tokens, "assignments": tokens * top_k,
+            "general": {"graph_us": general_us}, "decode": {"gate_up": sweep, "down": sweep},
+            "best": {"tiles": {"gate_up": gate_up, "down": down}, "graph_us": decode_us}}
+
+
+def test_sweep_decode_entry_rules():
+    """Per shape: buckets up to the last T of an unbroken run of decode wins, equal neighbours merged; a shape that
+    never wins opts out with []; the generic limit is the smallest shape limit (0: no generic bucket)."""
+    import sweep_decode
+
+    kernel = bench.load_kernel()
+    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["DecodeTile"])
+    cands = [tiles.DecodeTile(32, 128, 4, 3), tiles.DecodeTile(64, 128, 4, 3)]
+    cells = [_sweep_record("a", "8,64,32", 1, 2, 5.0, 9.0), _sweep_record("a", "8,64,32", 2, 2, 6.0, 9.0),
+             _sweep_record("a", "8,64,32", 4, 2, 7.0, 9.0, tiles=(64, 64)),
+             _sweep_record("a", "8,64,32", 8, 2, 10.0, 9.0), _sweep_record("a", "8,64,32", 16, 2, 5.0, 9.0),
+             _sweep_record("b", "16,32,32", 1, 4, 5.0, 9.0), _sweep_record("b", "16,32,32", 2, 4, 5.0, 9.0)]
+    entry = sweep_decode.build_entry(cells, cands, cands)
+    assert [b["max_assignments"] for b in entry["shapes"]["8,64,32"]] == [4, 8]  # T = 1, 2 merged; T = 8 loses
+    assert [b["max_assignments"] for b in entry["shapes"]["16,32,32"]] == [8]
+    (generic,) = entry["buckets"]
+    assert generic["max_assignments"] == 8 and generic["gate_up"]["block_n"] == 32
+    never = sweep_decode.build_entry(cells + [_sweep_record("c", "4,8,8", 1, 1, 9.0, 5.0)], cands, cands)
+    assert never["shapes"]["4,8,8"] == [] and never["buckets"] == []

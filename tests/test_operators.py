@@ -14,6 +14,7 @@ from moe_dispatch import binned as binned_ops
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.grouped_gemm import _grouped_gemm_op
 from moe_dispatch.row_copies import BINNED, PADDED
+from moe_dispatch.tiles import select_tiles
 
 E, TOP_K, H, F = 4, 2, 16, 8
 
@@ -44,8 +45,9 @@ def _segments(T):
     return permuted, offsets, sorted_idx
 
 
-OPERATOR_CASES = ["fused_experts", "fused_experts-inference", "fused_experts-fp8", "fused_experts_backward", "route", "grouped_gemm",
-                  "expert_ffn", "fused_expert_ffn", "row_gather-binned", "row_scatter-binned", "row_wgrad-padded"]
+OPERATOR_CASES = ["fused_experts", "fused_experts-inference", "fused_experts-inference-general", "fused_experts-fp8",
+                  "fused_experts_backward", "route", "grouped_gemm", "expert_ffn", "fused_expert_ffn",
+                  "row_gather-binned", "row_scatter-binned", "row_wgrad-padded"]
 
 
 def _operator_case(name):
@@ -76,7 +78,11 @@ def _operator_case(name):
          (padded, torch.randn(5, H, device=DEVICE), indices, bins, padded_bins, PADDED.value, TOP_K, 0,
           torch.float32)),
         ("fused_experts", moe._fused_experts_op, _experts_args(5, requires_grad=True, save_preact=True)),
+        # at T = 5 the interpreter's table picks the decode path; the general one is forced by its tiles
         ("fused_experts-inference", moe._fused_experts_op, _experts_args(5, requires_grad=False, save_preact=False)),
+        ("fused_experts-inference-general", moe._fused_experts_op,
+         (*_experts_args(5, requires_grad=False, save_preact=False)[:13],
+          select_tiles(torch.device(DEVICE), 5, TOP_K, E, F, H).to_list(), False)),
         ("fused_experts-fp8", moe._fused_experts_op, _fp8_experts_args(5)),
         ("fused_experts_backward", moe._fused_experts_backward_op,
          (torch.randn(5, H, device=DEVICE), x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
@@ -128,6 +134,23 @@ def test_compile_fused_experts_forward_backward():
         assert torch.equal(out, eager)
         for got, ref in zip(grads, eager_grads):
             assert torch.equal(got, ref)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_compile_fused_experts_inference():
+    """Inference compiles across the decode path's limit (N <= 64 on the interpreter's table, then the general path):
+    fullgraph, one dynamic graph, equal to eager."""
+    w_gate_up = torch.randn(E, 2 * F, H, device=DEVICE) * 0.3
+    w_down = torch.randn(E, H, F, device=DEVICE) * 0.3
+
+    def layer(x, ids, weights):
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights)
+
+    compiled = _compile(layer)
+    with torch.no_grad():
+        for T in (3, 5, 9, 40):
+            x, ids, weights = torch.randn(T, H, device=DEVICE), _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+            assert torch.equal(compiled(x, ids, weights), layer(x, ids, weights))
     assert counters["stats"]["unique_graphs"] <= 2
 
 

@@ -7,15 +7,16 @@ import os
 import pytest
 import torch
 
-from moe_dispatch import tiles
+from moe_dispatch import decode, tiles
 
 CONFIG_DIR = os.path.join(os.path.dirname(tiles.__file__), "configs")
 # Shared memory per block each table's device offers (bytes): SM90 227 KB, SM80 163 KB, gfx942 LDS 64 KB.
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
 TABLES = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
-RUNTIME_KEYS = {"device", "measured", "note", "buckets", "shapes"}  # a tuning run's log goes to docs/results/
+RUNTIME_KEYS = {"device", "measured", "note", "buckets", "shapes", "decode"}  # a tuning run's log: docs/results/
 BUCKET_KEYS = {"max_rows_per_expert", "block_m", "gate_up", "down"}
+DECODE_BUCKET_KEYS = {"max_assignments", "gate_up", "down"}
 
 
 def _buckets(table):
@@ -55,6 +56,48 @@ def test_selected_tiles_fit_shared_memory(name, dtype, monkeypatch):
             assert chosen.block_m == bucket["block_m"]
             for factor, gemm in ((2, chosen.gate_up), (1, chosen.down)):
                 smem = gemm.num_stages * (chosen.block_m + factor * gemm.block_n) * gemm.block_k * itemsize
+                assert limit is None or smem <= limit, (name, dtype, bucket, smem)
+
+
+def _decode_buckets(table):
+    """(E, F, H) or None for the generic list, and that list's decode buckets (none without a decode entry)."""
+    decode_entry = table.get("decode")
+    if decode_entry is None:
+        return
+    yield None, decode_entry["buckets"]
+    for shape, buckets in decode_entry.get("shapes", {}).items():
+        yield tuple(int(n) for n in shape.split(",")), buckets
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
+    table = tiles.load_table(name)
+    assert set(table.get("decode", {})) <= {"buckets", "shapes"}
+    for _, buckets in _decode_buckets(table):
+        limits = [b["max_assignments"] for b in buckets]
+        assert limits == sorted(limits) and all(0 < n <= decode.MAX_ASSIGNMENTS for n in limits), (name, limits)
+        for bucket in buckets:
+            assert set(bucket) == DECODE_BUCKET_KEYS, (name, bucket)
+            tiles.DecodeTiles.from_dict(bucket)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", TABLES)
+def test_selected_decode_tiles_fit_shared_memory(name, dtype, monkeypatch):
+    """At each bucket's largest N with top_k = 1 (the most x rows, BLOCK_T = N): num_stages copies of the x tile and
+    the gate and up tiles (gate/up kernel), of the weight tile (down kernel, pipelined loads), in the dtype's bytes."""
+    monkeypatch.setattr(tiles, "device_key", lambda device: name)
+    limit = SMEM_LIMIT[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for shape, buckets in _decode_buckets(tiles.load_table(name)):
+        E, F, H = shape or (8, 256, 512)
+        for bucket in buckets:
+            num_tokens = bucket["max_assignments"]
+            chosen = tiles.select_decode_tiles(torch.device("cpu"), num_tokens, 1, E, F, H, dtype)
+            block_t = max(16, 1 << (num_tokens - 1).bit_length())
+            gate_up, down = chosen.gate_up, chosen.down
+            for smem in (gate_up.num_stages * (block_t + 2 * gate_up.block_n) * gate_up.block_k * itemsize,
+                         down.num_stages * down.block_n * down.block_k * itemsize):
                 assert limit is None or smem <= limit, (name, dtype, bucket, smem)
 
 

@@ -9,6 +9,9 @@ Pipeline (each stage a module; `moe.py` only composes them)::
                          GEMM2: x w_down, routed weight in the epilogue        -> [T*k, H] in expert order
       -> combine.py      deterministic sum of each token's k rows (fp32)      -> out [T, H]
 
+At a few tokens in inference, decode.py replaces dispatch, the grouped GEMMs and combine with two launches (gate/up
+per expert hit, then down + weighted sum per token); the tile tables choose (tiles.py).
+
 fp8.py holds the FP8 weight formats (quantizer, checks); the grouped GEMMs dequantize fp8 weights in their loads.
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
 

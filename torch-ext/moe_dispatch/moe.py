@@ -2,7 +2,8 @@
 
   fused_moe_forward = routing's `route` operator -> the experts operator
   fused_experts     = operator `fused_experts`: dispatch.dispatch -> GEMM1 (gather + gate/up + activation, the
-                      pre-activations saved when a gradient is needed) -> GEMM2 (down, routed weight) -> combine
+                      pre-activations saved when a gradient is needed) -> GEMM2 (down, routed weight) -> combine;
+                      at a few tokens in inference, decode.decode_experts instead (two launches, no dispatch)
                       backward: operator `fused_experts_backward` (kernels in experts_backward.py)
   fused_expert_ffn / expert_ffn_triton: the v1 functions that start from already-permuted rows (forward only).
 
@@ -19,12 +20,13 @@ from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_floa
 from ._library import call, custom_op
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
+from .decode import MAX_ASSIGNMENTS, decode_experts
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
 from .fp8 import WeightScale, check_block_shape, check_fp8_weight, infer_scheme, is_fp8
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
-from .tiles import MoeTiles, select_tiles
+from .tiles import DecodeTiles, MoeTiles, select_decode_tiles, select_tiles, tiles_from_list
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -62,10 +64,12 @@ def _fused_experts_op(
     w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
     fp8_block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (out [T, H], preact [N, 2F] or [0], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
+    """x [T, H] -> (out [T, H], preact [N, 2F], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
 
     w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
-    [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs.
+    [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs; without save_preact they
+    are empty ([0]) and the decode path (decode.py) may run instead of the four launches (`_decode_tiles`).
+    `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
     float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
     inputs that need no gradient and save_preact False.
     """
@@ -76,18 +80,49 @@ def _fused_experts_op(
     axis = 2 if transposed else 1
     w_gate, w_up = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
-    moe_tiles = MoeTiles.from_list(tiles) if tiles is not None else select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+    forced = tiles_from_list(tiles) if tiles is not None else None
+    float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
+    decode_tiles = _decode_tiles(forced, x, T, top_k, E, F, H) if float_weights and not save_preact else None
+    if decode_tiles is not None:
+        out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, decode_tiles, transposed=transposed,
+                             activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
+                             alpha=alpha, limit=limit)
+        return (out, *_no_backward_outputs(x))
+    if isinstance(forced, MoeTiles):
+        moe_tiles = forced
+    else:
+        moe_tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
     info = dispatch(topk_ids, E, moe_tiles.block_m)
-    preact = torch.empty((T * top_k, 2 * F) if save_preact else (0,), device=x.device, dtype=x.dtype)
+    preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
     gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
                                                transposed)
     intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
                                gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias, alpha=alpha,
-                               limit=limit, preact=preact if save_preact else None, weight_scale=gate_up_scale)
+                               limit=limit, preact=preact, weight_scale=gate_up_scale)
     y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
                     topk_weights=topk_weights, weight_scale=down_scale)
     out = combine(y, info.scatter_idx, T, top_k)
+    if not save_preact:
+        return (out, *_no_backward_outputs(x))
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
+
+
+def _decode_tiles(forced, x, num_tokens, top_k, num_experts, ffn, hidden):
+    """Tiles of the decode path when this call takes it, else None (the caller has checked that no gradient will be
+    needed and that the weights are float). It runs up to decode.MAX_ASSIGNMENTS assignments when forced by a
+    `DecodeTiles`, never when forced by a `MoeTiles`, and otherwise where the device's table has a decode bucket
+    (tiles.select_decode_tiles)."""
+    if num_tokens * top_k > MAX_ASSIGNMENTS or isinstance(forced, MoeTiles):
+        return None
+    if isinstance(forced, DecodeTiles):
+        return forced
+    return select_decode_tiles(x.device, num_tokens, top_k, num_experts, ffn, hidden, x.dtype)
+
+
+def _no_backward_outputs(x):
+    """The four outputs only the backward reads, when none will run: empty tensors (no launch, no copy)."""
+    index = dict(dtype=torch.int32, device=x.device)
+    return x.new_empty((0,)), torch.empty(0, **index), torch.empty(0, **index), torch.empty(0, **index)
 
 
 def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interleaved, transposed):
@@ -107,11 +142,13 @@ def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interlea
 def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
       transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None):
     T, H = x.shape
+    if not save_preact:
+        return (x.new_empty((T, H)), *_no_backward_outputs(x))
     N = T * topk_ids.shape[1]
     F = _ffn_size(w_down, transposed)
     index = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty((T, H)), x.new_empty((N, 2 * F) if save_preact else (0,)),
-            torch.empty(w_down.shape[0] + 1, **index), torch.empty(N, **index), torch.empty(N, **index))
+    return (x.new_empty((T, H)), x.new_empty((N, 2 * F)), torch.empty(w_down.shape[0] + 1, **index),
+            torch.empty(N, **index), torch.empty(N, **index))
 
 
 # Gradient slots of `_fused_experts_backward_op` and the forward inputs they belong to.
@@ -280,7 +317,7 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                  validate=None, validate_ids=None, tiles: MoeTiles | None = None, w_gate_up_scale=None,
+                  validate=None, validate_ids=None, tiles: MoeTiles | DecodeTiles | None = None, w_gate_up_scale=None,
                   w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
@@ -292,7 +329,10 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     Ids outside [0, E) contribute nothing. Checking for them costs a device-to-host sync, so `validate=None` raises
     only when the ids are on the CPU; True always checks, False never (expert-parallel sentinels). `validate_ids` is
     the deprecated v1.0 spelling of `validate`.
-    `tiles` forces a tile configuration (tuning and tests). Returns out [..., H] in hidden_states' dtype.
+    `tiles` forces a tile configuration (tuning and tests): a `tiles.MoeTiles` the four-launch path (dispatch, two
+    grouped GEMMs, combine), a `tiles.DecodeTiles` the two-launch decode path (decode.py) wherever that applies (no
+    gradient needed, float weights, T * top_k <= decode.MAX_ASSIGNMENTS = 256; elsewhere the tables' tiles run); by
+    default the device's tile table chooses. Returns out [..., H] in hidden_states' dtype.
 
     Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
     experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
@@ -339,7 +379,8 @@ def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
 
 def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_experts, top_k, gating="softmax", *,
                       renormalize=None, router_bias=None, n_group=None, topk_group=None, e_score_correction_bias=None,
-                      routed_scaling_factor=1.0, capacity_factor=None, tiles: MoeTiles | None = None):
+                      routed_scaling_factor=1.0, capacity_factor=None,
+                      tiles: MoeTiles | DecodeTiles | None = None):
     """Whole MoE layer (v1 API): route, then run the experts.
 
     hidden_states [..., H], router_weight [E, H], w_gate and w_up [E, F, H], w_down [E, H, F]. Routing semantics are

@@ -12,6 +12,17 @@ of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,
 The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A table
 also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown devices fall back to
 `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
+
+An optional `decode` entry turns on the two-launch decode path (decode.py) for small problems, keyed by the number of
+assignments N = T * top_k, optionally per model shape::
+
+    "decode": {"buckets": [{"max_assignments": 64,
+                            "gate_up": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
+                            "down":    {...}}],
+               "shapes": {"8,14336,4096": [<buckets>]}}
+
+The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
+the entry) the general path runs. `scripts/sweep_decode.py` measures the entry.
 """
 
 import dataclasses
@@ -71,6 +82,49 @@ class MoeTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """Launch parameters of one decode kernel: BLOCK_N output columns per program, BLOCK_K of the reduction per step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# First element of `DecodeTiles.to_list()`: a block_m of 0 (the decode path has no row tiles) tells it from MoeTiles'.
+DECODE_MARKER = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    """Tiles of the two-launch decode path (decode.py): the gate/up kernel's and the down kernel's."""
+
+    gate_up: DecodeTile
+    down: DecodeTile
+
+    @classmethod
+    def from_dict(cls, entry):
+        return cls(gate_up=DecodeTile(**entry["gate_up"]), down=DecodeTile(**entry["down"]))
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_list(self) -> list[int]:
+        """Flat ints (DECODE_MARKER, then each kernel's fields in order): the form custom operators take."""
+        return [DECODE_MARKER, *dataclasses.astuple(self.gate_up), *dataclasses.astuple(self.down)]
+
+    @classmethod
+    def from_list(cls, values):
+        n = len(dataclasses.fields(DecodeTile))
+        return cls(DecodeTile(*values[1:1 + n]), DecodeTile(*values[1 + n:1 + 2 * n]))
+
+
+def tiles_from_list(values) -> "MoeTiles | DecodeTiles":
+    """The tiles an operator received as flat ints (`MoeTiles.to_list` or `DecodeTiles.to_list`)."""
+    return DecodeTiles.from_list(values) if values[0] == DECODE_MARKER else MoeTiles.from_list(values)
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightGradTile:
     """Launch parameters of the per-expert weight-gradient GEMM: a [block_i, block_j] tile of dW[e], reduced over the
     expert's rows block_p at a time."""
@@ -113,6 +167,11 @@ def load_table(key: str) -> dict:
         return json.load(f)
 
 
+def _wide_k(block_k, dtype):
+    """Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes."""
+    return max(16, block_k // 2) if torch.empty((), dtype=dtype).element_size() > 2 else block_k
+
+
 def _pick_bucket(buckets, rows_per_expert):
     for bucket in buckets:
         if rows_per_expert <= bucket["max_rows_per_expert"]:
@@ -125,16 +184,27 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
     """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads).
 
     Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes of shared
-    memory (the full tile would not fit the pipeline on the H200).
+    memory (the full tile would not fit the pipeline on the H200; `_wide_k`).
     """
     table = load_table(device_key(device))
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     rows_per_expert = -(-num_tokens * top_k // num_experts)
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
-    if torch.empty((), dtype=dtype).element_size() > 2:
-        tiles = dataclasses.replace(
-            tiles,
-            gate_up=dataclasses.replace(tiles.gate_up, block_k=max(16, tiles.gate_up.block_k // 2)),
-            down=dataclasses.replace(tiles.down, block_k=max(16, tiles.down.block_k // 2)),
-        )
-    return tiles
+    gate_up, down = (dataclasses.replace(g, block_k=_wide_k(g.block_k, dtype)) for g in (tiles.gate_up, tiles.down))
+    return dataclasses.replace(tiles, gate_up=gate_up, down=down)
+
+
+def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
+                        dtype: torch.dtype = torch.bfloat16) -> DecodeTiles | None:
+    """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
+    `decode` entry, or N = num_tokens * top_k past its last bucket). Host-side arithmetic only."""
+    decode = load_table(device_key(device)).get("decode")
+    if decode is None:
+        return None
+    buckets = decode.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", decode["buckets"])
+    for bucket in buckets:
+        if num_tokens * top_k <= bucket["max_assignments"]:
+            tiles = DecodeTiles.from_dict(bucket)
+            return DecodeTiles(*(dataclasses.replace(d, block_k=_wide_k(d.block_k, dtype))
+                                 for d in (tiles.gate_up, tiles.down)))
+    return None
