@@ -461,33 +461,45 @@ def _expert_scale(scale, e):
 def fused_experts_w8a8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, w_gate_up_scale,
                            w_down_scale, groups, fp8_block_shape=(128, 128), gate_up_input_scale=None,
                            down_input_scale=None, activation="silu", gate_up_bias=None, down_bias=None,
-                           interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0):
+                           interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
+                           experts_per_chunk=16):
     """The w8a8 path's arithmetic in float64 except its quantizations: x rows quantized per `groups[0]` columns (or
     with gate_up_input_scale), GEMM1 on the dequantized weights, bias, activation, the intermediate (rounded to fp32,
-    as the kernel holds it) quantized per `groups[1]` columns (or with down_input_scale), GEMM2, down bias. One
-    expert's weights are dequantized at a time. -> [T, H] float64."""
+    as the kernel holds it) quantized per `groups[1]` columns (or with down_input_scale), GEMM2, down bias. The
+    weights are dequantized `experts_per_chunk` experts at a time. -> [T, H] float64."""
     n_axis = 2 if transposed else 1
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids = topk_ids.detach().long()
     weights = _f64(topk_weights)
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for e in ids.unique().tolist():
-        if not 0 <= e < w_down.shape[0]:
+    hit = [e for e in ids.unique().tolist() if 0 <= e < w_down.shape[0]]
+    for start in range(0, w_down.shape[0], experts_per_chunk):
+        chunk = [e for e in hit if start <= e < start + experts_per_chunk]
+        if not chunk:
             continue
-        w1 = dequantize_fp8_ref(w_gate_up[e:e + 1], w_gate_up_scale[e:e + 1], fp8_block_shape, n_axis=n_axis)
-        w2 = dequantize_fp8_ref(w_down[e:e + 1], w_down_scale[e:e + 1], fp8_block_shape, n_axis=n_axis)
-        bias = gate_up_bias[e:e + 1] if gate_up_bias is not None else None
+        part = slice(start, start + experts_per_chunk)
+        w1 = dequantize_fp8_ref(w_gate_up[part], w_gate_up_scale[part], fp8_block_shape, n_axis=n_axis)
+        w2 = dequantize_fp8_ref(w_down[part], w_down_scale[part], fp8_block_shape, n_axis=n_axis)
+        bias = gate_up_bias[part] if gate_up_bias is not None else None
         gate, up, down, (gate_bias, up_bias) = split_gate_up_ref(w1, w2, bias, interleaved=interleaved,
                                                                  transposed=transposed)
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        rows = quantize_fp8_groups_ref(x[token], groups[0], _expert_scale(gate_up_input_scale, e))
-        g, u = rows @ gate[0].T, rows @ up[0].T
-        if gate_bias is not None:
-            g, u = g + _f64(gate_bias[0]), u + _f64(up_bias[0])
-        h = _activation(g, u, activation, swiglu_alpha, swiglu_limit)
-        h = quantize_fp8_groups_ref(h, groups[1], _expert_scale(down_input_scale, e))
-        y = h @ down[0].T
-        if down_bias is not None:
-            y = y + _f64(down_bias[e])
-        out.index_add_(0, token, weights[token, slot, None] * y)
+        for e in chunk:
+            _w8a8_expert_ref(out, x, ids, weights, e, e - start, gate, up, down, gate_bias, up_bias, down_bias,
+                             groups, gate_up_input_scale, down_input_scale, activation, swiglu_alpha, swiglu_limit)
     return out.reshape(hidden_states.shape)
+
+
+def _w8a8_expert_ref(out, x, ids, weights, e, local, gate, up, down, gate_bias, up_bias, down_bias, groups,
+                     gate_up_input_scale, down_input_scale, activation, alpha, limit):
+    """Adds expert e's weighted rows to out (float64): `local` indexes e in the dequantized chunk."""
+    token, slot = (ids == e).nonzero(as_tuple=True)
+    rows = quantize_fp8_groups_ref(x[token], groups[0], _expert_scale(gate_up_input_scale, e))
+    g, u = rows @ gate[local].T, rows @ up[local].T
+    if gate_bias is not None:
+        g, u = g + _f64(gate_bias[local]), u + _f64(up_bias[local])
+    h = _activation(g, u, activation, alpha, limit)
+    h = quantize_fp8_groups_ref(h, groups[1], _expert_scale(down_input_scale, e))
+    y = h @ down[local].T
+    if down_bias is not None:
+        y = y + _f64(down_bias[e])
+    out.index_add_(0, token, weights[token, slot, None] * y)

@@ -24,7 +24,7 @@ from moe_dispatch import fp8 as fp8_module
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequantize_experts_fp8, fp8_max,
                               quantize_experts_fp8)
-from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_tiles
+from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.tiles import GemmTile, MoeTiles
 
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
@@ -171,16 +171,11 @@ def _w8a8_block(transposed):
     return (32, 16) if transposed else (16, 32)
 
 
-def _groups(scales, transposed, block_m=16):
+def _groups(scales, transposed):
     """(G1, G2): the K steps (activation groups) of the two GEMMs for these scales on the interpreter's table."""
     tiles = md.tiles.select_fp8_tiles(torch.device("cpu"), 1, 1, 1, 1, 1)
-    block_shape = scales.get("fp8_block_shape", (128, 128))
-
-    def ws(scale):
-        return WeightScale.of(scale, fp8_module.infer_scheme(scale), block_shape, transposed=transposed)
-
-    chosen = w8a8_tiles(tiles, ws(scales["w_gate_up_scale"]), ws(scales["w_down_scale"]))
-    return chosen.gate_up.block_k, chosen.down.block_k
+    return w8a8_groups(tiles, scales["w_gate_up_scale"], scales["w_down_scale"],
+                       scales.get("fp8_block_shape", (128, 128)), transposed=transposed)
 
 
 def _static_scales(mode, x, num_experts=E):

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._device import is_interpreter
-from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max
+from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
 from .grouped_gemm import ACTIVATIONS, _apply_activation, gathered_rows, same_strides, tile_setup, weight_strides
 from .tiles import GemmTile, MoeTiles
 
@@ -360,6 +360,16 @@ def _uniform_block_scale(ws: WeightScale, block_n, gated):
     span = block_n * ws.row_step
     offsets = (0, ws.up_row_offset) if gated else (0,)
     return ws.block_n % span == 0 and all(offset % span < ws.row_step for offset in offsets)
+
+
+def w8a8_groups(tiles: MoeTiles, w_gate_up_scale, w_down_scale, block_shape=(128, 128), *, transposed=False):
+    """(G1, G2), the activation groups (K steps) the w8a8 path uses with `tiles` (before `w8a8_tiles`, e.g. from
+    tiles.select_fp8_tiles) for these weight scales: what a model of its arithmetic needs (tests, benchmark)."""
+    def weight_scale(scale):
+        return WeightScale.of(scale, infer_scheme(scale), tuple(block_shape), transposed=transposed)
+
+    chosen = w8a8_tiles(tiles, weight_scale(w_gate_up_scale), weight_scale(w_down_scale))
+    return chosen.gate_up.block_k, chosen.down.block_k
 
 
 def _static_scale(scale):
