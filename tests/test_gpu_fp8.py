@@ -164,7 +164,8 @@ def test_fp8_cuda_graph_capture_and_replay(T, compute):
 def test_fp8_matches_transformers_fp8_experts(compute):
     """transformers' FP8Experts (grouped_mm over the finegrained-fp8 Hub kernel, activations quantized per token and
     128 columns) against moe_dispatch on the same weights: within FP8 activation error (5e-2 RMS). Skipped when the
-    Hub kernel cannot be loaded (no network and no LOCAL_KERNELS / HF cache copy of kernels-community/finegrained-fp8)."""
+    Hub kernel cannot be loaded (no network, and no LOCAL_KERNELS or HF cache copy of
+    kernels-community/finegrained-fp8)."""
     if compute == "w8a8":
         _needs_fp8_cores()
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")

@@ -9,7 +9,8 @@ Pipeline (each stage a module; `moe.py` only composes them)::
                          GEMM2: x w_down, routed weight in the epilogue        -> [T*k, H] in expert order
       -> combine.py      deterministic sum of each token's k rows (fp32)      -> out [T, H]
 
-fp8.py holds the FP8 weight formats (quantizer, checks); the grouped GEMMs dequantize fp8 weights in their loads.
+fp8.py holds the FP8 weight formats (quantizer, checks, the choice of compute path); the grouped GEMMs dequantize
+fp8 weights in their loads, and fp8_gemm.py runs e4m3 activations x e4m3 weights on FP8 tensor cores (w8a8).
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
 
 `__all__` is the versioned public surface (API major = build.toml `version`).
