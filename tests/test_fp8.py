@@ -203,9 +203,10 @@ def _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options, *, mod
 @pytest.mark.parametrize("mode", STATIC_MODES)
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_w8a8_fused_experts(layout, scheme, mode):
+def test_w8a8_fused_experts(layout, scheme, mode, poison_empty):
     """Every scheme x activation-scale mode x layout, fp32 activations (the model check is tight there), H = 40 and
-    F = 24: partial K steps in both GEMMs and a partial group of the intermediate."""
+    F = 24: partial K steps in both GEMMs and a partial group of the intermediate. Buffers start as NaN (poison_empty):
+    no intermediate value or scale is read before GEMM1 writes it."""
     _, options, _ = layout
     options = dict(options)
     transposed = options.get("transposed", False)
@@ -253,7 +254,7 @@ def test_w8a8_uniform_block_scale_tiles(interleaved):
 
 
 @pytest.mark.parametrize("mode", STATIC_MODES)
-def test_w8a8_prefill_tiles(mode):
+def test_w8a8_prefill_tiles(mode, poison_empty):
     """block_m 64 (the prefill buckets): x quantized by its own pass first (per-expert static scales stay in the
     loads), and GEMM1's BLOCK_N 64 holding two groups of the intermediate; bit-identical to the decode tiles."""
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
@@ -330,6 +331,22 @@ def test_quantize_fp8_rows_matches_model(static):
         assert scale.shape == (37, 4)
         torch.testing.assert_close(q.double() * scale.double().repeat_interleave(32, dim=1)[:, :100], model, rtol=0,
                                    atol=0)
+
+
+@pytest.mark.parametrize("T", [0, 3])
+def test_w8a8_no_tokens_and_sentinel_ids(T, poison_empty):
+    """No tokens, and ids outside [0, E) (expert-parallel sentinels) contributing nothing, on the prefill tiles too."""
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.full((T, TOP_K), E, device=DEVICE)
+    ids[:, 0] = torch.arange(T) % E
+    weights = torch.rand(T, TOP_K, device=DEVICE)
+    for tiles in (None, MoeTiles(64, GemmTile(32, 32), GemmTile(32, 32))):
+        out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", validate=False, tiles=tiles,
+                               **scales)
+        assert out.shape == (T, H)
+        if T:
+            _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
 
 
 def test_fp8_compute_auto_is_dequant_on_the_cpu():

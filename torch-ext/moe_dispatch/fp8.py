@@ -17,8 +17,9 @@ Two ways to compute with them (`fp8_compute`, chosen by `choose_fp8_compute` fro
              accumulator once after the K loop. Activations stay bf16/fp16/fp32: weight-only FP8 (half the weight
              bytes of bf16 at decode, the dot at the activation dtype's rate).
   "w8a8"     float8_e4m3fn weights on GPUs with FP8 tensor cores (NVIDIA SM89+; `has_fp8_tensor_cores`). Activations
-             are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (fp8_gemm.py): GEMM1
-             quantizes each gathered row per K step in its loads, its epilogue quantizes the intermediate for GEMM2.
+             are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (fp8_gemm.py): x per token
+             and K step (in GEMM1's loads, or one pass first for prefill tiles), the intermediate per row and K step
+             of GEMM2 in GEMM1's epilogue.
              It needs the K side of a block scale to be a power of two >= 32 (one weight scale per K step);
              other block shapes, float8_e4m3fnuz (AMD MI300X) and devices without FP8 tensor cores take "dequant".
 
