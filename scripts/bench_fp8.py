@@ -83,7 +83,7 @@ def parse_args(argv):
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     p.add_argument("--fp8-compute", default="auto", choices=("auto", "w8a8", "dequant"))
     p.add_argument("--warmup-ms", type=float, default=3.0)
-    p.add_argument("--rep-ms", type=float, default=15.0, help="timing window of do_bench and do_bench_cudagraph")
+    p.add_argument("--rep-ms", type=float, default=10.0, help="timing window of do_bench and do_bench_cudagraph")
     p.add_argument("--check-rows", type=int, default=64)
     p.add_argument("--deadline-s", type=float, default=170.0, help="start no new cell after this (0: no deadline)")
     p.add_argument("--ceiling-mib", type=int, default=None, help="read-bandwidth buffer (default 4096; 1 on the CPU)")
