@@ -386,12 +386,120 @@ def dequantize_fp8_ref(w_fp8, scale, block_shape=(128, 128), *, n_axis=1):
 
 
 def fused_experts_fp8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, w_gate_up_scale=None,
-                          w_down_scale=None, fp8_block_shape=(128, 128), transposed=False, **kwargs):
-    """`fused_experts_ref` on the float64 dequantized weights (a float weight without a scale is used as it is)."""
+                          w_down_scale=None, fp8_block_shape=(128, 128), transposed=False, gate_up_bias=None,
+                          down_bias=None, experts_per_chunk=None, **kwargs):
+    """`fused_experts_ref` on the float64 dequantized weights (a float weight without a scale is used as it is).
+
+    `experts_per_chunk` dequantizes that many experts at a time (real model sizes: DeepSeek-V3's gate_up weights are
+    60 GB in float64); each chunk adds the contributions of its experts."""
+    num_experts = w_down.shape[0]
+    chunk = num_experts if experts_per_chunk is None else experts_per_chunk
     n_axis = 2 if transposed else 1
-    if w_gate_up_scale is not None:
-        w_gate_up = dequantize_fp8_ref(w_gate_up, w_gate_up_scale, fp8_block_shape, n_axis=n_axis)
-    if w_down_scale is not None:
-        w_down = dequantize_fp8_ref(w_down, w_down_scale, fp8_block_shape, n_axis=n_axis)
-    return fused_experts_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, transposed=transposed,
-                             **kwargs)
+    ids = topk_ids.detach().long()
+    out = None
+    for start in range(0, num_experts, chunk):
+        stop = min(num_experts, start + chunk)
+        inside = (ids >= start) & (ids < stop)
+        if chunk < num_experts and not inside.any():
+            continue
+        part = slice(start, stop)
+        w1, w2 = w_gate_up[part], w_down[part]
+        if w_gate_up_scale is not None:
+            w1 = dequantize_fp8_ref(w1, w_gate_up_scale[part], fp8_block_shape, n_axis=n_axis)
+        if w_down_scale is not None:
+            w2 = dequantize_fp8_ref(w2, w_down_scale[part], fp8_block_shape, n_axis=n_axis)
+        local_ids = torch.where(inside, ids - start, -1)
+        term = fused_experts_ref(hidden_states, w1, w2, local_ids, topk_weights, transposed=transposed,
+                                 gate_up_bias=gate_up_bias[part] if gate_up_bias is not None else None,
+                                 down_bias=down_bias[part] if down_bias is not None else None, **kwargs)
+        out = term if out is None else out + term
+    if out is None:
+        out = torch.zeros(hidden_states.shape, dtype=torch.float64, device=hidden_states.device)
+    return out
+
+
+# The w8a8 FP8 path's activation quantization, modelled in the arithmetic the kernels use (fp32, e4m3fn, round to
+# nearest even, saturating): a group g of values v (one row, `group` consecutive columns) gets
+#   amax = max(max |v_g|, W8A8_MIN_AMAX),  q = e4m3(clamp(v * (448 / amax), -448, 448)),  v ≈ q * (amax / 448)
+# and with a static scale s:  q = e4m3(clamp(v / s, -448, 448)),  v ≈ q * s.
+W8A8_MIN_AMAX = 1e-10
+FP8_E4M3_MAX = 448.0
+
+# RMS relative error of `fused_experts` on the w8a8 path against the float64 experts on the dequantized weights
+# (fused_experts_fp8_ref), which do not quantize activations. Rounding to e4m3 (3 mantissa bits: a step of 2^-3
+# relative to the binade, uniform error of that step / sqrt(12)) gives one element an RMS relative error of
+# 2^-3 / sqrt(12) * sqrt(E[1/m^2]) = 0.0266 over mantissas m in [1, 2) (log-uniform). A dot product over K terms
+# sums K independent errors, and on data without structure its value grows by sqrt(K) too, so the relative error of
+# a GEMM output stays about that of one element: 2.7 % for the quantized x in GEMM1 and 2.7 % for the quantized
+# intermediate in GEMM2, ~3.8 % together (the GEMM1 error passes through silu(gate) * up with a gain near 1; measured
+# 3.9-4.5 % on the CPU tests' random experts, 4.3 % at real sizes). The bound is 1.6x that RMS: it catches a wrong
+# scale (a factor 2 in one group or one K step moves the output by far more) but not a misrounding of single
+# elements, which the comparison with the w8a8 model below (fused_experts_w8a8_ref) catches.
+W8A8_TOLERANCE = 0.08
+
+
+def quantize_fp8_groups_ref(v, group, static_scale=None):
+    """v [M, K] -> float64 q * scale of the w8a8 quantization (model above) with one scale per row and `group`
+    columns, or the static scale (a 0-d tensor or float)."""
+    v = v.to(torch.float32)
+    if static_scale is not None:
+        scale = torch.as_tensor(static_scale, dtype=torch.float32, device=v.device)
+        q = (v / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.to(torch.float64) * scale.to(torch.float64)
+    M, K = v.shape
+    padded = torch.nn.functional.pad(v, (0, -K % group)).view(M, -1, group)
+    amax = padded.abs().amax(dim=2, keepdim=True).clamp_min(W8A8_MIN_AMAX)
+    q = (padded * (FP8_E4M3_MAX / amax)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float64) * (amax / FP8_E4M3_MAX).to(torch.float64)).view(M, -1)[:, :K]
+
+
+def _expert_scale(scale, e):
+    """A static input scale's value for expert e (scale of shape [], [1] or [E])."""
+    return None if scale is None else scale.reshape(-1)[e if scale.numel() > 1 else 0]
+
+
+def fused_experts_w8a8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, w_gate_up_scale,
+                           w_down_scale, groups, fp8_block_shape=(128, 128), gate_up_input_scale=None,
+                           down_input_scale=None, activation="silu", gate_up_bias=None, down_bias=None,
+                           interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
+                           experts_per_chunk=16):
+    """The w8a8 path's arithmetic in float64 except its quantizations: x rows quantized per `groups[0]` columns (or
+    with gate_up_input_scale), GEMM1 on the dequantized weights, bias, activation, the intermediate (rounded to fp32,
+    as the kernel holds it) quantized per `groups[1]` columns (or with down_input_scale), GEMM2, down bias. The
+    weights are dequantized `experts_per_chunk` experts at a time. -> [T, H] float64."""
+    n_axis = 2 if transposed else 1
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    ids = topk_ids.detach().long()
+    weights = _f64(topk_weights)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    hit = [e for e in ids.unique().tolist() if 0 <= e < w_down.shape[0]]
+    for start in range(0, w_down.shape[0], experts_per_chunk):
+        chunk = [e for e in hit if start <= e < start + experts_per_chunk]
+        if not chunk:
+            continue
+        part = slice(start, start + experts_per_chunk)
+        w1 = dequantize_fp8_ref(w_gate_up[part], w_gate_up_scale[part], fp8_block_shape, n_axis=n_axis)
+        w2 = dequantize_fp8_ref(w_down[part], w_down_scale[part], fp8_block_shape, n_axis=n_axis)
+        bias = gate_up_bias[part] if gate_up_bias is not None else None
+        gate, up, down, (gate_bias, up_bias) = split_gate_up_ref(w1, w2, bias, interleaved=interleaved,
+                                                                 transposed=transposed)
+        for e in chunk:
+            _w8a8_expert_ref(out, x, ids, weights, e, e - start, gate, up, down, gate_bias, up_bias, down_bias,
+                             groups, gate_up_input_scale, down_input_scale, activation, swiglu_alpha, swiglu_limit)
+    return out.reshape(hidden_states.shape)
+
+
+def _w8a8_expert_ref(out, x, ids, weights, e, local, gate, up, down, gate_bias, up_bias, down_bias, groups,
+                     gate_up_input_scale, down_input_scale, activation, alpha, limit):
+    """Adds expert e's weighted rows to out (float64): `local` indexes e in the dequantized chunk."""
+    token, slot = (ids == e).nonzero(as_tuple=True)
+    rows = quantize_fp8_groups_ref(x[token], groups[0], _expert_scale(gate_up_input_scale, e))
+    g, u = rows @ gate[local].T, rows @ up[local].T
+    if gate_bias is not None:
+        g, u = g + _f64(gate_bias[local]), u + _f64(up_bias[local])
+    h = _activation(g, u, activation, alpha, limit)
+    h = quantize_fp8_groups_ref(h, groups[1], _expert_scale(down_input_scale, e))
+    y = h @ down[local].T
+    if down_bias is not None:
+        y = y + _f64(down_bias[e])
+    out.index_add_(0, token, weights[token, slot, None] * y)

@@ -253,6 +253,10 @@ def dump_table(table):
             if value.get("shapes"):
                 parts.append(f'    "shapes": {shapes_text(value["shapes"], 4)}')
             lines.append('  "decode": {\n' + ",\n".join(parts) + "\n  }")
+        elif key == "fp8":  # the w8a8 path's own buckets (tiles.select_fp8_tiles), kept as they are
+            inner = [f"    {json.dumps(k)}: {buckets_text(v, 4) if k == 'buckets' else json.dumps(v)}"
+                     for k, v in value.items()]
+            lines.append('  "fp8": {\n' + ",\n".join(inner) + "\n  }")
         else:
             lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"

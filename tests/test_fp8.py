@@ -1,19 +1,31 @@
-"""FP8 expert weights on the portable path (dequantize in the loads): the quantize / dequantize helpers against the
-float64 reference of the format, `fused_experts` with float8 weights for every scale scheme and weight layout against
-the float64 experts on the dequantized weights, and the argument checks.
+"""FP8 expert weights: the quantize / dequantize helpers against the float64 reference of the format, `fused_experts`
+with float8 weights on both compute paths for every scale scheme and weight layout, the path choice, and the argument
+checks.
 
-The reference dequantizes the same fp8 weights, so the tolerance is the activation dtype's alone (helpers.TOLERANCE).
+The dequant path (weights converted to the activation dtype in the loads) is held to the activation dtype's
+tolerance against the float64 experts on the same dequantized weights (helpers.TOLERANCE). The w8a8 path also
+quantizes the activations, so it is held twice: tightly against `fused_experts_w8a8_ref`, the float64 model of its
+own arithmetic (same quantization of x per token and K step and of the intermediate per row and K step of GEMM2),
+and within reference.W8A8_TOLERANCE (the error e4m3 activations add, derived there) against the dequantized-weight
+reference. The interpreter runs the w8a8 kernels when forced (fp8_compute="w8a8"; "auto" takes "dequant" on the CPU).
+
 Block shapes of 16 / 32 make tiny weights span several blocks, partial ones included (sizes not multiples of the
-block); one case keeps the default 128 x 128.
+block); one case keeps the default 128 x 128. w8a8 needs the block's K side to be a power of two >= 32.
 """
 
 import pytest
 import torch
 from helpers import DEVICE, assert_close
-from reference import dequantize_fp8_ref, fused_experts_fp8_ref
+from reference import (W8A8_TOLERANCE, dequantize_fp8_ref, fused_experts_fp8_ref, fused_experts_w8a8_ref,
+                       quantize_fp8_groups_ref)
 
 import moe_dispatch as md
-from moe_dispatch.fp8 import FP8_DTYPES, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
+from moe_dispatch import fp8 as fp8_module
+from moe_dispatch.dispatch import dispatch
+from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequantize_experts_fp8, fp8_max,
+                              quantize_experts_fp8)
+from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
+from moe_dispatch.tiles import GemmTile, MoeTiles
 
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
 SCHEMES = ("block", "channel", "tensor")
@@ -143,6 +155,250 @@ def test_fused_experts_fp8_matches_bf16_weights():
     assert_close(out, md.fused_experts(x, w_gate_up, w_down, ids, weights), tolerance=0.05)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# w8a8: e4m3 activations and fp8 x fp8 dots (forced: "auto" takes "dequant" on the CPU)
+
+# Tight bound against the model of the w8a8 arithmetic with fp32 activations: kernel and model round the same fp32
+# values to e4m3 with the same fp32 operations, so they differ by the order of fp32 sums (~1e-7) unless an
+# intermediate value lies within that of an e4m3 rounding boundary (one element one step off: ~1e-2 on its row);
+# measured 5e-8 to 1.2e-7 over the cases below.
+W8A8_MODEL_TOLERANCE = 1e-5
+STATIC_MODES = ("dynamic", "static-tensor", "static-expert")
+
+
+def _w8a8_block(transposed):
+    """A block shape w8a8 runs: K side 32 (the weight's axis 2, or axis 1 when transposed), N side 16."""
+    return (32, 16) if transposed else (16, 32)
+
+
+def _groups(scales, transposed):
+    """(G1, G2): the K steps (activation groups) of the two GEMMs for these scales on the interpreter's table."""
+    tiles = md.tiles.select_fp8_tiles(torch.device("cpu"), 1, 1, 1, 1, 1)
+    return w8a8_groups(tiles, scales["w_gate_up_scale"], scales["w_down_scale"],
+                       scales.get("fp8_block_shape", (128, 128)), transposed=transposed)
+
+
+def _static_scales(mode, x, num_experts=E):
+    """Static input scales that cover x and the intermediate (no saturation), per tensor or per expert."""
+    if mode == "dynamic":
+        return {}
+    x_scale = x.float().abs().amax() / 448 * 1.25
+    if mode == "static-tensor":
+        return dict(gate_up_input_scale=x_scale.reshape(()), down_input_scale=torch.full((1,), 0.06, device=DEVICE))
+    return dict(gate_up_input_scale=x_scale * (1 + torch.rand(num_experts, device=DEVICE)),
+                down_input_scale=0.05 + 0.05 * torch.rand(num_experts, device=DEVICE))
+
+
+def _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options, *, model_tolerance=W8A8_MODEL_TOLERANCE,
+                groups=None):
+    """out against the model of its arithmetic (tight) and against the dequantized-weight experts (W8A8_TOLERANCE)."""
+    groups = groups or _groups(scales, options.get("transposed", False))
+    weight_scales = {k: v for k, v in scales.items() if not k.endswith("input_scale")}
+    model = fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=groups, **scales, **options)
+    assert_close(out, model, what="w8a8 vs its model", tolerance=model_tolerance)
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **weight_scales, **options),
+                 what="w8a8 vs dequantized weights", tolerance=W8A8_TOLERANCE)
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_w8a8_fused_experts(layout, scheme, mode, poison_empty):
+    """Every scheme x activation-scale mode x layout, fp32 activations (the model check is tight there), H = 40 and
+    F = 24: partial K steps in both GEMMs and a partial group of the intermediate. Buffers start as NaN (poison_empty):
+    no intermediate value or scale is read before GEMM1 writes it."""
+    _, options, _ = layout
+    options = dict(options)
+    transposed = options.get("transposed", False)
+    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=transposed, block_shape=_w8a8_block(transposed))
+    if options.get("activation") == "swiglu_oai":
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE), down_bias=torch.randn(E, H, device=DEVICE))
+    x = torch.randn(T, H, device=DEVICE)
+    x[0] = 0  # an all-zero token: its groups take the amax floor, never 0 / 0
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    scales.update(_static_scales(mode, x))
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales, **options)
+    assert out.dtype == torch.float32
+    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", STATIC_MODES)
+def test_w8a8_half_precision_and_default_block(act_dtype, mode):
+    """bf16 / fp16 activations in and out with the default 128 x 128 blocks over several partial blocks (2F = 160,
+    H = 136): against the model within the activation dtype's rounding of y and the output."""
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(128, 128), ffn=80, hidden=136)
+    x = torch.randn(7, 136, device=DEVICE).to(act_dtype)
+    ids, weights = _ids(7), torch.rand(7, TOP_K, device=DEVICE)
+    scales.update(_static_scales(mode, x))
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
+    assert out.dtype == act_dtype
+    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {}, model_tolerance=None)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["concatenated", "interleaved"])
+def test_w8a8_uniform_block_scale_tiles(interleaved):
+    """F = H = 64 with blocks whose N side holds whole column tiles (32, or 64 for the interleaved view's doubled
+    rows): each tile reads one scale per K step (the scalar path of `load_block_scale`)."""
+    from moe_dispatch.fp8_gemm import _uniform_block_scale
+
+    block_shape = (64, 32) if interleaved else (32, 32)
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=block_shape, ffn=64, hidden=64)
+    gate_up = WeightScale.of(scales["w_gate_up_scale"], "block", block_shape, transposed=False,
+                             row_step=2 if interleaved else 1, up_row_offset=1 if interleaved else 64)
+    assert _uniform_block_scale(gate_up, 32, gated=True)
+    x = torch.randn(T, 64, device=DEVICE)
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", interleaved=interleaved, **scales)
+    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {"interleaved": interleaved})
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+def test_w8a8_prefill_tiles(mode, poison_empty):
+    """block_m 64 (the prefill buckets): x quantized by its own pass first (per-expert static scales stay in the
+    loads), and GEMM1's BLOCK_N 64 holding two groups of the intermediate; bit-identical to the decode tiles."""
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE)
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    scales.update(_static_scales(mode, x))
+    prefill = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=prefill, **scales)
+    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
+    decode = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
+    assert torch.equal(out, decode)
+
+
+def test_w8a8_static_scale_saturates_like_the_model():
+    """A static scale too small for the data: values beyond 448 * scale saturate (clamp), as in the model."""
+    q_gate_up, q_down, scales = _fp8_experts("channel")
+    x = torch.randn(T, H, device=DEVICE)
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    scales.update(gate_up_input_scale=x.abs().amax() / 448 / 4, down_input_scale=torch.tensor(1e-3, device=DEVICE))
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
+    model = fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=_groups(scales, False), **scales)
+    assert_close(out, model, tolerance=W8A8_MODEL_TOLERANCE)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_w8a8_intermediate_is_quantized_in_gemm1_epilogue(static):
+    """GEMM1 alone: its float8 intermediate and per-(row, 32-column) scales against a float64 model of
+    quantize(act(x_fp8 @ W_gate_up^T)): scales equal the model's amax / 448, every element within half an e4m3 step
+    of the unquantized value (2^-4 relative, 2^-10 of the scale among subnormals), and each group's largest element
+    on +-448 (dynamic scales)."""
+    q_gate_up, _, scales = _fp8_experts("block", block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = _ids(T)
+    ws = WeightScale.of(scales["w_gate_up_scale"], "block", (16, 32), transposed=False, up_row_offset=F)
+    tiles = w8a8_tiles(md.tiles.select_fp8_tiles(torch.device("cpu"), T, TOP_K, E, F, H), ws, ws)
+    info = dispatch(ids, E, tiles.block_m)
+    down_input_scale = torch.tensor(0.05, device=DEVICE) if static else None
+    h, h_scale = w8a8_gemm1(x, q_gate_up[:, :F], q_gate_up[:, F:], info, tiles, ws, down_input_scale=down_input_scale)
+    assert h.dtype == torch.float8_e4m3fn and h.shape == (T * TOP_K, F)
+    group = tiles.down.block_k
+    w = dequantize_fp8_ref(q_gate_up, scales["w_gate_up_scale"], (16, 32))
+    rows = info.gather_idx.long()
+    token, slot = rows // TOP_K, rows % TOP_K
+    expert = ids[token, slot].long()
+    x_q = quantize_fp8_groups_ref(x, tiles.gate_up.block_k)[token]
+    gate_up = torch.einsum("nk,nfk->nf", x_q, w[expert])
+    value = (torch.nn.functional.silu(gate_up[:, :F]) * gate_up[:, F:]).float().double()
+    if static:
+        assert h_scale is None
+        expanded = torch.full_like(value, 0.05)
+    else:
+        amax = torch.nn.functional.pad(value.abs(), (0, -F % group)).view(len(rows), -1, group).amax(2)
+        torch.testing.assert_close(h_scale.double(), amax / 448, rtol=1e-5, atol=0)
+        expanded = h_scale.double().repeat_interleave(group, dim=1)[:, :F]
+        q = torch.nn.functional.pad(h.float().abs(), (0, -F % group)).view(len(rows), -1, group).amax(2)
+        assert (q == 448).all()
+    dequantized = h.double() * expanded
+    assert ((dequantized - value).abs() <= 2**-4 * value.abs() + 2**-10 * expanded + 1e-6 * value.abs()).all()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantize_fp8_rows_matches_model(static):
+    """The prefill pass over x: e4m3 codes and per-(row, group) scales equal to the model bit for bit, over
+    magnitudes from 1e-6 to 1e4, an all-zero row and a partial last group."""
+    x = torch.randn(37, 100, device=DEVICE) * torch.logspace(-6, 4, 37, device=DEVICE)[:, None]
+    x[3] = 0
+    static_scale = torch.tensor(0.02, device=DEVICE) if static else None
+    q, scale = quantize_fp8_rows(x, 32, static_scale)
+    model = quantize_fp8_groups_ref(x, 32, static_scale)
+    if static:
+        assert scale is None
+        torch.testing.assert_close(q.double() * static_scale.double(), model, rtol=0, atol=0)
+    else:
+        assert scale.shape == (37, 4)
+        torch.testing.assert_close(q.double() * scale.double().repeat_interleave(32, dim=1)[:, :100], model, rtol=0,
+                                   atol=0)
+
+
+@pytest.mark.parametrize("T", [0, 3])
+def test_w8a8_no_tokens_and_sentinel_ids(T, poison_empty):
+    """No tokens, and ids outside [0, E) (expert-parallel sentinels) contributing nothing, on the prefill tiles too."""
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.full((T, TOP_K), E, device=DEVICE)
+    ids[:, 0] = torch.arange(T) % E
+    weights = torch.rand(T, TOP_K, device=DEVICE)
+    for tiles in (None, MoeTiles(64, GemmTile(32, 32), GemmTile(32, 32))):
+        out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", validate=False, tiles=tiles,
+                               **scales)
+        assert out.shape == (T, H)
+        if T:
+            _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
+
+
+def test_fp8_compute_auto_is_dequant_on_the_cpu():
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    auto = md.fused_experts(x, q_gate_up, q_down, ids, weights, **scales)
+    assert torch.equal(auto, md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="dequant", **scales))
+    assert not torch.equal(auto, md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales))
+
+
+def _weights(dtype):
+    return torch.zeros(2, 64, 64, dtype=dtype)
+
+
+# (id, fp8_compute, weight dtype, schemes, block shape, transposed, device has FP8 tensor cores, expected), why
+CHOICES = [
+    ("auto-h200", "auto", torch.float8_e4m3fn, ["block"], (128, 128), False, True, "w8a8"),
+    ("auto-sm80", "auto", torch.float8_e4m3fn, ["block"], (128, 128), False, False, "dequant"),  # A100: no FP8 cores
+    ("auto-mi300x", "auto", torch.float8_e4m3fnuz, ["channel"], (128, 128), False, True, "dequant"),
+    ("auto-k-side-96", "auto", torch.float8_e4m3fn, ["block"], (128, 96), False, True, "dequant"),  # not a power of 2
+    ("auto-k-side-16", "auto", torch.float8_e4m3fn, ["block"], (128, 16), False, True, "dequant"),  # below a K step
+    ("auto-transposed-k-side", "auto", torch.float8_e4m3fn, ["block"], (64, 96), True, True, "w8a8"),  # K side is 64
+    ("auto-channel-any-block", "auto", torch.float8_e4m3fn, ["channel", "tensor"], (128, 96), False, True, "w8a8"),
+    ("dequant-forced", "dequant", torch.float8_e4m3fn, ["block"], (128, 128), False, True, "dequant"),
+    ("w8a8-forced", "w8a8", torch.float8_e4m3fn, ["tensor"], (128, 128), False, True, "w8a8"),
+    ("w8a8-sm80", "w8a8", torch.float8_e4m3fn, ["block"], (128, 128), False, False, "no FP8 tensor cores"),
+    ("w8a8-mi300x", "w8a8", torch.float8_e4m3fnuz, ["block"], (128, 128), False, True, "float8_e4m3fnuz"),
+    ("w8a8-k-side", "w8a8", torch.float8_e4m3fn, ["block"], (128, 96), False, True, "K side of fp8_block_shape"),
+    ("w8a8-bf16", "w8a8", torch.bfloat16, [], (128, 128), False, True, "needs both expert weights in float8"),
+]
+
+
+@pytest.mark.parametrize("case", CHOICES, ids=[c[0] for c in CHOICES])
+def test_choose_fp8_compute(case, monkeypatch):
+    """The path choice from device facts (a CUDA device stood in by its FP8 tensor-core flag), never a crash for
+    "auto"; a forced "w8a8" that cannot run raises ValueError saying why."""
+    _, choice, dtype, schemes, block_shape, transposed, fp8_cores, expected = case
+    monkeypatch.setattr(fp8_module, "has_fp8_tensor_cores", lambda device: fp8_cores)
+    args = (choice, torch.device("cuda"), _weights(dtype), _weights(dtype), schemes, block_shape, transposed)
+    if expected in ("w8a8", "dequant"):
+        assert choose_fp8_compute(*args) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            choose_fp8_compute(*args)
+
+
+def _fnuz():
+    q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32), dtype=torch.float8_e4m3fnuz)
+    return dict(w_gate_up=q_gate_up, w_down=q_down, **scales)
+
+
 def _bad(**changes):
     q_gate_up, q_down, scales = _fp8_experts("block")
     args = dict(hidden_states=torch.randn(T, H, device=DEVICE).bfloat16(), w_gate_up=q_gate_up, w_down=q_down,
@@ -163,6 +419,25 @@ BAD_INPUTS = [
     ("bad-block-shape", lambda: _bad(fp8_block_shape=(0, 16)), ValueError, "fp8_block_shape"),
     ("float-weight-wrong-dtype", lambda: _bad(w_down=torch.randn(E, H, F, device=DEVICE), w_down_scale=None),
      TypeError, "w_down has dtype"),
+    ("fp8-compute-value", lambda: _bad(fp8_compute="fp8"), ValueError, "fp8_compute must be one of"),
+    ("w8a8-k-side-16", lambda: _bad(fp8_compute="w8a8"), ValueError, "fp8_compute='w8a8' cannot run: the K side"),
+    ("w8a8-e4m3fnuz", lambda: _bad(fp8_compute="w8a8", **_fnuz()), ValueError, "float8_e4m3fnuz"),
+    ("w8a8-float-gate-up", lambda: _bad(fp8_compute="w8a8", w_gate_up_scale=None,
+                                        w_gate_up=torch.randn(E, 2 * F, H, device=DEVICE).bfloat16()),
+     ValueError, "w8a8 needs both expert weights"),
+    ("input-scale-dtype", lambda: _bad(gate_up_input_scale=torch.ones((), dtype=torch.float64, device=DEVICE)),
+     TypeError, "gate_up_input_scale must be float32"),
+    ("input-scale-shape", lambda: _bad(down_input_scale=torch.ones(E + 1, device=DEVICE)), ValueError,
+     r"down_input_scale must hold one scale per tensor \(shape \[\] or \[1\]\) or per expert \(\[E\] = \[4\]\)"),
+    ("input-scale-not-tensor", lambda: _bad(down_input_scale=0.5), TypeError,
+     "down_input_scale must be a torch.Tensor"),
+    ("input-scale-float-weight", lambda: _bad(w_down=torch.randn(E, H, F, device=DEVICE).bfloat16(), w_down_scale=None,
+                                              down_input_scale=torch.ones(E, device=DEVICE)),
+     ValueError, "down_input_scale was given but w_down has dtype"),
+    ("input-scale-device", lambda: _bad(gate_up_input_scale=torch.ones(1, device="meta")), ValueError,
+     "gate_up_input_scale is on meta"),
+    ("input-scale-zero", lambda: _bad(down_input_scale=torch.zeros(E, device=DEVICE), validate=True), ValueError,
+     "down_input_scale must be positive and finite"),
 ]
 
 

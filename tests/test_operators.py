@@ -40,14 +40,24 @@ def _fp8_experts_args(T):
     return (*args, w_gate_up_scale, w_down_scale, [8, 8])
 
 
+def _w8a8_experts_args(T):
+    """Per-channel gate_up and per-tensor down on the w8a8 path, static input scales (per expert, per tensor)."""
+    args = list(_experts_args(T, requires_grad=False, save_preact=False))
+    w_gate_up, w_gate_up_scale = quantize_experts_fp8(args[1], "channel")
+    w_down, w_down_scale = quantize_experts_fp8(args[3], "tensor")
+    args[1], args[3] = w_gate_up, w_down
+    return (*args, w_gate_up_scale, w_down_scale, [128, 128], torch.full((E,), 0.01, device=DEVICE),
+            torch.tensor(0.02, device=DEVICE), "w8a8")
+
+
 def _segments(T):
     permuted, offsets, sorted_idx, _ = md.permute_tokens(torch.randn(T, H, device=DEVICE), _ids(T), E)
     return permuted, offsets, sorted_idx
 
 
 OPERATOR_CASES = ["fused_experts", "fused_experts-inference", "fused_experts-inference-general", "fused_experts-fp8",
-                  "fused_experts_backward", "route", "grouped_gemm", "expert_ffn", "fused_expert_ffn",
-                  "row_gather-binned", "row_scatter-binned", "row_wgrad-padded"]
+                  "fused_experts-w8a8", "fused_experts_backward", "route", "grouped_gemm", "expert_ffn",
+                  "fused_expert_ffn", "row_gather-binned", "row_scatter-binned", "row_wgrad-padded"]
 
 
 def _operator_case(name):
@@ -84,6 +94,7 @@ def _operator_case(name):
          (*_experts_args(5, requires_grad=False, save_preact=False)[:13],
           select_tiles(torch.device(DEVICE), 5, TOP_K, E, F, H).to_list(), False)),
         ("fused_experts-fp8", moe._fused_experts_op, _fp8_experts_args(5)),
+        ("fused_experts-w8a8", moe._fused_experts_op, _w8a8_experts_args(5)),
         ("fused_experts_backward", moe._fused_experts_backward_op,
          (torch.randn(5, H, device=DEVICE), x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
           *forward[1:], "silu", False, False, 1.702, 7.0, [True] * 7)),
@@ -104,7 +115,7 @@ def test_opcheck(name):
     assert op._qualname == _ops.add_op_namespace_prefix(op._name)
     # torch's schema check compares inputs with allclose, which CPU float8 tensors do not implement (torch's gap, not
     # the op's); the fp8 case runs the other three checks there.
-    skip_schema = name.endswith("-fp8") and DEVICE == "cpu"
+    skip_schema = name.endswith(("-fp8", "-w8a8")) and DEVICE == "cpu"
     test_utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic") if skip_schema else None
     torch.library.opcheck(op, args, **({"test_utils": test_utils} if test_utils else {}))
 
@@ -154,14 +165,19 @@ def test_compile_fused_experts_inference():
     assert counters["stats"]["unique_graphs"] <= 2
 
 
-def test_compile_fused_experts_fp8():
-    """FP8 weights compile too (fullgraph, one dynamic graph), equal to eager."""
-    w_gate_up, w_gate_up_scale = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=DEVICE), block_shape=(8, 8))
+@pytest.mark.parametrize("fp8_compute", ["auto", "w8a8"])
+def test_compile_fused_experts_fp8(fp8_compute):
+    """FP8 weights compile too (fullgraph, one dynamic graph), equal to eager; "w8a8" with a static input scale."""
+    block_shape = (8, 8) if fp8_compute == "auto" else (8, 32)
+    w_gate_up, w_gate_up_scale = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=DEVICE),
+                                                      block_shape=block_shape)
     w_down, w_down_scale = quantize_experts_fp8(torch.randn(E, H, F, device=DEVICE), "tensor")
+    static = {"down_input_scale": torch.tensor(0.05, device=DEVICE)} if fp8_compute == "w8a8" else {}
 
     def layer(x, ids, weights):
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, w_gate_up_scale=w_gate_up_scale,
-                                w_down_scale=w_down_scale, fp8_block_shape=(8, 8))
+                                w_down_scale=w_down_scale, fp8_block_shape=block_shape, fp8_compute=fp8_compute,
+                                **static)
 
     compiled = _compile(layer)
     with torch.no_grad():

@@ -14,7 +14,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(tiles.__file__), "configs")
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
 TABLES = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
-RUNTIME_KEYS = {"device", "measured", "note", "buckets", "shapes", "decode"}  # a tuning run's log: docs/results/
+RUNTIME_KEYS = {"device", "measured", "note", "buckets", "shapes", "decode", "fp8"}  # a tuning run's log goes to docs/results/
+# The w8a8 FP8 path runs on NVIDIA SM89+ only: shared memory per block of the devices each table with "fp8" serves
+# (default.json: H100 227 KB, L40S / SM89 99 KB).
+FP8_SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "default": 99 * 1024, "interpreter": None}
 BUCKET_KEYS = {"max_rows_per_expert", "block_m", "gate_up", "down"}
 DECODE_BUCKET_KEYS = {"max_assignments", "gate_up", "down"}
 
@@ -37,6 +40,33 @@ def test_table_parses_and_holds_runtime_data_only(name):
         for bucket in buckets:
             assert set(bucket) == BUCKET_KEYS, (name, bucket)
             tiles.MoeTiles.from_dict(bucket)
+
+
+@pytest.mark.parametrize("name", [n for n in TABLES if "fp8" in tiles.load_table(n)])
+def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
+    """The "fp8" buckets parse, already meet the w8a8 constraints (BLOCK_K a power of two >= 32, GEMM1's BLOCK_N a
+    multiple of GEMM2's group: `w8a8_tiles` changes nothing), and fit shared memory: GEMM1 holds an A tile (bf16 when
+    x is quantized in its loads, below BLOCK_M 64; e4m3 from the quantization pass above) and two e4m3 weight tiles
+    per stage, GEMM2 an e4m3 A tile and one weight tile."""
+    from moe_dispatch.fp8 import WeightScale
+    from moe_dispatch.fp8_gemm import PREQUANTIZE_MIN_BLOCK_M, w8a8_tiles
+
+    monkeypatch.setattr(tiles, "device_key", lambda device: name)
+    table = tiles.load_table(name)
+    assert set(table["fp8"]) <= {"note", "buckets", "shapes"}
+    channel = WeightScale.of(torch.ones(8, 256), "channel", (128, 128), transposed=False)
+    limit = FP8_SMEM_LIMIT[name]
+    for bucket in table["fp8"]["buckets"]:
+        assert set(bucket) == BUCKET_KEYS, bucket
+        rows = bucket["max_rows_per_expert"]
+        chosen = tiles.select_fp8_tiles(torch.device("cpu"), min(rows, 1 << 20) * 8, 1, 8, 256, 512)
+        assert chosen == tiles.MoeTiles.from_dict(bucket)
+        assert w8a8_tiles(chosen, channel, channel) == chosen, bucket
+        a_bytes = 1 if chosen.block_m >= PREQUANTIZE_MIN_BLOCK_M else 2
+        gate_up, down = chosen.gate_up, chosen.down
+        smem1 = gate_up.num_stages * (chosen.block_m * a_bytes + 2 * gate_up.block_n) * gate_up.block_k
+        smem2 = down.num_stages * (chosen.block_m + down.block_n) * down.block_k
+        assert limit is None or max(smem1, smem2) <= limit, (name, bucket, smem1, smem2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

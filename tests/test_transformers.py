@@ -641,9 +641,10 @@ def test_gpu_from_pretrained_use_kernels(tmp_path, hub_kernel):
 # FP8 checkpoints: transformers' FP8Experts through FP8ExpertsInterface
 
 
-def _fp8_experts_model(quant_block=(16, 16), **experts_changes):
+def _fp8_experts_model(quant_block=(16, 16), activation_scheme="dynamic", **experts_changes):
     """Tiny Mixtral whose experts are transformers' `FP8Experts` holding block-quantized copies of the random weights,
-    and the same model with the float32 dequantized weights in its ordinary experts (the reference)."""
+    and the same model with the float32 dequantized weights in its ordinary experts (the reference). A static
+    scheme gets per-expert activation scales of about the size the hidden states need."""
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     from transformers.integrations.moe import use_experts_implementation
 
@@ -658,7 +659,11 @@ def _fp8_experts_model(quant_block=(16, 16), **experts_changes):
     reference = build_model(case, torch.float32, "eager")
     model = build_model(case, torch.float32, "eager")
     for block, ref_block in zip(moe_blocks(model, case), moe_blocks(reference, case)):
-        experts = fp8_class(model.config, block_size=quant_block)
+        experts = fp8_class(model.config, block_size=quant_block, activation_scheme=activation_scheme)
+        if activation_scheme == "static":
+            with torch.no_grad():
+                experts.gate_up_proj_activation_scale.copy_(0.02 * (1 + torch.rand(experts.num_experts)))
+                experts.down_proj_activation_scale.copy_(0.01 * (1 + torch.rand(experts.num_experts)))
         for name in ("gate_up_proj", "down_proj"):
             q, scale = quantize_experts_fp8(getattr(block.experts, name).detach(), block_shape=quant_block)
             setattr(experts, name, torch.nn.Parameter(q, requires_grad=False))
@@ -685,8 +690,42 @@ def test_fp8_experts_interface_matches_dequantized_eager(count_kernel_calls):
     assert_close(got.logits, ref.logits, torch.float32, "fp8 mixtral logits")
 
 
+def test_fp8_experts_static_activation_scales(count_kernel_calls):
+    """activation_scheme="static": the module's per-expert `*_activation_scale` become `fused_experts`' static input
+    scales. On the w8a8 path (forced here; the CPU picks dequant) one block's experts equal the float64 model of the
+    w8a8 arithmetic with those scales; through the interface (dequant on the CPU, static scales unused) the logits
+    equal transformers' eager experts on the dequantized weights."""
+    from reference import fused_experts_w8a8_ref
+
+    model, reference = _fp8_experts_model(quant_block=(32, 32), activation_scheme="static")
+    experts = moe_blocks(model, MODELS[MODEL_IDS.index("mixtral")])[0].experts
+    options = moe_dispatch.transformers_experts.fp8_experts_options(experts)
+    assert options["gate_up_input_scale"] is experts.gate_up_proj_activation_scale
+    assert options["down_input_scale"] is experts.down_proj_activation_scale
+    T, H, E = 7, experts.gate_up_proj.shape[2], experts.num_experts
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).to(DEVICE)
+    weights = torch.rand(T, 2, device=DEVICE)
+    with torch.no_grad():
+        out = moe_dispatch.fused_experts(x, experts.gate_up_proj, experts.down_proj, ids, weights,
+                                         fp8_compute="w8a8", **options)
+    scales = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    model_out = fused_experts_w8a8_ref(x, experts.gate_up_proj, experts.down_proj, ids, weights, groups=(32, 32),
+                                       **scales)
+    assert_close(out, model_out, torch.float32, "static FP8Experts on w8a8", tolerance=1e-5)
+
+    calls = count_kernel_calls(moe_dispatch)
+    model.set_experts_implementation(moe_dispatch.register_experts())
+    ids = input_ids()
+    got, ref = run(model, ids), run(reference, ids)
+    assert calls, "the FP8 experts did not run through moe_dispatch"
+    assert_close(got.logits, ref.logits, torch.float32, "static fp8 mixtral logits")
+
+
 @pytest.mark.parametrize("change,message", [
-    (dict(activation_scheme="static"), "activation_scheme='static'"),
+    (dict(activation_scheme="static", gate_up_proj_activation_scale=None),
+     "activation_scheme='static' with `gate_up_proj_activation_scale` = NoneType"),
+    (dict(activation_scheme="per-head"), "activation_scheme='per-head'"),
     (dict(block_size=None), "block_size=None"),
     (dict(limit=7.0), "clamped SiLU"),
 ])

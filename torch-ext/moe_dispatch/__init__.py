@@ -12,7 +12,8 @@ Pipeline (each stage a module; `moe.py` only composes them)::
 At a few tokens in inference, decode.py replaces dispatch, the grouped GEMMs and combine with two launches (gate/up
 per expert hit, then down + weighted sum per token); the tile tables choose (tiles.py).
 
-fp8.py holds the FP8 weight formats (quantizer, checks); the grouped GEMMs dequantize fp8 weights in their loads.
+fp8.py holds the FP8 weight formats (quantizer, checks, the choice of compute path); the grouped GEMMs dequantize
+fp8 weights in their loads, and fp8_gemm.py runs e4m3 activations x e4m3 weights on FP8 tensor cores (w8a8).
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
 
 `__all__` is the versioned public surface (API major = build.toml `version`).

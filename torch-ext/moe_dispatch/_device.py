@@ -1,6 +1,6 @@
 """Device facts in one place: which backend runs the kernels and what it can do.
 
-FP8: `has_fp8_tensor_cores` and `fp8_dtype` record the facts an FP8 tensor-core path would choose by (fp8.py).
+FP8: `has_fp8_tensor_cores` and `fp8_dtype` are the facts `fp8.choose_fp8_compute` picks the FP8 path by.
 
 Everything vendor-specific is decided here or in the tile tables (configs/*.json); the kernels themselves are the same
 portable Triton source for NVIDIA, AMD and the CPU interpreter.
@@ -68,8 +68,8 @@ def has_tma(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
-    (MI300X has FP8 matrix cores, in e4m3fnuz; a w8a8 path there is not built either) and on the interpreter. No
-    code path reads this yet: the portable dequantize-in-the-loads path runs everywhere (see fp8.py)."""
+    (MI300X has FP8 matrix cores, in e4m3fnuz; the w8a8 path is not built for them) and on the interpreter.
+    fp8_compute="auto" runs the w8a8 path (fp8_gemm.py) where this holds, the dequant path elsewhere."""
     if device.type != "cuda" or not is_cuda():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -77,5 +77,6 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
 
 def fp8_dtype(device: torch.device) -> torch.dtype:
     """The float8 dtype checkpoints are converted to for `device`: e4m3fnuz on AMD (MI300X's native format: no negative
-    zero, bias 8, max 240), e4m3fn elsewhere (max 448). Both run on the portable path on every device."""
+    zero, bias 8, max 240), e4m3fn elsewhere (max 448). Both run on the dequant path on every device; e4m3fn also
+    on the w8a8 path where `has_fp8_tensor_cores` holds."""
     return torch.float8_e4m3fnuz if device.type == "cuda" and is_hip() else torch.float8_e4m3fn

@@ -8,19 +8,25 @@ w ≈ w_fp8 * scale. For a weight stored as [E, d1, d2] the scheme is read from 
   scale [E, N]                          "channel"  one scale per output channel (N = output size of the projection)
   scale [E]                             "tensor"   one scale per expert
 
-What runs (see `_device.py`): the portable path everywhere. The grouped GEMM loads the fp8 weight tile, converts it
-to the activation dtype and runs the dot in that dtype with fp32 accumulation; block scales multiply the tile in fp32
-before that conversion (each element by the scale of the block it lies in, so any tile shape and any weight shape
-work), per-channel and per-tensor scales multiply the fp32 accumulator once after the K loop (the fp8 values are
-exact in bf16/fp16, so those two schemes add no rounding of their own). Activations stay bf16/fp16/fp32: this is
-weight-only FP8 (half the weight bytes of bf16 at decode, the dot at the activation dtype's rate).
+Two ways to compute with them (`fp8_compute`, chosen by `choose_fp8_compute` from device facts, `_device.py`):
 
-Not built yet: the FP8 tensor-core path (w8a8) for GPUs where `has_fp8_tensor_cores` holds. It would plug in as one
-more `WEIGHT_SCALE` variant of `_grouped_gemm_kernel`: GEMM1 quantizes each gathered activation row per 128-column
-group in its prologue (fp32 scale per token and group), runs `tl.dot` on two fp8 tiles with BLOCK_K dividing the
-block size, and multiplies each K step's partial sum by (activation group scale x weight block scale); its epilogue
-quantizes the intermediate per token and group for GEMM2, which runs the same loop. `expert_gemm` would pick it from
-the device facts and the scale scheme; the public API (weights, scales, `fp8_block_shape`) stays as it is.
+  "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (grouped_gemm.py, WEIGHT_SCALE) loads
+             the fp8 weight tile, converts it to the activation dtype and runs the dot in that dtype with fp32
+             accumulation; block scales multiply the tile in fp32 before that conversion (each element by the scale
+             of its block, so any tile and weight shape work), per-channel and per-tensor scales multiply the fp32
+             accumulator once after the K loop. Activations stay bf16/fp16/fp32: weight-only FP8 (half the weight
+             bytes of bf16 at decode, the dot at the activation dtype's rate).
+  "w8a8"     float8_e4m3fn weights on GPUs with FP8 tensor cores (NVIDIA SM89+; `has_fp8_tensor_cores`). Activations
+             are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (fp8_gemm.py): x per token
+             and K step (in GEMM1's loads, or one pass first for prefill tiles), the intermediate per row and K step
+             of GEMM2 in GEMM1's epilogue.
+             It needs the K side of a block scale to be a power of two >= 32 (one weight scale per K step);
+             other block shapes, float8_e4m3fnuz (AMD MI300X) and devices without FP8 tensor cores take "dequant".
+
+"auto" (the default) picks "w8a8" where it can run and "dequant" everywhere else; forcing "w8a8" where it cannot run
+raises a ValueError that says why. Static activation scales (`gate_up_input_scale`, `down_input_scale`: the
+checkpoint's per-tensor or per-expert `input_scale`, x ≈ x_fp8 * input_scale) replace the dynamic ones in "w8a8";
+"dequant" does not quantize activations and ignores them.
 """
 
 import dataclasses
@@ -28,12 +34,17 @@ import math
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_choice, check_tensor
+from ._device import has_fp8_tensor_cores
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SCHEMES = ("block", "channel", "tensor")
-# `WEIGHT_SCALE` constexpr of the grouped GEMM: 0 is a float weight without scales.
+# `WEIGHT_SCALE` constexpr of the grouped GEMMs: 0 is a float weight without scales.
 SCHEME_CODES = {"tensor": 1, "channel": 2, "block": 3}
+FP8_COMPUTE = ("auto", "w8a8", "dequant")
+W8A8_DTYPE = torch.float8_e4m3fn  # the operand type of NVIDIA's FP8 tensor cores (Triton's fp8e4nv)
+# Smallest K step of an fp8 x fp8 tensor-core dot (the K of one e4m3 MMA instruction on SM89 / SM90).
+W8A8_MIN_GROUP = 32
 
 
 def is_fp8(tensor) -> bool:
@@ -186,3 +197,66 @@ def dequantize_experts_fp8(w_fp8, scale, scheme=None, block_shape=(128, 128), *,
     scheme = inferred
     expanded = _expand_scale(scale, scheme, w_fp8.shape, block_shape, n_axis)
     return (w_fp8.to(torch.float32) * expanded).to(dtype)
+
+
+def k_block(block_shape, transposed) -> int:
+    """The K side of a block shape: weights are stored [E, n, K] (block_shape[1]) or, transposed, [E, K, n]
+    (block_shape[0])."""
+    return block_shape[0] if transposed else block_shape[1]
+
+
+def _w8a8_refusal(device, weights, schemes, block_shape, transposed):
+    """Why "w8a8" cannot run these weights on `device` (a sentence), or None when it can. The CPU (Triton's
+    interpreter) runs it when asked, so the tests can check it; "auto" still takes "dequant" there."""
+    for name, weight in weights.items():
+        if not is_fp8(weight):
+            return f"{name} has dtype {weight.dtype}; w8a8 needs both expert weights in float8"
+        if weight.dtype != W8A8_DTYPE:
+            return (f"{name} is {weight.dtype}; w8a8 runs {W8A8_DTYPE} (NVIDIA's FP8 tensor cores), "
+                    f"float8_e4m3fnuz weights (AMD MI300X) run the dequant path")
+    if "block" in schemes:
+        side = k_block(block_shape, transposed)
+        if side < W8A8_MIN_GROUP or side & (side - 1):
+            return (f"the K side of fp8_block_shape {tuple(block_shape)} is {side}; w8a8 needs a power of two "
+                    f">= {W8A8_MIN_GROUP} (one weight scale per K step of the dot)")
+    if device.type == "cuda" and not has_fp8_tensor_cores(device):
+        return f"{device} has no FP8 tensor cores (NVIDIA compute capability >= 8.9 needed)"
+    return None
+
+
+def choose_fp8_compute(fp8_compute, device, w_gate_up, w_down, schemes, block_shape, transposed) -> str:
+    """"w8a8" or "dequant" for `fp8_compute` ("auto", "w8a8" or "dequant") on these weights (host facts only).
+
+    `schemes` are the weights' scale schemes (None for a float weight). "auto" takes "w8a8" on devices with FP8
+    tensor cores when the weights allow it, else "dequant"; a forced "w8a8" that cannot run raises ValueError."""
+    check_choice("fp8_compute", fp8_compute, FP8_COMPUTE)
+    if fp8_compute == "dequant":
+        return "dequant"
+    why = _w8a8_refusal(device, {"w_gate_up": w_gate_up, "w_down": w_down}, schemes, block_shape, transposed)
+    if fp8_compute == "w8a8":
+        if why is not None:
+            raise ValueError(f"fp8_compute='w8a8' cannot run: {why}. Use fp8_compute='auto' or 'dequant'.")
+        return "w8a8"
+    return "w8a8" if why is None and device.type == "cuda" else "dequant"
+
+
+def check_input_scale(name, scale, weight_name, weight, num_experts):
+    """A static activation scale: None, or fp32 of shape [] / [1] (per tensor) or [E] (per expert), given with a
+    float8 weight."""
+    if scale is None:
+        return
+    check_tensor(name, scale)
+    if not is_fp8(weight):
+        raise ValueError(f"{name} was given but {weight_name} has dtype {weight.dtype}; static activation scales go "
+                         f"with float8 weights")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (x ≈ x_fp8 * scale), got {scale.dtype}")
+    if not (scale.dim() <= 1 and scale.numel() == 1) and tuple(scale.shape) != (num_experts,):
+        raise ValueError(f"{name} must hold one scale per tensor (shape [] or [1]) or per expert ([E] = "
+                         f"[{num_experts}]), got shape {tuple(scale.shape)}")
+
+
+def input_scale_problems(name, scale):
+    """(flag, message) pairs for _checks.raise_problems: a static scale must be positive and finite."""
+    return [(~(torch.isfinite(scale) & (scale > 0)).all(),
+             lambda: f"{name} must be positive and finite, got {scale.flatten()[:8].tolist()}")]

@@ -9,10 +9,11 @@ spans two experts, tiles past the real work exit at once). The forward kernel's 
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
   STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
-  WEIGHT_SCALE       float8 weights (see fp8.py): 0 none (float weights); 1 per-tensor and 2 per-channel scales, the
-                     fp8 tile converted to the activation dtype for the dot and the fp32 accumulator scaled after the
-                     K loop; 3 block scales, each tile element multiplied in fp32 by its block's scale before the
-                     conversion (any BLOCK_N / BLOCK_K against any block shape)
+  WEIGHT_SCALE       float8 weights on the dequant path (see fp8.py; the w8a8 path is fp8_gemm.py): 0 none (float
+                     weights); 1 per-tensor and 2 per-channel scales, the fp8 tile converted to the activation dtype
+                     for the dot and the fp32 accumulator scaled after the K loop; 3 block scales, each tile element
+                     multiplied in fp32 by its block's scale before the conversion (any BLOCK_N / BLOCK_K against any
+                     block shape)
 
 The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
   _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue

@@ -15,18 +15,20 @@ implementations with symbolic token counts.
 import torch
 
 from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
-                      check_same_device, check_tensor, check_token_weights, index_map_problems,
-                      segment_rows_problems, validate_option, warn_if_gradient_cut)
+                      check_same_device, check_tensor, check_token_weights, index_map_problems, raise_problems,
+                      reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
 from ._library import call, custom_op
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
 from .decode import MAX_ASSIGNMENTS, decode_experts
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
-from .fp8 import WeightScale, check_block_shape, check_fp8_weight, infer_scheme, is_fp8
+from .fp8 import (WeightScale, check_block_shape, check_fp8_weight, check_input_scale, choose_fp8_compute,
+                  infer_scheme, input_scale_problems, is_fp8)
+from .fp8_gemm import w8a8_experts
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
-from .tiles import DecodeTiles, MoeTiles, select_decode_tiles, select_tiles, tiles_from_list
+from .tiles import DecodeTiles, MoeTiles, select_decode_tiles, select_fp8_tiles, select_tiles, tiles_from_list
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -62,7 +64,8 @@ def _fused_experts_op(
     topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
     interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None, save_preact: bool,
     w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
-    fp8_block_shape: list[int] | None = None,
+    fp8_block_shape: list[int] | None = None, gate_up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, fp8_compute: str = "dequant",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> (out [T, H], preact [N, 2F], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
 
@@ -71,7 +74,8 @@ def _fused_experts_op(
     are empty ([0]) and the decode path (decode.py) may run instead of the four launches (`_decode_tiles`).
     `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
     float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
-    inputs that need no gradient and save_preact False.
+    inputs that need no gradient and save_preact False. `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py,
+    with the static input scales if any) or "dequant" (grouped_gemm.py).
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -88,19 +92,28 @@ def _fused_experts_op(
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
                              alpha=alpha, limit=limit)
         return (out, *_no_backward_outputs(x))
+    w8a8 = fp8_compute == "w8a8"
     if isinstance(forced, MoeTiles):
         moe_tiles = forced
     else:
-        moe_tiles = select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+        moe_tiles = (select_fp8_tiles(x.device, T, top_k, E, F, H) if w8a8
+                     else select_tiles(x.device, T, top_k, E, F, H, x.dtype))
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
     gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
                                                transposed)
-    intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
-                               gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias, alpha=alpha,
-                               limit=limit, preact=preact, weight_scale=gate_up_scale)
-    y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
-                    topk_weights=topk_weights, weight_scale=down_scale)
+    if w8a8:
+        y = w8a8_experts(x, w_gate, w_up, w_down, info, moe_tiles, gate_up_scale, down_scale,
+                         topk_weights=topk_weights, transposed=transposed, activation=activation, gate_bias=gate_bias,
+                         up_bias=up_bias, down_bias=down_bias, alpha=alpha, limit=limit,
+                         gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
+    else:
+        intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
+                                   gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias,
+                                   alpha=alpha, limit=limit, preact=preact,
+                                   weight_scale=gate_up_scale)
+        y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
+                        topk_weights=topk_weights, weight_scale=down_scale)
     out = combine(y, info.scatter_idx, T, top_k)
     if not save_preact:
         return (out, *_no_backward_outputs(x))
@@ -140,7 +153,8 @@ def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interlea
 
 @_fused_experts_op.register_fake
 def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
-      transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None):
+      transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None,
+      gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant"):
     T, H = x.shape
     if not save_preact:
         return (x.new_empty((T, H)), *_no_backward_outputs(x))
@@ -230,7 +244,7 @@ def _fused_experts_backward(ctx, grad_out, *_):
                                        interleaved, transposed, alpha, limit, needs)
     d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = (
         g if need else None for g, need in zip(grads, needs))
-    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 10
+    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 13
 
 
 _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
@@ -238,10 +252,12 @@ _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fuse
 
 def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias=None, down_bias=None, *,
                  activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None,
-                 w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
+                 w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE,
+                 gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant"):
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
-    With float8 weights (forward only) every input is detached: the output carries no gradient (warned once)."""
+    With float8 weights (forward only) every input is detached: the output carries no gradient (warned once).
+    `fp8_compute` is "w8a8" or "dequant" (resolved by `fp8.choose_fp8_compute`)."""
     inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
     fp8 = is_fp8(w_gate_up) or is_fp8(w_down)
     if fp8:
@@ -249,9 +265,12 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
                              gate_up_bias=gate_up_bias, down_bias=down_bias)
         x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias = (
             t.detach() if t is not None else None for t in inputs)
-        w_gate_up_scale, w_down_scale = (s.detach() if s is not None else None for s in (w_gate_up_scale, w_down_scale))
+        w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale = (
+            s.detach() if s is not None else None
+            for s in (w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale))
     save_preact = not fp8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    scales = (w_gate_up_scale, w_down_scale, list(fp8_block_shape)) if fp8 else ()
+    scales = (w_gate_up_scale, w_down_scale, list(fp8_block_shape), gate_up_input_scale, down_input_scale,
+              fp8_compute) if fp8 else ()
     return call(_fused_experts_op, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                 activation, interleaved, transposed, float(alpha), float(limit),
                 tiles.to_list() if tiles is not None else None, save_preact, *scales)[0]
@@ -259,11 +278,12 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
 
 def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
                        down_bias, transposed, suffix="", w_gate_up_scale=None, w_down_scale=None,
-                       fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
+                       fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None, down_input_scale=None):
     """Shape, dtype and device checks of `fused_experts`' arguments (host only, no value read) -> (T, H, E, F).
 
     `suffix` is appended to the weight and bias names in messages (expert parallelism: "_local"). float8 weights
-    need their scales (see fp8.check_fp8_weight); float weights match hidden_states' dtype.
+    need their scales (see fp8.check_fp8_weight); float weights match hidden_states' dtype; static input scales go
+    with float8 weights (fp8.check_input_scale).
     """
     w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
     gate_up_bias_name, down_bias_name = "gate_up_bias" + suffix, "down_bias" + suffix
@@ -308,17 +328,21 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
         check_fp8_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, block_shape,
                          n_axis=f_axis)
         check_fp8_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, block_shape, n_axis=down_h_axis)
+    check_input_scale("gate_up_input_scale", gate_up_input_scale, w_gate_up_name, w_gate_up, E)
+    check_input_scale("down_input_scale", down_input_scale, w_down_name, w_down, E)
     check_same_device(hidden_states=hidden_states, **{w_gate_up_name: w_gate_up, w_down_name: w_down},
                       topk_ids=topk_ids, topk_weights=topk_weights,
                       **{gate_up_bias_name: gate_up_bias, down_bias_name: down_bias,
-                         "w_gate_up_scale" + suffix: w_gate_up_scale, "w_down_scale" + suffix: w_down_scale})
+                         "w_gate_up_scale" + suffix: w_gate_up_scale, "w_down_scale" + suffix: w_down_scale},
+                      gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
     return T, H, E, F
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
                   validate=None, validate_ids=None, tiles: MoeTiles | DecodeTiles | None = None, w_gate_up_scale=None,
-                  w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE):
+                  w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None,
+                  down_input_scale=None, fp8_compute="auto"):
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -342,20 +366,39 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     in float8_e4m3fn / float8_e4m3fnuz with fp32 scales `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 * scale),
     the scheme read from the scale's shape: [E, ceil(d1/b1), ceil(d2/b2)] block scales over the weight as stored
     ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for w_down);
-    [E] per tensor. hidden_states stay bf16/fp16/fp32 and so does the output; the dots run in that dtype. The output
-    carries no gradient (a warning says so once when an input requires grad).
+    [E] per tensor. hidden_states and the output stay bf16/fp16/fp32. The output carries no gradient (a warning says
+    so once when an input requires grad).
+    `fp8_compute` picks how they are computed (fp8.py): "w8a8" quantizes the activations to e4m3 too and runs FP8
+    tensor-core dots (activations per token and K step of 128 columns, amax / 448, dynamically; the intermediate
+    quantized in GEMM1's epilogue), "dequant" converts the weights to the activation dtype in the loads; "auto"
+    (default) takes "w8a8" on NVIDIA GPUs with FP8 tensor cores (SM89+) for float8_e4m3fn weights whose block K side
+    is a power of two >= 32, and "dequant" elsewhere. Forcing "w8a8" where it cannot run raises ValueError.
+    `gate_up_input_scale` / `down_input_scale`: static activation scales of the checkpoint (x ≈ x_fp8 * scale for
+    hidden_states and for the intermediate), fp32 of shape [] or [1] (per tensor) or [E] (per expert), used by
+    "w8a8" instead of the dynamic scales (values beyond 448 * scale saturate); "dequant" does not quantize
+    activations and ignores them.
     """
     T, H, E, _ = check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation=activation,
                                     gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
                                     w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
-                                    fp8_block_shape=fp8_block_shape)
-    check_ids_in_range("topk_ids", topk_ids, E, validate_option(validate, validate_ids, "fused_experts"))
+                                    fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
+                                    down_input_scale=down_input_scale)
+    validate = validate_option(validate, validate_ids, "fused_experts")
+    check_ids_in_range("topk_ids", topk_ids, E, validate)
+    fp8_compute = choose_fp8_compute(
+        fp8_compute, hidden_states.device, w_gate_up, w_down,
+        [infer_scheme(s) for s in (w_gate_up_scale, w_down_scale) if s is not None], tuple(fp8_block_shape),
+        transposed)
+    for name, scale in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
+        if scale is not None and reads_values(validate, scale):
+            raise_problems(input_scale_problems(name, scale))
 
     x = hidden_states.reshape(T, H)
     out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                        activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
                        limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
-                       fp8_block_shape=fp8_block_shape)
+                       fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
+                       down_input_scale=down_input_scale, fp8_compute=fp8_compute)
     return out.reshape(hidden_states.shape)
 
 

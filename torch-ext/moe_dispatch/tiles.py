@@ -9,7 +9,10 @@ of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,
                   "down":    {...}}, ...],
      "shapes": {"8,14336,4096": [<buckets>]}}
 
-The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A table
+The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). The
+w8a8 FP8 path (fp8_gemm.py) reads its own buckets, `"fp8": {"buckets": [...], "shapes": {...}}`, in the same form
+(BLOCK_K there is the activation group; `fp8_gemm.w8a8_tiles` applies the path's constraints); a table without them
+lends the FP8 path its bf16 buckets with BLOCK_K 128. A table
 also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown devices fall back to
 `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
 
@@ -208,3 +211,19 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
             return DecodeTiles(*(dataclasses.replace(d, block_k=_wide_k(d.block_k, dtype))
                                  for d in (tiles.gate_up, tiles.down)))
     return None
+
+
+def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
+                     hidden: int) -> MoeTiles:
+    """Tiles of the w8a8 FP8 path (before `fp8_gemm.w8a8_tiles` fixes its groups): the table's "fp8" buckets, else
+    its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group)."""
+    table = load_table(device_key(device))
+    rows_per_expert = -(-num_tokens * top_k // num_experts)
+    fp8 = table.get("fp8")
+    if fp8 is not None:
+        buckets = fp8.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", fp8["buckets"])
+        return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
+    buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
+    tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128),
+                               down=dataclasses.replace(tiles.down, block_k=128))

@@ -31,12 +31,15 @@ under the same name, so `experts_implementation="moe_dispatch"` covers both. It 
     gate_up_proj, down_proj                 float8_e4m3fn (or e4m3fnuz), layout as above
     gate_up_proj_scale_inv, down_proj_scale_inv   fp32 block scales [E, ceil(2F/b0), ceil(H/b1)], [E, ceil(H/b0), ...]
     block_size                              (b0, b1), e.g. (128, 128)
-    activation_scheme                       "dynamic"
+    activation_scheme                       "dynamic", or "static" with fp32 per-expert activation scales
+    gate_up_proj_activation_scale, down_proj_activation_scale   [E] (static only)
 
-and runs the portable FP8 path (fp8.py: weights dequantized in the GEMMs' loads, activations kept in the model
-dtype, so activations are not quantized as transformers' own FP8 kernels do). Refused with `NotImplementedError`:
-`activation_scheme="static"` (per-expert activation scales), UE8M0 (`float8_e8m0fnu`) scales, FP4-packed int8
-weights, `block_size=None` (per-tensor scales stored per gate/up half), gates other than SiLU or GPT-OSS's SwiGLU.
+and runs `fused_experts` with `fp8_compute="auto"` (fp8.py): on GPUs with FP8 tensor cores (NVIDIA SM89+) the w8a8
+path, activations quantized to e4m3 per token and 128-column group (dynamic) or with the module's static scales,
+as transformers' own FP8 kernels do; elsewhere weights are dequantized in the GEMMs' loads and activations stay in
+the model dtype (static scales unused). Refused with `NotImplementedError`: UE8M0 (`float8_e8m0fnu`) scales,
+FP4-packed int8 weights, `block_size=None` (per-tensor scales stored per gate/up half), a static scheme without its
+fp32 activation scales, gates other than SiLU or GPT-OSS's SwiGLU.
 """
 
 import sys
@@ -128,13 +131,14 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
 
 
 def fp8_experts_options(experts: torch.nn.Module) -> dict:
-    """`fused_experts` keyword arguments for transformers' `FP8Experts` (weights, scales, block shape, layout and
-    gate); raises `NotImplementedError` for the variants the portable FP8 path does not run (see the module doc)."""
+    """`fused_experts` keyword arguments for transformers' `FP8Experts` (weights, scales, static activation scales,
+    block shape, layout and gate); raises `NotImplementedError` for the variants it does not run (see the module
+    doc)."""
     if not getattr(experts, "has_gate", True):
         raise _unsupported(experts, "experts without a gate projection (has_gate=False) are not supported")
     scheme = getattr(experts, "activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise _unsupported(experts, f"activation_scheme={scheme!r} (static activation scales) is not supported")
+    if scheme not in ("dynamic", "static"):
+        raise _unsupported(experts, f"activation_scheme={scheme!r}; 'dynamic' or 'static' expected")
     block_size = getattr(experts, "block_size", None)
     if block_size is None:
         raise _unsupported(experts, "block_size=None (per-tensor FP8 scales) is not supported; block scales are")
@@ -154,6 +158,15 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict:
             what = getattr(scale, "dtype", type(scale).__name__)
             raise _unsupported(experts, f"`{name}_scale_inv` is {what}; float32 scales are supported (not UE8M0)")
         options[key] = scale
+    if scheme == "static":  # transformers keeps one fp32 scale per expert and projection input (x ≈ x_fp8 * scale)
+        for name, key in (("gate_up_proj_activation_scale", "gate_up_input_scale"),
+                          ("down_proj_activation_scale", "down_input_scale")):
+            scale = getattr(experts, name, None)
+            if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+                what = getattr(scale, "dtype", type(scale).__name__)
+                raise _unsupported(experts, f"activation_scheme='static' with `{name}` = {what}; float32 "
+                                            f"activation scales expected")
+            options[key] = scale
     if getattr(experts, "has_bias", False):
         options["gate_up_bias"] = experts.gate_up_proj_bias
         options["down_bias"] = experts.down_proj_bias
@@ -188,7 +201,8 @@ def moe_dispatch_experts(
     """transformers experts-interface function: `self` is the experts module, returns `[T, H]` in the input dtype.
 
     `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
-    `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales, activations in their own dtype.
+    `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales (w8a8 on FP8 tensor cores where
+    the device has them), activations in and out in their own dtype.
     """
     if _is_fp8_experts(self):
         options = fp8_experts_options(self)

@@ -1,0 +1,494 @@
+"""w8a8 grouped GEMMs: float8 activations times float8 weights on FP8 tensor cores, fp32 sums (fp8.py: "w8a8").
+
+The experts path on this kernel (moe.py runs it when `fp8.choose_fp8_compute` says "w8a8")::
+
+    x [T, H] bf16 / fp16 / fp32
+      -> GEMM1  rows gathered as in grouped_gemm.py and quantized to e4m3 per token and G1 columns, one scale per
+                row and K step (amax / 448: dynamic, as DeepSeek-V3 does; or the static input scale): in GEMM1's
+                loads for decode-sized tiles (BLOCK_M < PREQUANTIZE_MIN_BLOCK_M), by `quantize_fp8_rows`, a pass
+                over x, for prefill tiles (see below); tl.dot(fp8, fp8) per K step, that partial sum times
+                a_scale[row] (and, block scales, the weight scale of the block the K step and the column lie in)
+                added to the fp32 accumulator; channel / tensor weight scales and static activation scales multiply
+                it once after the K loop.
+                Epilogue: bias, activation, then the intermediate quantized per row and G2 columns
+                -> h [N, F] float8 + h_scale [N, cdiv(F, G2)] fp32 (a static down input scale: h alone)
+      -> GEMM2  h read as it is (no quantization pass), its scale per K step of G2 columns; routed weight in the
+                epilogue -> y [N, H] in x's dtype -> combine.py
+
+Groups are K steps: G1 = GEMM1's BLOCK_K, G2 = GEMM2's BLOCK_K, powers of two >= 32 that divide the weight's K block
+(block scales; `w8a8_tiles` picks them from the tile table). Because GEMM1's epilogue must see whole groups of the
+intermediate, GEMM1's BLOCK_N is a multiple of G2 when the intermediate is quantized dynamically.
+
+Why two places for x's quantization: in the loads, every column tile of GEMM1 quantizes its A tiles again (F / BLOCK_N
+times per row), which costs CUDA-core work of the order of the FP8 tensor-core work of the tile at prefill sizes
+(amax, scale, clamp and convert of each A element per K step against 2 * BLOCK_N multiply-adds on tensor cores that
+run ~30x faster), and it takes registers; the pass costs one launch and a read and write of x, nothing at prefill
+sizes but a few microseconds at decode, where the loads' recomputation is free (weight-bound).
+
+Every accumulation is in fp32 and the partial sum of each K step (at most 128 products on the tile tables) is
+scaled into it, so the tensor cores never sum more than one K step in their own precision (DeepSeek-V3's
+promotion interval).
+
+Triton's interpreter rounds fp32 -> e4m3 wrongly (half up, and a carry into the exponent is lost: 31.1 -> 16), so
+under the interpreter values are first rounded to the e4m3 grid in fp32 (ROUND_IN_FP32); GPUs convert in hardware
+(round to nearest even, saturating).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import is_interpreter
+from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
+from .grouped_gemm import ACTIVATIONS, _apply_activation, gathered_rows, same_strides, tile_setup, weight_strides
+from .tiles import GemmTile, MoeTiles
+
+# A_QUANT: how GEMM A tiles become float8
+A_DYNAMIC = 0  # float rows, one scale per row and K step computed in the loads (amax / fp8 max)
+A_STATIC = 1  # float rows, quantized with a static scale per expert
+A_FP8_GROUPS = 2  # float8 rows with a scale per row and K step (GEMM1's epilogue wrote them)
+A_FP8_STATIC = 3  # float8 rows with a static scale per expert
+# QUANT_OUT: how the output tile is stored
+OUT_FLOAT = 0  # in C's float dtype
+OUT_DYNAMIC = 1  # float8, one scale per row and OUT_GROUP columns
+OUT_STATIC = 2  # float8 with a static scale per expert
+
+MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
+# Tiles of at least this many rows (the tile tables' prefill buckets) read x quantized by `quantize_fp8_rows`.
+PREQUANTIZE_MIN_BLOCK_M = 64
+QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
+
+
+@triton.jit
+def to_fp8(b, fp8_max, ROUND_IN_FP32: tl.constexpr):
+    """fp32 -> e4m3 (fn), saturated at +-fp8_max, rounded to nearest even."""
+    b = tl.minimum(tl.maximum(b, -fp8_max), fp8_max)
+    if ROUND_IN_FP32:
+        # Normals: keep 3 of the 23 mantissa bits, ties to even (the carry may step the exponent). Subnormals
+        # (|b| < 2^-6): multiples of 2^-9, rounded by adding and removing 1.5 * 2^14 (whose fp32 ulp is 2^-9).
+        bits = b.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        subnormal = (b + 24576.0) - 24576.0
+        b = tl.where(tl.abs(b) < 0.015625, subnormal, normal)
+    return b.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(b, fp8_max, ROUND_IN_FP32: tl.constexpr):
+    """[M, G] fp32 -> (e4m3 [M, G], scale [M]): one scale per row, amax / fp8_max, so b ≈ q * scale."""
+    amax = tl.maximum(tl.max(tl.abs(b), axis=1), MIN_AMAX)
+    return to_fp8(b * (fp8_max / amax)[:, None], fp8_max, ROUND_IN_FP32), amax / fp8_max
+
+
+@triton.jit
+def quantize_groups(b, fp8_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                    ROUND_IN_FP32: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 -> (e4m3 [BLOCK_M, BLOCK_N], scale [BLOCK_M, BLOCK_N // GROUP]): one scale per row and
+    GROUP consecutive columns."""
+    b3 = tl.reshape(b, (BLOCK_M, BLOCK_N // GROUP, GROUP))
+    amax = tl.maximum(tl.max(tl.abs(b3), axis=2), MIN_AMAX)  # [BLOCK_M, BLOCK_N // GROUP]
+    b = tl.reshape(b3 * (fp8_max / amax)[:, :, None], (BLOCK_M, BLOCK_N))
+    return to_fp8(b, fp8_max, ROUND_IN_FP32), amax / fp8_max
+
+
+@triton.jit
+def scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """b_acc + (b_a @ b_w) times this K step's scales: b_a_s [BLOCK_M] per row, b_w_s a scalar or [1, BLOCK_N].
+    Without scales the dot accumulates in place, its fp8 sums promoted to fp32 every BLOCK_K products."""
+    if ROW_SCALE and COLUMN_SCALE:
+        return b_acc + tl.dot(b_a, b_w) * (b_a_s[:, None] * b_w_s)
+    elif ROW_SCALE:
+        return b_acc + tl.dot(b_a, b_w) * b_a_s[:, None]
+    elif COLUMN_SCALE:
+        return b_acc + tl.dot(b_a, b_w) * b_w_s
+    else:
+        return tl.dot(b_a, b_w, b_acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
+def block_scale_offsets(pid_n, offs_n, row_step, row_offset, stride_n, block_n, UNIFORM: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """Offsets of each tile column's block-scale row (stride_n units): a scalar when the whole tile lies in one
+    block row (UNIFORM), else [BLOCK_N] int32. Column j of the view is row j * row_step + row_offset."""
+    if UNIFORM:
+        return ((pid_n * BLOCK_N * row_step + row_offset) // block_n) * stride_n
+    else:
+        return ((offs_n * row_step + row_offset) // block_n) * stride_n
+
+
+@triton.jit
+def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr):
+    """This K step's block scale of the tile's columns: a scalar (UNIFORM), [1, BLOCK_N], or 1.0 for other schemes."""
+    if WEIGHT_SCALE != 3:
+        return 1.0
+    elif UNIFORM:
+        return tl.load(base + offs)
+    else:
+        return tl.load(base + offs, mask=mask_n, other=0.0)[None, :]
+
+
+@triton.jit
+def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs, s_base, s_offs, s_up_offs,
+                  mask_m, mask_n, K, stride_a_k, stride_w_k, stride_s_k, scale_block_k, fp8_max,
+                  GATED: tl.constexpr, A_QUANT: tl.constexpr, WEIGHT_SCALE: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
+                  ROUND_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] on e4m3 operands (b_acc_up with the up weights when GATED).
+
+    a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; a_s_ptrs [BLOCK_M] at each row's first
+    group scale (A_FP8_GROUPS); block scales (WEIGHT_SCALE 3) at s_base + s_offs / s_up_offs (`block_scale_offsets`)
+    for the K block at k = 0. Static scales (a_static, channel / tensor weight scales) are left for the caller to
+    apply after the loop.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a_mask = mask_m[:, None]
+            w_mask = mask_n[None, :]
+        else:
+            mask_k = offs_k < K - k0
+            a_mask = mask_m[:, None] & mask_k[None, :]
+            w_mask = mask_k[:, None] & mask_n[None, :]
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        # this K step's row scales [BLOCK_M] (dynamic activations) and column scales [BLOCK_N] (block weights)
+        if A_QUANT == 0:
+            b_a, b_a_s = quantize_rows(b_a.to(tl.float32), fp8_max, ROUND_IN_FP32)
+        elif A_QUANT == 1:
+            b_a = to_fp8(b_a.to(tl.float32) / a_static, fp8_max, ROUND_IN_FP32)
+            b_a_s = 1.0
+        elif A_QUANT == 2:
+            b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+        else:
+            b_a_s = 1.0
+        # the K step lies inside one weight block: BLOCK_K divides scale_block_k
+        b_w_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_offs, mask_n, WEIGHT_SCALE,
+                                 SCALE_UNIFORM)
+        b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
+        if GATED:
+            b_wu_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_up_offs, mask_n, WEIGHT_SCALE,
+                                      SCALE_UNIFORM)
+            b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
+            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
+            w_up_ptrs += BLOCK_K * stride_w_k
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += BLOCK_K * stride_w_k
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    # A: [num_a_rows, K] float (A_QUANT 0, 1) or float8 (2, 3); GATHER_A: sorted position p reads row
+    # gather_idx[p] // TOP_K
+    a_ptr, stride_a_m, stride_a_k, num_a_rows,
+    # activation scales: A_QUANT 1 / 3 a static scale per expert (stride_a_scale_e 0: one per tensor); A_QUANT 2
+    # [num_rows, cdiv(K, BLOCK_K)], one per row and K step
+    a_scale_ptr, stride_a_scale_e, stride_a_scale_m,
+    # W: float8 per-expert weights [E, n_cols, K] by strides; up weights (gated) share the strides
+    w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # weight scales (fp8.WeightScale): column j of the view reads row j * scale_row_step (+ scale_up_row_offset for
+    # the up view) of the unsplit weight's scales
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
+    # C: [num_rows, n_cols] in sorted order; QUANT_OUT 1: float8 with c_scale [num_rows, cdiv(n_cols, OUT_GROUP)];
+    # QUANT_OUT 2: float8 with a static scale per expert at c_scale_ptr + e * stride_c_scale_e
+    c_ptr, stride_c_m, stride_c_n, num_rows,
+    c_scale_ptr, stride_c_scale_e, stride_c_scale_m,
+    # dispatch metadata
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
+    topk_weights_ptr, stride_topk_t, stride_topk_k, num_tokens,
+    # sizes
+    n_cols, K, E, max_tiles,
+    alpha, limit, fp8_max,
+    TOP_K: tl.constexpr,
+    GATHER_A: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
+    SCALE_UNIFORM: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    OUT_GROUP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C (and, with
+    QUANT_OUT 1, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups)."""
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
+                                                               GROUP_M)
+    if expert < 0:
+        return
+    if GATHER_A or MUL_ROUTED_WEIGHT:
+        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    if not GATHER_A:
+        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
+    if A_QUANT == 2:
+        a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_a_scale_m  # [BLOCK_M]: each row's first group scale
+    else:
+        a_s_ptrs = a_ptr  # unused
+    a_static = 1.0
+    if A_QUANT == 1 or A_QUANT == 3:
+        a_static = tl.load(a_scale_ptr + expert * stride_a_scale_e)
+
+    expert_base = expert.to(tl.int64) * stride_w_e
+    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
+    # Block scales: offsets of each column's scale row, one scalar per tile when SCALE_UNIFORM (see `w8a8_gemm`);
+    # a [BLOCK_N] pointer tensor live through the K loop would cost 2 registers per column per thread.
+    s_base = scale_ptr + expert.to(tl.int64) * stride_scale_e
+    s_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, 0, stride_scale_n, scale_block_n, SCALE_UNIFORM,
+                                 BLOCK_N)
+    s_up_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, scale_up_row_offset, stride_scale_n,
+                                    scale_block_n, SCALE_UNIFORM, BLOCK_N)
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_acc, b_acc_up = w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptr + expert_base + w_offs,
+                                    w_up_ptr + expert_base + w_offs, s_base, s_offs, s_up_offs, mask_m, mask_n, K,
+                                    stride_a_k, stride_w_k, stride_scale_k, scale_block_k, fp8_max,
+                                    ACTIVATION != 0, A_QUANT, WEIGHT_SCALE, SCALE_UNIFORM, ROUND_IN_FP32, EVEN_K,
+                                    BLOCK_K)
+    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_scale_n = 0) or per-channel: after the loop
+        scale_rows = offs_n * scale_row_step
+        b_acc *= tl.load(s_base + scale_rows * stride_scale_n, mask=mask_n, other=0.0)[None, :]
+        if ACTIVATION != 0:
+            b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_scale_n, mask=mask_n,
+                                other=0.0)[None, :]
+    if A_QUANT == 1 or A_QUANT == 3:
+        b_acc *= a_static
+        b_acc_up *= a_static
+
+    if HAS_BIAS:
+        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
+        b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACTIVATION != 0:
+            b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
+    if MUL_ROUTED_WEIGHT:
+        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
+                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
+    if QUANT_OUT == 1:
+        # Columns past n_cols hold zeros (their weights and biases were read as 0), so they never raise an amax.
+        b_q, b_q_s = quantize_groups(b_acc, fp8_max, BLOCK_M, BLOCK_N, OUT_GROUP, ROUND_IN_FP32)
+        tl.store(c_ptrs, b_q, mask=mask_mn)
+        offs_g = pid_n * (BLOCK_N // OUT_GROUP) + tl.arange(0, BLOCK_N // OUT_GROUP)
+        c_s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_c_scale_m + offs_g[None, :]
+        tl.store(c_s_ptrs, b_q_s, mask=mask_m[:, None] & (offs_g < tl.cdiv(n_cols, OUT_GROUP))[None, :])
+    elif QUANT_OUT == 2:
+        c_static = tl.load(c_scale_ptr + expert * stride_c_scale_e)
+        tl.store(c_ptrs, to_fp8(b_acc / c_static, fp8_max, ROUND_IN_FP32), mask=mask_mn)
+    else:
+        tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, stride_x_m, q_ptr, stride_q_m, s_ptr, stride_s_m, static_ptr, num_rows, K, fp8_max,
+                          STATIC: tl.constexpr, ROUND_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                          GROUP: tl.constexpr):
+    """Grid: (cdiv(num_rows, BLOCK_M), cdiv(K, GROUP)). Each program quantizes a [BLOCK_M, GROUP] block of x to e4m3:
+    one scale per row (s[row, group] = amax / fp8_max), or x / the static scale (STATIC: no scales written)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    mask_m = offs_m < num_rows
+    mask = mask_m[:, None] & (offs_k < K)[None, :]
+    b_x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x_m + offs_k[None, :], mask=mask,
+                  other=0.0).to(tl.float32)
+    if STATIC:
+        b_q = to_fp8(b_x / tl.load(static_ptr), fp8_max, ROUND_IN_FP32)
+    else:
+        b_q, b_s = quantize_rows(b_x, fp8_max, ROUND_IN_FP32)
+        tl.store(s_ptr + offs_m.to(tl.int64) * stride_s_m + tl.program_id(1), b_s, mask=mask_m)
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * stride_q_m + offs_k[None, :], b_q, mask=mask)
+
+
+def quantize_fp8_rows(x, group, static_scale=None):
+    """x [M, K] (unit column stride) -> (e4m3 [M, K], scales fp32 [M, cdiv(K, group)] or None with a per-tensor
+    `static_scale`): the quantization GEMM1 otherwise does in its loads, once per row and group."""
+    M, K = x.shape
+    q = torch.empty((M, K), device=x.device, dtype=W8A8_DTYPE)
+    scales = None if static_scale is not None else torch.empty((M, triton.cdiv(K, group)), device=x.device,
+                                                               dtype=torch.float32)
+    if M == 0 or K == 0:
+        return q, scales
+    x = x if x.stride(1) == 1 else x.contiguous()
+    _quantize_rows_kernel[(triton.cdiv(M, QUANTIZE_BLOCK_M), triton.cdiv(K, group))](
+        x, x.stride(0), q, q.stride(0), scales, scales.stride(0) if scales is not None else 0, static_scale, M, K,
+        fp8_max(W8A8_DTYPE), STATIC=static_scale is not None, ROUND_IN_FP32=is_interpreter(),
+        BLOCK_M=QUANTIZE_BLOCK_M, GROUP=group)
+    return q, scales
+
+
+def _group(tile_block_k, weight_scale: WeightScale):
+    """The K step (= activation group) of a GEMM: the tile's BLOCK_K, cut to the weight's K block for block scales
+    (both powers of two, so the smaller divides the larger)."""
+    group = max(W8A8_MIN_GROUP, tile_block_k)
+    if weight_scale.code == 3:
+        group = min(group, weight_scale.block_k)
+    return group
+
+
+def w8a8_tiles(tiles: MoeTiles, gate_up_scale: WeightScale, down_scale: WeightScale, *, static_intermediate=False):
+    """The tiles `tiles` with w8a8's constraints applied: BLOCK_K of each GEMM is its activation group (`_group`), and
+    GEMM1's BLOCK_N a multiple of GEMM2's group unless the intermediate has a static scale. block_m is kept (the
+    dispatch tile map was built with it)."""
+    g1 = _group(tiles.gate_up.block_k, gate_up_scale)
+    g2 = _group(tiles.down.block_k, down_scale)
+    block_n = tiles.gate_up.block_n if static_intermediate else -(-tiles.gate_up.block_n // g2) * g2
+    return MoeTiles(tiles.block_m,
+                    GemmTile(block_n, g1, tiles.gate_up.num_warps, tiles.gate_up.num_stages, tiles.gate_up.group_m),
+                    GemmTile(tiles.down.block_n, g2, tiles.down.num_warps, tiles.down.num_stages, tiles.down.group_m))
+
+
+def _uniform_block_scale(ws: WeightScale, block_n, gated):
+    """Whether every column tile of the view reads one block-scale row (gate and up views alike). Tile t reads rows
+    t * span + offset + i * row_step (i < block_n, span = block_n * row_step) of the unsplit weight; with span
+    dividing the scale's block, they stay in one block when offset mod span < row_step."""
+    if ws.code != 3:
+        return False
+    span = block_n * ws.row_step
+    offsets = (0, ws.up_row_offset) if gated else (0,)
+    return ws.block_n % span == 0 and all(offset % span < ws.row_step for offset in offsets)
+
+
+def w8a8_groups(tiles: MoeTiles, w_gate_up_scale, w_down_scale, block_shape=(128, 128), *, transposed=False):
+    """(G1, G2), the activation groups (K steps) the w8a8 path uses with `tiles` (before `w8a8_tiles`, e.g. from
+    tiles.select_fp8_tiles) for these weight scales: what a model of its arithmetic needs (tests, benchmark)."""
+    def weight_scale(scale):
+        return WeightScale.of(scale, infer_scheme(scale), tuple(block_shape), transposed=transposed)
+
+    chosen = w8a8_tiles(tiles, weight_scale(w_gate_up_scale), weight_scale(w_down_scale))
+    return chosen.gate_up.block_k, chosen.down.block_k
+
+
+def _static_scale(scale):
+    """(tensor, per-expert stride) of a static scale of shape [], [1] or [E]."""
+    return scale, (scale.stride(0) if scale.dim() == 1 and scale.numel() > 1 else 0)
+
+
+def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_scale=None, a_static=None,
+              weight_up=None, transposed=False, gather_a=False, activation="none", bias=None, bias_up=None,
+              topk_weights=None, alpha=1.702, limit=7.0, out_dtype=None, out_static=None, out_group=None):
+    """Launch `_w8a8_gemm_kernel` over the rows of `info`; returns C [num_assignments, n], or (C, C's scales).
+
+    A `a` [rows, K]: float (quantized in the loads: per row and K step, or with `a_static` [] / [1] / [E]) or float8
+    with `a_scale` [rows, cdiv(K, tile.block_k)] or `a_static`. `weight` [E, n, K] (`transposed`: [E, K, n]) float8
+    with `weight_scale` (shared by the `weight_up` view of gated activations). Output: float in `out_dtype`; float8
+    with a static scale `out_static`; or, with `out_group`, float8 plus fp32 scales [rows, cdiv(n, out_group)]
+    (tile.block_n a multiple of out_group). Rows of C past info.expert_offsets[E] are left unwritten.
+    """
+    num_rows = info.num_assignments
+    K = a.shape[1]
+    n_cols = weight.shape[2] if transposed else weight.shape[1]
+    gated = ACTIVATIONS[activation] != 0
+    if gated:
+        weight, weight_up = same_strides(weight, weight_up)
+    if bias is not None and bias_up is not None:
+        bias, bias_up = same_strides(bias, bias_up)
+    stride_e, stride_n, stride_k = weight_strides(weight, transposed)
+    quantized_out = out_static is not None or out_group is not None
+    c = torch.empty((num_rows, n_cols), device=a.device, dtype=W8A8_DTYPE if quantized_out else out_dtype)
+    c_scale = None
+    if out_group is not None:
+        if tile.block_n % out_group:
+            raise ValueError(f"BLOCK_N {tile.block_n} of the quantizing GEMM must be a multiple of its output group "
+                             f"{out_group}")
+        c_scale = torch.empty((num_rows, triton.cdiv(n_cols, out_group)), device=a.device, dtype=torch.float32)
+    result = (c, c_scale) if out_group is not None else c
+    if num_rows == 0 or n_cols == 0 or info.max_tiles == 0:
+        return result
+
+    if a.dtype == W8A8_DTYPE:
+        a_quant = A_FP8_STATIC if a_static is not None else A_FP8_GROUPS
+    else:
+        a_quant = A_STATIC if a_static is not None else A_DYNAMIC
+    if a_static is not None:
+        a_scale_arg, stride_a_scale_e, stride_a_scale_m = *_static_scale(a_static), 0
+    elif a_quant == A_FP8_GROUPS:
+        a_scale_arg, stride_a_scale_e, stride_a_scale_m = a_scale, 0, a_scale.stride(0)
+    else:
+        a_scale_arg, stride_a_scale_e, stride_a_scale_m = None, 0, 0
+    if out_static is not None:
+        quant_out, (c_scale_arg, stride_c_scale_e), stride_c_scale_m = OUT_STATIC, _static_scale(out_static), 0
+    elif out_group is not None:
+        quant_out, c_scale_arg, stride_c_scale_e, stride_c_scale_m = OUT_DYNAMIC, c_scale, 0, c_scale.stride(0)
+    else:
+        quant_out, c_scale_arg, stride_c_scale_e, stride_c_scale_m = OUT_FLOAT, None, 0, 0
+    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
+    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    ws = weight_scale
+    _w8a8_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1), a.shape[0],
+        a_scale_arg, stride_a_scale_e, stride_a_scale_m,
+        weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
+        bias, bias_up if bias_up is not None else bias,
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k,
+        c, c.stride(0), c.stride(1), c.shape[0],
+        c_scale_arg, stride_c_scale_e, stride_c_scale_m,
+        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
+        topk_weights, topk_t, topk_k, info.num_tokens,
+        n_cols, K, info.num_experts, info.max_tiles,
+        float(alpha), float(limit), fp8_max(W8A8_DTYPE),
+        TOP_K=info.top_k,
+        GATHER_A=gather_a,
+        A_QUANT=a_quant,
+        ACTIVATION=ACTIVATIONS[activation],
+        HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        WEIGHT_SCALE=ws.code,
+        SCALE_UNIFORM=_uniform_block_scale(ws, tile.block_n, gated),
+        QUANT_OUT=quant_out,
+        OUT_GROUP=out_group or 1,
+        ROUND_IN_FP32=is_interpreter(),
+        EVEN_K=K % tile.block_k == 0,
+        BLOCK_M=info.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return result
+
+
+def w8a8_gemm1(x, w_gate, w_up, info, tiles: MoeTiles, gate_up_scale: WeightScale, *, transposed=False,
+               activation="silu", gate_bias=None, up_bias=None, alpha=1.702, limit=7.0, gate_up_input_scale=None,
+               down_input_scale=None):
+    """GEMM1 of the w8a8 path: (h [N, F] float8, h_scale [N, cdiv(F, G2)] fp32, or None with a static
+    `down_input_scale`); `tiles` already through `w8a8_tiles` (G1 = tiles.gate_up.block_k, G2 =
+    tiles.down.block_k). x is quantized in the loads, or first by `quantize_fp8_rows` for prefill tiles (a
+    per-expert static scale stays in the loads: the pass does not know the rows' experts)."""
+    x_scale = None
+    per_tensor = gate_up_input_scale is None or gate_up_input_scale.numel() == 1
+    if tiles.block_m >= PREQUANTIZE_MIN_BLOCK_M and per_tensor:
+        x, x_scale = quantize_fp8_rows(x, tiles.gate_up.block_k, gate_up_input_scale)
+    out = w8a8_gemm(x, w_gate, info, tiles.gate_up, gate_up_scale, a_scale=x_scale, a_static=gate_up_input_scale,
+                    weight_up=w_up,
+                    transposed=transposed, gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias,
+                    alpha=alpha, limit=limit, out_static=down_input_scale,
+                    out_group=None if down_input_scale is not None else tiles.down.block_k)
+    return out if down_input_scale is None else (out, None)
+
+
+def w8a8_experts(x, w_gate, w_up, w_down, info, tiles: MoeTiles, gate_up_scale: WeightScale, down_scale: WeightScale,
+                 *, topk_weights, transposed=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
+                 alpha=1.702, limit=7.0, gate_up_input_scale=None, down_input_scale=None):
+    """Both GEMMs of the w8a8 path -> y [N, H] in x's dtype, each row times its routing weight (for combine)."""
+    tiles = w8a8_tiles(tiles, gate_up_scale, down_scale, static_intermediate=down_input_scale is not None)
+    h, h_scale = w8a8_gemm1(x, w_gate, w_up, info, tiles, gate_up_scale, transposed=transposed,
+                            activation=activation, gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit,
+                            gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
+    return w8a8_gemm(h, w_down, info, tiles.down, down_scale, a_scale=h_scale, a_static=down_input_scale,
+                     transposed=transposed, bias=down_bias, topk_weights=topk_weights, out_dtype=x.dtype)
