@@ -13,7 +13,9 @@ spans two experts, tiles past the real work exit at once). The forward kernel's 
                      weights); 1 per-tensor and 2 per-channel scales, the fp8 tile converted to the activation dtype
                      for the dot and the fp32 accumulator scaled after the K loop; 3 block scales, each tile element
                      multiplied in fp32 by its block's scale before the conversion (any BLOCK_N / BLOCK_K against any
-                     block shape)
+                     block shape); 4 the same when each K step lies inside one scale block (the launcher narrows
+                     BLOCK_K to a divisor of the block's K side, >= 16): one scale per column per step, so no
+                     [BLOCK_K, BLOCK_N] fp32 scale tile takes shared memory
 
 The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
   _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue
@@ -99,12 +101,17 @@ def gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K: tl.constexp
 
 
 @triton.jit
-def load_weight_tile(w_ptrs, w_mask, s_ptrs, offs_k, stride_s_k, scale_block_k, a_ptrs,
+def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, scale_block_k, a_ptrs,
                      DOT_FP32: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile ready for the dot with A: fp8 tiles converted to A's dtype, block-scaled
-    ones first multiplied by the scale of their block (s_ptrs [BLOCK_N]: each column's scale row at k = 0)."""
+    ones first multiplied by the scale of their block (s_ptrs [BLOCK_N]: each column's scale row at k = 0). With
+    WEIGHT_SCALE 4 the K step lies inside one scale block (BLOCK_K divides the block's K side): one [BLOCK_N] scale
+    vector per step; WEIGHT_SCALE 3 loads a scale per element (any block shape)."""
     b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if WEIGHT_SCALE == 3:
+    if WEIGHT_SCALE == 4:
+        b_s = tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)
+        b_w = (b_w.to(tl.float32) * b_s[None, :]).to(a_ptrs.dtype.element_ty)
+    elif WEIGHT_SCALE == 3:
         b_s = tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask, other=0.0)
         b_w = (b_w.to(tl.float32) * b_s).to(a_ptrs.dtype.element_ty)
     elif WEIGHT_SCALE != 0:
@@ -134,14 +141,14 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
             a_mask = mask_m[:, None] & mask_k[None, :]
             w_mask = mask_k[:, None] & mask_n[None, :]
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b_w = load_weight_tile(w_ptrs, w_mask, s_ptrs, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs, DOT_FP32,
-                               WEIGHT_SCALE)
+        b_w = load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
+                               DOT_FP32, WEIGHT_SCALE)
         if DOT_FP32:
             b_a = b_a.to(tl.float32)
         b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_wu = load_weight_tile(w_up_ptrs, w_mask, s_up_ptrs, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
-                                    DOT_FP32, WEIGHT_SCALE)
+            b_wu = load_weight_tile(w_up_ptrs, w_mask, mask_n, s_up_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k,
+                                    a_ptrs, DOT_FP32, WEIGHT_SCALE)
             b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
@@ -245,7 +252,7 @@ def _grouped_gemm_kernel(
     if WEIGHT_SCALE != 0:
         scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
         scale_up_rows = scale_rows + scale_up_row_offset
-        if WEIGHT_SCALE == 3:
+        if WEIGHT_SCALE >= 3:
             scale_rows = scale_rows // scale_block_n
             scale_up_rows = scale_up_rows // scale_block_n
         s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
@@ -322,6 +329,11 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
     topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     ws = weight_scale or NO_SCALE
+    scale_code, block_k = ws.code, tile.block_k
+    if scale_code == 3 and ws.block_k >= 16:
+        # K steps inside one scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile
+        # per stage (which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)
+        scale_code, block_k = 4, min(block_k, ws.block_k & -ws.block_k)
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
         weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
@@ -340,13 +352,13 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         HAS_BIAS=bias is not None,
         STORE_PREACT=preact is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        WEIGHT_SCALE=ws.code,
+        WEIGHT_SCALE=scale_code,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
-        EVEN_K=K % tile.block_k == 0,
+        EVEN_K=K % block_k == 0,
         BLOCK_M=info.block_m,
         BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
+        BLOCK_K=block_k,
         GROUP_M=tile.group_m,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
