@@ -22,7 +22,7 @@ Writes OUT/ep.json and OUT/ep.md on rank 0 and prints the table. The output is c
 all experts at one T per model (the all-expert weights are built on every rank from one seed; when they do not fit
 next to the shard, that check and one_gpu are skipped and said so).
 
-Not run yet: written on a CPU-only machine (no numbers in docs/performance.md). It imports on the CPU; launched with
+First run on two H200s on 2026-12-01 (docs/performance.md, "Expert parallelism"). It imports on the CPU; launched with
 torchrun there, it runs the plumbing through gloo and Triton's interpreter at shrunk sizes (--cpu-smoke).
 """
 

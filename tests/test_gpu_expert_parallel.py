@@ -2,7 +2,7 @@
 capacity mode. Skipped unless torch sees at least two GPUs; the CPU suite (tests/test_expert_parallel.py, gloo)
 checks the same semantics at tiny sizes.
 
-Not run yet: written on a CPU-only machine (import-safe there, every test skips). Each test spawns two ranks (one
+Ran on two H200s (NV18, NCCL 2.28) on 2026-12-01: 4 passed in 66 s. Each test spawns two ranks (one
 GPU each); both build the same all-expert problem from one seed, run `ep_fused_experts` with their half of the
 experts, and compare with `fused_experts` holding all experts on one GPU (the single-GPU reference fits on an H200:
 DeepSeek-V3's 256 routed experts are 22.5 GB in bf16).
