@@ -645,7 +645,8 @@ def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baseli
 # outputs
 
 
-def _fmt(value, spec=".1f", none="-"):
+def fmt(value, spec=".1f", none="-"):
+    """A table cell: `value` in `spec`, `none` for None, "nan" for NaN."""
     if value is None:
         return none
     if isinstance(value, float) and math.isnan(value):
@@ -704,12 +705,12 @@ def write_markdown(results, path):
                 met = f"error: {c['error'][:80]}"
             lines.append(
                 f"| {c['tokens']} | {c['path']}{'' if routing == 'balanced' else f' ({routing})'} | {c['dtype']} | "
-                f"{c.get('experts_hit', '-')} | {_fmt(c.get('plain_us'))} | {_fmt(c.get('graph_us'))} | "
-                f"{_fmt(c.get('hot_us'))} | {_fmt(c.get('floor_us'))} | "
-                f"{_fmt(c.get('target_us'))} | {_fmt(c.get('time_over_floor'), '.2f')} | "
-                f"{_fmt(c.get('tb_per_s'), '.2f')} | {_fmt(c.get('tflop_per_s'), '.0f')} | "
-                f"{_fmt(gmm.get('time_us'))} | {_fmt(c.get('vs_grouped_mm'), '.2f')} | "
-                f"{_fmt(vllm.get('time_us'))} | {_fmt(eager.get('time_us'))} | {_fmt(c.get('rel_err'), '.1e')} | "
+                f"{c.get('experts_hit', '-')} | {fmt(c.get('plain_us'))} | {fmt(c.get('graph_us'))} | "
+                f"{fmt(c.get('hot_us'))} | {fmt(c.get('floor_us'))} | "
+                f"{fmt(c.get('target_us'))} | {fmt(c.get('time_over_floor'), '.2f')} | "
+                f"{fmt(c.get('tb_per_s'), '.2f')} | {fmt(c.get('tflop_per_s'), '.0f')} | "
+                f"{fmt(gmm.get('time_us'))} | {fmt(c.get('vs_grouped_mm'), '.2f')} | "
+                f"{fmt(vllm.get('time_us'))} | {fmt(eager.get('time_us'))} | {fmt(c.get('rel_err'), '.1e')} | "
                 f"{met} |"
             )
     Path(path).write_text("\n".join(lines) + "\n")
@@ -733,8 +734,8 @@ def summary_table(results):
         for path in PATHS:
             c = _find(cells, model, tokens, path, "moe_dispatch", dtype) or {}
             met = _met(c, "yes", "**no**")
-            row += [_fmt(c.get("time_us")), _fmt(c.get("time_over_floor"), ".2f"), met,
-                    _fmt(c.get("vs_grouped_mm"), ".2f")]
+            row += [fmt(c.get("time_us")), fmt(c.get("time_over_floor"), ".2f"), met,
+                    fmt(c.get("vs_grouped_mm"), ".2f")]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -756,9 +757,9 @@ def peer_table(results):
         if vs_vllm:
             ratios.append(vs_vllm)
         mark = "" if vs_vllm is None or vs_vllm <= 1.0 else " **slower**"
-        lines.append(f"| {model} | {tokens} | {_fmt(hot)} | {_fmt(vllm)} | {_fmt(vs_vllm, '.3f')}{mark} | "
-                     f"{_fmt(before)} | {_fmt(vs_before, '.3f')} | {_fmt(c.get('plain_us'))} | "
-                     f"{_fmt(skew.get('hot_us'))} | {_fmt(skew_gmm.get('hot_us'))} |")
+        lines.append(f"| {model} | {tokens} | {fmt(hot)} | {fmt(vllm)} | {fmt(vs_vllm, '.3f')}{mark} | "
+                     f"{fmt(before)} | {fmt(vs_before, '.3f')} | {fmt(c.get('plain_us'))} | "
+                     f"{fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} |")
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         slower = sum(r > 1.0 for r in ratios)
@@ -840,15 +841,15 @@ def short_table(results):
             misses += met is False
             fast = c.get("faster_than_grouped_mm")
             parts.append(f"{c['time_us']:>9.1f} {c['time_over_floor']:>5.2f} {'ok' if met else 'MISS':>4} "
-                         f"{_fmt(c.get('vs_grouped_mm'), '.2f') + ('' if fast in (None, True) else '!'):>5}")
+                         f"{fmt(c.get('vs_grouped_mm'), '.2f') + ('' if fast in (None, True) else '!'):>5}")
             if c.get("rel_err") is not None:
                 worst_err = c["rel_err"] if worst_err is None else max(worst_err, c["rel_err"])
                 if not c.get("ok", True):
                     errors += 1
-        parts.append(f"{_fmt(worst_err, '.1e'):>7}")
+        parts.append(f"{fmt(worst_err, '.1e'):>7}")
         hot = (_find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}).get("hot_us")
         vllm = VLLM_US.get((model, tokens))
-        parts.append(f"{_fmt(hot):>8} {_fmt(hot / vllm if hot and vllm else None, '.3f'):>6}")
+        parts.append(f"{fmt(hot):>8} {fmt(hot / vllm if hot and vllm else None, '.3f'):>6}")
         lines.append(" ".join(parts))
     lines.append(f"cells missing target: {misses}; cells with errors or failed checks: {errors}; "
                  "xgmm = grouped_mm time / ours ('!' = not faster); fe_hot = fused_experts hot (graph of repeated calls, "

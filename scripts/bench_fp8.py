@@ -143,10 +143,6 @@ class Timer:
         return bench.EventTimer(self.warmup_ms, self.rep_ms).graph(fn)
 
 
-def error_text(exc):
-    return f"{type(exc).__name__}: {exc}"[:300]
-
-
 def measure(record, timer, fn, *, check, graph_flushed):
     """Fills record: correctness (check(output) -> fields), then plain, graph and optionally graph_flushed times."""
     try:
@@ -157,7 +153,7 @@ def measure(record, timer, fn, *, check, graph_flushed):
         del output
         record["plain_us"] = timer.plain(fn) * 1e3
     except Exception as exc:
-        record["error"] = error_text(exc)
+        record["error"] = bench.error_text(exc)
         return
     if not timer.cuda:
         return
@@ -166,7 +162,7 @@ def measure(record, timer, fn, *, check, graph_flushed):
         try:
             record[key] = method(fn) * 1e3
         except Exception as exc:
-            record[key.replace("_us", "_error")] = error_text(exc)
+            record[key.replace("_us", "_error")] = bench.error_text(exc)
             torch.cuda.synchronize()
 
 
@@ -188,7 +184,7 @@ def measure_fp8_matmul(timer, device, size):
             ms = timer.plain(lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=DTYPE))
             out[f"fp8_matmul_{name}_flops_per_s"] = 2 * size**3 / (ms * 1e-3)
         except Exception as exc:
-            out[f"fp8_matmul_{name}_error"] = error_text(exc)
+            out[f"fp8_matmul_{name}_error"] = bench.error_text(exc)
     return out
 
 
@@ -214,7 +210,7 @@ def load_transformers_fp8(device):
 
         finegrained_fp8.load_finegrained_fp8_kernel()
     except Exception as exc:
-        return None, (f"{error_text(exc)} (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}; stage "
+        return None, (f"{bench.error_text(exc)} (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}; stage "
                       "kernels-community/finegrained-fp8 in the HF cache or map it with LOCAL_KERNELS)")
     return finegrained_fp8, None
 
@@ -387,14 +383,6 @@ def bench_model(shape, args, timer, kernel, hf_module, ceilings, started):
 # outputs
 
 
-def _fmt(value, spec=".1f"):
-    if value is None:
-        return "-"
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return format(value, spec)
-
-
 def _rows(results):
     """(model, T, {impl: record}) in run order."""
     table = {}
@@ -423,8 +411,8 @@ def write_markdown(results, path):
         f"fp8_compute={meta['fp8_compute']}", "",
         "| read R | bf16 matmul P | fp8 _scaled_mm rowwise | fp8 _scaled_mm tensorwise |", "| --- | --- | --- | --- |",
         f"| {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s | {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s | "
-        f"{_fmt(tflops['rowwise'] and tflops['rowwise'] / 1e12, '.0f')} TFLOP/s | "
-        f"{_fmt(tflops['tensorwise'] and tflops['tensorwise'] / 1e12, '.0f')} TFLOP/s |", "",
+        f"{bench.fmt(tflops['rowwise'] and tflops['rowwise'] / 1e12, '.0f')} TFLOP/s | "
+        f"{bench.fmt(tflops['tensorwise'] and tflops['tensorwise'] / 1e12, '.0f')} TFLOP/s |", "",
         f"transformers FP8 experts (grouped_mm): {meta['hf_fp8']}", "",
         "Times in us, median. plain: do_bench, L2 flushed; graph: do_bench_cudagraph, repeated calls, no flush; "
         "gflush: one-call graph replays with the L2 flushed (decode cells). Target: decode (T <= 16) fp8 gflush <= "
@@ -437,12 +425,12 @@ def write_markdown(results, path):
     for model, T, impls in _rows(results):
         f, b, h = impls.get("fp8", {}), impls.get("bf16", {}), impls.get("hf_fp8", {})
         lines.append(
-            f"| {model} | {T} | {f.get('experts_hit', '-')} | {_fmt(f.get('plain_us'))} | {_fmt(f.get('graph_us'))} | "
-            f"{_fmt(f.get('graph_flushed_us'))} | {_fmt(f.get('tflop_per_s'), '.0f')} | {_fmt(b.get('plain_us'))} | "
-            f"{_fmt(b.get('graph_us'))} | {_fmt(b.get('graph_flushed_us'))} | {_fmt(f.get('vs_bf16'), '.2f')} | "
-            f"{_fmt(h.get('plain_us'))} | {_fmt(h.get('graph_us'))} | {_fmt(f.get('vs_hf'), '.2f')} | "
-            f"{_fmt(f.get('target_us'))} | {_fmt(f.get('rel_err'), '.1e')} | {_fmt(b.get('rel_err'), '.1e')} | "
-            f"{_fmt(h.get('rel_err'), '.1e')} | {_met(f)} |")
+            f"| {model} | {T} | {f.get('experts_hit', '-')} | {bench.fmt(f.get('plain_us'))} | {bench.fmt(f.get('graph_us'))} | "
+            f"{bench.fmt(f.get('graph_flushed_us'))} | {bench.fmt(f.get('tflop_per_s'), '.0f')} | {bench.fmt(b.get('plain_us'))} | "
+            f"{bench.fmt(b.get('graph_us'))} | {bench.fmt(b.get('graph_flushed_us'))} | {bench.fmt(f.get('vs_bf16'), '.2f')} | "
+            f"{bench.fmt(h.get('plain_us'))} | {bench.fmt(h.get('graph_us'))} | {bench.fmt(f.get('vs_hf'), '.2f')} | "
+            f"{bench.fmt(f.get('target_us'))} | {bench.fmt(f.get('rel_err'), '.1e')} | {bench.fmt(b.get('rel_err'), '.1e')} | "
+            f"{bench.fmt(h.get('rel_err'), '.1e')} | {_met(f)} |")
     Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -450,7 +438,7 @@ def short_table(results):
     ceil = results["ceilings"]
     rowwise = ceil.get("fp8_matmul_rowwise_flops_per_s")
     lines = [f"R {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s · P bf16 {ceil['matmul_flops_per_s'] / 1e12:.0f} · "
-             f"P fp8 {_fmt(rowwise and rowwise / 1e12, '.0f')} TFLOP/s · {results['meta']['device']} · "
+             f"P fp8 {bench.fmt(rowwise and rowwise / 1e12, '.0f')} TFLOP/s · {results['meta']['device']} · "
              f"hf_fp8: {'ran' if results['meta']['hf_fp8'] == 'loaded' else 'not run'}",
              f"{'model':<15}{'T':>6} {'fp8_us':>9} {'bf16_us':>9} {'xbf16':>6} {'hf_us':>9} {'xhf':>5} "
              f"{'tgt_us':>8} {'err':>7} target"]
@@ -462,9 +450,9 @@ def short_table(results):
         hf_us = judged_time(h, ("graph_flushed_us", "plain_us"))[0]
         misses += f.get("met") is False
         errors += bool(f.get("error")) or f.get("ok") is False or b.get("ok") is False
-        lines.append(f"{model[:15]:<15}{T:>6} {_fmt(fp8_us):>9} {_fmt(bf16_us):>9} {_fmt(f.get('vs_bf16'), '.2f'):>6} "
-                     f"{_fmt(hf_us):>9} {_fmt(f.get('vs_hf'), '.2f'):>5} {_fmt(f.get('target_us')):>8} "
-                     f"{_fmt(f.get('rel_err'), '.1e'):>7} {_met(f)}")
+        lines.append(f"{model[:15]:<15}{T:>6} {bench.fmt(fp8_us):>9} {bench.fmt(bf16_us):>9} {bench.fmt(f.get('vs_bf16'), '.2f'):>6} "
+                     f"{bench.fmt(hf_us):>9} {bench.fmt(f.get('vs_hf'), '.2f'):>5} {bench.fmt(f.get('target_us')):>8} "
+                     f"{bench.fmt(f.get('rel_err'), '.1e'):>7} {_met(f)}")
     lines.append(f"targets missed: {misses}; cells with errors or failed checks: {errors}; times: gflush for T <= 16, "
                  "else plain")
     return "\n".join(lines)

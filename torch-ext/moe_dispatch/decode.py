@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_gemm import ACTIVATIONS, _apply_activation, dot_options, same_strides, tile_dot, weight_strides
+from .grouped_gemm import ACTIVATIONS, _apply_activation, add_bias, dot_options, same_strides, tile_dot, weight_strides
 from .tiles import DecodeTiles
 
 MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
@@ -87,9 +87,8 @@ def _decode_gate_up_kernel(
                             mask_t, mask_n, H, stride_x_h, stride_w_k, True, DOT_FP32, DOT_PRECISION, EVEN_K,
                             BLOCK_K)
     if HAS_BIAS:
-        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
-        b_gate += tl.load(bias_gate_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        b_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
+                                stride_bias_n, ACTIVATION)
     b_act = _apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
 
     for j in tl.static_range(TOP_K):

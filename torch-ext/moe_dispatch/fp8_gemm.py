@@ -40,7 +40,8 @@ import triton.language as tl
 
 from ._device import is_interpreter
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .grouped_gemm import ACTIVATIONS, _apply_activation, gathered_rows, same_strides, tile_setup, weight_strides
+from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args, step_masks, tile_meta,
+                           tile_setup)
 from .tiles import GemmTile, MoeTiles
 
 # A_QUANT: how GEMM A tiles become float8
@@ -142,13 +143,7 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a_mask = mask_m[:, None]
-            w_mask = mask_n[None, :]
-        else:
-            mask_k = offs_k < K - k0
-            a_mask = mask_m[:, None] & mask_k[None, :]
-            w_mask = mask_k[:, None] & mask_n[None, :]
+        a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         # this K step's row scales [BLOCK_M] (dynamic activations) and column scales [BLOCK_N] (block weights)
         if A_QUANT == 0:
@@ -266,16 +261,10 @@ def _w8a8_gemm_kernel(
         b_acc_up *= a_static
 
     if HAS_BIAS:
-        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
-        b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION != 0:
-        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
-    if MUL_ROUTED_WEIGHT:
-        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
-                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
-        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
+                                   stride_bias_n, ACTIVATION)
+    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
+                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
 
     mask_mn = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
@@ -390,13 +379,8 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
     """
     num_rows = info.num_assignments
     K = a.shape[1]
-    n_cols = weight.shape[2] if transposed else weight.shape[1]
-    gated = ACTIVATIONS[activation] != 0
-    if gated:
-        weight, weight_up = same_strides(weight, weight_up)
-    if bias is not None and bias_up is not None:
-        bias, bias_up = same_strides(bias, bias_up)
-    stride_e, stride_n, stride_k = weight_strides(weight, transposed)
+    w = gemm_weights(weight, weight_up, bias, bias_up, transposed=transposed, activation=activation)
+    n_cols = w.n_cols
     quantized_out = out_static is not None or out_group is not None
     c = torch.empty((num_rows, n_cols), device=a.device, dtype=W8A8_DTYPE if quantized_out else out_dtype)
     c_scale = None
@@ -426,39 +410,25 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
     else:
         quant_out, c_scale_arg, stride_c_scale_e, stride_c_scale_m = OUT_FLOAT, None, 0, 0
     grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
-    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     ws = weight_scale
     _w8a8_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
         a_scale_arg, stride_a_scale_e, stride_a_scale_m,
-        weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
-        bias, bias_up if bias_up is not None else bias,
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k,
+        *w.weight_args(), *w.bias_args(), *scale_args(ws),
         c, c.stride(0), c.stride(1), c.shape[0],
         c_scale_arg, stride_c_scale_e, stride_c_scale_m,
-        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
-        topk_weights, topk_t, topk_k, info.num_tokens,
+        *routing_args(info, topk_weights),
         n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit), fp8_max(W8A8_DTYPE),
-        TOP_K=info.top_k,
-        GATHER_A=gather_a,
         A_QUANT=a_quant,
-        ACTIVATION=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
         WEIGHT_SCALE=ws.code,
-        SCALE_UNIFORM=_uniform_block_scale(ws, tile.block_n, gated),
+        SCALE_UNIFORM=_uniform_block_scale(ws, tile.block_n, w.gated),
         QUANT_OUT=quant_out,
         OUT_GROUP=out_group or 1,
         ROUND_IN_FP32=is_interpreter(),
         EVEN_K=K % tile.block_k == 0,
-        BLOCK_M=info.block_m,
-        BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
     return result
 

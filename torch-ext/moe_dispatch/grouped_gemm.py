@@ -30,6 +30,8 @@ gathered row in [0, rows of A); anything else is masked out, so caller-provided 
 kernel read or write outside its tensors.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -122,6 +124,20 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
 
 
 @triton.jit
+def step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K: tl.constexpr):
+    """(A's mask [BLOCK_M, 1 or BLOCK_K], W's mask [1 or BLOCK_K, BLOCK_N]) of the K step at k0: rows and columns
+    only when K has no tail (EVEN_K), else also the K columns past the end."""
+    if EVEN_K:
+        a_mask = mask_m[:, None]
+        w_mask = mask_n[None, :]
+    else:
+        mask_k = offs_k < K - k0
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        w_mask = mask_k[:, None] & mask_n[None, :]
+    return a_mask, w_mask
+
+
+@triton.jit
 def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
               GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_K: tl.constexpr, s_ptrs=None, s_up_ptrs=None, stride_s_k=0, scale_block_k=1,
@@ -133,13 +149,7 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:  # no K tail: masks only on rows (and on columns past the end)
-            a_mask = mask_m[:, None]
-            w_mask = mask_n[None, :]
-        else:
-            mask_k = offs_k < K - k0
-            a_mask = mask_m[:, None] & mask_k[None, :]
-            w_mask = mask_k[:, None] & mask_n[None, :]
+        a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b_w = load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
                                DOT_FP32, WEIGHT_SCALE)
@@ -171,6 +181,30 @@ def tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K: tl.
 
 
 @triton.jit
+def add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+             ACTIVATION: tl.constexpr):
+    """The accumulators plus the expert's bias row (and the up bias when gated)."""
+    bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
+    b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
+                        limit, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """act(gate, up) when gated, then each row times its assignment's routing weight when MUL_ROUTED_WEIGHT."""
+    if ACTIVATION != 0:
+        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
+    if MUL_ROUTED_WEIGHT:
+        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
+                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+    return b_acc
+
+
+@triton.jit
 def tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
                   preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
@@ -179,21 +213,15 @@ def tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_ass
     """Bias, saved pre-activations, activation, routing weight, then the masked store of one C tile (rows outside
     mask_m, e.g. the next expert's rows a tile load reached, are never written)."""
     if HAS_BIAS:
-        bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
-        b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
+                                   stride_bias_n, ACTIVATION)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if STORE_PREACT:
         preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
         tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
         tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
-    if ACTIVATION != 0:
-        b_acc = _apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
-    if MUL_ROUTED_WEIGHT:
-        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
-                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
-        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
+                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
     tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
 
@@ -294,6 +322,66 @@ def dot_options(dtype):
     return dot_fp32, "ieee" if dot_fp32 else dot_input_precision(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmWeights:
+    """One grouped GEMM's weight-side operands as every launcher passes them: the weight (and, gated, the up view
+    with the same strides), its (stride_e, stride_n, stride_k) as [E, n, K], n, and the biases with equal strides."""
+
+    weight: torch.Tensor
+    weight_up: torch.Tensor | None  # None unless the activation is gated
+    strides: tuple
+    n_cols: int
+    bias: torch.Tensor | None
+    bias_up: torch.Tensor | None
+
+    @property
+    def gated(self):
+        return self.weight_up is not None
+
+    def weight_args(self):
+        """w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k (w_up_ptr = w_ptr when not gated)."""
+        return (self.weight, self.weight_up if self.gated else self.weight, *self.strides)
+
+    def bias_args(self):
+        """bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n."""
+        bias = self.bias
+        return (bias, self.bias_up if self.bias_up is not None else bias,
+                bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0)
+
+
+def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) -> GemmWeights:
+    """`GemmWeights` of [E, n, K] weights ([E, K, n] when `transposed`); views copied only when gate and up strides
+    differ (see `same_strides`)."""
+    gated = ACTIVATIONS[activation] != 0
+    if gated:
+        weight, weight_up = same_strides(weight, weight_up)
+    if bias is not None and bias_up is not None:
+        bias, bias_up = same_strides(bias, bias_up)
+    n_cols = weight.shape[2] if transposed else weight.shape[1]
+    return GemmWeights(weight, weight_up if gated else None, weight_strides(weight, transposed), n_cols, bias,
+                       bias_up)
+
+
+def scale_args(ws: WeightScale):
+    """scale_ptr, its 3 strides, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k."""
+    return (ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k)
+
+
+def routing_args(info, topk_weights):
+    """tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
+    stride_topk_k, num_tokens (topk_weights None: no routing weight in the epilogue)."""
+    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    return (info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx, topk_weights, topk_t, topk_k,
+            info.num_tokens)
+
+
+def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, topk_weights):
+    """The constexprs and launch options every grouped-GEMM kernel shares (BLOCK_K is each launcher's own)."""
+    return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w.bias is not None,
+                MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m, BLOCK_N=tile.block_n,
+                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
 def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,
                 activation="none", bias=None, bias_up=None, topk_weights=None, alpha=1.702, limit=7.0, out=None,
                 preact=None, weight_scale: WeightScale | None = None):
@@ -307,27 +395,18 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     """
     num_rows = info.num_assignments
     K = a.shape[1]
-    n_cols = weight.shape[2] if transposed else weight.shape[1]
-    gated = ACTIVATIONS[activation] != 0
-    if gated:
-        weight, weight_up = same_strides(weight, weight_up)
-    if bias is not None and bias_up is not None:
-        bias, bias_up = same_strides(bias, bias_up)
-    stride_e, stride_n, stride_k = weight_strides(weight, transposed)
-    c = out if out is not None else torch.empty((num_rows, n_cols), device=a.device, dtype=a.dtype)
-    if num_rows == 0 or n_cols == 0 or info.max_tiles == 0:
+    w = gemm_weights(weight, weight_up, bias, bias_up, transposed=transposed, activation=activation)
+    c = out if out is not None else torch.empty((num_rows, w.n_cols), device=a.device, dtype=a.dtype)
+    if num_rows == 0 or w.n_cols == 0 or info.max_tiles == 0:
         return c
     if tile.persistent:
         from .persistent_gemm import persistent_expert_gemm, supports  # imports this module's jit helpers
 
-        if supports(a, weight, weight_up if gated else None, transposed=transposed, gather_a=gather_a,
-                    weight_scale=weight_scale):
-            return persistent_expert_gemm(a, weight, info, tile, c, weight_up=weight_up if gated else None,
-                                          gather_a=gather_a, activation=activation, bias=bias, bias_up=bias_up,
+        if supports(a, w, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale):
+            return persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
                                           topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
     dot_fp32, precision = dot_options(a.dtype)
-    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
-    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    grid = (info.max_tiles * triton.cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
     scale_code, block_k = ws.code, tile.block_k
     if scale_code == 3 and ws.block_k >= 16:
@@ -336,32 +415,19 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         scale_code, block_k = 4, min(block_k, ws.block_k & -ws.block_k)
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
-        weight, weight_up if gated else weight, stride_e, stride_n, stride_k,
-        bias, bias_up if bias_up is not None else bias,
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k,
+        *w.weight_args(), *w.bias_args(), *scale_args(ws),
         c, c.stride(0), c.stride(1), c.shape[0],
         preact, preact.stride(0) if preact is not None else 0,
-        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
-        topk_weights, topk_t, topk_k, info.num_tokens,
-        n_cols, K, info.num_experts, info.max_tiles,
+        *routing_args(info, topk_weights),
+        w.n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit),
-        TOP_K=info.top_k,
-        GATHER_A=gather_a,
-        ACTIVATION=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None,
         STORE_PREACT=preact is not None,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
         WEIGHT_SCALE=scale_code,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
         EVEN_K=K % block_k == 0,
-        BLOCK_M=info.block_m,
-        BLOCK_N=tile.block_n,
         BLOCK_K=block_k,
-        GROUP_M=tile.group_m,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
     return c
 

@@ -26,7 +26,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import has_tma, num_sms
-from .grouped_gemm import ACTIVATIONS, dot_options, tile_coords, tile_epilogue, tile_rows, tile_setup_at
+from .grouped_gemm import (GemmWeights, dot_options, routing_args, tile_coords, tile_epilogue, tile_meta, tile_rows,
+                           tile_setup_at)
 
 INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles
 
@@ -116,64 +117,49 @@ def _descriptor_rows(weight, n_cols):
     return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
 
 
-def supports(a, weight, weight_up, *, transposed, gather_a, weight_scale):
+def supports(a, w: GemmWeights, *, transposed, gather_a, weight_scale):
     """Whether the persistent descriptor kernel can run this GEMM (else `expert_gemm` uses the pointer kernel)."""
     if transposed or weight_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not has_tma(a.device) or a.shape[1] == 0 or weight.shape[0] == 0:
+    if not has_tma(a.device) or a.shape[1] == 0 or w.weight.shape[0] == 0:
         return False
-    n_cols = weight.shape[1]
-    if _descriptor_rows(weight, n_cols) is None:
+    if _descriptor_rows(w.weight, w.n_cols) is None:
         return False
-    if weight_up is not None and (not _aligned(weight_up) or weight_up.stride() != weight.stride()):
+    if w.gated and (not _aligned(w.weight_up) or w.weight_up.stride() != w.weight.stride()):
         return False
     if not gather_a and (a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or not _aligned(a)):
         return False
     return True
 
 
-def persistent_expert_gemm(a, weight, info, tile, c, *, weight_up, gather_a, activation, bias, bias_up, topk_weights,
-                           alpha, limit, preact):
+def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activation, topk_weights, alpha, limit,
+                           preact):
     """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, already checked by
-    `supports`; weight is [E, n, K]). Returns c."""
+    `supports`; w.weight is [E, n, K]). Returns c."""
     K = a.shape[1]
-    n_cols = weight.shape[1]
-    gated = ACTIVATIONS[activation] != 0
-    w_rows, rows_per_expert = _descriptor_rows(weight, n_cols)
+    w_rows, rows_per_expert = _descriptor_rows(w.weight, w.n_cols)
     w_block = [tile.block_n, tile.block_k]
-    w_desc = TensorDescriptor(weight, [w_rows, K], [weight.stride(1), 1], w_block)
-    w_up_desc = TensorDescriptor(weight_up, [w_rows, K], [weight.stride(1), 1], w_block) if gated else w_desc
+    w_desc = TensorDescriptor(w.weight, [w_rows, K], [w.weight.stride(1), 1], w_block)
+    w_up_desc = TensorDescriptor(w.weight_up, [w_rows, K], [w.weight.stride(1), 1], w_block) if w.gated else w_desc
     a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     dot_fp32, _ = dot_options(a.dtype)
-    num_tiles = info.max_tiles * triton.cdiv(n_cols, tile.block_n)
+    num_tiles = info.max_tiles * triton.cdiv(w.n_cols, tile.block_n)
     programs = INTERPRETER_PROGRAMS if a.device.type != "cuda" else num_sms(a.device)
     programs = max(1, min(programs, num_tiles))
-    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     _persistent_grouped_gemm_kernel[(programs,)](
         a, a_desc, a.stride(0), a.stride(1), a.shape[0],
         w_desc, w_up_desc, rows_per_expert,
-        bias, bias_up if bias_up is not None else bias,
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        *w.bias_args(),
         c, c.stride(0), c.stride(1), c.shape[0],
         preact, preact.stride(0) if preact is not None else 0,
-        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
-        topk_weights, topk_t, topk_k, info.num_tokens,
-        n_cols, K, info.num_experts, info.max_tiles,
+        *routing_args(info, topk_weights),
+        w.n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit),
-        TOP_K=info.top_k,
-        GATHER_A=gather_a,
-        ACTIVATION=ACTIVATIONS[activation],
-        HAS_BIAS=bias is not None,
         STORE_PREACT=preact is not None,
-        MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=K % tile.block_k == 0,
         DOT_FP32=dot_fp32,
-        BLOCK_M=info.block_m,
-        BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
         NUM_PROGRAMS=programs,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
     return c
