@@ -26,7 +26,12 @@ Outputs in --out (rewritten after every T, so a run cut short keeps what it meas
   <device_key>.json   the package's table for this device with that entry in place (copy it to configs/)
 
     scripts/sweep_decode --out "$OUT/sweep-decode"            # all six models, about 2 minutes with compiles
+    scripts/sweep_decode --fp8 --out "$OUT/sweep-decode-fp8"  # block-scaled float8 weights (bench_fp8's problems)
     scripts/sweep_decode --cpu-smoke --out /tmp/sweep         # plumbing on the CPU: shrunk shapes, interpreter
+
+With --fp8 the weights are bench_fp8's 128 x 128 block-scaled e4m3 experts: the general path is the w8a8 path with
+the table's "fp8" tiles, the decode path dequantizes in its loads, both are checked against the float64 experts on
+the dequantized weights within reference.W8A8_TOLERANCE, and the entry goes to the table's "fp8" section.
 
 Cost: a kernel compiles once per (tile, top_k, BLOCK_T) and is reused by every model that shares them (the token
 count is not specialised on); --candidates, --models, --tokens and --budget-s trim a run.
@@ -45,18 +50,19 @@ from pathlib import Path
 import torch
 
 import bench  # first: sets TRITON_INTERPRET when there is no GPU (scripts/, benchmarks/, torch-ext/ on PYTHONPATH)
+import bench_fp8
 import reference
 import tune
 
 TOKENS = (1, 2, 4, 8, 16, 32)
 SMOKE_TOKENS = (1, 2)
 # (block_n, block_k, num_warps, num_stages). The gate/up kernel is a tl.dot of BLOCK_T = max(16, T) rows against a
-# gate and an up tile, streaming the weights of each expert hit once; the down kernel is a GEMV per (token, BLOCK_N
-# columns of H) whose parallelism at T = 1 is H / BLOCK_N programs, hence the narrow tiles.
+# gate and an up tile, streaming the weights of each expert hit once; the down kernel is a GEMV per (assignment,
+# BLOCK_N columns of H) whose parallelism at T = 1 is top_k * H / BLOCK_N programs.
 GATE_UP_CANDIDATES = ((32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3),
                       (128, 128, 8, 3))
 DOWN_CANDIDATES = ((64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 2), (16, 128, 2, 4),
-                   (128, 64, 4, 3))
+                   (128, 64, 4, 3), (64, 256, 4, 3))
 SMOKE_CANDIDATES = 2  # per kernel with --cpu-smoke
 
 
@@ -74,6 +80,7 @@ def parse_args(argv):
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it imports")
     p.add_argument("--budget-s", type=float, default=140.0, help="start no new (T, model) cell after this many s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8", action="store_true", help="block-scaled float8 weights; writes the table's fp8 decode entry")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="plumbing run on the CPU: interpreter, shrunk shapes, T in 1,2, two candidates per kernel")
     args = p.parse_args(argv)
@@ -138,10 +145,19 @@ class Cell:
     def __init__(self, kernel, prob, num_tokens, args, timer, device):
         shape = prob.shape
         self.kernel, self.prob, self.timer, self.device = kernel, prob, timer, device
+        self.fp8 = args.fp8
         self.x = prob.x[:num_tokens]
         self.ids, self.weights = bench.random_routing(num_tokens, shape.num_experts, shape.top_k, device,
                                                       args.seed * 1000003 + num_tokens)
-        self.ref = reference.fused_experts_ref(self.x, prob.w_gate_up, prob.w_down, self.ids, self.weights)
+        if self.fp8:  # a bench_fp8.Problem: float8 weights and their scales
+            self.operands = dict(w_gate_up=prob.q_gate_up, w_down=prob.q_down, **prob.scales)
+            self.ref = reference.fused_experts_fp8_ref(self.x, prob.q_gate_up, prob.q_down, self.ids, self.weights,
+                                                       experts_per_chunk=16, **prob.scales)
+            self.tolerance = reference.W8A8_TOLERANCE
+        else:
+            self.operands = dict(w_gate_up=prob.w_gate_up, w_down=prob.w_down)
+            self.ref = reference.fused_experts_ref(self.x, prob.w_gate_up, prob.w_down, self.ids, self.weights)
+            self.tolerance = reference.TOLERANCE[prob.x.dtype]
         self.record = {"model": shape.name, "shape": f"{shape.num_experts},{shape.ffn},{shape.hidden}",
                        "tokens": num_tokens, "assignments": num_tokens * shape.top_k,
                        "experts_hit": int(torch.unique(self.ids).numel())}
@@ -152,7 +168,7 @@ class Cell:
             out = fn()
             err = reference.relative_error(out, self.ref)
             del out
-            if not err <= reference.TOLERANCE[self.prob.dtype]:
+            if not err <= self.tolerance:
                 return {"error": f"rel err {err:.2e}", "rel_err": err}
             result = {"graph_us": self.timer.graph(fn) * 1e3, "rel_err": err}
             if flushed:
@@ -166,18 +182,26 @@ class Cell:
             bench.free_memory(self.device)
 
     def experts(self, tiles):
-        return lambda: self.kernel.fused_experts(self.x, self.prob.w_gate_up, self.prob.w_down, self.ids,
-                                                 self.weights, validate=False, tiles=tiles)
+        return lambda: self.kernel.fused_experts(self.x, topk_ids=self.ids, topk_weights=self.weights,
+                                                 validate=False, tiles=tiles, **self.operands)
+
+    def general_tiles(self, tiles_module):
+        """The four-launch path's tiles from the device's table (the w8a8 path's "fp8" ones for float8 weights)."""
+        shape, T = self.prob.shape, self.record["tokens"]
+        if self.fp8:
+            return tiles_module.select_fp8_tiles(self.device, T, shape.top_k, shape.num_experts, shape.ffn,
+                                                 shape.hidden)
+        return tiles_module.select_tiles(self.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden,
+                                         self.prob.dtype)
 
 
 def sweep_cell(cell, tiles_module, gate_up_cands, down_cands, vllm_fn, smem):
     """Fills cell.record with the general path, vLLM, both decode sweeps and the best decode tiles."""
     prob, record = cell.prob, cell.record
     shape = prob.shape
-    general = tiles_module.select_tiles(cell.device, record["tokens"], shape.top_k, shape.num_experts, shape.ffn,
-                                        shape.hidden, prob.dtype)
+    general = cell.general_tiles(tiles_module)
     record["general"] = {"tiles": general.to_dict(), **cell.measure(cell.experts(general), flushed=True)}
-    if vllm_fn is not None:
+    if vllm_fn is not None and not cell.fp8:
         ids = cell.ids.to(torch.int32)
         record["vllm"] = cell.measure(lambda: vllm_fn(cell.x, prob.w_gate_up, prob.w_down, cell.weights, ids),
                                       flushed=True)
@@ -255,9 +279,10 @@ def _us(value):
     return "-" if value is None else f"{value:.1f}"
 
 
-def entry_text(entry):
-    """{"decode": entry} as JSON in the tables' layout (one line per bucket): the lines to paste."""
-    return tune.dump_table({"decode": entry})
+def entry_text(entry, fp8=False):
+    """{"decode": entry} (inside {"fp8": ...} for float8 weights) as JSON in the tables' layout (one line per
+    bucket): the lines to paste."""
+    return tune.dump_table({"fp8": {"decode": entry}} if fp8 else {"decode": entry})
 
 
 def markdown(results):
@@ -282,7 +307,7 @@ def markdown(results):
             f"{_us(general.get('flushed_us'))} | {_us(vllm.get('flushed_us'))} |")
     lines += ["", f"vLLM: {meta.get('vllm')}. Elapsed {meta.get('elapsed_s', 0):.0f} s.", "",
               "## `decode` entry (paste into configs/<device>.json, or copy the table written beside this file)", "",
-              "```json", entry_text(results["decode_entry"]), "```", ""]
+              "```json", entry_text(results["decode_entry"], meta.get("fp8", False)), "```", ""]
     return "\n".join(lines)
 
 
@@ -290,8 +315,12 @@ def write_outputs(results, out_dir, base_table, key):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep_decode.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "sweep_decode.md").write_text(markdown(results))
-    (out_dir / "decode_entry.json").write_text(entry_text(results["decode_entry"]))
-    table = dict(base_table, decode=results["decode_entry"])
+    fp8 = results["meta"].get("fp8", False)
+    (out_dir / "decode_entry.json").write_text(entry_text(results["decode_entry"], fp8))
+    if fp8:
+        table = dict(base_table, fp8=dict(base_table.get("fp8", {}), decode=results["decode_entry"]))
+    else:
+        table = dict(base_table, decode=results["decode_entry"])
     (out_dir / f"{key}.json").write_text(tune.dump_table(table))
 
 
@@ -319,7 +348,7 @@ def main(argv=None, *, kernel=None):
         "meta": {"date": datetime.date.today().isoformat(),
                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "device_key": key, "torch": torch.__version__, "triton": triton.__version__,
-                 "dtype": args.dtype,
+                 "dtype": args.dtype, "fp8": args.fp8,
                  "argv": [bench._portable_path(a) for a in (sys.argv[1:] if argv is None else argv)],
                  "vllm": why or "imported", "rep_ms": args.rep_ms,
                  "candidates": {"gate_up": [tile_text(t) for t in gate_up_cands],
@@ -328,7 +357,12 @@ def main(argv=None, *, kernel=None):
     }
     base_table = json.loads(json.dumps(tiles_module.load_table(key)))
     out_dir = Path(args.out)
-    problems = {shape.name: bench.make_problem(shape, max(args.tokens), dtype, device, args.seed) for shape in models}
+    if args.fp8:
+        problems = {shape.name: bench_fp8.make_problem(shape, max(args.tokens), device, args.seed, kernel)
+                    for shape in models}
+    else:
+        problems = {shape.name: bench.make_problem(shape, max(args.tokens), dtype, device, args.seed)
+                    for shape in models}
     # T outside, models inside: a run cut short by --budget-s has every model's smallest T.
     for num_tokens in args.tokens:
         for shape in models:

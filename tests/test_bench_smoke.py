@@ -14,6 +14,7 @@ import bench
 import pytest
 import torch
 from helpers import DEVICE, TOLERANCE
+from reference import W8A8_TOLERANCE
 from model_shapes import MODEL_SHAPES, shrunk
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,27 +209,32 @@ def test_gpu_only_scripts_start(launcher):
     assert run.returncode == 0 and "--models" in run.stdout, run.stderr[-2000:]
 
 
-def test_sweep_decode_smoke(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sweep_decode_smoke(tmp_path, fp8):
     """scripts/sweep_decode.py --cpu-smoke on one tiny model: the outputs are written, every candidate's output was
-    checked, and the table it writes selects the decode path through the package's own code."""
+    checked, and the table it writes holds the entry where the package reads it (the "fp8" section with --fp8)."""
     import sweep_decode
 
     kernel = bench.load_kernel()
     tiles = __import__(kernel.__name__ + ".tiles", fromlist=["DecodeTiles"])
     argv = ["--cpu-smoke", "--models", "gpt-oss-120b", "--tokens", "1,2", "--candidates", "2", "--out",
-            str(tmp_path)]
+            str(tmp_path)] + (["--fp8"] if fp8 else [])
     results = sweep_decode.main(argv, kernel=kernel)
+    tolerance = W8A8_TOLERANCE if fp8 else TOLERANCE[torch.bfloat16]
     for cell in results["cells"]:
-        assert cell["general"]["rel_err"] <= TOLERANCE[torch.bfloat16], cell
+        assert cell["general"]["rel_err"] <= tolerance, cell
         assert len(cell["decode"]["gate_up"]) == len(cell["decode"]["down"]) == 2
-        assert cell["best"]["rel_err"] <= TOLERANCE[torch.bfloat16], cell
+        assert cell["best"]["rel_err"] <= tolerance, cell
     assert str(tmp_path) not in json.dumps(results["meta"])
     data = json.loads((tmp_path / "sweep_decode.json").read_text())
     assert [c["tokens"] for c in data["cells"]] == [1, 2]
     assert "| gpt-oss-120b | 2 | 8 |" in (tmp_path / "sweep_decode.md").read_text()
-    entry = json.loads((tmp_path / "decode_entry.json").read_text())["decode"]
+    written = json.loads((tmp_path / "decode_entry.json").read_text())
+    entry = written["fp8"]["decode"] if fp8 else written["decode"]
     table = json.loads((tmp_path / "interpreter.json").read_text())
-    assert table["decode"] == entry and table["buckets"] == tiles.load_table("interpreter")["buckets"]
+    assert (table["fp8"]["decode"] if fp8 else table["decode"]) == entry
+    assert table["buckets"] == tiles.load_table("interpreter")["buckets"]
+    assert table["decode" if fp8 else "fp8"] == tiles.load_table("interpreter")["decode" if fp8 else "fp8"]
     for bucket in entry["buckets"] + [b for buckets in entry["shapes"].values() for b in buckets]:
         tiles.DecodeTiles.from_dict(bucket)
 

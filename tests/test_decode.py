@@ -272,9 +272,10 @@ def test_path_selection(T, tile_choice, path, monkeypatch):
     assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights), torch.float32)
 
 
-def test_gradient_and_fp8_take_the_general_path(monkeypatch):
-    """A gradient needs the saved pre-activations and dispatch metadata; float8 weights dequantize in the grouped
-    GEMMs' loads: both run the four launches even when the decode path is forced."""
+def test_gradient_and_w8a8_take_the_general_path(monkeypatch):
+    """A gradient needs the saved pre-activations and dispatch metadata, and fp8_compute="w8a8" quantizes the
+    activations in the grouped GEMMs: both run the four launches even when the decode path is forced. float8
+    weights computed by dequantizing ("dequant") take the decode path (tests/test_fp8.py checks their values)."""
     calls = _spy(monkeypatch)
     x, w_gate_up, w_down, ids, weights = _simple_inputs(3, requires_grad=True)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=DECODE)
@@ -285,9 +286,14 @@ def test_gradient_and_fp8_take_the_general_path(monkeypatch):
         assert_close(got, expected, torch.float32, "gradient")
     assert calls == {"decode": 0, "general": 1}
     with torch.no_grad():
+        x, w_down = x.detach().bfloat16(), w_down.detach().bfloat16()
         w_fp8, scale = quantize_experts_fp8(w_gate_up.detach(), "channel")
-        md.fused_experts(x.detach(), w_fp8, w_down.detach(), ids, weights, w_gate_up_scale=scale, tiles=DECODE)
-    assert calls == {"decode": 0, "general": 2}
+        w_fp8_down, scale_down = quantize_experts_fp8(w_down.float(), "channel")
+        md.fused_experts(x, w_fp8, w_fp8_down, ids, weights, w_gate_up_scale=scale, w_down_scale=scale_down,
+                         tiles=DECODE, fp8_compute="w8a8")
+        assert calls == {"decode": 0, "general": 2}
+        md.fused_experts(x, w_fp8, w_down, ids, weights, w_gate_up_scale=scale, tiles=DECODE, fp8_compute="dequant")
+    assert calls == {"decode": 1, "general": 2}
 
 
 def _bucket(max_assignments, block_n, block_k=64):

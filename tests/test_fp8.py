@@ -20,12 +20,13 @@ from reference import (W8A8_TOLERANCE, dequantize_fp8_ref, fused_experts_fp8_ref
                        quantize_fp8_groups_ref)
 
 import moe_dispatch as md
+from moe_dispatch import decode, moe
 from moe_dispatch import fp8 as fp8_module
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequantize_experts_fp8, fp8_max,
                               quantize_experts_fp8)
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
-from moe_dispatch.tiles import GemmTile, MoeTiles
+from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
 SCHEMES = ("block", "channel", "tensor")
@@ -113,6 +114,58 @@ def test_fused_experts_fp8(layout, scheme):
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, **scales, **options)
     assert out.dtype == torch.bfloat16
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
+
+
+DECODE = DecodeTiles(DecodeTile(32, 32, 4, 1), DecodeTile(16, 32, 4, 1))
+
+
+# (scheme, block shape): a K side of 24 has no power-of-two divisor >= 16, so the gate/up kernel scales each element
+# by its block (code 3) and the down GEMV steps 8 columns at a time; the block shape matters to block scales only
+DECODE_SCALES = [("block", (16, 16)), ("block", (16, 24)), ("channel", (16, 16)), ("tensor", (16, 16))]
+
+
+@pytest.mark.parametrize("scheme,block_shape", DECODE_SCALES, ids=["block", "block-k-side-24", "channel", "tensor"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch):
+    """The two-launch decode path dequantizes float8 weights in its loads: every layout and scale scheme against the
+    float64 experts on the dequantized weights."""
+    _, options, _ = layout
+    options = dict(options)
+    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
+                                             block_shape=block_shape)
+    if options.get("activation") == "swiglu_oai":
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
+                       down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
+    launched = []
+    monkeypatch.setattr(moe, "decode_experts", lambda *a, **k: launched.append(1) or decode.decode_experts(*a, **k))
+    x = torch.randn(3, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(3), torch.rand(3, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales, **options)
+    assert launched == [1]
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
+
+
+# (id, fp8_compute, T, forced tiles, expected), why: "auto" on a device with FP8 tensor cores (stood in for) takes
+# the decode path, weight-only, wherever it runs for float8 weights (the interpreter table's fp8 decode bucket ends
+# at N = 12 assignments)
+AUTO_CASES = [
+    ("decode-bucket", "auto", 6, None, "dequant"),  # N = 12
+    ("past-the-bucket", "auto", 7, None, "w8a8"),  # N = 14
+    ("forced-decode-tiles", "auto", 7, DECODE, "dequant"),
+    ("forced-general-tiles", "auto", 2, MoeTiles(16, GemmTile(32, 32), GemmTile(32, 32)), "w8a8"),
+    ("forced-w8a8", "w8a8", 2, None, "w8a8"),  # never overridden
+]
+
+
+@pytest.mark.parametrize("case", AUTO_CASES, ids=[c[0] for c in AUTO_CASES])
+def test_auto_takes_the_decode_path_at_decode_sizes(case, monkeypatch):
+    _, choice, T, forced, expected = case
+    monkeypatch.setattr(moe, "choose_fp8_compute", lambda choice, *args: choice if choice != "auto" else "w8a8")
+    q_gate_up, q_down, scales = _fp8_experts("block")
+    x = torch.randn(T, H, device=DEVICE).bfloat16()
+    chosen = moe._resolve_fp8_compute(choice, forced, x, TOP_K, q_gate_up, q_down,
+                                      (scales["w_gate_up_scale"], scales["w_down_scale"]), (16, 16), False)
+    assert chosen == expected
 
 
 @pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32])

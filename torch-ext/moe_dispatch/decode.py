@@ -9,16 +9,24 @@ and round trips through memory than the arithmetic they order. Here the assignme
                           expert's gate and up tiles, applies the activation, and stores the rows of the tokens that
                           picked the expert into intermediate[t * top_k + j] (both slots when a token lists it twice).
                           Each expert hit is streamed from memory exactly once.
-  _decode_down_kernel     one program per (token, H tile): for j = 0..top_k-1 in that order, the GEMV
-                          intermediate[t * top_k + j] @ W_down[e]^T (+ down bias) scaled by topk_weights[t, j] and
-                          summed in fp32; the token's output tile is stored once. No atomics: reruns are bit-identical.
+  _decode_down_kernel     one program per (assignment, H tile): the GEMV intermediate[t * top_k + j] @ W_down[e]^T
+                          (+ down bias) times topk_weights[t, j] in fp32, written to a partial row; the last of a
+                          token's top_k programs to arrive (an atomic counter per (token, H tile)) sums the top_k
+                          partial rows in the order j = 0..top_k-1 and stores the token's output tile once. The sum's
+                          order does not depend on which program arrives last: reruns are bit-identical. One program
+                          per assignment rather than per token keeps top_k times more weight loads in flight, which
+                          is what a weight-bound GEMV at a few tokens needs to cover the GPU.
 
 Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and add nothing; their intermediate rows are
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
 
-The path applies to inference with float weights and at most MAX_ASSIGNMENTS assignments (the gate/up program compares
+float8 weights (fp8.py) run here too, dequantized in the loads as grouped_gemm's dequant path does (same WEIGHT_SCALE
+codes; the activations stay in x's dtype): at a few tokens the GEMMs are weight-bound, so reading half the bytes is the
+whole gain and quantizing the activations would add work without saving any.
+
+The path applies to inference with at most MAX_ASSIGNMENTS assignments (the gate/up program compares
 its id with every earlier one); `moe._fused_experts_op` chooses between it and the general path (tiles.py:
-`select_decode_tiles`, the `decode` entry of the tile tables). Weights are addressed through strides as in
+`select_decode_tiles`, the `decode` entries of the tile tables). Weights are addressed through strides as in
 grouped_gemm.py, so every layout `fused_experts` takes (concatenated, interleaved, separate up, transposed) runs without
 copies.
 """
@@ -27,10 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_gemm import ACTIVATIONS, _apply_activation, add_bias, dot_options, same_strides, tile_dot, weight_strides
+from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
+                           same_strides, scale_args, scale_sums, tile_dot, weight_scale_ptrs, weight_strides)
 from .tiles import DecodeTiles
 
 MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
+COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -40,16 +50,22 @@ def _decode_gate_up_kernel(
     # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see grouped_gemm.same_strides)
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_gate_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # float8 weights: their scales as grouped_gemm's dequant path reads them (fp8.WeightScale, WEIGHT_SCALE codes)
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
     # intermediate: [N, F] in assignment order, unit stride along F
     inter_ptr, stride_inter_a,
     # routing: topk_ids [T, TOP_K], any integer dtype and strides
     topk_ids_ptr, stride_ids_t, stride_ids_k,
+    # the down kernel's arrival counters, zeroed here (see `_decode_down_kernel`)
+    counter_ptr, num_counters,
     # sizes (num_tokens is not specialised on, so every T of one BLOCK_T shares a compiled kernel)
     num_tokens, F, H, E,
     alpha, limit,
     TOP_K: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -63,6 +79,10 @@ def _decode_gate_up_kernel(
     topk_ids[t, j] == e. BLOCK_T >= T rows (at least 16 for tl.dot); BLOCK_A >= N."""
     pid_a = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if (pid_a == 0) & (pid_n == 0):
+        for c0 in range(0, num_counters, COUNTER_BLOCK):
+            offs_c = c0 + tl.arange(0, COUNTER_BLOCK)
+            tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < num_counters)
     expert = tl.load(topk_ids_ptr + (pid_a // TOP_K) * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
     # Earlier assignments only; ids compared in their own width (an int64 id is never wrapped into [0, E)).
     offs_a = tl.arange(0, BLOCK_A)
@@ -83,9 +103,12 @@ def _decode_gate_up_kernel(
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     b_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_gate, b_up = tile_dot(b_gate, b_up, a_ptrs, w_gate_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                             mask_t, mask_n, H, stride_x_h, stride_w_k, True, DOT_FP32, DOT_PRECISION, EVEN_K,
-                            BLOCK_K)
+                            BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
+    b_gate, b_up = scale_sums(b_gate, b_up, s_ptrs, s_up_ptrs, mask_n, True, WEIGHT_SCALE)
     if HAS_BIAS:
         b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
                                 stride_bias_n, ACTIVATION)
@@ -105,60 +128,93 @@ def _decode_down_kernel(
     # down weights: per-expert [E, H, F] by strides
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, stride_bias_e, stride_bias_n,
+    # float8 weights: scales (WEIGHT_SCALE 0, 1, 2 or 4 of grouped_gemm's dequant codes)
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_block_n, scale_block_k,
     # routing: topk_ids, topk_weights [T, TOP_K], any strides; weights of any float dtype (applied in fp32)
     topk_ids_ptr, stride_ids_t, stride_ids_k,
     topk_weights_ptr, stride_tw_t, stride_tw_k,
+    # partial: [N, H] fp32, each assignment's weighted row; counter: [T * cdiv(H, BLOCK_N)] int32, zero on entry
+    partial_ptr, counter_ptr,
     # out: [T, H]
     out_ptr, stride_out_t, stride_out_h,
     num_tokens, H, F, E,
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Grid: (T * cdiv(H, BLOCK_N),), token fastest: the T programs of one column tile run side by side, so tokens
-    that share an expert find its weight tile in L2. Each program writes out[t, n * BLOCK_N : +BLOCK_N]."""
+    """Grid: (N * cdiv(H, BLOCK_N),), assignment fastest: the programs of one column tile run side by side, so
+    assignments that share an expert find its weight tile in L2. Program (a = t * TOP_K + j, n) computes
+    topk_weights[t, j] * (intermediate[a] @ W_down[e]^T + bias)[n * BLOCK_N : +BLOCK_N] into partial[a]; the last of
+    token t's TOP_K programs to arrive at the tile's counter sums the TOP_K partial rows in the order j = 0..TOP_K-1
+    and stores out[t] (so the sum is the same whichever program arrives last). TOP_K = 1 stores out[t] directly.
+    The gate/up kernel, which runs first on the stream, zeroes the counters."""
     pid = tl.program_id(0)
-    t = pid % num_tokens
-    pid_n = pid // num_tokens
+    num_assignments = num_tokens * TOP_K
+    a = pid % num_assignments
+    pid_n = pid // num_assignments
+    t = a // TOP_K
+    j = a % TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    b_out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(topk_ids_ptr + t * stride_ids_t + j * stride_ids_k)
-        if (expert >= 0) & (expert < E):
-            row_ptrs = inter_ptr + (t * TOP_K + j).to(tl.int64) * stride_inter_a + offs_k  # [BLOCK_K]
-            w_ptrs = (w_ptr + expert.to(tl.int64) * stride_w_e
-                      + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k)  # [BLOCK_N, BLOCK_K]
-            b_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, F, BLOCK_K):
-                if EVEN_K:
-                    b_row = tl.load(row_ptrs)
-                    b_w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-                else:
-                    mask_k = offs_k < F - k0
-                    b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
-                    b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                b_y += tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
-                row_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K * stride_w_k
-            if HAS_BIAS:
-                b_y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
-                               other=0.0).to(tl.float32)
-            b_weight = tl.load(topk_weights_ptr + t * stride_tw_t + j * stride_tw_k).to(tl.float32)
-            b_out += b_weight * b_y
-    tl.store(out_ptr + t.to(tl.int64) * stride_out_t + offs_n * stride_out_h, b_out.to(out_ptr.dtype.element_ty),
-             mask=mask_n)
+    b_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    expert = tl.load(topk_ids_ptr + t * stride_ids_t + j * stride_ids_k)
+    if (expert >= 0) & (expert < E):
+        row_ptrs = inter_ptr + a.to(tl.int64) * stride_inter_a + offs_k  # [BLOCK_K]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_w_e
+                  + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k)  # [BLOCK_N, BLOCK_K]
+        # scales of the tile's rows (a view's column j reads scale row j: the down weight is never split)
+        s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, 1, 0,
+                                      scale_block_n, WEIGHT_SCALE)
+        for k0 in range(0, F, BLOCK_K):
+            if EVEN_K:
+                b_row = tl.load(row_ptrs)
+                b_w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            else:
+                mask_k = offs_k < F - k0
+                b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
+                b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
+            if WEIGHT_SCALE == 4:  # the K step lies inside one scale block: one scale per row
+                b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n, other=0.0)
+            b_y += b_step
+            row_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_w_k
+        b_y, _ = scale_sums(b_y[None, :], b_y[None, :], s_ptrs, s_ptrs, mask_n, False, WEIGHT_SCALE)
+        b_y = tl.reshape(b_y, (BLOCK_N,))
+        if HAS_BIAS:
+            b_y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
+                           other=0.0).to(tl.float32)
+        b_y *= tl.load(topk_weights_ptr + t * stride_tw_t + j * stride_tw_k).to(tl.float32)
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_out_t + offs_n * stride_out_h
+    if TOP_K == 1:
+        tl.store(out_ptrs, b_y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(partial_ptr + a.to(tl.int64) * H + offs_n, b_y, mask=mask_n)
+        # Every thread's partial is written before the arrival is counted (the barrier, then the atomic's release);
+        # the last arrival's acquire makes the other programs' partials visible to its loads.
+        tl.debug_barrier()
+        counter = counter_ptr + t * tl.cdiv(H, BLOCK_N) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+            b_out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(TOP_K):
+                b_out += tl.load(partial_ptr + (t * TOP_K + i).to(tl.int64) * H + offs_n, mask=mask_n, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: DecodeTiles, *, transposed=False,
-                   activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0):
+                   activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0,
+                   gate_up_scale=None, down_scale=None):
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) in two launches (see the module doc).
 
     x [T, H]; w_gate, w_up: the gate and up views [E, F, H] ([E, H, F] when `transposed`); w_down [E, H, F] ([E, F, H]
-    transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. Needs T * top_k <= MAX_ASSIGNMENTS.
+    transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. float8 weights come with their
+    `gate_up_scale` / `down_scale` (fp8.WeightScale) and are dequantized in the loads (the dots run in x's dtype,
+    the activations are not quantized). Needs T * top_k <= MAX_ASSIGNMENTS.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -171,8 +227,12 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     out = torch.empty((T, H), device=x.device, dtype=x.dtype)
     if T == 0 or H == 0:
         return out
+    down_tile = tiles.down
     # Rows of tokens' slots whose id is outside [0, E) stay unwritten: the down kernel never reads them.
     intermediate = torch.empty((num_assignments, F), device=x.device, dtype=x.dtype)
+    partial = torch.empty((num_assignments, H), device=x.device, dtype=torch.float32) if top_k > 1 else None
+    num_counters = T * triton.cdiv(H, down_tile.block_n) if top_k > 1 else 0
+    counters = torch.empty((num_counters,), device=x.device, dtype=torch.int32)
     if F > 0:
         w_gate, w_up = same_strides(w_gate, w_up)
         if gate_bias is not None:
@@ -181,44 +241,56 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         block_t = max(16, triton.next_power_of_2(T))
         dot_fp32, precision = dot_options(x.dtype)
         tile = tiles.gate_up
+        ws = gate_up_scale or NO_SCALE
+        scale_code, block_k = dequant_scale_code(ws, tile.block_k)
         _decode_gate_up_kernel[(num_assignments, triton.cdiv(F, tile.block_n))](
             x, x.stride(0), x.stride(1),
             w_gate, w_up, stride_e, stride_n, stride_k,
             gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
+            *scale_args(ws),
             intermediate, intermediate.stride(0),
             topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+            counters, num_counters,
             T, F, H, E,
             float(alpha), float(limit),
             TOP_K=top_k,
             ACTIVATION=ACTIVATIONS[activation],
             HAS_BIAS=gate_bias is not None,
+            WEIGHT_SCALE=scale_code,
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
-            EVEN_K=H % tile.block_k == 0,
+            EVEN_K=H % block_k == 0,
             BLOCK_T=block_t,
             # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
             BLOCK_A=triton.next_power_of_2(block_t * top_k),
             BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
+            BLOCK_K=block_k,
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         )
+    else:
+        counters.zero_()  # no gate/up launch to zero them
     stride_e, stride_n, stride_k = weight_strides(w_down, transposed)
-    tile = tiles.down
-    _decode_down_kernel[(T * triton.cdiv(H, tile.block_n),)](
+    ws = down_scale or NO_SCALE
+    # The GEMV has no dot-size floor: block scales always step inside one block.
+    scale_code, block_k = dequant_scale_code(ws, down_tile.block_k, min_block_k=1)
+    _decode_down_kernel[(num_assignments * triton.cdiv(H, down_tile.block_n),)](
         intermediate, intermediate.stride(0),
         w_down, stride_e, stride_n, stride_k,
         down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
+        ws.scale, *ws.strides, ws.block_n, ws.block_k,
         topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1),
+        partial, counters,
         out, out.stride(0), out.stride(1),
         T, H, F, E,
         TOP_K=top_k,
         HAS_BIAS=down_bias is not None,
-        EVEN_K=F % tile.block_k == 0,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        WEIGHT_SCALE=scale_code,
+        EVEN_K=F % block_k == 0,
+        BLOCK_N=down_tile.block_n,
+        BLOCK_K=block_k,
+        num_warps=down_tile.num_warps,
+        num_stages=down_tile.num_stages,
     )
     return out

@@ -124,6 +124,37 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
 
 
 @triton.jit
+def weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step, scale_up_row_offset,
+                      scale_block_n, WEIGHT_SCALE: tl.constexpr):
+    """(s_ptrs, s_up_ptrs) [BLOCK_N]: each column's scale row of the gate (and up) view at k = 0 for the dequant
+    path's WEIGHT_SCALE codes (scale_ptr itself, unused, for float weights). Column j of a view is row
+    j * scale_row_step (+ scale_up_row_offset) of the unsplit weight; block scales divide it by scale_block_n."""
+    if WEIGHT_SCALE != 0:
+        scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
+        scale_up_rows = scale_rows + scale_up_row_offset
+        if WEIGHT_SCALE >= 3:
+            scale_rows = scale_rows // scale_block_n
+            scale_up_rows = scale_up_rows // scale_block_n
+        s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
+        s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
+    else:
+        s_ptrs = scale_ptr
+        s_up_ptrs = scale_ptr
+    return s_ptrs, s_up_ptrs
+
+
+@triton.jit
+def scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """Per-tensor (stride_scale_n = 0) and per-channel scales (WEIGHT_SCALE 1, 2) multiply the [.., BLOCK_N] sums
+    once after the K loop; other codes return them as they are."""
+    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:
+        b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
+    return b_acc, b_acc_up
+
+
+@triton.jit
 def step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K: tl.constexpr):
     """(A's mask [BLOCK_M, 1 or BLOCK_K], W's mask [1 or BLOCK_K, BLOCK_N]) of the K step at k0: rows and columns
     only when K has no tail (EVEN_K), else also the K columns past the end."""
@@ -277,25 +308,13 @@ def _grouped_gemm_kernel(
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WEIGHT_SCALE != 0:
-        scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
-        scale_up_rows = scale_rows + scale_up_row_offset
-        if WEIGHT_SCALE >= 3:
-            scale_rows = scale_rows // scale_block_n
-            scale_up_rows = scale_up_rows // scale_block_n
-        s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
-        s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
-    else:
-        s_ptrs = scale_ptr
-        s_up_ptrs = scale_ptr
+    s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                                 mask_m, mask_n, K, stride_a_k, stride_w_k,
                                 ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
                                 s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
-    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_scale_n = 0) or per-channel: scale the sums
-        b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
+    b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, ACTIVATION != 0, WEIGHT_SCALE)
 
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
@@ -362,6 +381,16 @@ def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) ->
                        bias_up)
 
 
+def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16):
+    """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K: block scales whose K
+    side has a power-of-two divisor >= min_block_k take code 4 with BLOCK_K narrowed to divide it (K steps inside one
+    scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per stage, which
+    overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
+    if ws.code == 3 and (ws.block_k & -ws.block_k) >= min_block_k:
+        return 4, min(block_k, ws.block_k & -ws.block_k)
+    return ws.code, block_k
+
+
 def scale_args(ws: WeightScale):
     """scale_ptr, its 3 strides, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k."""
     return (ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k)
@@ -408,11 +437,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * triton.cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
-    scale_code, block_k = ws.code, tile.block_k
-    if scale_code == 3 and ws.block_k >= 16:
-        # K steps inside one scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile
-        # per stage (which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)
-        scale_code, block_k = 4, min(block_k, ws.block_k & -ws.block_k)
+    scale_code, block_k = dequant_scale_code(ws, tile.block_k)
     _grouped_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
         *w.weight_args(), *w.bias_args(), *scale_args(ws),

@@ -86,13 +86,16 @@ def _fused_experts_op(
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
     forced = tiles_from_list(tiles) if tiles is not None else None
     float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
-    decode_tiles = _decode_tiles(forced, x, T, top_k, E, F, H) if float_weights and not save_preact else None
+    w8a8 = not float_weights and fp8_compute == "w8a8"
+    decode_tiles = (_decode_tiles(forced, x, T, top_k, E, F, H, fp8=not float_weights)
+                    if not save_preact and not w8a8 else None)
+    gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
+                                               transposed)
     if decode_tiles is not None:
         out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, decode_tiles, transposed=transposed,
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
-                             alpha=alpha, limit=limit)
+                             alpha=alpha, limit=limit, gate_up_scale=gate_up_scale, down_scale=down_scale)
         return (out, *_no_backward_outputs(x))
-    w8a8 = fp8_compute == "w8a8"
     if isinstance(forced, MoeTiles):
         moe_tiles = forced
     else:
@@ -100,8 +103,6 @@ def _fused_experts_op(
                      else select_tiles(x.device, T, top_k, E, F, H, x.dtype))
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
-    gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
-                                               transposed)
     if w8a8:
         y = w8a8_experts(x, w_gate, w_up, w_down, info, moe_tiles, gate_up_scale, down_scale,
                          topk_weights=topk_weights, transposed=transposed, activation=activation, gate_bias=gate_bias,
@@ -120,16 +121,30 @@ def _fused_experts_op(
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
 
 
-def _decode_tiles(forced, x, num_tokens, top_k, num_experts, ffn, hidden):
+def _decode_tiles(forced, x, num_tokens, top_k, num_experts, ffn, hidden, *, fp8=False):
     """Tiles of the decode path when this call takes it, else None (the caller has checked that no gradient will be
-    needed and that the weights are float). It runs up to decode.MAX_ASSIGNMENTS assignments when forced by a
-    `DecodeTiles`, never when forced by a `MoeTiles`, and otherwise where the device's table has a decode bucket
-    (tiles.select_decode_tiles)."""
+    needed, and for float8 weights (`fp8`) that they are computed by dequantizing). It runs up to
+    decode.MAX_ASSIGNMENTS assignments when forced by a `DecodeTiles`, never when forced by a `MoeTiles`, and
+    otherwise where the device's table has a decode bucket (tiles.select_decode_tiles)."""
     if num_tokens * top_k > MAX_ASSIGNMENTS or isinstance(forced, MoeTiles):
         return None
     if isinstance(forced, DecodeTiles):
         return forced
-    return select_decode_tiles(x.device, num_tokens, top_k, num_experts, ffn, hidden, x.dtype)
+    return select_decode_tiles(x.device, num_tokens, top_k, num_experts, ffn, hidden, x.dtype, fp8=fp8)
+
+
+def _resolve_fp8_compute(fp8_compute, tiles, x, top_k, w_gate_up, w_down, scales, block_shape, transposed):
+    """fp8.choose_fp8_compute, except that "auto" takes "dequant" where the decode path will run for float8 weights
+    (the device's fp8 decode bucket, or forced `DecodeTiles`): at a few tokens the GEMMs are weight-bound, the
+    weight-only path reads the same bytes as w8a8 without quantizing the activations, and it has two launches."""
+    chosen = choose_fp8_compute(fp8_compute, x.device, w_gate_up, w_down,
+                                [infer_scheme(s) for s in scales if s is not None], block_shape, transposed)
+    if fp8_compute == "auto" and chosen == "w8a8":
+        T, H = x.shape
+        decode = _decode_tiles(tiles, x, T, top_k, w_down.shape[0], _ffn_size(w_down, transposed), H, fp8=True)
+        if decode is not None:
+            return "dequant"
+    return chosen
 
 
 def _no_backward_outputs(x):
@@ -385,15 +400,13 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
                                     down_input_scale=down_input_scale)
     validate = validate_option(validate, validate_ids, "fused_experts")
     check_ids_in_range("topk_ids", topk_ids, E, validate)
-    fp8_compute = choose_fp8_compute(
-        fp8_compute, hidden_states.device, w_gate_up, w_down,
-        [infer_scheme(s) for s in (w_gate_up_scale, w_down_scale) if s is not None], tuple(fp8_block_shape),
-        transposed)
+    x = hidden_states.reshape(T, H)
+    fp8_compute = _resolve_fp8_compute(fp8_compute, tiles, x, topk_ids.shape[1], w_gate_up, w_down,
+                                       (w_gate_up_scale, w_down_scale), tuple(fp8_block_shape), transposed)
     for name, scale in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
         if scale is not None and reads_values(validate, scale):
             raise_problems(input_scale_problems(name, scale))
 
-    x = hidden_states.reshape(T, H)
     out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                        activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
                        limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,

@@ -25,7 +25,8 @@ assignments N = T * top_k, optionally per model shape::
                "shapes": {"8,14336,4096": [<buckets>]}}
 
 The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
-the entry) the general path runs. `scripts/sweep_decode.py` measures the entry.
+the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`, in the same form.
+`scripts/sweep_decode.py` measures the entries.
 """
 
 import dataclasses
@@ -198,10 +199,13 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
 
 
 def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
-                        dtype: torch.dtype = torch.bfloat16) -> DecodeTiles | None:
+                        dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False) -> DecodeTiles | None:
     """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
-    `decode` entry, or N = num_tokens * top_k past its last bucket). Host-side arithmetic only."""
-    decode = load_table(device_key(device)).get("decode")
+    `decode` entry, or N = num_tokens * top_k past its last bucket). float8 weights (`fp8`) read the "fp8" section's
+    own `decode` entry (half the weight bytes move the point where the path stops winning). Host-side arithmetic
+    only."""
+    table = load_table(device_key(device))
+    decode = table.get("fp8", {}).get("decode") if fp8 else table.get("decode")
     if decode is None:
         return None
     buckets = decode.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", decode["buckets"])
