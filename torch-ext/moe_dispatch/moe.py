@@ -370,8 +370,8 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     the deprecated v1.0 spelling of `validate`.
     `tiles` forces a tile configuration (tuning and tests): a `tiles.MoeTiles` the four-launch path (dispatch, two
     grouped GEMMs, combine), a `tiles.DecodeTiles` the two-launch decode path (decode.py) wherever that applies (no
-    gradient needed, float weights, T * top_k <= decode.MAX_ASSIGNMENTS = 256; elsewhere the tables' tiles run); by
-    default the device's tile table chooses. Returns out [..., H] in hidden_states' dtype.
+    gradient needed, fp8_compute not "w8a8", T * top_k <= decode.MAX_ASSIGNMENTS = 256; elsewhere the tables' tiles
+    run); by default the device's tile table chooses. Returns out [..., H] in hidden_states' dtype.
 
     Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
     experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
