@@ -61,8 +61,9 @@ SMOKE_TOKENS = (1, 2)
 # BLOCK_N columns of H) whose parallelism at T = 1 is top_k * H / BLOCK_N programs.
 GATE_UP_CANDIDATES = ((32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3),
                       (128, 128, 8, 3))
-DOWN_CANDIDATES = ((64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 2), (16, 128, 2, 4),
-                   (128, 64, 4, 3), (64, 256, 4, 3))
+# The down kernel's also carry split_k (see tiles.DecodeTile): splits along F multiply the programs of a few experts.
+DOWN_CANDIDATES = ((64, 128, 4, 3, 1), (16, 256, 4, 3, 1), (32, 128, 4, 3, 1), (16, 128, 2, 4, 1),
+                   (64, 256, 4, 3, 1), (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8))
 SMOKE_CANDIDATES = 2  # per kernel with --cpu-smoke
 
 
@@ -125,7 +126,9 @@ class CpuTimer:
 
 
 def tile_text(tile):
-    return "/".join(str(v) for v in (tile.block_n, tile.block_k, tile.num_warps, tile.num_stages))
+    """block_n/block_k/warps/stages, then /split_k where it is not 1."""
+    split = f"/{tile.split_k}" if tile.split_k != 1 else ""
+    return "/".join(str(v) for v in (tile.block_n, tile.block_k, tile.num_warps, tile.num_stages)) + split
 
 
 def candidates(tiles_module, table, limit):
@@ -289,7 +292,7 @@ def markdown(results):
     meta = results["meta"]
     lines = [f"# Decode path sweep: {meta['device']}, {meta['dtype']}, {meta['date']}", "",
              "Times in us. graph: `do_bench_cudagraph` median (CUDA graph of repeated calls, no L2 flush); flushed: "
-             "`do_bench` median (L2 cleared before each call, plain launches). Tiles: block_n/block_k/warps/stages.",
+             "`do_bench` median (L2 cleared before each call, plain launches). Tiles: block_n/block_k/warps/stages/split_k.",
              "", "| model | T | N | hit | decode gate_up | decode down | decode graph | general graph | vLLM graph | "
              "decode / general | decode flushed | general flushed | vLLM flushed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

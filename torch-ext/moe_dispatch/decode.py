@@ -103,8 +103,11 @@ def _decode_gate_up_kernel(
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     b_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    s_ptrs = scale_ptr
+    s_up_ptrs = scale_ptr
+    if WEIGHT_SCALE != 0:
+        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
+                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_gate, b_up = tile_dot(b_gate, b_up, a_ptrs, w_gate_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                             mask_t, mask_n, H, stride_x_h, stride_w_k, True, DOT_FP32, DOT_PRECISION, EVEN_K,
                             BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
@@ -133,48 +136,57 @@ def _decode_down_kernel(
     # routing: topk_ids, topk_weights [T, TOP_K], any strides; weights of any float dtype (applied in fp32)
     topk_ids_ptr, stride_ids_t, stride_ids_k,
     topk_weights_ptr, stride_tw_t, stride_tw_k,
-    # partial: [N, H] fp32, each assignment's weighted row; counter: [T * cdiv(H, BLOCK_N)] int32, zero on entry
+    # partial: [N * SPLIT_K, H] fp32, each (assignment, K split)'s weighted row; counter: [T * cdiv(H, BLOCK_N)]
+    # int32, zero on entry
     partial_ptr, counter_ptr,
     # out: [T, H]
     out_ptr, stride_out_t, stride_out_h,
-    num_tokens, H, F, E,
+    num_tokens, H, F, E, split_len,
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Grid: (N * cdiv(H, BLOCK_N),), assignment fastest: the programs of one column tile run side by side, so
-    assignments that share an expert find its weight tile in L2. Program (a = t * TOP_K + j, n) computes
-    topk_weights[t, j] * (intermediate[a] @ W_down[e]^T + bias)[n * BLOCK_N : +BLOCK_N] into partial[a]; the last of
-    token t's TOP_K programs to arrive at the tile's counter sums the TOP_K partial rows in the order j = 0..TOP_K-1
-    and stores out[t] (so the sum is the same whichever program arrives last). TOP_K = 1 stores out[t] directly.
-    The gate/up kernel, which runs first on the stream, zeroes the counters."""
+    """Grid: (N * SPLIT_K * cdiv(H, BLOCK_N),), assignment fastest: the programs of one column tile run side by side,
+    so assignments that share an expert find its weight tile in L2. Program (a = t * TOP_K + j, s, n) computes
+    topk_weights[t, j] * (intermediate[a, K split s] @ W_down[e, :, K split s]^T (+ bias, split 0))[n-th BLOCK_N
+    columns] into partial row a * SPLIT_K + s (K split s: columns [s * split_len, +split_len) of F, split_len a
+    multiple of BLOCK_K). The last of token t's TOP_K * SPLIT_K programs to arrive at the tile's counter sums their
+    partial rows in index order and stores out[t] (so the sum is the same whichever program arrives last). With one
+    program per token and tile (TOP_K = SPLIT_K = 1) it stores out[t] directly. The gate/up kernel, which runs first
+    on the stream, zeroes the counters."""
     pid = tl.program_id(0)
     num_assignments = num_tokens * TOP_K
     a = pid % num_assignments
-    pid_n = pid // num_assignments
+    split = (pid // num_assignments) % SPLIT_K
+    pid_n = pid // (num_assignments * SPLIT_K)
     t = a // TOP_K
     j = a % TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
+    k_begin = split * split_len
+    k_end = tl.minimum(k_begin + split_len, F)
     b_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     expert = tl.load(topk_ids_ptr + t * stride_ids_t + j * stride_ids_k)
     if (expert >= 0) & (expert < E):
-        row_ptrs = inter_ptr + a.to(tl.int64) * stride_inter_a + offs_k  # [BLOCK_K]
-        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_w_e
-                  + offs_n[:, None] * stride_w_n + offs_k[None, :] * stride_w_k)  # [BLOCK_N, BLOCK_K]
+        row_ptrs = inter_ptr + a.to(tl.int64) * stride_inter_a + k_begin + offs_k  # [BLOCK_K]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_w_e + offs_n[:, None] * stride_w_n
+                  + (k_begin + offs_k[None, :]) * stride_w_k)  # [BLOCK_N, BLOCK_K]
         # scales of the tile's rows (a view's column j reads scale row j: the down weight is never split)
-        s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, 1, 0,
-                                      scale_block_n, WEIGHT_SCALE)
-        for k0 in range(0, F, BLOCK_K):
+        s_ptrs = scale_ptr
+        if WEIGHT_SCALE != 0:
+            s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, 1, 0,
+                                          scale_block_n, WEIGHT_SCALE)
+        for k0 in range(k_begin, k_end, BLOCK_K):
             if EVEN_K:
                 b_row = tl.load(row_ptrs)
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
             else:
-                mask_k = offs_k < F - k0
+                mask_k = offs_k < k_end - k0
                 b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
@@ -186,22 +198,24 @@ def _decode_down_kernel(
         b_y, _ = scale_sums(b_y[None, :], b_y[None, :], s_ptrs, s_ptrs, mask_n, False, WEIGHT_SCALE)
         b_y = tl.reshape(b_y, (BLOCK_N,))
         if HAS_BIAS:
-            b_y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
-                           other=0.0).to(tl.float32)
+            if split == 0:
+                b_y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
+                               other=0.0).to(tl.float32)
         b_y *= tl.load(topk_weights_ptr + t * stride_tw_t + j * stride_tw_k).to(tl.float32)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_out_t + offs_n * stride_out_h
-    if TOP_K == 1:
+    if TOP_K * SPLIT_K == 1:
         tl.store(out_ptrs, b_y.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
-        tl.store(partial_ptr + a.to(tl.int64) * H + offs_n, b_y, mask=mask_n)
+        tl.store(partial_ptr + (a * SPLIT_K + split).to(tl.int64) * H + offs_n, b_y, mask=mask_n)
         # Every thread's partial is written before the arrival is counted (the barrier, then the atomic's release);
         # the last arrival's acquire makes the other programs' partials visible to its loads.
         tl.debug_barrier()
         counter = counter_ptr + t * tl.cdiv(H, BLOCK_N) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+        if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K * SPLIT_K - 1:
             b_out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(TOP_K):
-                b_out += tl.load(partial_ptr + (t * TOP_K + i).to(tl.int64) * H + offs_n, mask=mask_n, other=0.0,
+            first = t * TOP_K * SPLIT_K
+            for i in tl.static_range(TOP_K * SPLIT_K):
+                b_out += tl.load(partial_ptr + (first + i).to(tl.int64) * H + offs_n, mask=mask_n, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -230,8 +244,17 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     down_tile = tiles.down
     # Rows of tokens' slots whose id is outside [0, E) stay unwritten: the down kernel never reads them.
     intermediate = torch.empty((num_assignments, F), device=x.device, dtype=x.dtype)
-    partial = torch.empty((num_assignments, H), device=x.device, dtype=torch.float32) if top_k > 1 else None
-    num_counters = T * triton.cdiv(H, down_tile.block_n) if top_k > 1 else 0
+    # K splits of the down GEMV: whole BLOCK_K steps each, at most as many as there are steps
+    ws_down = down_scale or NO_SCALE
+    # The GEMV has no dot-size floor: block scales always step inside one block.
+    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=1)
+    steps = triton.cdiv(F, down_block_k)
+    split_k = max(1, min(down_tile.split_k, steps))
+    split_len = triton.cdiv(steps, split_k) * down_block_k
+    reduced = top_k * split_k > 1
+    partial = (torch.empty((num_assignments * split_k, H), device=x.device, dtype=torch.float32) if reduced
+               else None)
+    num_counters = T * triton.cdiv(H, down_tile.block_n) if reduced else 0
     counters = torch.empty((num_counters,), device=x.device, dtype=torch.int32)
     if F > 0:
         w_gate, w_up = same_strides(w_gate, w_up)
@@ -270,26 +293,23 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
-    stride_e, stride_n, stride_k = weight_strides(w_down, transposed)
-    ws = down_scale or NO_SCALE
-    # The GEMV has no dot-size floor: block scales always step inside one block.
-    scale_code, block_k = dequant_scale_code(ws, down_tile.block_k, min_block_k=1)
-    _decode_down_kernel[(num_assignments * triton.cdiv(H, down_tile.block_n),)](
+    _decode_down_kernel[(num_assignments * split_k * triton.cdiv(H, down_tile.block_n),)](
         intermediate, intermediate.stride(0),
-        w_down, stride_e, stride_n, stride_k,
+        w_down, *weight_strides(w_down, transposed),
         down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
-        ws.scale, *ws.strides, ws.block_n, ws.block_k,
+        ws_down.scale, *ws_down.strides, ws_down.block_n, ws_down.block_k,
         topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1),
         partial, counters,
         out, out.stride(0), out.stride(1),
-        T, H, F, E,
+        T, H, F, E, split_len,
         TOP_K=top_k,
         HAS_BIAS=down_bias is not None,
-        WEIGHT_SCALE=scale_code,
-        EVEN_K=F % block_k == 0,
+        WEIGHT_SCALE=down_code,
+        EVEN_K=F % down_block_k == 0,
+        SPLIT_K=split_k,
         BLOCK_N=down_tile.block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=down_block_k,
         num_warps=down_tile.num_warps,
         num_stages=down_tile.num_stages,
     )

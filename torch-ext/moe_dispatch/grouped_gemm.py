@@ -127,19 +127,16 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
 def weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step, scale_up_row_offset,
                       scale_block_n, WEIGHT_SCALE: tl.constexpr):
     """(s_ptrs, s_up_ptrs) [BLOCK_N]: each column's scale row of the gate (and up) view at k = 0 for the dequant
-    path's WEIGHT_SCALE codes (scale_ptr itself, unused, for float weights). Column j of a view is row
-    j * scale_row_step (+ scale_up_row_offset) of the unsplit weight; block scales divide it by scale_block_n."""
-    if WEIGHT_SCALE != 0:
-        scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
-        scale_up_rows = scale_rows + scale_up_row_offset
-        if WEIGHT_SCALE >= 3:
-            scale_rows = scale_rows // scale_block_n
-            scale_up_rows = scale_up_rows // scale_block_n
-        s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
-        s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
-    else:
-        s_ptrs = scale_ptr
-        s_up_ptrs = scale_ptr
+    path's WEIGHT_SCALE codes 1-4. Column j of a view is row j * scale_row_step (+ scale_up_row_offset) of the
+    unsplit weight; block scales divide it by scale_block_n. Callers with float weights (WEIGHT_SCALE 0, scale_ptr
+    None) pass scale_ptr on themselves: Triton 3.6 cannot return None from a jit function (its interpreter can)."""
+    scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
+    scale_up_rows = scale_rows + scale_up_row_offset
+    if WEIGHT_SCALE >= 3:
+        scale_rows = scale_rows // scale_block_n
+        scale_up_rows = scale_up_rows // scale_block_n
+    s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
+    s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
     return s_ptrs, s_up_ptrs
 
 
@@ -308,8 +305,11 @@ def _grouped_gemm_kernel(
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    s_ptrs = scale_ptr
+    s_up_ptrs = scale_ptr
+    if WEIGHT_SCALE != 0:
+        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
+                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                                 mask_m, mask_n, K, stride_a_k, stride_w_k,
                                 ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,

@@ -93,6 +93,9 @@ class DecodeTile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    # the down kernel only: programs per (assignment, H tile) along F, so that few experts with a long F still put
+    # enough loads in flight (summed in a fixed order, see decode.py)
+    split_k: int = 1
 
 
 # First element of `DecodeTiles.to_list()`: a block_m of 0 (the decode path has no row tiles) tells it from MoeTiles'.
