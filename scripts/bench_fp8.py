@@ -269,6 +269,13 @@ def make_problem(shape, max_tokens, device, seed, kernel):
                    dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, fp8_block_shape=BLOCK))
 
 
+def fp8_reference(prob, x, ids, weights, rows):
+    """float64 experts on the dequantized fp8 weights at the sampled `rows` (what the fp8 outputs are held to; also
+    scripts/sweep_fp8.py's check)."""
+    return reference.fused_experts_fp8_ref(x[rows], prob.q_gate_up, prob.q_down, ids[rows], weights[rows],
+                                           experts_per_chunk=16, **prob.scales)
+
+
 def fp8_weight_bytes(shape, experts_hit):
     """FP8 weight bytes + fp32 block-scale bytes of the experts hit (what a decode step must read)."""
     H, F = shape.hidden, shape.ffn
@@ -299,8 +306,7 @@ def bench_cell(prob, T, args, timer, kernel, hf_forward, ceilings):
             if kind == "bf16":
                 refs[kind] = reference.fused_experts_ref(x[rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
             else:
-                refs[kind] = reference.fused_experts_fp8_ref(x[rows], prob.q_gate_up, prob.q_down, ids[rows],
-                                                             weights[rows], experts_per_chunk=16, **prob.scales)
+                refs[kind] = fp8_reference(prob, x, ids, weights, rows)
         return refs[kind]
 
     def checker(kind, tolerance):

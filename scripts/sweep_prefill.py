@@ -8,7 +8,7 @@ down GEMM held, then the down GEMM's with the best gate_up held; BLOCK_M takes t
 one alternative. Every candidate's output is checked against the float64 reference on a row sample. Writes
 OUT/sweep.json, OUT/sweep.md and OUT/<device_key>.json: the package's table with the winning tiles written into
 each swept (model, bucket) whose gain is above --min-gain (per-shape bucket lists are created from the generic ones
-where a model had none).
+where a model had none). scripts/sweep_fp8.py reuses the tile and table helpers for the w8a8 path's buckets.
 
     scripts/sweep_prefill.py --models qwen3-30b-a3b --tokens 1024,16384 --out "$OUT/sweep"
 """
@@ -25,6 +25,7 @@ import torch
 
 import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
 import reference
+import tune
 from model_shapes import MODEL_SHAPES
 
 # (block_n, block_k, num_warps, num_stages, group_m, persistent); the pointer kernel's known-good shapes and the
@@ -53,6 +54,8 @@ def parse_args(argv=None):
 
 
 def tile_with(tiles_module, tiles, gemm, values):
+    """`tiles` with one GEMM's tile replaced by a candidate tuple (block_n, block_k, warps, stages, group_m,
+    persistent)."""
     block_n, block_k, num_warps, num_stages, group_m, persistent = values
     new = tiles_module.GemmTile(block_n, block_k, num_warps, num_stages, group_m, persistent)
     return dataclasses.replace(tiles, **{gemm: new})
@@ -84,10 +87,10 @@ def main(argv=None):
                 continue
             cells.append(sweep_cell(md, tiles_module, prob, t, alt_block_m.get(t), timer, args, device))
             print(json.dumps({k: v for k, v in cells[-1].items() if k != "tried"}), flush=True)
-            write(out, key, table, cells, args)
+            write(out, key, table, cells, args.min_gain, markdown(cells))
         del prob
         bench.free_memory(device)
-    write(out, key, table, cells, args)
+    write(out, key, table, cells, args.min_gain, markdown(cells))
 
 
 def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
@@ -134,44 +137,92 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
                     start, start_us = candidate, us
         if start_us < best_us:
             best, best_us = start, start_us
-    return {"model": shape.name, "tokens": t, "rows_per_expert": -(-t * shape.top_k // shape.num_experts),
+    return {"model": shape.name, "shape": shape_key(shape), "tokens": t,
+            "rows_per_expert": tune.rows_per_expert(t, shape.top_k, shape.num_experts),
             "table_tiles": base.to_dict(), "table_hot_us": reference_us, "best_tiles": best.to_dict(),
             "best_hot_us": best_us, "gain": reference_us / best_us - 1 if best_us < math.inf else None, "tried": tried}
 
 
-def write(out, key, table, cells, args):
-    new_table = patched_table(table, cells, args.min_gain)
-    (out / "sweep.json").write_text(json.dumps({"device_key": key, "cells": cells}, indent=1) + "\n")
-    (out / f"{key}.json").write_text(json.dumps(new_table, indent=1) + "\n")
+def shape_key(shape):
+    """"E,F,H": the key of a model's per-shape bucket lists in the tile tables (tiles.py)."""
+    return f"{shape.num_experts},{shape.ffn},{shape.hidden}"
+
+
+def tiles_text(tiles):
+    """A MoeTiles dict in one short line: bm<BLOCK_M> gu (gate_up fields) dn (down fields)."""
+    return f"bm{tiles['block_m']} gu {tuple(tiles['gate_up'].values())} dn {tuple(tiles['down'].values())}"
+
+
+def markdown(cells):
     lines = ["| model | T | rows/expert | table hot us | best hot us | gain | best tiles |", "|---|---|---|---|---|---|---|"]
     for c in cells:
         if "skipped" in c:
             lines.append(f"| {c['model']} | {c['tokens']} | skipped | | | | |")
             continue
-        b = c["best_tiles"]
-        text = (f"bm{b['block_m']} gu {tuple(b['gate_up'].values())} dn {tuple(b['down'].values())}")
         gain = f"{c['gain'] * 100:+.1f}%" if c.get("gain") is not None else "-"
         lines.append(f"| {c['model']} | {c['tokens']} | {c['rows_per_expert']} | {c['table_hot_us']:.1f} | "
-                     f"{c['best_hot_us']:.1f} | {gain} | {text} |")
-    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+                     f"{c['best_hot_us']:.1f} | {gain} | {tiles_text(c['best_tiles'])} |")
+    return lines
 
 
-def patched_table(table, cells, min_gain):
-    """The table with each winning cell's tiles written into the bucket its rows per expert select (a bucket whose
-    cells disagree keeps the winner of the largest gain)."""
+def write(out, key, table, cells, min_gain, markdown_lines, meta=None, **patch):
+    """OUT/sweep.json (`meta` and every cell), OUT/sweep.md (`markdown_lines`) and OUT/<key>.json: `table` patched with
+    the winners (`patched_table(..., **patch)`) in the layout of the shipped tables (tune.dump_table), for configs/."""
+    head = {"device_key": key} if meta is None else {"device_key": key, "meta": meta}
+    (out / "sweep.json").write_text(json.dumps({**head, "cells": cells}, indent=1) + "\n")
+    (out / f"{key}.json").write_text(tune.dump_table(patched_table(table, cells, min_gain, **patch)))
+    (out / "sweep.md").write_text("\n".join(markdown_lines) + "\n")
+
+
+def bucket_index(buckets, rows):
+    """Index of the bucket `rows` per expert select (tiles.py: the first with rows <= its max, else the last)."""
+    return next((i for i, b in enumerate(buckets) if rows <= b["max_rows_per_expert"]), len(buckets) - 1)
+
+
+def bucket_tiles(bucket):
+    return {k: v for k, v in bucket.items() if k != "max_rows_per_expert"}
+
+
+def patched_table(table, cells, min_gain, *, fp8=False, split=False):
+    """The table with the winning cells' tiles (`best_tiles`, `gain` at least `min_gain`) written into their shape's
+    bucket list (created from the generic list where the shape had none).
+
+    Without `split` a winner takes the whole bucket its rows per expert select (a bucket whose cells disagree keeps
+    the winner of the largest gain). With `split`, in shapes that have a winner, every measured cell's rows per
+    expert becomes a bucket boundary: winners get their tiles up to their rows, the other cells keep the tiles the
+    table gave them, so a winner never changes what another measured T runs (neighbours with equal tiles are then
+    merged). `fp8` patches the w8a8 path's buckets (tiles.select_fp8_tiles) instead of the bf16 ones; a table
+    without them gets the ones that path borrows first (the bf16 buckets with BLOCK_K 128)."""
     table = copy.deepcopy(table)
-    winners = {}
-    for c in cells:
-        if c.get("gain") is None or c["gain"] < min_gain:
-            continue
-        shape = MODEL_SHAPES[c["model"]]
-        shape_key = f"{shape.num_experts},{shape.ffn},{shape.hidden}"
-        buckets = table.setdefault("shapes", {}).setdefault(shape_key, copy.deepcopy(table["buckets"]))
-        index = next((i for i, b in enumerate(buckets) if c["rows_per_expert"] <= b["max_rows_per_expert"]),
-                     len(buckets) - 1)
-        if winners.get((shape_key, index), -1.0) < c["gain"]:
-            winners[(shape_key, index)] = c["gain"]
-            buckets[index] = {"max_rows_per_expert": buckets[index]["max_rows_per_expert"], **c["best_tiles"]}
+    entry = table
+    if fp8:
+        lent = [{**b, **{g: {**b[g], "block_k": 128} for g in ("gate_up", "down")}} for b in table["buckets"]]
+        entry = table.setdefault("fp8", {"buckets": lent})
+    measured = [c for c in cells if c.get("gain") is not None]
+    for key in dict.fromkeys(c["shape"] for c in measured if c["gain"] >= min_gain):
+        buckets = entry.setdefault("shapes", {}).setdefault(key, copy.deepcopy(entry["buckets"]))
+        chosen = {}  # bucket boundary (split) or bucket index -> the cell of the largest gain there
+        for c in measured:
+            if c["shape"] == key and (split or c["gain"] >= min_gain):
+                slot = c["rows_per_expert"] if split else bucket_index(buckets, c["rows_per_expert"])
+                if slot not in chosen or chosen[slot]["gain"] < c["gain"]:
+                    chosen[slot] = c
+        for c in sorted(chosen.values(), key=lambda c: c["rows_per_expert"]):
+            index = bucket_index(buckets, c["rows_per_expert"])
+            bucket = buckets[index]
+            tiles = c["best_tiles"] if c["gain"] >= min_gain else bucket_tiles(bucket)
+            if split and c["rows_per_expert"] < bucket["max_rows_per_expert"]:
+                buckets.insert(index, {"max_rows_per_expert": c["rows_per_expert"], **tiles})
+            else:
+                buckets[index] = {"max_rows_per_expert": bucket["max_rows_per_expert"], **tiles}
+        if split:
+            merged = []
+            for bucket in buckets:
+                if merged and bucket_tiles(merged[-1]) == bucket_tiles(bucket):
+                    merged[-1] = bucket  # one bucket covers both
+                else:
+                    merged.append(bucket)
+            buckets[:] = merged
     return table
 
 

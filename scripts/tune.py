@@ -248,15 +248,14 @@ def dump_table(table):
             lines.append(f'  "buckets": {buckets_text(value, 2)}')
         elif key == "shapes":
             lines.append(f'  "shapes": {shapes_text(value, 2)}')
-        elif key == "decode":  # the decode path's entry (tiles.select_decode_tiles), same layout one level down
-            parts = [f'    "buckets": {buckets_text(value["buckets"], 4)}']
-            if value.get("shapes"):
-                parts.append(f'    "shapes": {shapes_text(value["shapes"], 4)}')
-            lines.append('  "decode": {\n' + ",\n".join(parts) + "\n  }")
-        elif key == "fp8":  # the w8a8 path's own buckets (tiles.select_fp8_tiles), kept as they are
-            inner = [f"    {json.dumps(k)}: {buckets_text(v, 4) if k == 'buckets' else json.dumps(v)}"
-                     for k, v in value.items()]
-            lines.append('  "fp8": {\n' + ",\n".join(inner) + "\n  }")
+        elif key in ("decode", "fp8"):  # the decode path's and the w8a8 path's entries (tiles.py), same layout one
+            parts = []  # level down; an empty `shapes` is left out
+            for k, v in value.items():
+                if k == "shapes" and not v:
+                    continue
+                text = buckets_text(v, 4) if k == "buckets" else shapes_text(v, 4) if k == "shapes" else json.dumps(v)
+                parts.append(f"    {json.dumps(k)}: {text}")
+            lines.append(f"  {json.dumps(key)}: {{\n" + ",\n".join(parts) + "\n  }")
         else:
             lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"

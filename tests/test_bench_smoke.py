@@ -317,3 +317,85 @@ def test_bench_fp8_targets_follow_issue_13():
     assert prefill[0]["met"] is True
     assert "target" not in bench_fp8.judge({"fp8": {"plain_us": 1.0}, "bf16": {"plain_us": 1.0}}, shape, 128, 8,
                                            ceilings)[0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# scripts/sweep_fp8.py and the table patching it shares with scripts/sweep_prefill.py
+
+
+class FallingTimer:
+    """Each measurement a tenth faster than the one before, so the last candidate a cell measures wins it: the
+    winners and the table writing get exercised without a GPU."""
+
+    def __init__(self):
+        self.ms = 1.0
+
+    def hot(self, fn):
+        self.ms *= 0.9
+        return self.ms
+
+    graph = hot
+
+
+def test_sweep_fp8_smoke(tmp_path):
+    """scripts/sweep_fp8.py --cpu-smoke on one tiny model: every stage ran and every candidate's output passed the
+    w8a8 check, the winners are the last measured, and the table it writes gives each measured T its winner through
+    the fp8 buckets (the bf16 ones untouched)."""
+    import sweep_fp8
+    import sweep_prefill
+    from reference import W8A8_TOLERANCE
+
+    kernel = bench.load_kernel()
+    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
+    argv = ["--cpu-smoke", "--models", "mixtral-8x7b", "--max-candidates", "3", "--out", str(tmp_path)]
+    results = sweep_fp8.main(argv, kernel=kernel, timer=FallingTimer())
+    cells = results["cells"]
+    assert [(c["tokens"], c["rows_per_expert"], c["metric"]) for c in cells] == [(1, 1, "flushed_us"),
+                                                                                 (40, 10, "hot_us")]
+    for c in cells:
+        assert {e["stage"] for e in c["tried"]} == {"table", "block_m", "gate_up", "down"}, c
+        assert all("error" not in e and e["rel_err"] <= W8A8_TOLERANCE for e in c["tried"]), c["tried"]
+        assert c["best"] is c["tried"][-1] and c["gain"] > 0.03
+    assert any(e["tiles"]["block_m"] == 64 for e in cells[0]["tried"])  # the prequantized-x path ran too
+    assert str(tmp_path) not in json.dumps(results["meta"])
+    assert "| mixtral-8x7b | 40 | 10 | hot |" in (tmp_path / "sweep.md").read_text()
+    assert len(json.loads((tmp_path / "sweep.json").read_text())["cells"]) == 2
+
+    shipped = tiles.load_table("interpreter")
+    table = json.loads((tmp_path / "interpreter.json").read_text())
+    assert {k: v for k, v in table.items() if k != "fp8"} == {k: v for k, v in shipped.items() if k != "fp8"}
+    assert table["fp8"]["buckets"] == shipped["fp8"]["buckets"]
+    buckets = table["fp8"]["shapes"][cells[0]["shape"]]
+    for c in cells:
+        chosen = buckets[sweep_prefill.bucket_index(buckets, c["rows_per_expert"])]
+        assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(c["best_tiles"])
+
+
+def _winner(rows, gain, tiles, shape="8,64,32"):
+    return {"model": "m", "shape": shape, "tokens": rows, "rows_per_expert": rows, "gain": gain, "best_tiles": tiles}
+
+
+def test_sweep_table_patching():
+    """patched_table: a winner takes its whole bucket (largest gain first) in the bf16 buckets; with split, in the fp8
+    buckets (lent from the bf16 ones with BLOCK_K 128 when the table has none), every measured rows per expert is a
+    boundary and cells without a gain keep their tiles; equal neighbours merge."""
+    import sweep_prefill
+
+    def tiles(block_m, block_k=64):
+        gemm = {"block_n": 64, "block_k": block_k, "num_warps": 4, "num_stages": 3, "group_m": 8}
+        return {"block_m": block_m, "gate_up": gemm, "down": gemm}
+
+    old, a, b = tiles(16), tiles(32), tiles(64)
+    table = {"buckets": [{"max_rows_per_expert": 16, **old}, {"max_rows_per_expert": 10**9, **old}]}
+    cells = [_winner(1, 0.01, a), _winner(4, 0.1, a), _winner(8, 0.2, b),
+             {"model": "m", "shape": "8,64,32", "tokens": 99, "skipped": "budget"}]
+    plain = sweep_prefill.patched_table(table, cells, 0.03)
+    assert plain["shapes"]["8,64,32"] == [{"max_rows_per_expert": 16, **b}, {"max_rows_per_expert": 10**9, **old}]
+    assert plain["buckets"] == table["buckets"] and "fp8" not in plain
+    split = sweep_prefill.patched_table(table, cells, 0.03, fp8=True, split=True)
+    lent = tiles(16, block_k=128)
+    assert split["fp8"]["buckets"] == [{"max_rows_per_expert": 16, **lent}, {"max_rows_per_expert": 10**9, **lent}]
+    assert [(bucket["max_rows_per_expert"], bucket["block_m"]) for bucket in split["fp8"]["shapes"]["8,64,32"]] == [
+        (1, 16), (4, 32), (8, 64), (10**9, 16)]
+    assert split["buckets"] == table["buckets"] and "shapes" not in split
+    assert sweep_prefill.patched_table(table, cells[:1], 0.03, fp8=True, split=True)["fp8"].get("shapes") is None
