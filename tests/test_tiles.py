@@ -53,7 +53,7 @@ def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
 
     monkeypatch.setattr(tiles, "device_key", lambda device: name)
     table = tiles.load_table(name)
-    assert set(table["fp8"]) <= {"note", "buckets", "shapes"}
+    assert set(table["fp8"]) <= {"note", "buckets", "shapes", "decode"}
     channel = WeightScale.of(torch.ones(8, 256), "channel", (128, 128), transposed=False)
     limit = FP8_SMEM_LIMIT[name]
     for bucket in table["fp8"]["buckets"]:
@@ -90,19 +90,21 @@ def test_selected_tiles_fit_shared_memory(name, dtype, monkeypatch):
 
 
 def _decode_buckets(table):
-    """(E, F, H) or None for the generic list, and that list's decode buckets (none without a decode entry)."""
-    decode_entry = table.get("decode")
-    if decode_entry is None:
-        return
-    yield None, decode_entry["buckets"]
-    for shape, buckets in decode_entry.get("shapes", {}).items():
-        yield tuple(int(n) for n in shape.split(",")), buckets
+    """(E, F, H) or None for the generic list, and that list's decode buckets, of the float-weight `decode` entry and
+    of the "fp8" section's (none without a decode entry)."""
+    for decode_entry in (table.get("decode"), table.get("fp8", {}).get("decode")):
+        if decode_entry is None:
+            continue
+        yield None, decode_entry["buckets"]
+        for shape, buckets in decode_entry.get("shapes", {}).items():
+            yield tuple(int(n) for n in shape.split(",")), buckets
 
 
 @pytest.mark.parametrize("name", TABLES)
 def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
     table = tiles.load_table(name)
     assert set(table.get("decode", {})) <= {"buckets", "shapes"}
+    assert set(table.get("fp8", {}).get("decode", {})) <= {"buckets", "shapes"}
     for _, buckets in _decode_buckets(table):
         limits = [b["max_assignments"] for b in buckets]
         assert limits == sorted(limits) and all(0 < n <= decode.MAX_ASSIGNMENTS for n in limits), (name, limits)
