@@ -73,6 +73,8 @@ def test_quantize_zero_group_and_channel_of_transposed():
 def test_dequantize_matches_transformers():
     """The block convention equals transformers' own FP8 dequantization (`weight_scale_inv`, FP8Experts)."""
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(finegrained, "_dequantize_fp8_weight"):  # older transformers (the GPU image's 5.17) lack it
+        pytest.skip("this transformers has no _dequantize_fp8_weight to compare with")
     w = torch.randn(2, 40, 72, device=DEVICE)
     q, scale = quantize_experts_fp8(w, "block", block_shape=(16, 32))
     theirs = finegrained._dequantize_fp8_weight(q, scale, [16, 32], torch.float32)
@@ -161,6 +163,7 @@ AUTO_CASES = [
 def test_auto_takes_the_decode_path_at_decode_sizes(case, monkeypatch):
     _, choice, T, forced, expected = case
     monkeypatch.setattr(moe, "choose_fp8_compute", lambda choice, *args: choice if choice != "auto" else "w8a8")
+    monkeypatch.setattr(md.tiles, "device_key", lambda device: "interpreter")  # its bucket boundary, on any device
     q_gate_up, q_down, scales = _fp8_experts("block")
     x = torch.randn(T, H, device=DEVICE).bfloat16()
     chosen = moe._resolve_fp8_compute(choice, forced, x, TOP_K, q_gate_up, q_down,
@@ -402,6 +405,7 @@ def test_w8a8_no_tokens_and_sentinel_ids(T, poison_empty):
             _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU 'auto' follows the device (test_choose_fp8_compute)")
 def test_fp8_compute_auto_is_dequant_on_the_cpu():
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
     x = torch.randn(T, H, device=DEVICE).bfloat16()
