@@ -19,6 +19,11 @@ Groups are K steps: G1 = GEMM1's BLOCK_K, G2 = GEMM2's BLOCK_K, powers of two >=
 (block scales; `w8a8_tiles` picks them from the tile table). Because GEMM1's epilogue must see whole groups of the
 intermediate, GEMM1's BLOCK_N is a multiple of G2 when the intermediate is quantized dynamically.
 
+Prefill tiles with `persistent` set (tiles.GemmTile) run both GEMMs on `_persistent_w8a8_gemm_kernel`
+(fp8_persistent.py) where the device has TMA and the layouts allow descriptors: the pass over x then also gathers the
+rows into expert-sorted order (A of a descriptor is contiguous rows), and both kernels share this module's K-step
+arithmetic and `w8a8_epilogue`, so the choice changes speed, not results.
+
 Why two places for x's quantization: in the loads, every column tile of GEMM1 quantizes its A tiles again (F / BLOCK_N
 times per row), which costs CUDA-core work of the order of the FP8 tensor-core work of the tile at prefill sizes
 (amax, scale, clamp and convert of each A element per K step against 2 * BLOCK_N multiply-adds on tensor cores that
@@ -42,8 +47,8 @@ import triton.language as tl
 
 from ._device import has_tma, is_interpreter
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args, step_masks, tile_meta,
-                           tile_rows, tile_setup)
+from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args,
+                           step_masks, tile_meta, tile_rows, tile_setup)
 from .tiles import GemmTile, MoeTiles
 
 # A_QUANT: how GEMM A tiles become float8

@@ -51,7 +51,8 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
-    # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py) where the device and layout allow it
+    # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the w8a8 path, from
+    # block_m 64) where the device and layout allow it
     persistent: int = 0
 
 
