@@ -217,7 +217,8 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
 def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
                      hidden: int) -> MoeTiles:
     """Tiles of the w8a8 FP8 path (before `fp8_gemm.w8a8_tiles` fixes its groups): the table's "fp8" buckets, else
-    its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group)."""
+    its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group) and the pointer
+    kernel (`persistent` measured for bf16 says nothing of the FP8 kernel: an "fp8" section opts in)."""
     table = load_table(device_key(device))
     rows_per_expert = -(-num_tokens * top_k // num_experts)
     fp8 = table.get("fp8")
@@ -226,5 +227,5 @@ def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_expe
         return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
-    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128),
-                               down=dataclasses.replace(tiles.down, block_k=128))
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128, persistent=0),
+                               down=dataclasses.replace(tiles.down, block_k=128, persistent=0))
