@@ -81,8 +81,7 @@ def _persistent_w8a8_gemm_kernel(
             tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
             BLOCK_M, BLOCK_N, GROUP_M)
         if expert >= 0:
-            a_rows, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K,
-                                                     False, MUL_ROUTED_WEIGHT)
+            a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)  # A is sorted: row p is sorted position p
             pid_m, _ = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
             row_start = tl.load(tile_row_start_ptr + pid_m)
             w_row = expert * w_rows_per_expert + pid_n * BLOCK_N
@@ -113,6 +112,10 @@ def _persistent_w8a8_gemm_kernel(
                     b_wu = w_up_desc.load([w_row, k0])
                     b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == 2, WEIGHT_SCALE == 3,
                                           BLOCK_K)
+            # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
+            # ~130 bytes of register spills (ptxas, sm_90).
+            _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,
+                                                MUL_ROUTED_WEIGHT)
             w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static,
                           s_base, stride_scale_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr,
                           stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e,
