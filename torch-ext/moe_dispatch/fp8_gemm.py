@@ -19,6 +19,11 @@ Groups are K steps: G1 = GEMM1's BLOCK_K, G2 = GEMM2's BLOCK_K, powers of two >=
 (block scales; `w8a8_tiles` picks them from the tile table). Because GEMM1's epilogue must see whole groups of the
 intermediate, GEMM1's BLOCK_N is a multiple of G2 when the intermediate is quantized dynamically.
 
+Prefill tiles with `persistent` set (tiles.GemmTile) run both GEMMs on `_persistent_w8a8_gemm_kernel`
+(fp8_persistent.py) where the device has TMA and the layouts allow descriptors: the pass over x then also gathers the
+rows into expert-sorted order (A of a descriptor is contiguous rows), and both kernels share this module's K-step
+arithmetic and `w8a8_epilogue`, so the choice changes speed, not results.
+
 Why two places for x's quantization: in the loads, every column tile of GEMM1 quantizes its A tiles again (F / BLOCK_N
 times per row), which costs CUDA-core work of the order of the FP8 tensor-core work of the tile at prefill sizes
 (amax, scale, clamp and convert of each A element per K step against 2 * BLOCK_N multiply-adds on tensor cores that
@@ -34,14 +39,16 @@ under the interpreter values are first rounded to the e4m3 grid in fp32 (ROUND_I
 (round to nearest even, saturating).
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from ._device import is_interpreter
+from ._device import has_tma, is_interpreter
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args, step_masks, tile_meta,
-                           tile_setup)
+from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args,
+                           step_masks, tile_meta, tile_rows, tile_setup)
 from .tiles import GemmTile, MoeTiles
 
 # A_QUANT: how GEMM A tiles become float8
@@ -172,6 +179,50 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
 
 
 @triton.jit
+def w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static, s_base,
+                  stride_s_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+                  c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e, stride_c_scale_m, n_cols,
+                  topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, fp8_max,
+                  TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  MUL_ROUTED_WEIGHT: tl.constexpr, A_QUANT: tl.constexpr, WEIGHT_SCALE: tl.constexpr,
+                  QUANT_OUT: tl.constexpr, OUT_GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """After the K loop of a w8a8 kernel (pointer or persistent, so both round alike): channel / tensor weight scales
+    (s_base: the expert's scales) and the static activation scale a_static multiply the sums, then bias, activation,
+    routing weight, and the masked store of the C tile in QUANT_OUT's form (rows outside mask_m never written)."""
+    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_s_n = 0) or per-channel: after the loop
+        scale_rows = offs_n * scale_row_step
+        b_acc *= tl.load(s_base + scale_rows * stride_s_n, mask=mask_n, other=0.0)[None, :]
+        if ACTIVATION != 0:
+            b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_s_n, mask=mask_n,
+                                other=0.0)[None, :]
+    if A_QUANT == 1 or A_QUANT == 3:
+        b_acc *= a_static
+        b_acc_up *= a_static
+
+    if HAS_BIAS:
+        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
+                                   stride_bias_n, ACTIVATION)
+    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
+                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
+
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
+    if QUANT_OUT == 1:
+        # Columns past n_cols hold zeros (their weights and biases were read as 0), so they never raise an amax.
+        b_q, b_q_s = quantize_groups(b_acc, fp8_max, BLOCK_M, BLOCK_N, OUT_GROUP, ROUND_IN_FP32)
+        tl.store(c_ptrs, b_q, mask=mask_mn)
+        offs_g = pid_n * (BLOCK_N // OUT_GROUP) + tl.arange(0, BLOCK_N // OUT_GROUP)
+        c_s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_c_scale_m + offs_g[None, :]
+        tl.store(c_s_ptrs, b_q_s, mask=mask_m[:, None] & (offs_g < tl.cdiv(n_cols, OUT_GROUP))[None, :])
+    elif QUANT_OUT == 2:
+        c_static = tl.load(c_scale_ptr + expert * stride_c_scale_e)
+        tl.store(c_ptrs, to_fp8(b_acc / c_static, fp8_max, ROUND_IN_FP32), mask=mask_mn)
+    else:
+        tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
 def _w8a8_gemm_kernel(
     # A: [num_a_rows, K] float (A_QUANT 0, 1) or float8 (2, 3); GATHER_A: sorted position p reads row
     # gather_idx[p] // TOP_K
@@ -220,10 +271,8 @@ def _w8a8_gemm_kernel(
                                                                GROUP_M)
     if expert < 0:
         return
-    if GATHER_A or MUL_ROUTED_WEIGHT:
-        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
-    if not GATHER_A:
-        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
+    a_rows, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K,
+                                             GATHER_A, MUL_ROUTED_WEIGHT)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
     if A_QUANT == 2:
@@ -250,63 +299,55 @@ def _w8a8_gemm_kernel(
                                     stride_a_k, stride_w_k, stride_scale_k, scale_block_k, fp8_max,
                                     ACTIVATION != 0, A_QUANT, WEIGHT_SCALE, SCALE_UNIFORM, ROUND_IN_FP32, EVEN_K,
                                     BLOCK_K)
-    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_scale_n = 0) or per-channel: after the loop
-        scale_rows = offs_n * scale_row_step
-        b_acc *= tl.load(s_base + scale_rows * stride_scale_n, mask=mask_n, other=0.0)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_scale_n, mask=mask_n,
-                                other=0.0)[None, :]
-    if A_QUANT == 1 or A_QUANT == 3:
-        b_acc *= a_static
-        b_acc_up *= a_static
-
-    if HAS_BIAS:
-        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
-                                   stride_bias_n, ACTIVATION)
-    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
-                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
-
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
-    if QUANT_OUT == 1:
-        # Columns past n_cols hold zeros (their weights and biases were read as 0), so they never raise an amax.
-        b_q, b_q_s = quantize_groups(b_acc, fp8_max, BLOCK_M, BLOCK_N, OUT_GROUP, ROUND_IN_FP32)
-        tl.store(c_ptrs, b_q, mask=mask_mn)
-        offs_g = pid_n * (BLOCK_N // OUT_GROUP) + tl.arange(0, BLOCK_N // OUT_GROUP)
-        c_s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_c_scale_m + offs_g[None, :]
-        tl.store(c_s_ptrs, b_q_s, mask=mask_m[:, None] & (offs_g < tl.cdiv(n_cols, OUT_GROUP))[None, :])
-    elif QUANT_OUT == 2:
-        c_static = tl.load(c_scale_ptr + expert * stride_c_scale_e)
-        tl.store(c_ptrs, to_fp8(b_acc / c_static, fp8_max, ROUND_IN_FP32), mask=mask_mn)
-    else:
-        tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
+    w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static, s_base,
+                  stride_scale_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr, stride_bias_e,
+                  stride_bias_n, c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e, stride_c_scale_m, n_cols,
+                  topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, fp8_max, TOP_K, ACTIVATION, HAS_BIAS,
+                  MUL_ROUTED_WEIGHT, A_QUANT, WEIGHT_SCALE, QUANT_OUT, OUT_GROUP, ROUND_IN_FP32, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, stride_x_m, q_ptr, stride_q_m, s_ptr, stride_s_m, static_ptr, num_rows, K, fp8_max,
+                          gather_idx_ptr, num_tokens, TOP_K: tl.constexpr, GATHER: tl.constexpr,
                           STATIC: tl.constexpr, ROUND_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
                           GROUP: tl.constexpr):
-    """Grid: (cdiv(num_rows, BLOCK_M), cdiv(K, GROUP)). Each program quantizes a [BLOCK_M, GROUP] block of x to e4m3:
-    one scale per row (s[row, group] = amax / fp8_max), or x / the static scale (STATIC: no scales written)."""
+    """Grid: (cdiv(num_rows, BLOCK_M), cdiv(K, GROUP)). Each program quantizes a [BLOCK_M, GROUP] block of rows to e4m3:
+    one scale per row (s[row, group] = amax / fp8_max), or x / the static scale (STATIC: no scales written).
+    GATHER: row p of q is x[gather_idx[p] // TOP_K] (the expert-sorted order), zeros where gather_idx names no token
+    (-1 past the kept assignments), so every row of q is written."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     mask_m = offs_m < num_rows
-    mask = mask_m[:, None] & (offs_k < K)[None, :]
-    b_x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x_m + offs_k[None, :], mask=mask,
+    if GATHER:
+        x_rows, _, mask_x = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    else:
+        x_rows, mask_x = offs_m, mask_m
+    mask_k = (offs_k < K)[None, :]
+    b_x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_x_m + offs_k[None, :], mask=mask_x[:, None] & mask_k,
                   other=0.0).to(tl.float32)
     if STATIC:
         b_q = to_fp8(b_x / tl.load(static_ptr), fp8_max, ROUND_IN_FP32)
     else:
         b_q, b_s = quantize_rows(b_x, fp8_max, ROUND_IN_FP32)
         tl.store(s_ptr + offs_m.to(tl.int64) * stride_s_m + tl.program_id(1), b_s, mask=mask_m)
-    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * stride_q_m + offs_k[None, :], b_q, mask=mask)
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * stride_q_m + offs_k[None, :], b_q, mask=mask_m[:, None] & mask_k)
 
 
-def quantize_fp8_rows(x, group, static_scale=None):
-    """x [M, K] (unit column stride) -> (e4m3 [M, K], scales fp32 [M, cdiv(K, group)] or None with a per-tensor
-    `static_scale`): the quantization GEMM1 otherwise does in its loads, once per row and group."""
-    M, K = x.shape
-    q = torch.empty((M, K), device=x.device, dtype=W8A8_DTYPE)
+def fp8_rows(num_rows, K, device):
+    """An uninitialized e4m3 [num_rows, K] whose rows start 16 bytes apart or a multiple of that (a view of padded
+    rows when K is not a multiple of 16), so the persistent kernel can read it through a descriptor whatever K is."""
+    return torch.empty((num_rows, -(-K // 16) * 16), device=device, dtype=W8A8_DTYPE)[:, :K]
+
+
+def quantize_fp8_rows(x, group, static_scale=None, info=None):
+    """x [T, K] (unit column stride) -> (e4m3 [M, K], scales fp32 [M, cdiv(K, group)] or None with a per-tensor
+    `static_scale`): the quantization GEMM1 otherwise does in its loads, once per row and group. M = T, rows as in x;
+    with `info` (dispatch.DispatchInfo) M = info.num_assignments, rows in its expert-sorted order (row p is
+    x[info.gather_idx[p] // top_k], zeros past the kept assignments): A of the persistent kernel, which cannot
+    gather. The e4m3 rows come from `fp8_rows`."""
+    T, K = x.shape
+    M = info.num_assignments if info is not None else T
+    q = fp8_rows(M, K, x.device)
     scales = None if static_scale is not None else torch.empty((M, triton.cdiv(K, group)), device=x.device,
                                                                dtype=torch.float32)
     if M == 0 or K == 0:
@@ -314,8 +355,9 @@ def quantize_fp8_rows(x, group, static_scale=None):
     x = x if x.stride(1) == 1 else x.contiguous()
     _quantize_rows_kernel[(triton.cdiv(M, QUANTIZE_BLOCK_M), triton.cdiv(K, group))](
         x, x.stride(0), q, q.stride(0), scales, scales.stride(0) if scales is not None else 0, static_scale, M, K,
-        fp8_max(W8A8_DTYPE), STATIC=static_scale is not None, ROUND_IN_FP32=is_interpreter(),
-        BLOCK_M=QUANTIZE_BLOCK_M, GROUP=group)
+        fp8_max(W8A8_DTYPE), info.gather_idx if info is not None else None, T,
+        TOP_K=info.top_k if info is not None else 1, GATHER=info is not None, STATIC=static_scale is not None,
+        ROUND_IN_FP32=is_interpreter(), BLOCK_M=QUANTIZE_BLOCK_M, GROUP=group)
     return q, scales
 
 
@@ -331,13 +373,12 @@ def _group(tile_block_k, weight_scale: WeightScale):
 def w8a8_tiles(tiles: MoeTiles, gate_up_scale: WeightScale, down_scale: WeightScale, *, static_intermediate=False):
     """The tiles `tiles` with w8a8's constraints applied: BLOCK_K of each GEMM is its activation group (`_group`), and
     GEMM1's BLOCK_N a multiple of GEMM2's group unless the intermediate has a static scale. block_m is kept (the
-    dispatch tile map was built with it)."""
+    dispatch tile map was built with it), and so are the other fields (warps, stages, group_m, persistent)."""
     g1 = _group(tiles.gate_up.block_k, gate_up_scale)
     g2 = _group(tiles.down.block_k, down_scale)
     block_n = tiles.gate_up.block_n if static_intermediate else -(-tiles.gate_up.block_n // g2) * g2
-    return MoeTiles(tiles.block_m,
-                    GemmTile(block_n, g1, tiles.gate_up.num_warps, tiles.gate_up.num_stages, tiles.gate_up.group_m),
-                    GemmTile(tiles.down.block_n, g2, tiles.down.num_warps, tiles.down.num_stages, tiles.down.group_m))
+    return MoeTiles(tiles.block_m, dataclasses.replace(tiles.gate_up, block_n=block_n, block_k=g1),
+                    dataclasses.replace(tiles.down, block_k=g2))
 
 
 def _uniform_block_scale(ws: WeightScale, block_n, gated):
@@ -369,20 +410,28 @@ def _static_scale(scale):
 def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_scale=None, a_static=None,
               weight_up=None, transposed=False, gather_a=False, activation="none", bias=None, bias_up=None,
               topk_weights=None, alpha=1.702, limit=7.0, out_dtype=None, out_static=None, out_group=None):
-    """Launch `_w8a8_gemm_kernel` over the rows of `info`; returns C [num_assignments, n], or (C, C's scales).
+    """Launch a w8a8 kernel over the rows of `info`; returns C [num_assignments, n], or (C, C's scales).
 
     A `a` [rows, K]: float (quantized in the loads: per row and K step, or with `a_static` [] / [1] / [E]) or float8
     with `a_scale` [rows, cdiv(K, tile.block_k)] or `a_static`. `weight` [E, n, K] (`transposed`: [E, K, n]) float8
     with `weight_scale` (shared by the `weight_up` view of gated activations). Output: float in `out_dtype`; float8
-    with a static scale `out_static`; or, with `out_group`, float8 plus fp32 scales [rows, cdiv(n, out_group)]
-    (tile.block_n a multiple of out_group). Rows of C past info.expert_offsets[E] are left unwritten.
+    (from `fp8_rows`) with a static scale `out_static`; or, with `out_group`, float8 plus fp32 scales
+    [rows, cdiv(n, out_group)] (tile.block_n a multiple of out_group). Rows of C past info.expert_offsets[E] are left
+    unwritten.
+
+    The kernel: `_persistent_w8a8_gemm_kernel` (fp8_persistent.py) when the tile asks for it (`tile.persistent`) and
+    `fp8_persistent.supports` the operands (float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor layouts); else
+    `_w8a8_gemm_kernel`. Both round alike (same K steps, scales and epilogue), so the choice changes speed only.
     """
     num_rows = info.num_assignments
     K = a.shape[1]
     w = gemm_weights(weight, weight_up, bias, bias_up, transposed=transposed, activation=activation)
     n_cols = w.n_cols
     quantized_out = out_static is not None or out_group is not None
-    c = torch.empty((num_rows, n_cols), device=a.device, dtype=W8A8_DTYPE if quantized_out else out_dtype)
+    if quantized_out:
+        c = fp8_rows(num_rows, n_cols, a.device)
+    else:
+        c = torch.empty((num_rows, n_cols), device=a.device, dtype=out_dtype)
     c_scale = None
     if out_group is not None:
         if tile.block_n % out_group:
@@ -398,37 +447,48 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
     else:
         a_quant = A_STATIC if a_static is not None else A_DYNAMIC
     if a_static is not None:
-        a_scale_arg, stride_a_scale_e, stride_a_scale_m = *_static_scale(a_static), 0
+        a_scale_args = (*_static_scale(a_static), 0)
     elif a_quant == A_FP8_GROUPS:
-        a_scale_arg, stride_a_scale_e, stride_a_scale_m = a_scale, 0, a_scale.stride(0)
+        a_scale_args = (a_scale, 0, a_scale.stride(0))
     else:
-        a_scale_arg, stride_a_scale_e, stride_a_scale_m = None, 0, 0
+        a_scale_args = (None, 0, 0)
     if out_static is not None:
-        quant_out, (c_scale_arg, stride_c_scale_e), stride_c_scale_m = OUT_STATIC, _static_scale(out_static), 0
+        quant_out, c_scale_args = OUT_STATIC, (*_static_scale(out_static), 0)
     elif out_group is not None:
-        quant_out, c_scale_arg, stride_c_scale_e, stride_c_scale_m = OUT_DYNAMIC, c_scale, 0, c_scale.stride(0)
+        quant_out, c_scale_args = OUT_DYNAMIC, (c_scale, 0, c_scale.stride(0))
     else:
-        quant_out, c_scale_arg, stride_c_scale_e, stride_c_scale_m = OUT_FLOAT, None, 0, 0
-    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
+        quant_out, c_scale_args = OUT_FLOAT, (None, 0, 0)
     ws = weight_scale
-    _w8a8_gemm_kernel[grid](
-        a, a.stride(0), a.stride(1), a.shape[0],
-        a_scale_arg, stride_a_scale_e, stride_a_scale_m,
-        *w.weight_args(), *w.bias_args(), *scale_args(ws),
-        c, c.stride(0), c.stride(1), c.shape[0],
-        c_scale_arg, stride_c_scale_e, stride_c_scale_m,
-        *routing_args(info, topk_weights),
-        n_cols, K, info.num_experts, info.max_tiles,
-        float(alpha), float(limit), fp8_max(W8A8_DTYPE),
+    meta = dict(
         A_QUANT=a_quant,
         WEIGHT_SCALE=ws.code,
         SCALE_UNIFORM=_uniform_block_scale(ws, tile.block_n, w.gated),
         QUANT_OUT=quant_out,
         OUT_GROUP=out_group or 1,
         ROUND_IN_FP32=is_interpreter(),
-        EVEN_K=K % tile.block_k == 0,
         BLOCK_K=tile.block_k,
         **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
+    )
+    if tile.persistent and not gather_a:
+        from .fp8_persistent import persistent_w8a8_gemm, supports  # imports this module's jit helpers
+
+        if supports(a, w, info, transposed=transposed):
+            del meta["GATHER_A"]
+            persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile,
+                                 meta)
+            return result
+    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
+    _w8a8_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1), a.shape[0],
+        *a_scale_args,
+        *w.weight_args(), *w.bias_args(), *scale_args(ws),
+        c, c.stride(0), c.stride(1), c.shape[0],
+        *c_scale_args,
+        *routing_args(info, topk_weights),
+        n_cols, K, info.num_experts, info.max_tiles,
+        float(alpha), float(limit), fp8_max(W8A8_DTYPE),
+        EVEN_K=K % tile.block_k == 0,
+        **meta,
     )
     return result
 
@@ -439,14 +499,21 @@ def w8a8_gemm1(x, w_gate, w_up, info, tiles: MoeTiles, gate_up_scale: WeightScal
     """GEMM1 of the w8a8 path: (h [N, F] float8, h_scale [N, cdiv(F, G2)] fp32, or None with a static
     `down_input_scale`); `tiles` already through `w8a8_tiles` (G1 = tiles.gate_up.block_k, G2 =
     tiles.down.block_k). x is quantized in the loads, or first by `quantize_fp8_rows` for prefill tiles (a
-    per-expert static scale stays in the loads: the pass does not know the rows' experts)."""
-    x_scale = None
+    per-expert static scale stays in the loads: the pass does not know the rows' experts); for persistent tiles that
+    pass also gathers the rows into expert-sorted order (where descriptors exist: TMA, K-contiguous weights), so the
+    persistent kernel reads A through a descriptor (`w8a8_gemm` still takes the pointer kernel, on the sorted rows, when
+    the weights' layout does not allow descriptors)."""
+    x_scale, gather_a = None, True
     per_tensor = gate_up_input_scale is None or gate_up_input_scale.numel() == 1
     if tiles.block_m >= PREQUANTIZE_MIN_BLOCK_M and per_tensor:
-        x, x_scale = quantize_fp8_rows(x, tiles.gate_up.block_k, gate_up_input_scale)
+        # Persistent tiles read A through descriptors, which cannot gather rows: the pass writes them sorted.
+        sorted_rows = bool(tiles.gate_up.persistent) and not transposed and has_tma(x.device)
+        x, x_scale = quantize_fp8_rows(x, tiles.gate_up.block_k, gate_up_input_scale,
+                                       info=info if sorted_rows else None)
+        gather_a = not sorted_rows
     out = w8a8_gemm(x, w_gate, info, tiles.gate_up, gate_up_scale, a_scale=x_scale, a_static=gate_up_input_scale,
                     weight_up=w_up,
-                    transposed=transposed, gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias,
+                    transposed=transposed, gather_a=gather_a, activation=activation, bias=gate_bias, bias_up=up_bias,
                     alpha=alpha, limit=limit, out_static=down_input_scale,
                     out_group=None if down_input_scale is not None else tiles.down.block_k)
     return out if down_input_scale is None else (out, None)

@@ -101,35 +101,59 @@ def _persistent_grouped_gemm_kernel(
                           alpha, limit, TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT)
 
 
-def _aligned(t):
+def aligned(t):
+    """Whether a tensor's base address is 16-byte aligned (what a descriptor's base needs)."""
     return t.data_ptr() % 16 == 0
 
 
-def _descriptor_rows(weight, n_cols):
+def descriptor_rows(weight, n_cols):
     """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see the module docstring) and rows per expert;
     None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
     whole number of rows apart)."""
     stride_e, stride_n, stride_k = weight.stride()
     size = weight.element_size()
-    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not _aligned(weight):
+    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not aligned(weight):
         return None
     rows_per_expert = stride_e // stride_n
     return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
+
+
+def weights_fit_descriptors(w: GemmWeights):
+    """Whether the weights (and the up view of a gated GEMM) of a [E, n, K] GemmWeights can be read through
+    `weight_descriptors`."""
+    if w.weight.shape[0] == 0 or descriptor_rows(w.weight, w.n_cols) is None:
+        return False
+    return not w.gated or (aligned(w.weight_up) and w.weight_up.stride() == w.weight.stride())
+
+
+def rows_fit_descriptor(a):
+    """Whether [rows, K] A can be read as descriptor tiles: K contiguous, the row stride and base 16-byte aligned."""
+    return a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and aligned(a)
+
+
+def weight_descriptors(w: GemmWeights, K, tile):
+    """(w_desc, w_up_desc, rows_per_expert): descriptors of [tile.block_n, tile.block_k] tiles over the weight and
+    its up view (the weight's own again when not gated), checked by `weights_fit_descriptors`."""
+    w_rows, rows_per_expert = descriptor_rows(w.weight, w.n_cols)
+    w_block = [tile.block_n, tile.block_k]
+    w_desc = TensorDescriptor(w.weight, [w_rows, K], [w.weight.stride(1), 1], w_block)
+    w_up_desc = TensorDescriptor(w.weight_up, [w_rows, K], [w.weight.stride(1), 1], w_block) if w.gated else w_desc
+    return w_desc, w_up_desc, rows_per_expert
+
+
+def num_programs(device, num_tiles):
+    """Programs of a persistent launch: one per SM (INTERPRETER_PROGRAMS on the interpreter), at most one per tile."""
+    programs = INTERPRETER_PROGRAMS if device.type != "cuda" else num_sms(device)
+    return max(1, min(programs, num_tiles))
 
 
 def supports(a, w: GemmWeights, *, transposed, gather_a, weight_scale):
     """Whether the persistent descriptor kernel can run this GEMM (else `expert_gemm` uses the pointer kernel)."""
     if transposed or weight_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not has_tma(a.device) or a.shape[1] == 0 or w.weight.shape[0] == 0:
+    if not has_tma(a.device) or a.shape[1] == 0 or not weights_fit_descriptors(w):
         return False
-    if _descriptor_rows(w.weight, w.n_cols) is None:
-        return False
-    if w.gated and (not _aligned(w.weight_up) or w.weight_up.stride() != w.weight.stride()):
-        return False
-    if not gather_a and (a.stride(1) != 1 or (a.stride(0) * a.element_size()) % 16 or not _aligned(a)):
-        return False
-    return True
+    return gather_a or rows_fit_descriptor(a)
 
 
 def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activation, topk_weights, alpha, limit,
@@ -137,15 +161,10 @@ def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activa
     """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, already checked by
     `supports`; w.weight is [E, n, K]). Returns c."""
     K = a.shape[1]
-    w_rows, rows_per_expert = _descriptor_rows(w.weight, w.n_cols)
-    w_block = [tile.block_n, tile.block_k]
-    w_desc = TensorDescriptor(w.weight, [w_rows, K], [w.weight.stride(1), 1], w_block)
-    w_up_desc = TensorDescriptor(w.weight_up, [w_rows, K], [w.weight.stride(1), 1], w_block) if w.gated else w_desc
+    w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     dot_fp32, _ = dot_options(a.dtype)
-    num_tiles = info.max_tiles * triton.cdiv(w.n_cols, tile.block_n)
-    programs = INTERPRETER_PROGRAMS if a.device.type != "cuda" else num_sms(a.device)
-    programs = max(1, min(programs, num_tiles))
+    programs = num_programs(a.device, info.max_tiles * triton.cdiv(w.n_cols, tile.block_n))
     _persistent_grouped_gemm_kernel[(programs,)](
         a, a_desc, a.stride(0), a.stride(1), a.shape[0],
         w_desc, w_up_desc, rows_per_expert,

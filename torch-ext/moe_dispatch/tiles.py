@@ -52,7 +52,8 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
-    # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py) where the device and layout allow it
+    # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the w8a8 path, from
+    # block_m 64) where the device and layout allow it
     persistent: int = 0
 
 
@@ -223,7 +224,8 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
 def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
                      hidden: int) -> MoeTiles:
     """Tiles of the w8a8 FP8 path (before `fp8_gemm.w8a8_tiles` fixes its groups): the table's "fp8" buckets, else
-    its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group)."""
+    its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group) and the pointer
+    kernel (`persistent` measured for bf16 says nothing of the FP8 kernel: an "fp8" section opts in)."""
     table = load_table(device_key(device))
     rows_per_expert = -(-num_tokens * top_k // num_experts)
     fp8 = table.get("fp8")
@@ -232,5 +234,5 @@ def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_expe
         return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
-    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128),
-                               down=dataclasses.replace(tiles.down, block_k=128))
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128, persistent=0),
+                               down=dataclasses.replace(tiles.down, block_k=128, persistent=0))

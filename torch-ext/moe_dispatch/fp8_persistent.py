@@ -1,0 +1,158 @@
+"""The w8a8 grouped GEMM as a persistent kernel fed by tensor descriptors (TMA on Hopper): the FP8 prefill variant.
+
+`_w8a8_gemm_kernel` (fp8_gemm.py) launches one program per output tile and loads both float8 operands through
+pointers; on an H200 it stays at 345-615 TFLOP/s at prefill sizes, about what the bf16 path reaches, where FP8 tensor
+cores have twice the rate. This kernel is to it what persistent_gemm.py's is to the bf16 pointer kernel: one program
+per SM walks the output tiles in grouped order, and both operands arrive as descriptor tiles:
+
+- A: float8 rows in expert-sorted order [num_a_rows, K] (Hopper's TMA has no row gather, so GEMM1's rows are
+  gathered and quantized by one pass first, `fp8_gemm.quantize_fp8_rows(..., info=...)`; GEMM2's A is the
+  intermediate GEMM1 wrote, already sorted). A tile's [BLOCK_M, BLOCK_K] box starts at its first row; rows of the next
+  expert it reaches are computed and never stored (the epilogue's row mask), rows past the end read the zero fill.
+- Weights: [BLOCK_N, BLOCK_K] tiles of the expert-stacked [E, n, K] float8 weight through persistent_gemm's
+  `weight_descriptors` (expert e's row j is descriptor row e * rows_per_expert + j; see persistent_gemm.py).
+- Per K step (= the activation group): acc += (A_fp8 @ W_fp8^T) * a_scale[row] (* the weight's block scale of that
+  K step), exactly `_w8a8_gemm_kernel`'s `scaled_dot`; channel / tensor weight scales, static activation scales,
+  bias, activation, routing weight and the (quantizing) store are the shared `w8a8_epilogue`. So the two kernels give
+  the same e4m3 intermediate and the same output up to fp32 summation order.
+
+A per-expert static input scale of GEMM1 keeps the pointer kernel for GEMM1 (the pass does not know the rows' experts
+to divide them by their scale); GEMM2 runs here with static scales of either kind.
+"""
+
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._device import has_tma
+from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
+from .fp8_gemm import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
+from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
+from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
+
+# wgmma, the instruction this kernel exists for, works on 64-row slabs per warpgroup; smaller tiles (decode) keep the
+# pointer kernel, which the tables tune for them.
+MIN_BLOCK_M = 64
+
+
+@triton.jit
+def _persistent_w8a8_gemm_kernel(
+    # A: float8 rows in sorted order [num_a_rows, K] as [BLOCK_M, BLOCK_K] descriptor tiles; A_QUANT 2: scales
+    # [num_a_rows, cdiv(K, BLOCK_K)], one per row and K step; A_QUANT 3: a static scale per expert (stride_e 0: one)
+    a_desc, num_a_rows,
+    a_scale_ptr, stride_a_scale_e, stride_a_scale_m,
+    # weights: descriptors of [BLOCK_N, BLOCK_K] tiles, expert e's row j at descriptor row e * w_rows_per_expert + j
+    w_desc, w_up_desc, w_rows_per_expert,
+    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # weight scales (fp8.WeightScale), as in `_w8a8_gemm_kernel`
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
+    # C: [num_rows, n_cols] in sorted order; QUANT_OUT 1 / 2: float8 with its scales, as in `_w8a8_gemm_kernel`
+    c_ptr, stride_c_m, stride_c_n, num_rows,
+    c_scale_ptr, stride_c_scale_e, stride_c_scale_m,
+    # dispatch metadata
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
+    topk_weights_ptr, stride_topk_t, stride_topk_k, num_tokens,
+    # sizes
+    n_cols, K, E, max_tiles,
+    alpha, limit, fp8_max,
+    TOP_K: tl.constexpr,
+    A_QUANT: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
+    SCALE_UNIFORM: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    OUT_GROUP: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: (NUM_PROGRAMS,). Program p computes output tiles p, p + NUM_PROGRAMS, ... of the
+    max_tiles * cdiv(n_cols, BLOCK_N) tiles (in tile_coords' grouped order); sentinel tiles are skipped. K past the
+    end reads the descriptors' zero fill in both operands, so the K loop needs no masks."""
+    num_tiles = max_tiles * tl.cdiv(n_cols, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup_at(
+            tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+            BLOCK_M, BLOCK_N, GROUP_M)
+        if expert >= 0:
+            a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)  # A is sorted: row p is sorted position p
+            pid_m, _ = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
+            row_start = tl.load(tile_row_start_ptr + pid_m)
+            w_row = expert * w_rows_per_expert + pid_n * BLOCK_N
+            a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_a_scale_m  # [BLOCK_M]: A_QUANT 2's first group
+            a_static = 1.0
+            if A_QUANT == 3:
+                a_static = tl.load(a_scale_ptr + expert * stride_a_scale_e)
+            s_base = scale_ptr + expert.to(tl.int64) * stride_scale_e
+            s_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, 0, stride_scale_n, scale_block_n,
+                                         SCALE_UNIFORM, BLOCK_N)
+            s_up_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, scale_up_row_offset, stride_scale_n,
+                                            scale_block_n, SCALE_UNIFORM, BLOCK_N)
+            b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
+                if A_QUANT == 2:
+                    b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                else:
+                    b_a_s = 1.0
+                # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
+                s_step = s_base + (k0 // scale_block_k) * stride_scale_k
+                b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
+                b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
+                b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == 2, WEIGHT_SCALE == 3, BLOCK_K)
+                if ACTIVATION != 0:
+                    b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
+                    b_wu = w_up_desc.load([w_row, k0])
+                    b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == 2, WEIGHT_SCALE == 3,
+                                          BLOCK_K)
+            # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
+            # ~130 bytes of register spills (ptxas, sm_90).
+            _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,
+                                                MUL_ROUTED_WEIGHT)
+            w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static,
+                          s_base, stride_scale_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr,
+                          stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e,
+                          stride_c_scale_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                          fp8_max, TOP_K, ACTIVATION, HAS_BIAS, MUL_ROUTED_WEIGHT, A_QUANT, WEIGHT_SCALE, QUANT_OUT,
+                          OUT_GROUP, ROUND_IN_FP32, BLOCK_M, BLOCK_N)
+
+
+def supports(a, w: GemmWeights, info, *, transposed):
+    """Whether `_persistent_w8a8_gemm_kernel` can run this GEMM: float8 A already in sorted order and readable as
+    descriptor tiles, weights [E, n, K] that descriptors can address (not `transposed`, K contiguous, 16-byte
+    aligned), a device with TMA (or the interpreter), and tiles of at least MIN_BLOCK_M rows."""
+    if transposed or a.dtype != W8A8_DTYPE or info.block_m < MIN_BLOCK_M or not has_tma(a.device):
+        return False
+    return rows_fit_descriptor(a) and weights_fit_descriptors(w)
+
+
+def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_scale_args, info, topk_weights, alpha,
+                         limit, tile, meta):
+    """Launch `_persistent_w8a8_gemm_kernel` for `fp8_gemm.w8a8_gemm`, which checked `supports` and prepared the
+    scale arguments (a_scale_args: ptr, stride_e, stride_m; c_scale_args likewise) and the constexprs `meta`. Fills c
+    (and the output scales in c_scale_args)."""
+    K = a.shape[1]
+    w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
+    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
+    programs = num_programs(a.device, info.max_tiles * triton.cdiv(w.n_cols, tile.block_n))
+    _persistent_w8a8_gemm_kernel[(programs,)](
+        a_desc, a.shape[0],
+        *a_scale_args,
+        w_desc, w_up_desc, rows_per_expert,
+        *w.bias_args(), *scale_args(ws),
+        c, c.stride(0), c.stride(1), c.shape[0],
+        *c_scale_args,
+        *routing_args(info, topk_weights),
+        w.n_cols, K, info.num_experts, info.max_tiles,
+        float(alpha), float(limit), fp8_max(W8A8_DTYPE),
+        NUM_PROGRAMS=programs,
+        **meta,
+    )
+    return c
