@@ -89,15 +89,15 @@ def test_selected_tiles_fit_shared_memory(name, dtype, monkeypatch):
                 assert limit is None or smem <= limit, (name, dtype, bucket, smem)
 
 
-def _decode_buckets(table):
-    """(E, F, H) or None for the generic list, and that list's decode buckets, of the float-weight `decode` entry and
-    of the "fp8" section's (none without a decode entry)."""
-    for decode_entry in (table.get("decode"), table.get("fp8", {}).get("decode")):
-        if decode_entry is None:
-            continue
-        yield None, decode_entry["buckets"]
-        for shape, buckets in decode_entry.get("shapes", {}).items():
-            yield tuple(int(n) for n in shape.split(",")), buckets
+def _decode_buckets(table, *, fp8=False):
+    """(E, F, H) or None for the generic list, and that list's decode buckets, of the float-weight `decode` entry or
+    (`fp8`) of the "fp8" section's (none without a decode entry)."""
+    decode_entry = table.get("fp8", {}).get("decode") if fp8 else table.get("decode")
+    if decode_entry is None:
+        return
+    yield None, decode_entry["buckets"]
+    for shape, buckets in decode_entry.get("shapes", {}).items():
+        yield tuple(int(n) for n in shape.split(",")), buckets
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -105,7 +105,7 @@ def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
     table = tiles.load_table(name)
     assert set(table.get("decode", {})) <= {"buckets", "shapes"}
     assert set(table.get("fp8", {}).get("decode", {})) <= {"buckets", "shapes"}
-    for _, buckets in _decode_buckets(table):
+    for _, buckets in [*_decode_buckets(table), *_decode_buckets(table, fp8=True)]:
         limits = [b["max_assignments"] for b in buckets]
         assert limits == sorted(limits) and all(0 < n <= decode.MAX_ASSIGNMENTS for n in limits), (name, limits)
         for bucket in buckets:
@@ -113,24 +113,30 @@ def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
             tiles.DecodeTiles.from_dict(bucket)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float-weights", "fp8-weights"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", TABLES)
-def test_selected_decode_tiles_fit_shared_memory(name, dtype, monkeypatch):
-    """At each bucket's largest N with top_k = 1 (the most x rows, BLOCK_T = N): num_stages copies of the x tile and
-    the gate and up tiles (gate/up kernel), of the weight tile (down kernel, pipelined loads), in the dtype's bytes."""
+def test_selected_decode_tiles_fit_shared_memory(name, dtype, fp8, monkeypatch):
+    """At each bucket's largest N with top_k = 1 (the most x rows, BLOCK_T = N): the stages decode.py launches
+    (`pipeline_stages` of the table's, for the device's shared memory) of the x tile and the gate and up tiles
+    (gate/up kernel), of the weight tile (down kernel, pipelined loads), x in the dtype's bytes, weights in the dtype's
+    or (float8) one byte, fit; and they are the table's own wherever those fit."""
     monkeypatch.setattr(tiles, "device_key", lambda device: name)
     limit = SMEM_LIMIT[name]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    for shape, buckets in _decode_buckets(tiles.load_table(name)):
+    w_itemsize = 1 if fp8 else itemsize
+    for shape, buckets in _decode_buckets(tiles.load_table(name), fp8=fp8):
         E, F, H = shape or (8, 256, 512)
         for bucket in buckets:
             num_tokens = bucket["max_assignments"]
-            chosen = tiles.select_decode_tiles(torch.device("cpu"), num_tokens, 1, E, F, H, dtype)
+            chosen = tiles.select_decode_tiles(torch.device("cpu"), num_tokens, 1, E, F, H, dtype, fp8=fp8)
             block_t = max(16, 1 << (num_tokens - 1).bit_length())
             gate_up, down = chosen.gate_up, chosen.down
-            for smem in (gate_up.num_stages * (block_t + 2 * gate_up.block_n) * gate_up.block_k * itemsize,
-                         down.num_stages * down.block_n * down.block_k * itemsize):
-                assert limit is None or smem <= limit, (name, dtype, bucket, smem)
+            for tile, stage in ((gate_up, (block_t * itemsize + 2 * gate_up.block_n * w_itemsize) * gate_up.block_k),
+                                (down, down.block_n * down.block_k * w_itemsize)):
+                stages = decode.pipeline_stages(tile.num_stages, stage, limit)
+                assert limit is None or stages * stage <= limit, (name, dtype, bucket, stages * stage)
+                assert stages == tile.num_stages or tile.num_stages * stage > limit, (name, bucket)
 
 
 @pytest.mark.parametrize("key,expected", [("NVIDIA_H200", "NVIDIA_H200"), ("NVIDIA_A100_SXM4_80GB", "NVIDIA_A100"),

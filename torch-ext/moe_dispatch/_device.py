@@ -35,6 +35,15 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def smem_per_program(device: torch.device) -> int | None:
+    """Shared memory one program may use (the opt-in maximum per block) on a GPU; None for the interpreter."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
+
+
+@functools.lru_cache(maxsize=None)
 def device_key(device: torch.device) -> str:
     """Name of the tile table for `device`: `NVIDIA_H200`, `AMD_Instinct_MI300X`, ... or `interpreter`."""
     if device.type != "cuda":

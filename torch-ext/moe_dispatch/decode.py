@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
                            same_strides, scale_args, scale_sums, tile_dot, weight_scale_ptrs, weight_strides)
+from ._device import smem_per_program
 from .tiles import DecodeTiles
 
 MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
@@ -220,6 +221,15 @@ def _decode_down_kernel(
             tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+def pipeline_stages(num_stages, stage_bytes, limit):
+    """A table's num_stages cut to what `limit` bytes of shared memory hold (at least 1; `limit` None: as it is).
+    Tables are measured at each model's own top_k, while BLOCK_T follows T: a bucket measured at 16 tokens of top_k 8
+    also serves 128 tokens of top_k 1, whose x tile is 8 times larger."""
+    if limit is None:
+        return num_stages
+    return max(1, min(num_stages, limit // stage_bytes))
+
+
 def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: DecodeTiles, *, transposed=False,
                    activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0,
                    gate_up_scale=None, down_scale=None):
@@ -289,7 +299,9 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             BLOCK_N=tile.block_n,
             BLOCK_K=block_k,
             num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
+            num_stages=pipeline_stages(tile.num_stages,
+                                       (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
+                                       * block_k, smem_per_program(x.device)),
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
@@ -311,6 +323,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         BLOCK_N=down_tile.block_n,
         BLOCK_K=down_block_k,
         num_warps=down_tile.num_warps,
-        num_stages=down_tile.num_stages,
+        num_stages=pipeline_stages(down_tile.num_stages, down_tile.block_n * down_block_k * w_down.element_size(),
+                                   smem_per_program(x.device)),
     )
     return out
