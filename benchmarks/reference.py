@@ -442,6 +442,17 @@ W8A8_TOLERANCE = 0.08
 # unless an intermediate value lies within that of an e4m3 rounding boundary (one element one step off: ~1e-2 on its
 # row); measured 5e-8 to 1.2e-7 over tests/test_fp8.py's cases.
 W8A8_MODEL_TOLERANCE = 1e-5
+# On a GPU the bound is looser: Hopper's FP8 wgmma (tiles of BLOCK_M >= 64) keeps fewer bits than fp32 in each K
+# step's sum, so kernel and model round a few intermediate values to neighbouring e4m3 values (1/16 relative each, on
+# a tiny F a visible share of a row); the H200 measured 2e-4 to 3.8e-3 RMS on tests/test_fp8_persistent.py's cases
+# (BLOCK_M 16 tiles, mma.sync on fp16-converted operands with fp32 sums, stayed within 1e-5). Still 8x tighter than
+# W8A8_TOLERANCE.
+W8A8_MODEL_TOLERANCE_GPU = 1e-2
+
+
+def w8a8_model_tolerance(device):
+    """The tight bound of a w8a8 kernel against `fused_experts_w8a8_ref` on `device` ("cpu"/"cuda" or a device)."""
+    return W8A8_MODEL_TOLERANCE if torch.device(device).type == "cpu" else W8A8_MODEL_TOLERANCE_GPU
 
 
 def quantize_fp8_groups_ref(v, group, static_scale=None):

@@ -16,7 +16,7 @@ block); one case keeps the default 128 x 128. w8a8 needs the block's K side to b
 import pytest
 import torch
 from helpers import DEVICE, assert_close
-from reference import (W8A8_MODEL_TOLERANCE, W8A8_TOLERANCE, dequantize_fp8_ref, fused_experts_fp8_ref,
+from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
                        fused_experts_w8a8_ref, quantize_fp8_groups_ref)
 
 import moe_dispatch as md
@@ -28,6 +28,7 @@ from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequa
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
+MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
 SCHEMES = ("block", "channel", "tensor")
 
@@ -223,8 +224,9 @@ def _w8a8_block(transposed):
 
 
 def _groups(scales, transposed):
-    """(G1, G2): the K steps (activation groups) of the two GEMMs for these scales on the interpreter's table."""
-    tiles = md.tiles.select_fp8_tiles(torch.device("cpu"), 1, 1, 1, 1, 1)
+    """(G1, G2): the K steps (activation groups) of the two GEMMs for these scales on this device's table (at the
+    module's T, top_k, E, F, H: channel and tensor scales take the tile's BLOCK_K, which a GPU table sets)."""
+    tiles = md.tiles.select_fp8_tiles(torch.device(DEVICE), T, TOP_K, E, F, H)
     return w8a8_groups(tiles, scales["w_gate_up_scale"], scales["w_down_scale"],
                        scales.get("fp8_block_shape", (128, 128)), transposed=transposed)
 
@@ -240,7 +242,7 @@ def _static_scales(mode, x, num_experts=E):
                 down_input_scale=0.05 + 0.05 * torch.rand(num_experts, device=DEVICE))
 
 
-def _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options, *, model_tolerance=W8A8_MODEL_TOLERANCE,
+def _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options, *, model_tolerance=MODEL_TOLERANCE,
                 groups=None):
     """out against the model of its arithmetic (tight) and against the dequantized-weight experts (W8A8_TOLERANCE)."""
     groups = groups or _groups(scales, options.get("transposed", False))
@@ -327,7 +329,7 @@ def test_w8a8_static_scale_saturates_like_the_model():
     scales.update(gate_up_input_scale=x.abs().amax() / 448 / 4, down_input_scale=torch.tensor(1e-3, device=DEVICE))
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
     model = fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=_groups(scales, False), **scales)
-    assert_close(out, model, tolerance=W8A8_MODEL_TOLERANCE)
+    assert_close(out, model, tolerance=MODEL_TOLERANCE)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from helpers import DEVICE, ON_GPU, assert_close
-from reference import (W8A8_MODEL_TOLERANCE, W8A8_TOLERANCE, fused_experts_fp8_ref, fused_experts_w8a8_ref,
+from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, fused_experts_fp8_ref, fused_experts_w8a8_ref,
                        quantize_fp8_groups_ref)
 
 import moe_dispatch as md
@@ -24,6 +24,8 @@ from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_groups
 from moe_dispatch.tiles import GemmTile, MoeTiles
+
+MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +127,7 @@ def test_persistent_w8a8_matches_model_and_pointer_kernel(case, monkeypatch, poi
     model = fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=groups, **kwargs)
     exact_model = case.dtype == torch.float32
     assert_close(out, model, what="persistent w8a8 vs its model",
-                 tolerance=W8A8_MODEL_TOLERANCE if exact_model else None)
+                 tolerance=MODEL_TOLERANCE if exact_model else None)
     weight_only = {k: v for k, v in kwargs.items() if not k.endswith("input_scale")}
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **weight_only),
                  what="persistent w8a8 vs dequantized weights", tolerance=W8A8_TOLERANCE)
@@ -134,7 +136,7 @@ def test_persistent_w8a8_matches_model_and_pointer_kernel(case, monkeypatch, poi
     assert spy.calls == list(case.persistent_gemms), "persistent=0 must keep the pointer kernel"
     if ON_GPU:
         assert_close(out, pointer, what="persistent vs pointer kernel",
-                     tolerance=W8A8_MODEL_TOLERANCE if exact_model else None)
+                     tolerance=MODEL_TOLERANCE if exact_model else None)
     else:
         assert torch.equal(out, pointer)
 
@@ -164,7 +166,7 @@ def test_persistent_w8a8_falls_back_to_the_pointer_kernel(fallback, monkeypatch)
     groups = w8a8_groups(_tiles(1, block_m), kwargs["w_gate_up_scale"], kwargs["w_down_scale"],
                          kwargs["fp8_block_shape"], transposed=fallback == "transposed")
     assert_close(out, fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=groups, **kwargs),
-                 tolerance=W8A8_MODEL_TOLERANCE)
+                 tolerance=MODEL_TOLERANCE)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -195,6 +197,8 @@ def test_quantize_fp8_rows_gathers_sorted_rows(static, poison_empty):
     else:
         assert scale.shape == (T * top_k, 4)
         assert torch.equal(scale[:kept], plain_scale[token])
-        assert (scale[kept:] == torch.tensor(1e-10, dtype=torch.float32) / 448).all()
+        # the amax floor over the fp8 maximum (a GPU's fp32 division may differ in the last bit)
+        floor = torch.tensor(1e-10, dtype=torch.float32, device=scale.device) / 448
+        torch.testing.assert_close(scale[kept:], floor.expand_as(scale[kept:]), rtol=1e-6, atol=0)
         expanded = scale[:kept].double().repeat_interleave(group, dim=1)[:, :K]
         torch.testing.assert_close(q[:kept].double() * expanded, model, rtol=0, atol=0)
