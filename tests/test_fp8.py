@@ -114,7 +114,7 @@ def test_fused_experts_fp8(layout, scheme):
                        down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
     x = torch.randn(T, H, device=DEVICE).bfloat16()
     ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
-    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, **scales, **options)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="dequant", **scales, **options)
     assert out.dtype == torch.bfloat16
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
@@ -180,6 +180,11 @@ def test_fused_experts_fp8_e4m3fnuz_default_block(act_dtype):
                                              hidden=136)
     x = torch.randn(5, 136, device=DEVICE).to(act_dtype)
     ids, weights = _ids(5), torch.rand(5, TOP_K, device=DEVICE)
+    if DEVICE == "cuda" and torch.version.hip is None:  # NVIDIA: no e4m3fnuz in Triton, refused naming the weight
+        with pytest.raises(TypeError, match="w_gate_up is torch.float8_e4m3fnuz"):
+            md.fused_experts(x, q_gate_up, q_down, ids, weights, w_gate_up_scale=scales["w_gate_up_scale"],
+                             w_down_scale=scales["w_down_scale"])
+        return
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, w_gate_up_scale=scales["w_gate_up_scale"],
                            w_down_scale=scales["w_down_scale"])
     assert out.dtype == act_dtype
@@ -309,7 +314,8 @@ def test_w8a8_uniform_block_scale_tiles(interleaved):
 @pytest.mark.parametrize("mode", STATIC_MODES)
 def test_w8a8_prefill_tiles(mode, poison_empty):
     """block_m 64 (the prefill buckets): x quantized by its own pass first (per-expert static scales stay in the
-    loads), and GEMM1's BLOCK_N 64 holding two groups of the intermediate; bit-identical to the decode tiles."""
+    loads), and GEMM1's BLOCK_N 64 holding two groups of the intermediate; bit-identical to the decode tiles in the
+    interpreter."""
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
     x = torch.randn(T, H, device=DEVICE)
     ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
@@ -318,7 +324,10 @@ def test_w8a8_prefill_tiles(mode, poison_empty):
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=prefill, **scales)
     _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
     decode = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
-    assert torch.equal(out, decode)
+    if DEVICE == "cpu":
+        assert torch.equal(out, decode)
+    else:  # wgmma (BLOCK_M 64) and mma.sync (16) sum fp8 products with different precision: see MODEL_TOLERANCE
+        assert_close(out, decode, what="prefill vs decode tiles", tolerance=MODEL_TOLERANCE)
 
 
 def test_w8a8_static_scale_saturates_like_the_model():
@@ -500,6 +509,19 @@ def test_fp8_bad_inputs(case):
     _, make, error, message = case
     with pytest.raises(error, match=message):
         md.fused_experts(**make())
+
+
+def test_e4m3fnuz_is_refused_on_nvidia(monkeypatch):
+    """AMD's format on an NVIDIA GPU (a CUDA device without HIP, stood in for: no tensor is allocated there) raises
+    naming the weight instead of failing in Triton's compiler; e4m3fn there, and e4m3fnuz on the CPU or on AMD, pass."""
+    monkeypatch.setattr(fp8_module, "is_hip", lambda: False)
+    fnuz, fn = torch.zeros(1, dtype=torch.float8_e4m3fnuz), torch.zeros(1, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="w_down is torch.float8_e4m3fnuz"):
+        fp8_module.check_fp8_dtype_on_device("w_down", fnuz, torch.device("cuda"))
+    fp8_module.check_fp8_dtype_on_device("w_down", fn, torch.device("cuda"))
+    fp8_module.check_fp8_dtype_on_device("w_down", fnuz, torch.device("cpu"))
+    monkeypatch.setattr(fp8_module, "is_hip", lambda: True)
+    fp8_module.check_fp8_dtype_on_device("w_down", fnuz, torch.device("cuda"))
 
 
 def test_quantize_bad_inputs():

@@ -86,6 +86,7 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
 
 def fp8_dtype(device: torch.device) -> torch.dtype:
     """The float8 dtype checkpoints are converted to for `device`: e4m3fnuz on AMD (MI300X's native format: no negative
-    zero, bias 8, max 240), e4m3fn elsewhere (max 448). Both run on the dequant path on every device; e4m3fn also
-    on the w8a8 path where `has_fp8_tensor_cores` holds."""
+    zero, bias 8, max 240), e4m3fn elsewhere (max 448). e4m3fn runs on the dequant path everywhere and on the w8a8 path
+    where `has_fp8_tensor_cores` holds; e4m3fnuz on AMD and the interpreter (Triton's NVIDIA backend has no such type:
+    `fused_experts` refuses it there)."""
     return torch.float8_e4m3fnuz if device.type == "cuda" and is_hip() else torch.float8_e4m3fn

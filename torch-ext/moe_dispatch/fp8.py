@@ -35,7 +35,7 @@ import math
 import torch
 
 from ._checks import check_choice, check_tensor
-from ._device import has_fp8_tensor_cores
+from ._device import has_fp8_tensor_cores, is_hip
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SCHEMES = ("block", "channel", "tensor")
@@ -98,6 +98,15 @@ def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1):
         raise ValueError(f"{scale_name} has shape {tuple(scale.shape)} but {name} {tuple(weight.shape)} needs "
                          f"{expected} for {scheme} scales{extra}")
     return scheme
+
+
+def check_fp8_dtype_on_device(name, weight, device):
+    """float8_e4m3fnuz (AMD's format) on an NVIDIA GPU: Triton's NVIDIA backend has no such type (the H200 failed to
+    compile the dequant loads), so it is refused naming the weight rather than failing in the compiler."""
+    if weight.dtype == torch.float8_e4m3fnuz and device.type == "cuda" and not is_hip():
+        raise TypeError(f"{name} is torch.float8_e4m3fnuz, AMD's float8 format, which Triton cannot load on NVIDIA "
+                        f"GPUs; pass torch.float8_e4m3fn weights (`_device.fp8_dtype(device)` names the format of a "
+                        f"device; quantize_experts_fp8 writes either)")
 
 
 @dataclasses.dataclass(frozen=True)

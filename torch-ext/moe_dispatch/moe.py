@@ -23,8 +23,8 @@ from .combine import combine
 from .decode import MAX_ASSIGNMENTS, decode_experts
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
-from .fp8 import (WeightScale, check_block_shape, check_fp8_weight, check_input_scale, choose_fp8_compute,
-                  infer_scheme, input_scale_problems, is_fp8)
+from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight, check_input_scale,
+                  choose_fp8_compute, infer_scheme, input_scale_problems, is_fp8)
 from .fp8_gemm import w8a8_experts
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
@@ -343,6 +343,8 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
         check_fp8_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, block_shape,
                          n_axis=f_axis)
         check_fp8_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, block_shape, n_axis=down_h_axis)
+        for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down)):
+            check_fp8_dtype_on_device(name, w, hidden_states.device)
     check_input_scale("gate_up_input_scale", gate_up_input_scale, w_gate_up_name, w_gate_up, E)
     check_input_scale("down_input_scale", down_input_scale, w_down_name, w_down, E)
     check_same_device(hidden_states=hidden_states, **{w_gate_up_name: w_gate_up, w_down_name: w_down},
