@@ -889,13 +889,19 @@ def _git_commit():
         return None
 
 
+def benchmark_device(name, plumbing="--device cpu (with TRITON_INTERPRET=1)"):
+    """torch.device(name); a CUDA name on a machine without a GPU exits saying how to run the plumbing instead."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"no CUDA device: pass {plumbing} for a plumbing run")
+    return device
+
+
 def main(argv=None, *, timer=None, kernel=None, shapes=None):
     """Run the benchmark; returns the results dict. timer/kernel/shapes let the smoke test stand in stubs."""
     started = time.monotonic()
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --device cpu (with TRITON_INTERPRET=1) for a plumbing run")
+    device = benchmark_device(args.device)
     torch.manual_seed(args.seed)
     kernel = kernel if kernel is not None else load_kernel(args.kernel_dir)
     timer = timer if timer is not None else make_timer(args, device)

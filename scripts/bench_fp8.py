@@ -476,9 +476,7 @@ def main(argv=None, *, kernel=None):
     args = parse_args(argv)
     if not args.allow_download and not args.cpu_smoke:  # (the smoke run never loads transformers' kernel)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub read it
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: use --cpu-smoke for a plumbing run")
+    device = bench.benchmark_device(args.device, "--cpu-smoke")
     torch.manual_seed(args.seed)
     kernel = kernel if kernel is not None else bench.load_kernel(args.kernel_dir)
     timer = Timer(args.warmup_ms, args.rep_ms, device)

@@ -330,9 +330,7 @@ def write_outputs(results, out_dir, base_table, key):
 def main(argv=None, *, kernel=None):
     started = time.monotonic()
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --cpu-smoke for a plumbing run")
+    device = bench.benchmark_device(args.device, "--cpu-smoke")
     kernel = kernel if kernel is not None else bench.load_kernel()
     tiles_module = importlib.import_module(kernel.__name__ + ".tiles")
     decode_module = importlib.import_module(kernel.__name__ + ".decode")

@@ -284,9 +284,7 @@ def main(argv=None, *, kernel=None, timer=None):
     CPU (every time 1 us)."""
     started = time.monotonic()
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --cpu-smoke for a plumbing run")
+    device = bench.benchmark_device(args.device, "--cpu-smoke")
     kernel = kernel if kernel is not None else bench.load_kernel()
     modules = tuple(importlib.import_module(f"{kernel.__name__}.{name}") for name in ("tiles", "fp8_gemm", "fp8"))
     key = importlib.import_module(kernel.__name__ + "._device").device_key(device)
