@@ -442,6 +442,19 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
+def gpu_state(device):
+    """{"sm_mhz", "temp_c", "power_w"} of the GPU right now (torch.cuda's NVML readers), or {} where they cannot be
+    read (no GPU, no pynvml/amdsmi). Read right after a timing window: the clock the window most likely ran at, so
+    that a hot time above a flushed one can be told apart from a slower kernel (issue 12's prefill cells)."""
+    if device.type != "cuda":
+        return {}
+    try:
+        return {"sm_mhz": torch.cuda.clock_rate(device), "temp_c": torch.cuda.temperature(device),
+                "power_w": torch.cuda.power_draw(device) / 1000}
+    except Exception:  # noqa: BLE001 (missing NVML bindings or an unsupported query: the state is optional)
+        return {}
+
+
 class Runner:
     """Times one implementation at one cell and fills the record (plain, graph, correctness)."""
 
@@ -454,7 +467,7 @@ class Runner:
     def run(self, record, fn, *, graph, check, inspect=None, hot=True):
         """fn() -> output; check(output) -> correctness fields (skipped by --no-check); inspect(output) -> fields
         always wanted (experts hit by the routing). Fills record in place: plain_us, graph_us (when `graph`),
-        hot_us (when `hot`; see EventTimer)."""
+        hot_us (when `hot`; see EventTimer), and the GPU's state after the plain and hot windows (`gpu_state`)."""
         try:
             output = fn()  # compiles on first use; its result is what gets checked
             if self.device.type == "cuda":
@@ -465,6 +478,7 @@ class Runner:
                 record.update(check(output))
             del output
             record["plain_us"] = self.timer.plain(fn) * 1e3
+            record["state_plain"] = gpu_state(self.device)
         except Exception as exc:
             record["error"] = error_text(exc)
             free_memory(self.device)
@@ -480,6 +494,7 @@ class Runner:
         if hot and self.device.type == "cuda" and hasattr(self.timer, "hot"):
             try:
                 record["hot_us"] = self.timer.hot(fn) * 1e3
+                record["state_hot"] = gpu_state(self.device)
             except Exception as exc:
                 record["hot_error"] = error_text(exc)
                 torch.cuda.synchronize()
@@ -745,7 +760,7 @@ def peer_table(results):
     model and T; also the L2-flushed time; ratios > 1 mean slower than the figure."""
     cells, dtype = results["cells"], results["meta"]["dtype"]
     lines = ["| model | T | ours hot | vLLM (issue 12) | ours / vLLM | before (issue 12) | ours / before | "
-             "ours flushed | skewed hot | skewed gmm hot |", "|" + " --- |" * 10]
+             "ours flushed | skewed hot | skewed gmm hot | SM MHz hot / flushed |", "|" + " --- |" * 11]
     ratios = []
     for model, tokens in dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype):
         c = _find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}
@@ -759,7 +774,8 @@ def peer_table(results):
         mark = "" if vs_vllm is None or vs_vllm <= 1.0 else " **slower**"
         lines.append(f"| {model} | {tokens} | {fmt(hot)} | {fmt(vllm)} | {fmt(vs_vllm, '.3f')}{mark} | "
                      f"{fmt(before)} | {fmt(vs_before, '.3f')} | {fmt(c.get('plain_us'))} | "
-                     f"{fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} |")
+                     f"{fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} | "
+                     f"{c.get('state_hot', {}).get('sm_mhz', '-')} / {c.get('state_plain', {}).get('sm_mhz', '-')} |")
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
         slower = sum(r > 1.0 for r in ratios)

@@ -399,3 +399,19 @@ def test_sweep_table_patching():
         (1, 16), (4, 32), (8, 64), (10**9, 16)]
     assert split["buckets"] == table["buckets"] and "shapes" not in split
     assert sweep_prefill.patched_table(table, cells[:1], 0.03, fp8=True, split=True)["fp8"].get("shapes") is None
+
+
+def test_gpu_state_is_optional(monkeypatch):
+    """The GPU state next to each timing: nothing on the CPU, the NVML readings on a GPU (stood in for), and nothing
+    when they cannot be read: a benchmark never fails for want of the bindings."""
+    assert bench.gpu_state(torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1980)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda device: 41)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 650000)
+    assert bench.gpu_state(torch.device("cuda")) == {"sm_mhz": 1980, "temp_c": 41, "power_w": 650.0}
+
+    def missing(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", missing)
+    assert bench.gpu_state(torch.device("cuda")) == {}
