@@ -47,179 +47,15 @@ import triton.language as tl
 
 from ._device import has_tma, is_interpreter
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .grouped_gemm import (activate_and_weight, add_bias, gathered_rows, gemm_weights, routing_args, scale_args,
-                           step_masks, tile_meta, tile_rows, tile_setup)
+from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAMIC, OUT_FLOAT, OUT_STATIC,
+                      block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
+from .fp8_persistent import persistent_w8a8_gemm, supports
+from .grouped_gemm import gathered_rows, gemm_weights, routing_args, scale_args, tile_meta, tile_rows, tile_setup
 from .tiles import GemmTile, MoeTiles
 
-# A_QUANT: how GEMM A tiles become float8
-A_DYNAMIC = 0  # float rows, one scale per row and K step computed in the loads (amax / fp8 max)
-A_STATIC = 1  # float rows, quantized with a static scale per expert
-A_FP8_GROUPS = 2  # float8 rows with a scale per row and K step (GEMM1's epilogue wrote them)
-A_FP8_STATIC = 3  # float8 rows with a static scale per expert
-# QUANT_OUT: how the output tile is stored
-OUT_FLOAT = 0  # in C's float dtype
-OUT_DYNAMIC = 1  # float8, one scale per row and OUT_GROUP columns
-OUT_STATIC = 2  # float8 with a static scale per expert
-
-MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
 # Tiles of at least this many rows (the tile tables' prefill buckets) read x quantized by `quantize_fp8_rows`.
 PREQUANTIZE_MIN_BLOCK_M = 64
 QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
-
-
-@triton.jit
-def to_fp8(b, fp8_max, ROUND_IN_FP32: tl.constexpr):
-    """fp32 -> e4m3 (fn), saturated at +-fp8_max, rounded to nearest even."""
-    b = tl.minimum(tl.maximum(b, -fp8_max), fp8_max)
-    if ROUND_IN_FP32:
-        # Normals: keep 3 of the 23 mantissa bits, ties to even (the carry may step the exponent). Subnormals
-        # (|b| < 2^-6): multiples of 2^-9, rounded by adding and removing 1.5 * 2^14 (whose fp32 ulp is 2^-9).
-        bits = b.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        subnormal = (b + 24576.0) - 24576.0
-        b = tl.where(tl.abs(b) < 0.015625, subnormal, normal)
-    return b.to(tl.float8e4nv)
-
-
-@triton.jit
-def quantize_rows(b, fp8_max, ROUND_IN_FP32: tl.constexpr):
-    """[M, G] fp32 -> (e4m3 [M, G], scale [M]): one scale per row, amax / fp8_max, so b ≈ q * scale."""
-    amax = tl.maximum(tl.max(tl.abs(b), axis=1), MIN_AMAX)
-    return to_fp8(b * (fp8_max / amax)[:, None], fp8_max, ROUND_IN_FP32), amax / fp8_max
-
-
-@triton.jit
-def quantize_groups(b, fp8_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                    ROUND_IN_FP32: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 -> (e4m3 [BLOCK_M, BLOCK_N], scale [BLOCK_M, BLOCK_N // GROUP]): one scale per row and
-    GROUP consecutive columns."""
-    b3 = tl.reshape(b, (BLOCK_M, BLOCK_N // GROUP, GROUP))
-    amax = tl.maximum(tl.max(tl.abs(b3), axis=2), MIN_AMAX)  # [BLOCK_M, BLOCK_N // GROUP]
-    b = tl.reshape(b3 * (fp8_max / amax)[:, :, None], (BLOCK_M, BLOCK_N))
-    return to_fp8(b, fp8_max, ROUND_IN_FP32), amax / fp8_max
-
-
-@triton.jit
-def scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """b_acc + (b_a @ b_w) times this K step's scales: b_a_s [BLOCK_M] per row, b_w_s a scalar or [1, BLOCK_N].
-    Without scales the dot accumulates in place, its fp8 sums promoted to fp32 every BLOCK_K products."""
-    if ROW_SCALE and COLUMN_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * (b_a_s[:, None] * b_w_s)
-    elif ROW_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * b_a_s[:, None]
-    elif COLUMN_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * b_w_s
-    else:
-        return tl.dot(b_a, b_w, b_acc, max_num_imprecise_acc=BLOCK_K)
-
-
-@triton.jit
-def block_scale_offsets(pid_n, offs_n, row_step, row_offset, stride_n, block_n, UNIFORM: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """Offsets of each tile column's block-scale row (stride_n units): a scalar when the whole tile lies in one
-    block row (UNIFORM), else [BLOCK_N] int32. Column j of the view is row j * row_step + row_offset."""
-    if UNIFORM:
-        return ((pid_n * BLOCK_N * row_step + row_offset) // block_n) * stride_n
-    else:
-        return ((offs_n * row_step + row_offset) // block_n) * stride_n
-
-
-@triton.jit
-def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr):
-    """This K step's block scale of the tile's columns: a scalar (UNIFORM), [1, BLOCK_N], or 1.0 for other schemes."""
-    if WEIGHT_SCALE != 3:
-        return 1.0
-    elif UNIFORM:
-        return tl.load(base + offs)
-    else:
-        return tl.load(base + offs, mask=mask_n, other=0.0)[None, :]
-
-
-@triton.jit
-def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs, s_base, s_offs, s_up_offs,
-                  mask_m, mask_n, K, stride_a_k, stride_w_k, stride_s_k, scale_block_k, fp8_max,
-                  GATED: tl.constexpr, A_QUANT: tl.constexpr, WEIGHT_SCALE: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
-                  ROUND_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] on e4m3 operands (b_acc_up with the up weights when GATED).
-
-    a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; a_s_ptrs [BLOCK_M] at each row's first
-    group scale (A_FP8_GROUPS); block scales (WEIGHT_SCALE 3) at s_base + s_offs / s_up_offs (`block_scale_offsets`)
-    for the K block at k = 0. Static scales (a_static, channel / tensor weight scales) are left for the caller to
-    apply after the loop.
-    """
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
-        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        # this K step's row scales [BLOCK_M] (dynamic activations) and column scales [BLOCK_N] (block weights)
-        if A_QUANT == 0:
-            b_a, b_a_s = quantize_rows(b_a.to(tl.float32), fp8_max, ROUND_IN_FP32)
-        elif A_QUANT == 1:
-            b_a = to_fp8(b_a.to(tl.float32) / a_static, fp8_max, ROUND_IN_FP32)
-            b_a_s = 1.0
-        elif A_QUANT == 2:
-            b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
-        else:
-            b_a_s = 1.0
-        # the K step lies inside one weight block: BLOCK_K divides scale_block_k
-        b_w_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_offs, mask_n, WEIGHT_SCALE,
-                                 SCALE_UNIFORM)
-        b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
-        if GATED:
-            b_wu_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_up_offs, mask_n, WEIGHT_SCALE,
-                                      SCALE_UNIFORM)
-            b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
-            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
-            w_up_ptrs += BLOCK_K * stride_w_k
-        a_ptrs += BLOCK_K * stride_a_k
-        w_ptrs += BLOCK_K * stride_w_k
-    return b_acc, b_acc_up
-
-
-@triton.jit
-def w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static, s_base,
-                  stride_s_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-                  c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e, stride_c_scale_m, n_cols,
-                  topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, fp8_max,
-                  TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  MUL_ROUTED_WEIGHT: tl.constexpr, A_QUANT: tl.constexpr, WEIGHT_SCALE: tl.constexpr,
-                  QUANT_OUT: tl.constexpr, OUT_GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """After the K loop of a w8a8 kernel (pointer or persistent, so both round alike): channel / tensor weight scales
-    (s_base: the expert's scales) and the static activation scale a_static multiply the sums, then bias, activation,
-    routing weight, and the masked store of the C tile in QUANT_OUT's form (rows outside mask_m never written)."""
-    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_s_n = 0) or per-channel: after the loop
-        scale_rows = offs_n * scale_row_step
-        b_acc *= tl.load(s_base + scale_rows * stride_s_n, mask=mask_n, other=0.0)[None, :]
-        if ACTIVATION != 0:
-            b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_s_n, mask=mask_n,
-                                other=0.0)[None, :]
-    if A_QUANT == 1 or A_QUANT == 3:
-        b_acc *= a_static
-        b_acc_up *= a_static
-
-    if HAS_BIAS:
-        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
-                                   stride_bias_n, ACTIVATION)
-    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
-                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
-
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
-    if QUANT_OUT == 1:
-        # Columns past n_cols hold zeros (their weights and biases were read as 0), so they never raise an amax.
-        b_q, b_q_s = quantize_groups(b_acc, fp8_max, BLOCK_M, BLOCK_N, OUT_GROUP, ROUND_IN_FP32)
-        tl.store(c_ptrs, b_q, mask=mask_mn)
-        offs_g = pid_n * (BLOCK_N // OUT_GROUP) + tl.arange(0, BLOCK_N // OUT_GROUP)
-        c_s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_c_scale_m + offs_g[None, :]
-        tl.store(c_s_ptrs, b_q_s, mask=mask_m[:, None] & (offs_g < tl.cdiv(n_cols, OUT_GROUP))[None, :])
-    elif QUANT_OUT == 2:
-        c_static = tl.load(c_scale_ptr + expert * stride_c_scale_e)
-        tl.store(c_ptrs, to_fp8(b_acc / c_static, fp8_max, ROUND_IN_FP32), mask=mask_mn)
-    else:
-        tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
 
 
 @triton.jit
@@ -470,8 +306,6 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
         **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
     if tile.persistent and not gather_a:
-        from .fp8_persistent import persistent_w8a8_gemm, supports  # imports this module's jit helpers
-
         if supports(a, w, info, transposed=transposed):
             del meta["GATHER_A"]
             persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile,

@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import has_tma
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
-from .fp8_gemm import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
+from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
 from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
 
