@@ -80,10 +80,12 @@ def _decode_gate_up_kernel(
     topk_ids[t, j] == e. BLOCK_T >= T rows (at least 16 for tl.dot); BLOCK_A >= N."""
     pid_a = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if (pid_a == 0) & (pid_n == 0):
-        for c0 in range(0, num_counters, COUNTER_BLOCK):
+    if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
+        per_program = tl.cdiv(num_counters, tl.num_programs(1))
+        end = tl.minimum((pid_n + 1) * per_program, num_counters)
+        for c0 in range(pid_n * per_program, end, COUNTER_BLOCK):
             offs_c = c0 + tl.arange(0, COUNTER_BLOCK)
-            tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < num_counters)
+            tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < end)
     expert = tl.load(topk_ids_ptr + (pid_a // TOP_K) * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
     # Earlier assignments only; ids compared in their own width (an int64 id is never wrapped into [0, E)).
     offs_a = tl.arange(0, BLOCK_A)
