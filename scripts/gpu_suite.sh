@@ -11,7 +11,8 @@
 # (run scripts/tune first; its table is used by the benchmark and copied to $OUT), BENCH_ARGS (extra benchmark
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
 #
-# Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, bench/{bench.json, bench.md,
+# Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, failures.txt (only when a test
+# failed: id and message of each failure as it happened), bench/{bench.json, bench.md,
 # roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and, with SUITE_TUNE, the tuned table and
 # its tuning log in place of roofline.png (redrawn from bench.json when wanted).
 set -uo pipefail
@@ -52,10 +53,13 @@ if [ "${SUITE_TESTS:-1}" != "0" ]; then
   if python3 -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 300); fi
   limit=$(( $(left) / 2 ))
   [ "$limit" -gt "${PYTEST_BUDGET_S:-240}" ] && limit="${PYTEST_BUDGET_S:-240}"
-  timeout "$limit" python3 -m pytest tests -q -p no:cacheprovider "${per_test[@]}" ${PYTEST_ARGS:-} \
-    > "$OUT/pytest.log" 2>&1
+  # failures are written as they happen (tests/conftest.py), so a run cut by the limit still says why
+  MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" timeout "$limit" python3 -m pytest tests -q -p no:cacheprovider \
+    --tb=line -rfE "${per_test[@]}" ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/pytest.log" | tee -a "$log"
+  if [ -s "$OUT/failures.txt" ]; then echo "--- failures as they happened:"; cut -c1-300 "$OUT/failures.txt"; fi \
+    | tee -a "$log"
   pytest_summary="pytest: rc=$rc ($( [ $rc = 124 ] && echo "timed out after ${limit}s" || tail -n 1 "$OUT/pytest.log"))"
 fi
 

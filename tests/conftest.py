@@ -51,3 +51,17 @@ def pytest_report_header(config):
 def _seed(request):
     """Fresh random inputs for every test case, reproducible from its id."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_runtest_logreport(report):
+    """With MOE_DISPATCH_FAILURE_LOG set (scripts/gpu_suite.sh sets it), each failure's test id and message are
+    appended to that file as it happens: a GPU run cut by its time limit never reaches pytest's summary, and then
+    still says which tests failed and why."""
+    path = os.environ.get("MOE_DISPATCH_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1]
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid} ({report.when}): {' '.join(message.split())[:400]}\n")
+

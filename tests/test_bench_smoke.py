@@ -415,3 +415,24 @@ def test_gpu_state_is_optional(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "clock_rate", missing)
     assert bench.gpu_state(torch.device("cuda")) == {}
+
+
+def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
+    """scripts/gpu_suite.sh's failure log (tests/conftest.py): a failed report appends its id and crash message at
+    once, passes add nothing, and without the variable nothing is written."""
+    import types
+
+    import conftest
+
+    path = tmp_path / "failures.txt"
+    crash = types.SimpleNamespace(message="AssertionError: rms rel err 3e-02 > 1e-05\n  (torch.float32)")
+    failed = types.SimpleNamespace(failed=True, nodeid="tests/test_x.py::test_y[a]", when="call",
+                                   longrepr=types.SimpleNamespace(reprcrash=crash))
+    passed = types.SimpleNamespace(failed=False, nodeid="tests/test_x.py::test_z", when="call", longrepr=None)
+    conftest.pytest_runtest_logreport(failed)
+    assert not path.exists()
+    monkeypatch.setenv("MOE_DISPATCH_FAILURE_LOG", str(path))
+    conftest.pytest_runtest_logreport(passed)
+    conftest.pytest_runtest_logreport(failed)
+    assert path.read_text() == ("tests/test_x.py::test_y[a] (call): AssertionError: rms rel err 3e-02 > 1e-05 "
+                                "(torch.float32)\n")
