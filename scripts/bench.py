@@ -873,10 +873,15 @@ def short_table(results):
     return "\n".join(lines)
 
 
-def write_outputs(results, out_dir):
+def write_results(results, out_dir, name, markdown):
+    """OUT/<name>.json (everything measured) and OUT/<name>.md (`markdown(results, path)` writes it)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    write_markdown(results, out_dir / "bench.md")
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    markdown(results, out_dir / f"{name}.md")
+
+
+def write_outputs(results, out_dir):
+    write_results(results, out_dir, "bench", write_markdown)
     results["meta"]["roofline_png"] = plot_roofline(results, out_dir / "roofline.png")
     summary = short_table(results)
     (out_dir / "summary.txt").write_text(summary + "\n")

@@ -41,7 +41,6 @@ short table last. --deadline-s stops starting new cells (skipped cells are liste
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
@@ -465,9 +464,7 @@ def short_table(results):
 
 
 def write_outputs(results, out_dir):
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_fp8.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    write_markdown(results, out_dir / "bench_fp8.md")
+    bench.write_results(results, out_dir, "bench_fp8", write_markdown)
     return short_table(results)
 
 

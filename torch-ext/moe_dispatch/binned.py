@@ -103,28 +103,29 @@ def _save_copy_context(ctx, inputs, output):
     ctx.input_rows = x.shape[0]
 
 
-def _gather_backward(ctx, grad_buffer):
-    """buffer = gather(x, weights): dx = scatter(d buffer, weights); d weights[a] = <d buffer[row(a)], x[a // k]>."""
+def _copy_backward(ctx, grad, transposed_copy, buffer_first):
+    """The backward of a weighted row copy: dx is the transposed copy of the gradient (gather <-> scatter), and
+    d weights[a] the dot product of the buffer row of assignment a with its token row, one of which is the gradient
+    (`buffer_first`: the gradient is the buffer side, as for gather)."""
     x, weights, indices, bins, padded_bins = ctx.saved_tensors
-    grad_buffer = grad_buffer.contiguous()
+    grad = grad.contiguous()
     grad_x = grad_weights = None
     if ctx.needs_input_grad[0]:
-        grad_x = _row_scatter_op(grad_buffer, weights, indices, bins, padded_bins, *ctx.layout, ctx.input_rows)
+        grad_x = transposed_copy(grad, weights, indices, bins, padded_bins, *ctx.layout, ctx.input_rows)
     if ctx.needs_input_grad[1]:
-        grad_weights = _row_wgrad_op(grad_buffer, x, indices, bins, padded_bins, *ctx.layout, weights.dtype)
+        buffer, tokens = (grad, x) if buffer_first else (x, grad)
+        grad_weights = _row_wgrad_op(buffer, tokens, indices, bins, padded_bins, *ctx.layout, weights.dtype)
     return grad_x, grad_weights, None, None, None, None, None, None, None
+
+
+def _gather_backward(ctx, grad_buffer):
+    """buffer = gather(x, weights): dx = scatter(d buffer, weights); d weights[a] = <d buffer[row(a)], x[a // k]>."""
+    return _copy_backward(ctx, grad_buffer, _row_scatter_op, buffer_first=True)
 
 
 def _scatter_backward(ctx, grad_out):
     """out = scatter(buffer, weights): d buffer = gather(d out, weights); d weights[a] = <buffer[row(a)], d out[t]>."""
-    x, weights, indices, bins, padded_bins = ctx.saved_tensors
-    grad_out = grad_out.contiguous()
-    grad_x = grad_weights = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _row_gather_op(grad_out, weights, indices, bins, padded_bins, *ctx.layout, ctx.input_rows)
-    if ctx.needs_input_grad[1]:
-        grad_weights = _row_wgrad_op(x, grad_out, indices, bins, padded_bins, *ctx.layout, weights.dtype)
-    return grad_x, grad_weights, None, None, None, None, None, None, None
+    return _copy_backward(ctx, grad_out, _row_gather_op, buffer_first=False)
 
 
 _row_gather_op.register_autograd(_gather_backward, setup_context=_save_copy_context)

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
-                           same_strides, scale_args, scale_sums, tile_dot, weight_scale_ptrs, weight_strides)
 from ._device import smem_per_program
+from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
+                           expert_tile_dot, same_strides, scale_args, scale_sums, weight_scale_ptrs, weight_strides)
 from .tiles import DecodeTiles
 
 MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
@@ -101,20 +101,12 @@ def _decode_gate_up_kernel(
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h  # [BLOCK_T, BLOCK_K]
-    # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
-    expert_base = expert.to(tl.int64) * stride_w_e
-    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    b_up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    s_ptrs = scale_ptr
-    s_up_ptrs = scale_ptr
-    if WEIGHT_SCALE != 0:
-        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
-                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
-    b_gate, b_up = tile_dot(b_gate, b_up, a_ptrs, w_gate_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
-                            mask_t, mask_n, H, stride_x_h, stride_w_k, True, DOT_FP32, DOT_PRECISION, EVEN_K,
-                            BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
-    b_gate, b_up = scale_sums(b_gate, b_up, s_ptrs, s_up_ptrs, mask_n, True, WEIGHT_SCALE)
+    b_gate, b_up = expert_tile_dot(b_gate, b_gate, a_ptrs, mask_t, mask_n, expert, offs_n, offs_k,
+                                   w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                   scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                   scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
+                                   True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
     if HAS_BIAS:
         b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
                                 stride_bias_n, ACTIVATION)

@@ -195,6 +195,32 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
 
 
 @triton.jit
+def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
+                    w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+                    scale_block_n, scale_block_k, K, stride_a_k,
+                    GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """b_acc (and b_acc_up, GATED) plus A @ W[expert]'s columns offs_n (and W_up's) over all of K, float8 weights
+    scaled as the dequant path's WEIGHT_SCALE code says (per element or per K step in the loop, per column after it):
+    everything on the weight side of a forward tile, shared by `_grouped_gemm_kernel` and decode.py's gate/up
+    kernel. a_ptrs [rows, BLOCK_K] point at A's k = 0; scale_ptr is None for float weights."""
+    # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
+    expert_base = expert.to(tl.int64) * stride_w_e
+    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
+    s_ptrs = scale_ptr
+    s_up_ptrs = scale_ptr
+    if WEIGHT_SCALE != 0:
+        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
+                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
+                               mask_m, mask_n, K, stride_a_k, stride_w_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K,
+                               BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
+    b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED, WEIGHT_SCALE)
+    return b_acc, b_acc_up
+
+
+@triton.jit
 def tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K: tl.constexpr, GATHER_A: tl.constexpr,
               NEEDS_ASSIGNMENT: tl.constexpr):
     """(A row of each sorted position, its assignment (0 when not needed), the row mask): gathered rows go through
@@ -300,21 +326,12 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
-    expert_base = expert.to(tl.int64) * stride_w_e
-    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s_ptrs = scale_ptr
-    s_up_ptrs = scale_ptr
-    if WEIGHT_SCALE != 0:
-        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
-                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
-    b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
-                                mask_m, mask_n, K, stride_a_k, stride_w_k,
-                                ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
-                                s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
-    b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, ACTIVATION != 0, WEIGHT_SCALE)
+    b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
+                                      w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                      scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                      scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                      ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
 
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
