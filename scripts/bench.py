@@ -451,7 +451,14 @@ def gpu_state(device):
     try:
         return {"sm_mhz": torch.cuda.clock_rate(device), "temp_c": torch.cuda.temperature(device),
                 "power_w": torch.cuda.power_draw(device) / 1000}
-    except Exception:  # noqa: BLE001 (missing NVML bindings or an unsupported query: the state is optional)
+    except Exception:  # noqa: BLE001 (missing NVML bindings or an unsupported query: nvidia-smi next)
+        pass
+    query = ["nvidia-smi", f"--id={device.index or 0}", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+             "--format=csv,noheader,nounits"]
+    try:
+        fields = subprocess.run(query, capture_output=True, text=True, timeout=5, check=True).stdout.split(",")
+        return {"sm_mhz": float(fields[0]), "temp_c": float(fields[1]), "power_w": float(fields[2])}
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # no nvidia-smi (AMD): the state is optional
         return {}
 
 

@@ -7,7 +7,7 @@
 #
 # Environment knobs: SUITE_TRAIN=1 (also the training benchmark, scripts/bench_train.py; SUITE_TRAIN_LIGER=model,...
 # adds Liger-Kernel where its wheel is carried, minutes of autotuning per shape), OUT (output folder, default ./gpu-out), SUITE_BUDGET_S (wall-clock budget of the whole script,
-# default 540), SUITE_TESTS=0 (skip pytest), PYTEST_ARGS (extra pytest arguments), PYTEST_BUDGET_S (default 240), SUITE_TUNE="model,model"
+# default 540), SUITE_TESTS=0 (skip pytest), SUITE_BINNED=0 (skip the binned-routing benchmark), SUITE_TEST_PATHS (what pytest runs, default tests), PYTEST_ARGS (extra pytest arguments), PYTEST_BUDGET_S (default 240), SUITE_TUNE="model,model"
 # (run scripts/tune first; its table is used by the benchmark and copied to $OUT), BENCH_ARGS (extra benchmark
 # arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
 #
@@ -54,7 +54,7 @@ if [ "${SUITE_TESTS:-1}" != "0" ]; then
   limit=$(( $(left) / 2 ))
   [ "$limit" -gt "${PYTEST_BUDGET_S:-240}" ] && limit="${PYTEST_BUDGET_S:-240}"
   # failures are written as they happen (tests/conftest.py), so a run cut by the limit still says why
-  MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" timeout "$limit" python3 -m pytest tests -q -p no:cacheprovider \
+  MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" timeout "$limit" python3 -m pytest ${SUITE_TEST_PATHS:-tests} -q -p no:cacheprovider \
     --tb=line -rfE "${per_test[@]}" ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/pytest.log" | tee -a "$log"
@@ -63,7 +63,7 @@ if [ "${SUITE_TESTS:-1}" != "0" ]; then
   pytest_summary="pytest: rc=$rc ($( [ $rc = 124 ] && echo "timed out after ${limit}s" || tail -n 1 "$OUT/pytest.log"))"
 fi
 
-if [ -f scripts/bench_binned.py ] && [ "$(left)" -gt 120 ]; then
+if [ "${SUITE_BINNED:-1}" != "0" ] && [ -f scripts/bench_binned.py ] && [ "$(left)" -gt 120 ]; then
   say "binned routing benchmark"
   mkdir -p "$OUT/binned"
   timeout 90 "$python" scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
