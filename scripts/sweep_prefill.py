@@ -29,12 +29,14 @@ import tune
 from model_shapes import MODEL_SHAPES
 
 # (block_n, block_k, num_warps, num_stages, group_m, persistent); the pointer kernel's known-good shapes and the
-# persistent kernel's (128 x 256 x 64 with 3 stages is what reaches cuBLAS on a plain GEMM, see gpu-workflow.md).
+# persistent kernel's (128 x 256 x 64 with 3 stages is what reaches cuBLAS on a plain GEMM, see gpu-workflow.md);
+# persistent 2 (tiles.GATHER_FIRST): the rows copied into expert order first, A through a descriptor too.
 CANDIDATES = {
     "gate_up": ((128, 64, 8, 4, 8, 0), (128, 64, 8, 3, 8, 1), (128, 64, 8, 4, 8, 1), (64, 64, 4, 4, 8, 1),
-                (128, 64, 4, 4, 8, 1), (64, 128, 4, 3, 8, 1)),
+                (128, 64, 4, 4, 8, 1), (64, 128, 4, 3, 8, 1), (128, 64, 8, 4, 8, 2), (128, 64, 4, 4, 8, 2),
+                (64, 128, 4, 4, 8, 0)),
     "down": ((256, 64, 8, 3, 8, 0), (256, 64, 8, 3, 8, 1), (128, 64, 8, 4, 8, 1), (128, 64, 4, 4, 8, 1),
-             (256, 64, 8, 4, 8, 1), (128, 128, 8, 3, 8, 1)),
+             (256, 64, 8, 4, 8, 1), (128, 128, 8, 3, 8, 1), (128, 128, 4, 3, 8, 0)),
 }
 
 
@@ -42,6 +44,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="all")
     p.add_argument("--tokens", default="128,1024,4096,16384")
+    p.add_argument("--cells", default="", help="comma list of model:T, in place of --models x --tokens")
     p.add_argument("--block-m", default="", help="alternative BLOCK_M per T, e.g. 128:64 (T=128 also tries 64)")
     p.add_argument("--out", default="sweep-results")
     p.add_argument("--min-gain", type=float, default=0.02, help="relative gain a winner needs over the table")
@@ -74,11 +77,17 @@ def main(argv=None):
     alt_block_m = dict(tuple(int(v) for v in item.split(":")) for item in args.block_m.split(",") if item)
     tokens = [int(t) for t in args.tokens.split(",")]
     models = list(MODEL_SHAPES) if args.models == "all" else args.models.split(",")
+    model_tokens = {name: tokens for name in models}
+    if args.cells:
+        model_tokens = {}
+        for cell in args.cells.split(","):
+            name, t = cell.split(":")
+            model_tokens.setdefault(name, []).append(int(t))
     started = time.monotonic()
     cells = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in models:
+    for name, tokens in model_tokens.items():
         shape = MODEL_SHAPES[name]
         prob = bench.make_problem(shape, max(tokens), torch.bfloat16, device, args.seed)
         for t in tokens:

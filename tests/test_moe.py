@@ -156,10 +156,13 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize("T,E,top_k,kind", [(9, 5, 2, "random"), (100, 8, 3, "random"), (70, 4, 2, "empty-experts"),
-                                            (CHUNK, 3, 1, "one-expert"), (CHUNK + 1, 3, 1, "one-expert")])
+                                            (CHUNK, 3, 1, "one-expert"), (CHUNK + 1, 3, 1, "one-expert"),
+                                            (2048, 256, 8, "random")])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_dispatch_metadata(T, E, top_k, kind, block_m):
-    """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once."""
+    """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once. The
+    largest case has more tiles than the offsets kernel scans at once (dispatch.BLOCK_TILES, at block_m 16) and more
+    chunks than it sums at once (dispatch.TILE_ELEMENTS // 256 rows)."""
     ids = _routing(T, E, top_k, kind).to(DEVICE)
     info = dispatch(ids, E, block_m)
     _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)

@@ -30,8 +30,10 @@ from ._checks import (check_float, check_ids_in_range, check_index, check_same_d
 from .row_copies import PLAIN, Layout, launch_gather
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
-BLOCK_C = 32  # chunk rows the offsets kernel scans at once
-BLOCK_TILES = 128  # tile-map entries written at once
+TILE_ELEMENTS = 8192  # int32 elements of one [rows, BLOCK_E] block the offsets kernel holds at once (32 per thread)
+BLOCK_TILES = 1024  # tile-map entries scanned at once
+BLOCK_FILL = 1024  # entries cleared at once
+SCAN_WARPS = 8  # the one-program kernels: their [CHUNK, CHUNK] and [rows, BLOCK_E] blocks stay in registers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +93,11 @@ def _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K
 
 @triton.jit
 def _histogram(b_ids, BLOCK_E: tl.constexpr):
-    """[BLOCK_E] counts of the ids in a chunk (ids of -1 are not counted)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    return tl.sum((b_ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    """[BLOCK_E] counts of the ids in a chunk (ids of -1 are not counted: they go to bin 0 and are taken off it)."""
+    b_valid = b_ids >= 0
+    b_counts = tl.histogram(tl.where(b_valid, b_ids, 0), BLOCK_E)
+    num_dropped = tl.sum((~b_valid).to(tl.int32), axis=0)
+    return b_counts - tl.where(tl.arange(0, BLOCK_E) == 0, num_dropped, 0)
 
 
 @triton.jit
@@ -105,24 +109,57 @@ def _stable_rank(b_ids, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles,
                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
-    """Tile i belongs to the expert whose tile range holds i; tiles past the real total get expert -1."""
+    """Tile i belongs to the expert whose tile range holds i; tiles past the real total get expert -1.
+
+    One program, O(max_tiles + E): each expert with rows marks its first tile (its id in tile_expert, its first row in
+    tile_row_start) over a cleared map, then a running maximum over the tiles carries each mark to the expert's
+    other tiles (experts, first tiles and first rows all increase along the map)."""
     offs_e = tl.arange(0, BLOCK_E)
     b_tiles = (b_counts + BLOCK_M - 1) // BLOCK_M
-    b_tiles_end = tl.cumsum(b_tiles, axis=0)  # inclusive
-    b_tiles_start = b_tiles_end - b_tiles
+    b_tiles_start = tl.cumsum(b_tiles, axis=0) - b_tiles
     total_tiles = tl.sum(b_tiles, axis=0)
     for i0 in range(0, max_tiles, BLOCK_TILES):
         offs_i = i0 + tl.arange(0, BLOCK_TILES)
-        b_expert = tl.sum((b_tiles_end[None, :] <= offs_i[:, None]).to(tl.int32), axis=1)  # [BLOCK_TILES]
-        b_is_expert = offs_e[None, :] == b_expert[:, None]  # [BLOCK_TILES, BLOCK_E]
-        b_row = tl.sum(tl.where(b_is_expert, b_offsets[None, :] - b_tiles_start[None, :] * BLOCK_M, 0), axis=1)
-        b_row += offs_i * BLOCK_M
-        b_valid = offs_i < total_tiles
+        tl.store(tile_expert_ptr + offs_i, tl.full((BLOCK_TILES,), -1, tl.int32), mask=offs_i < max_tiles)
+    tl.debug_barrier()
+    b_marks = b_tiles > 0
+    tl.store(tile_expert_ptr + b_tiles_start, offs_e, mask=b_marks)
+    tl.store(tile_row_start_ptr + b_tiles_start, b_offsets, mask=b_marks)
+    tl.debug_barrier()
+    carry_expert = total_tiles * 0 - 1  # int32 scalars, carried from one block of the map to the next
+    carry_first = total_tiles * 0
+    carry_row = total_tiles * 0
+    for i0 in range(0, max_tiles, BLOCK_TILES):
+        offs_i = i0 + tl.arange(0, BLOCK_TILES)
         mask_i = offs_i < max_tiles
+        b_mark = tl.load(tile_expert_ptr + offs_i, mask=mask_i, other=-1)
+        b_marked = b_mark >= 0
+        b_mark_row = tl.load(tile_row_start_ptr + offs_i, mask=mask_i & b_marked, other=-1)
+        b_expert = tl.maximum(tl.associative_scan(b_mark, 0, _running_max), carry_expert)
+        b_first = tl.maximum(tl.associative_scan(tl.where(b_marked, offs_i, -1), 0, _running_max), carry_first)
+        b_row = tl.maximum(tl.associative_scan(b_mark_row, 0, _running_max), carry_row)
+        carry_expert = tl.max(b_expert, axis=0)
+        carry_first = tl.max(b_first, axis=0)
+        carry_row = tl.max(b_row, axis=0)
+        b_valid = offs_i < total_tiles
+        tl.debug_barrier()  # every load of this block before any store to it
         tl.store(tile_expert_ptr + offs_i, tl.where(b_valid, b_expert, -1), mask=mask_i)
-        tl.store(tile_row_start_ptr + offs_i, tl.where(b_valid, b_row, 0), mask=mask_i)
+        tl.store(tile_row_start_ptr + offs_i, tl.where(b_valid, b_row + (offs_i - b_first) * BLOCK_M, 0), mask=mask_i)
+
+
+@triton.jit
+def _fill_unused_gather(gather_idx_ptr, total, N, BLOCK_FILL: tl.constexpr):
+    """gather_idx[p] = -1 for p in [total, N): the sorted positions no kept assignment took."""
+    for p0 in range((total // BLOCK_FILL) * BLOCK_FILL, N, BLOCK_FILL):
+        offs_p = p0 + tl.arange(0, BLOCK_FILL)
+        tl.store(gather_idx_ptr + offs_p, tl.full((BLOCK_FILL,), -1, tl.int32), mask=(offs_p < N) & (offs_p >= total))
 
 
 @triton.jit
@@ -147,7 +184,8 @@ def _dispatch_single_kernel(
     _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
 
     b_valid = b_ids >= 0
-    b_base = tl.sum(tl.where(offs_e[None, :] == b_ids[:, None], b_offsets[None, :], 0), axis=1)  # offsets[id]
+    tl.debug_barrier()
+    b_base = tl.load(expert_offsets_ptr + b_ids, mask=mask_a & b_valid, other=0)  # offsets[id], stored above
     b_pos = b_base + _stable_rank(b_ids, CHUNK)
     tl.store(scatter_idx_ptr + offs_a, tl.where(b_valid, b_pos, -1), mask=mask_a)
     tl.store(gather_idx_ptr + offs_a, tl.full((CHUNK,), -1, tl.int32), mask=mask_a & (offs_a >= total))
@@ -178,6 +216,7 @@ def _dispatch_offsets_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
+    BLOCK_FILL: tl.constexpr,
 ):
     """Grid: (1,). Scans chunk_counts twice: totals -> expert offsets; then chunk_base[c, e] = first sorted position
     of chunk c's assignments to expert e. Also writes the tile map and marks unused gather_idx slots with -1."""
@@ -202,9 +241,7 @@ def _dispatch_offsets_kernel(
         b_running += tl.sum(b_tile, axis=0)
 
     _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
-    for p0 in range(0, N, BLOCK_TILES * 8):
-        offs_p = p0 + tl.arange(0, BLOCK_TILES * 8)
-        tl.store(gather_idx_ptr + offs_p, tl.full((BLOCK_TILES * 8,), -1, tl.int32), mask=(offs_p < N) & (offs_p >= total))
+    _fill_unused_gather(gather_idx_ptr, total, N, BLOCK_FILL)
 
 
 @triton.jit
@@ -244,12 +281,14 @@ def dispatch(topk_ids, num_experts, block_m):
         return info
 
     block_e = triton.next_power_of_2(E)
+    block_tiles = min(BLOCK_TILES, triton.next_power_of_2(max_tiles))
     common = dict(TOP_K=top_k, BLOCK_E=block_e)
     if N <= CHUNK:
         _dispatch_single_kernel[(1,)](
             topk_ids, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
             N, E, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
-            CHUNK=max(16, triton.next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES, **common,
+            CHUNK=max(16, triton.next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=block_tiles, **common,
+            num_warps=SCAN_WARPS,
         )
         return info
 
@@ -262,7 +301,8 @@ def dispatch(topk_ids, num_experts, block_m):
     _dispatch_offsets_kernel[(1,)](
         chunk_counts, chunk_base, expert_offsets, gather_idx, tile_expert, tile_row_start,
         N, E, n_chunks, max_tiles,
-        BLOCK_E=block_e, BLOCK_C=BLOCK_C, BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES,
+        BLOCK_E=block_e, BLOCK_C=min(triton.next_power_of_2(n_chunks), max(1, TILE_ELEMENTS // block_e)),
+        BLOCK_M=block_m, BLOCK_TILES=block_tiles, BLOCK_FILL=BLOCK_FILL, num_warps=SCAN_WARPS,
     )
     _assign_positions_kernel[(n_chunks,)](
         topk_ids, chunk_base, gather_idx, scatter_idx, N, E, topk_ids.stride(0), topk_ids.stride(1),
@@ -334,7 +374,8 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
     if max_tiles:
         _segment_tile_map_kernel[(1,)](
             expert_offsets, tile_expert, tile_row_start, num_experts, num_rows, max_tiles,
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK_TILES=BLOCK_TILES,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+            BLOCK_TILES=min(BLOCK_TILES, triton.next_power_of_2(max_tiles)), num_warps=SCAN_WARPS,
         )
     return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,
                         tile_expert, tile_row_start)

@@ -42,7 +42,8 @@ from ._device import dot_input_precision, dot_needs_fp32
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
 from .fp8 import WeightScale
-from .tiles import GemmTile, select_tiles
+from .row_copies import PLAIN, Layout, launch_gather
+from .tiles import GATHER_FIRST, GemmTile, select_tiles
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
 NO_SCALE = WeightScale(None, 0, (0, 0, 0))  # float weights: WEIGHT_SCALE = 0, the scale arguments unused
@@ -448,6 +449,13 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     if tile.persistent:
         from .persistent_gemm import persistent_expert_gemm, supports  # imports this module's jit helpers
 
+        if gather_a and tile.persistent == GATHER_FIRST and supports(a, w, transposed=transposed, gather_a=True,
+                                                                     weight_scale=weight_scale):
+            # A in sorted order first (one copy of N rows), so that its tiles too come through a descriptor
+            sorted_a = launch_gather(a, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), num_rows)
+            if supports(sorted_a, w, transposed=transposed, gather_a=False, weight_scale=weight_scale):
+                return persistent_expert_gemm(sorted_a, w, info, tile, c, gather_a=False, activation=activation,
+                                              topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
         if supports(a, w, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale):
             return persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
                                           topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)

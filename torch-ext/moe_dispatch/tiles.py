@@ -43,6 +43,9 @@ _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _log = logging.getLogger(__name__)
 
 
+GATHER_FIRST = 2  # GemmTile.persistent: rows copied into expert order, then the persistent kernel
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmTile:
     """Launch parameters of one grouped GEMM (the M tile is shared: it is fixed by the dispatch tile map)."""
@@ -53,7 +56,8 @@ class GemmTile:
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
     # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the w8a8 path, from
-    # block_m 64) where the device and layout allow it
+    # block_m 64) where the device and layout allow it; GATHER_FIRST (bf16/fp16 gate_up GEMM): the same, after a copy
+    # of the token rows into expert order, so that A's tiles come through a descriptor too instead of gathered loads
     persistent: int = 0
 
 
