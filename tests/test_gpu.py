@@ -74,6 +74,39 @@ def test_cuda_graph_capture_and_replay(path, T):
         assert_close(static_out, fused_experts_ref(x, w_gate_up, w_down, ids, topk_weights), DTYPE)
 
 
+@pytest.mark.parametrize("T", [1, 4, 64, 2048])
+def test_programmatic_dependent_launch_changes_nothing(T, monkeypatch):
+    """Kernels launched with PDL (pdl.py) give bit-identical outputs to plain launches, eager and replayed from a CUDA
+    graph, on the decode path (T = 1, 4) and the general one; calls back to back on one stream, so buffers the
+    allocator hands out again are reused while the previous call's kernels may still be draining."""
+    from moe_dispatch.pdl import pdl_enabled
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) >= (9, 0):
+        assert pdl_enabled(device), "PDL should be on for this GPU: the comparison below would compare plain to plain"
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    E, k = shape.num_experts, shape.top_k
+    x, _, (w_gate, w_up, w_down), _ = _model_inputs(shape, T)
+    w_gate_up = torch.cat([w_gate, w_up], 1)
+    ids = torch.randint(0, E, (T, k), device="cuda")
+    topk_weights = torch.rand(T, k, device="cuda")
+
+    def run():
+        first = md.fused_experts(x, w_gate_up, w_down, ids, topk_weights)
+        return first, md.fused_experts(first, w_gate_up, w_down, ids, topk_weights)  # the next layer's call
+
+    with_pdl = run()
+    graph, static = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setenv("MOE_DISPATCH_PDL", "0")
+    assert not pdl_enabled(device)
+    plain = run()
+    for got, want in zip(with_pdl + static, plain + plain):
+        assert torch.equal(got, want), "a PDL launch changed the output"
+    assert_close(plain[0], fused_experts_ref(x, w_gate_up, w_down, ids, topk_weights), DTYPE)
+
+
 def test_offsets_past_32_bits():
     """T*k*H > 2^31: row offsets into x, the intermediate and the expert rows must be 64-bit."""
     T, E, k, H, F = 2**18 + 1000, 8, 2, 4096, 128

@@ -382,3 +382,36 @@ def test_validate_ids_is_a_deprecated_spelling_of_validate():
     assert out.shape == (3, 8)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
         md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, validate_ids=True)
+
+
+def test_kernels_declare_every_constexpr_their_launchers_pass(monkeypatch):
+    """The interpreter accepts keyword arguments a kernel does not declare, a GPU raises on them (it did once: the
+    PDL flag reached the persistent w8a8 kernel). Every kernel that takes grouped_gemm.tile_meta's keys, or pdl.py's
+    launch options, declares them, with PDL on as a GPU of compute capability 9.0 would have it."""
+    from moe_dispatch import pdl
+    from moe_dispatch.combine import _combine_kernel
+    from moe_dispatch.decode import _decode_down_kernel, _decode_gate_up_kernel
+    from moe_dispatch.dispatch import (_assign_positions_kernel, _chunk_histogram_kernel, _dispatch_offsets_kernel,
+                                       _dispatch_single_kernel)
+    from moe_dispatch.fp8_gemm import _w8a8_gemm_kernel
+    from moe_dispatch.fp8_persistent import _persistent_w8a8_gemm_kernel
+    from moe_dispatch.grouped_gemm import _grouped_gemm_kernel, gemm_weights, tile_meta
+    from moe_dispatch.persistent_gemm import _persistent_grouped_gemm_kernel
+    from moe_dispatch.tiles import GemmTile
+
+    info = dispatch(torch.zeros(4, 2, dtype=torch.int64, device=DEVICE), 3, 16)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)  # no kernel runs from here on
+    w = gemm_weights(torch.zeros(3, 8, 16, device=DEVICE), torch.zeros(3, 8, 16, device=DEVICE), None,
+                                  None, transposed=False, activation="silu")
+    launch_options = {"num_warps", "num_stages", "launch_pdl"}
+    meta = set(tile_meta(info, GemmTile(16, 16), gather_a=True, activation="silu", w=w,
+                                      topk_weights=None)) - launch_options
+    assert "PDL" in meta
+    for kernel in (_grouped_gemm_kernel, _persistent_grouped_gemm_kernel, _w8a8_gemm_kernel):
+        assert meta <= set(kernel.arg_names), (kernel.fn.__name__, meta - set(kernel.arg_names))
+    persistent_meta = meta - {"GATHER_A"}  # fp8_gemm drops it before the persistent w8a8 launch
+    assert persistent_meta <= set(_persistent_w8a8_gemm_kernel.arg_names)
+    pdl_keys = set(pdl.pdl_options(torch.device(DEVICE))) - launch_options
+    for kernel in (_combine_kernel, _decode_gate_up_kernel, _decode_down_kernel, _dispatch_single_kernel,
+                   _chunk_histogram_kernel, _dispatch_offsets_kernel, _assign_positions_kernel):
+        assert pdl_keys <= set(kernel.arg_names), kernel.fn.__name__

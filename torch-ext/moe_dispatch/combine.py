@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._checks import (check_dim, check_float, check_index, check_same_device, check_token_weights, index_map_problems,
                       raise_problems, reads_values, warn_if_gradient_cut)
+from .pdl import pdl_options, wait_for_producer
 
 
 @triton.jit
@@ -24,8 +25,10 @@ def _combine_kernel(
     HAS_WEIGHTS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H)). Each program writes a [BLOCK_T, BLOCK_H] tile of out."""
+    wait_for_producer(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_t = offs_t < T
@@ -59,7 +62,7 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
         y, row_idx, weights, out, num_tokens, H, y.shape[0],
         y.stride(0), w_t, w_k, out.stride(0),
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h,
-        num_warps=4,
+        num_warps=4, **pdl_options(y.device),
     )
     return out
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._device import smem_per_program
+from .pdl import pdl_options, release_dependents, wait_for_producer
 from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
                            expert_tile_dot, same_strides, scale_args, scale_sums, weight_scale_ptrs, weight_strides)
 from .tiles import DecodeTiles
@@ -74,10 +75,12 @@ def _decode_gate_up_kernel(
     BLOCK_A: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (N, cdiv(F, BLOCK_N)). Program (a, n) works only when assignment a is the first naming its expert e, a
     valid one; it then writes columns [n * BLOCK_N, +BLOCK_N) of intermediate[t * TOP_K + j] for every (t, j) with
     topk_ids[t, j] == e. BLOCK_T >= T rows (at least 16 for tl.dot); BLOCK_A >= N."""
+    wait_for_producer(PDL)
     pid_a = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
@@ -107,6 +110,7 @@ def _decode_gate_up_kernel(
                                    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
                                    scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
                                    True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+    release_dependents(PDL)
     if HAS_BIAS:
         b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
                                 stride_bias_n, ACTIVATION)
@@ -144,6 +148,7 @@ def _decode_down_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (N * SPLIT_K * cdiv(H, BLOCK_N),), assignment fastest: the programs of one column tile run side by side,
     so assignments that share an expert find its weight tile in L2. Program (a = t * TOP_K + j, s, n) computes
@@ -153,6 +158,7 @@ def _decode_down_kernel(
     partial rows in index order and stores out[t] (so the sum is the same whichever program arrives last). With one
     program per token and tile (TOP_K = SPLIT_K = 1) it stores out[t] directly. The gate/up kernel, which runs first
     on the stream, zeroes the counters."""
+    wait_for_producer(PDL)
     pid = tl.program_id(0)
     num_assignments = num_tokens * TOP_K
     a = pid % num_assignments
@@ -293,6 +299,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             BLOCK_N=tile.block_n,
             BLOCK_K=block_k,
             num_warps=tile.num_warps,
+            **pdl_options(x.device),
             num_stages=pipeline_stages(tile.num_stages,
                                        (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
                                        * block_k, smem_per_program(x.device)),
@@ -317,6 +324,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         BLOCK_N=down_tile.block_n,
         BLOCK_K=down_block_k,
         num_warps=down_tile.num_warps,
+        **pdl_options(x.device),
         num_stages=pipeline_stages(down_tile.num_stages, down_tile.block_n * down_block_k * w_down.element_size(),
                                    smem_per_program(x.device)),
     )

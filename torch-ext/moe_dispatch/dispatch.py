@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._checks import (check_float, check_ids_in_range, check_index, check_same_device, validate_option,
                       warn_if_gradient_cut)
+from .pdl import pdl_options, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
@@ -172,8 +173,10 @@ def _dispatch_single_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (1,). The whole dispatch for N <= CHUNK assignments in one program (the decode path)."""
+    wait_for_producer(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, 0, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
     b_counts = _histogram(b_ids, BLOCK_E)
@@ -200,8 +203,10 @@ def _chunk_histogram_kernel(
     TOP_K: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (n_chunks,). chunk_counts[c, e] = assignments of chunk c routed to expert e."""
+    wait_for_producer(PDL)
     chunk = tl.program_id(0)
     _, _, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
     offs_e = tl.arange(0, BLOCK_E)
@@ -217,9 +222,11 @@ def _dispatch_offsets_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
     BLOCK_FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (1,). Scans chunk_counts twice: totals -> expert offsets; then chunk_base[c, e] = first sorted position
     of chunk c's assignments to expert e. Also writes the tile map and marks unused gather_idx slots with -1."""
+    wait_for_producer(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     offs_c = tl.arange(0, BLOCK_C)
     b_counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -252,8 +259,10 @@ def _assign_positions_kernel(
     TOP_K: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (n_chunks,). Sorted position = chunk_base[c, id] + rank of the assignment among the chunk's same-id ones."""
+    wait_for_producer(PDL)
     chunk = tl.program_id(0)
     offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
     b_valid = b_ids >= 0
@@ -282,7 +291,7 @@ def dispatch(topk_ids, num_experts, block_m):
 
     block_e = triton.next_power_of_2(E)
     block_tiles = min(BLOCK_TILES, triton.next_power_of_2(max_tiles))
-    common = dict(TOP_K=top_k, BLOCK_E=block_e)
+    common = dict(TOP_K=top_k, BLOCK_E=block_e, **pdl_options(device))
     if N <= CHUNK:
         _dispatch_single_kernel[(1,)](
             topk_ids, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
@@ -303,6 +312,7 @@ def dispatch(topk_ids, num_experts, block_m):
         N, E, n_chunks, max_tiles,
         BLOCK_E=block_e, BLOCK_C=min(triton.next_power_of_2(n_chunks), max(1, TILE_ELEMENTS // block_e)),
         BLOCK_M=block_m, BLOCK_TILES=block_tiles, BLOCK_FILL=BLOCK_FILL, num_warps=SCAN_WARPS,
+        **pdl_options(device),
     )
     _assign_positions_kernel[(n_chunks,)](
         topk_ids, chunk_base, gather_idx, scatter_idx, N, E, topk_ids.stride(0), topk_ids.stride(1),

@@ -51,6 +51,7 @@ from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAM
                       block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
 from .fp8_persistent import persistent_w8a8_gemm, supports
 from .grouped_gemm import gathered_rows, gemm_weights, routing_args, scale_args, tile_meta, tile_rows, tile_setup
+from .pdl import wait_for_producer
 from .tiles import GemmTile, MoeTiles
 
 # Tiles of at least this many rows (the tile tables' prefill buckets) read x quantized by `quantize_fp8_rows`.
@@ -99,9 +100,11 @@ def _w8a8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C (and, with
     QUANT_OUT 1, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups)."""
+    wait_for_producer(PDL)
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
                                                                GROUP_M)

@@ -28,6 +28,7 @@ from ._device import has_tma
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
 from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
+from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
 
 # wgmma, the instruction this kernel exists for, works on 64-row slabs per warpgroup; smaller tiles (decode) keep the
@@ -71,10 +72,12 @@ def _persistent_w8a8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (NUM_PROGRAMS,). Program p computes output tiles p, p + NUM_PROGRAMS, ... of the
     max_tiles * cdiv(n_cols, BLOCK_N) tiles (in tile_coords' grouped order); sentinel tiles are skipped. K past the
     end reads the descriptors' zero fill in both operands, so the K loop needs no masks."""
+    wait_for_producer(PDL)
     num_tiles = max_tiles * tl.cdiv(n_cols, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
         expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup_at(

@@ -42,6 +42,7 @@ from ._device import dot_input_precision, dot_needs_fp32
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
 from .fp8 import WeightScale
+from .pdl import pdl_options, release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 from .tiles import GATHER_FIRST, GemmTile, select_tiles
 
@@ -315,8 +316,10 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C."""
+    wait_for_producer(PDL)
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
                                                                GROUP_M)
@@ -333,7 +336,7 @@ def _grouped_gemm_kernel(
                                       scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
                                       scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
                                       ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
-
+    release_dependents(PDL)
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
                   preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
@@ -426,7 +429,8 @@ def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, top
     """The constexprs and launch options every grouped-GEMM kernel shares (BLOCK_K is each launcher's own)."""
     return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w.bias is not None,
                 MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m, BLOCK_N=tile.block_n,
-                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages)
+                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **pdl_options(info.tile_expert.device))
 
 
 def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import has_tma, num_sms
+from .pdl import wait_for_producer
 from .grouped_gemm import (GemmWeights, dot_options, routing_args, tile_coords, tile_epilogue, tile_meta, tile_rows,
                            tile_setup_at)
 
@@ -58,9 +59,11 @@ def _persistent_grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid: (NUM_PROGRAMS,). Program p computes output tiles p, p + NUM_PROGRAMS, ... of the
     max_tiles * cdiv(n_cols, BLOCK_N) tiles (in tile_coords' grouped order); sentinel tiles are skipped."""
+    wait_for_producer(PDL)
     num_tiles = max_tiles * tl.cdiv(n_cols, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
