@@ -462,6 +462,23 @@ def gpu_state(device):
         return {}
 
 
+def kernel_times(fn, calls=5):
+    """{kernel name: GPU us per call} of `fn` over `calls` calls (torch.profiler, CUDA activity only; plain launches,
+    so the clock is the one a lightly loaded GPU runs at), largest first. The sum is the call's kernel time without
+    the gaps between launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.key] = event.device_time_total / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 class Runner:
     """Times one implementation at one cell and fills the record (plain, graph, correctness)."""
 
@@ -471,10 +488,11 @@ class Runner:
         self.device = device
         self.ceilings = ceilings
 
-    def run(self, record, fn, *, graph, check, inspect=None, hot=True):
+    def run(self, record, fn, *, graph, check, inspect=None, hot=True, kernels=False):
         """fn() -> output; check(output) -> correctness fields (skipped by --no-check); inspect(output) -> fields
         always wanted (experts hit by the routing). Fills record in place: plain_us, graph_us (when `graph`),
-        hot_us (when `hot`; see EventTimer), and the GPU's state after the plain and hot windows (`gpu_state`)."""
+        hot_us (when `hot`; see EventTimer), the GPU's state after the plain and hot windows (`gpu_state`), and with
+        `kernels` kernel_us, the sum of the call's kernel times (`kernel_times`)."""
         try:
             output = fn()  # compiles on first use; its result is what gets checked
             if self.device.type == "cuda":
@@ -504,6 +522,13 @@ class Runner:
                 record["state_hot"] = gpu_state(self.device)
             except Exception as exc:
                 record["hot_error"] = error_text(exc)
+                torch.cuda.synchronize()
+            free_memory(self.device)
+        if kernels and self.device.type == "cuda":
+            try:
+                record["kernel_us"] = sum(kernel_times(fn).values())
+            except Exception as exc:  # noqa: BLE001 (a profiler that cannot run leaves the column empty)
+                record["kernel_error"] = error_text(exc)
                 torch.cuda.synchronize()
             free_memory(self.device)
 
@@ -588,7 +613,7 @@ def bench_cell(prob, num_tokens, args, runner, kernel, vllm_fn, itemsize, baseli
     if "fused_experts" in args.paths:
         rec = new("fused_experts", "moe_dispatch")
         runner.run(rec, lambda: kernel.fused_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights),
-                   graph=graph, check=experts_check)
+                   graph=graph, check=experts_check, kernels=routing == "balanced")
         out.append(finish_record(rec, accounting(shape, num_tokens, hit_given, itemsize, rec["path"],
                                                  runner.ceilings), runner.ceilings))
         rec["experts_hit"] = hit_given
@@ -764,10 +789,11 @@ def summary_table(results):
 
 def peer_table(results):
     """fused_experts hot time against issue 12's vLLM figure and this package's figure before (same method), per
-    model and T; also the L2-flushed time; ratios > 1 mean slower than the figure."""
+    model and T; also the L2-flushed time, the sum of the kernels' GPU times (no launch gaps, a lightly loaded GPU's
+    clock) and the SM clock after the hot and flushed windows; ratios > 1 mean slower than the figure."""
     cells, dtype = results["cells"], results["meta"]["dtype"]
     lines = ["| model | T | ours hot | vLLM (issue 12) | ours / vLLM | before (issue 12) | ours / before | "
-             "ours flushed | skewed hot | skewed gmm hot | SM MHz hot / flushed |", "|" + " --- |" * 11]
+             "ours flushed | ours kernels | skewed hot | skewed gmm hot | SM MHz hot / flushed |", "|" + " --- |" * 12]
     ratios = []
     for model, tokens in dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype):
         c = _find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}
@@ -781,7 +807,7 @@ def peer_table(results):
         mark = "" if vs_vllm is None or vs_vllm <= 1.0 else " **slower**"
         lines.append(f"| {model} | {tokens} | {fmt(hot)} | {fmt(vllm)} | {fmt(vs_vllm, '.3f')}{mark} | "
                      f"{fmt(before)} | {fmt(vs_before, '.3f')} | {fmt(c.get('plain_us'))} | "
-                     f"{fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} | "
+                     f"{fmt(c.get('kernel_us'))} | {fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} | "
                      f"{c.get('state_hot', {}).get('sm_mhz', '-')} / {c.get('state_plain', {}).get('sm_mhz', '-')} |")
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

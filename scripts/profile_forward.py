@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Where a `fused_experts` call spends its GPU time: a per-kernel breakdown (torch.profiler, CUDA activity only) of
-one call per (model, T), with the GEMMs' rates beside the run's ceilings. The launches that are neither GEMM
-(dispatch, combine) are the part issue 12's vLLM figure does not include.
+"""Where a `fused_experts` call spends its GPU time: a per-kernel breakdown (bench.kernel_times: torch.profiler, CUDA
+activity only, mean of 5 calls) per (model, T). The launches that are neither GEMM (dispatch, combine) are the part
+issue 12's vLLM figure does not include.
 
     scripts/profile_forward.py --cells qwen3-30b-a3b:4,qwen3-30b-a3b:1024 --out "$OUT/profile"
 
@@ -16,24 +16,6 @@ import torch
 
 import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
 from model_shapes import MODEL_SHAPES
-
-CALLS = 5  # profiled calls per cell, averaged
-
-
-def breakdown(call):
-    """{kernel name: GPU us per call} over CALLS calls, largest first."""
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            call()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.key] = event.device_time_total / CALLS
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -57,7 +39,7 @@ def main(argv=None):
         prob = problems[name]
         ids, weights = bench.random_routing(t, shape.num_experts, shape.top_k, device, args.seed * 1000003 + t)
         x = prob.x[:t]
-        kernels = breakdown(lambda: md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights))
+        kernels = bench.kernel_times(lambda: md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights))
         total = sum(kernels.values())
         results.append({"model": name, "tokens": t, "total_us": total, "kernels_us": kernels})
         parts = ", ".join(f"{key[:48]} {us:.1f}" for key, us in kernels.items())
