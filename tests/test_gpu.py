@@ -46,16 +46,22 @@ def test_real_model_sizes_bf16(name, T):
     torch.cuda.empty_cache()
 
 
+def _qwen3_inputs(T):
+    """Qwen3-30B-A3B at T tokens: (E, k, x, router_weight, (w_gate, w_up, w_down), routing kwargs, w_gate_up, random
+    ids, random routing weights)."""
+    shape = MODEL_SHAPES["qwen3-30b-a3b"]
+    E, k = shape.num_experts, shape.top_k
+    x, router_weight, weights, kwargs = _model_inputs(shape, T)
+    w_gate_up = torch.cat(weights[:2], 1)
+    ids = torch.randint(0, E, (T, k), device="cuda")
+    return E, k, x, router_weight, weights, kwargs, w_gate_up, ids, torch.rand(T, k, device="cuda")
+
+
 @pytest.mark.parametrize("path", ["fused_moe_forward", "fused_experts"])
 @pytest.mark.parametrize("T", [1, 8, 512])
 def test_cuda_graph_capture_and_replay(path, T):
     """The forward has no host sync: capture it once, replay with new inputs, get what eager gives."""
-    shape = MODEL_SHAPES["qwen3-30b-a3b"]
-    E, k = shape.num_experts, shape.top_k
-    x, router_weight, (w_gate, w_up, w_down), kwargs = _model_inputs(shape, T)
-    w_gate_up = torch.cat([w_gate, w_up], 1)
-    ids = torch.randint(0, E, (T, k), device="cuda")
-    topk_weights = torch.rand(T, k, device="cuda")
+    E, k, x, router_weight, (w_gate, w_up, w_down), kwargs, w_gate_up, ids, topk_weights = _qwen3_inputs(T)
 
     def run():
         if path == "fused_moe_forward":
@@ -84,12 +90,7 @@ def test_programmatic_dependent_launch_changes_nothing(T, monkeypatch):
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) >= (9, 0):
         assert pdl_enabled(device), "PDL should be on for this GPU: the comparison below would compare plain to plain"
-    shape = MODEL_SHAPES["qwen3-30b-a3b"]
-    E, k = shape.num_experts, shape.top_k
-    x, _, (w_gate, w_up, w_down), _ = _model_inputs(shape, T)
-    w_gate_up = torch.cat([w_gate, w_up], 1)
-    ids = torch.randint(0, E, (T, k), device="cuda")
-    topk_weights = torch.rand(T, k, device="cuda")
+    _, _, x, _, (_, _, w_down), _, w_gate_up, ids, topk_weights = _qwen3_inputs(T)
 
     def run():
         first = md.fused_experts(x, w_gate_up, w_down, ids, topk_weights)
