@@ -20,6 +20,40 @@ import pytest  # noqa: E402
 from helpers import poison_empty  # noqa: E402,F401  (a fixture every test can ask for)
 
 
+def _strict_interpreter_launches():
+    """Make the interpreter refuse launch keywords a GPU refuses. Triton's interpreter drops keyword arguments that a
+    kernel does not declare, while a GPU launch raises on them: a launcher passing a constexpr its kernel lacks (the PDL
+    flag once reached the persistent w8a8 kernel that way) passed the CPU suite and failed on the H200. Here a
+    launch keyword must be a parameter of the kernel or a compile option of one of Triton's GPU backends."""
+    import dataclasses
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    options = set()
+    for module, name in (("triton.backends.nvidia.compiler", "CUDAOptions"), ("triton.backends.amd.compiler",
+                                                                              "HIPOptions")):
+        try:
+            options |= {field.name for field in dataclasses.fields(getattr(importlib.import_module(module), name))}
+        except (ImportError, AttributeError, TypeError):  # a Triton without that backend: its options stay unknown
+            pass
+    options |= {"num_warps", "num_stages", "num_ctas"}
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        undeclared = sorted(set(kwargs) - set(self.arg_names) - options)
+        if undeclared:
+            raise TypeError(f"{self.fn.__name__} is launched with keyword arguments it does not declare: "
+                            f"{undeclared} (a GPU launch raises on them; the interpreter would drop them)")
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    _strict_interpreter_launches()
+
+
 def _load_from_hub_build():
     """MOE_DISPATCH_FROM=hub: build the variants with scripts/build, load the one for this machine through
     LOCAL_KERNELS + kernels.get_kernel(repo, version=1), and make it the `moe_dispatch` every test imports."""
