@@ -46,11 +46,16 @@ def parse_args(argv=None):
     p.add_argument("--tokens", default="128,1024,4096,16384")
     p.add_argument("--cells", default="", help="comma list of model:T, in place of --models x --tokens")
     p.add_argument("--block-m", default="", help="alternative BLOCK_M per T, e.g. 128:64 (T=128 also tries 64)")
+    p.add_argument("--alt-only", action="store_true",
+                   help="where --block-m gives an alternative, sweep only it (the table's tiles are still timed)")
     p.add_argument("--out", default="sweep-results")
     p.add_argument("--min-gain", type=float, default=0.02, help="relative gain a winner needs over the table")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting cells after this many seconds")
     p.add_argument("--hot-rep-ms", type=float, default=15.0)
     p.add_argument("--check-rows", type=int, default=64)
+    p.add_argument("--select", choices=("kernels", "hot", "flushed"), default="kernels",
+                   help="the timing winners are chosen on: kernels (the profiler's sum of kernel times, at the clock of "
+                        "a lightly loaded GPU), hot (graph replays without flush, power-capped at large T) or flushed")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -123,33 +128,37 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
             if not err <= reference.TOLERANCE[prob.dtype]:
                 raise ValueError(f"rel err {err:.2e}")
             if timer is None:
-                entry["hot_us"] = entry["flushed_us"] = 1.0
+                entry["hot_us"] = entry["flushed_us"] = entry["kernels_us"] = 1.0
             else:
                 entry["hot_us"] = timer.hot(call) * 1e3
                 entry["flushed_us"] = timer.plain(call) * 1e3
+                entry["kernels_us"] = sum(bench.kernel_times(call, calls=10).values())
         except Exception as exc:
             entry["error"] = bench.error_text(exc)[:200]
             if device.type == "cuda":
                 torch.cuda.synchronize()
         tried.append(entry)
-        return entry.get("hot_us", math.inf)
+        return entry.get(f"{args.select}_us", math.inf), entry
 
-    reference_us = measure(base)
-    best, best_us = base, reference_us
-    for block_m in [base.block_m] + ([alt_block_m] if alt_block_m and alt_block_m != base.block_m else []):
-        start, start_us = dataclasses.replace(base, block_m=block_m), math.inf
+    reference_us, table_entry = measure(base)
+    best, best_us, best_entry = base, reference_us, table_entry
+    block_ms = [base.block_m] + ([alt_block_m] if alt_block_m and alt_block_m != base.block_m else [])
+    for block_m in block_ms[1:] if args.alt_only and len(block_ms) > 1 else block_ms:
+        start, start_us, start_entry = dataclasses.replace(base, block_m=block_m), math.inf, None
         for gemm in ("gate_up", "down"):  # gate_up with the table's down held, then down with the best gate_up
             for values in CANDIDATES[gemm]:
                 candidate = tile_with(tiles_module, start, gemm, values)
-                us = measure(candidate)
+                us, entry = measure(candidate)
                 if us < start_us:
-                    start, start_us = candidate, us
+                    start, start_us, start_entry = candidate, us, entry
         if start_us < best_us:
-            best, best_us = start, start_us
-    return {"model": shape.name, "shape": shape_key(shape), "tokens": t,
+            best, best_us, best_entry = start, start_us, start_entry
+    timings = ("kernels_us", "hot_us", "flushed_us")
+    return {"model": shape.name, "shape": shape_key(shape), "tokens": t, "select": args.select,
             "rows_per_expert": tune.rows_per_expert(t, shape.top_k, shape.num_experts),
-            "table_tiles": base.to_dict(), "table_hot_us": reference_us, "best_tiles": best.to_dict(),
-            "best_hot_us": best_us, "gain": reference_us / best_us - 1 if best_us < math.inf else None, "tried": tried}
+            "table_tiles": base.to_dict(), "table": {k: table_entry.get(k) for k in timings},
+            "best_tiles": best.to_dict(), "best": {k: best_entry.get(k) for k in timings},
+            "gain": reference_us / best_us - 1 if best_us < math.inf else None, "tried": tried}
 
 
 def shape_key(shape):
@@ -163,14 +172,22 @@ def tiles_text(tiles):
 
 
 def markdown(cells):
-    lines = ["| model | T | rows/expert | table hot us | best hot us | gain | best tiles |", "|---|---|---|---|---|---|---|"]
+    """One row per cell: the table's and the winner's timings (us: kernels / hot / flushed), the gain on the selected
+    timing, the winner's tiles."""
+    lines = ["| model | T | rows/expert | table us (kernels/hot/flushed) | best us (kernels/hot/flushed) | gain | "
+             "best tiles |", "|---|---|---|---|---|---|---|"]
+
+    def us(timings):
+        return " / ".join("-" if timings.get(k) is None else f"{timings[k]:.1f}"
+                          for k in ("kernels_us", "hot_us", "flushed_us"))
+
     for c in cells:
         if "skipped" in c:
             lines.append(f"| {c['model']} | {c['tokens']} | skipped | | | | |")
             continue
-        gain = f"{c['gain'] * 100:+.1f}%" if c.get("gain") is not None else "-"
-        lines.append(f"| {c['model']} | {c['tokens']} | {c['rows_per_expert']} | {c['table_hot_us']:.1f} | "
-                     f"{c['best_hot_us']:.1f} | {gain} | {tiles_text(c['best_tiles'])} |")
+        gain = f"{c['gain'] * 100:+.1f}% ({c['select']})" if c.get("gain") is not None else "-"
+        lines.append(f"| {c['model']} | {c['tokens']} | {c['rows_per_expert']} | {us(c['table'])} | "
+                     f"{us(c['best'])} | {gain} | {tiles_text(c['best_tiles'])} |")
     return lines
 
 
