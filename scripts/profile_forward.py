@@ -3,13 +3,21 @@
 activity only, mean of 5 calls) per (model, T). The launches that are neither GEMM (dispatch, combine) are the part
 issue 12's vLLM figure does not include.
 
-    scripts/profile_forward.py --cells qwen3-30b-a3b:4,qwen3-30b-a3b:1024 --out "$OUT/profile"
+With --host, also where it spends its host time: the mean time to enqueue one eager call (a run of calls issued
+without a sync, so the figure is the host's time as long as the GPU keeps up), and a cProfile of those calls (the
+functions of largest own time). The L2-flushed timing of small cells is this host time, not the GPU's.
 
-Prints one line per cell (kernel: us) and writes OUT/profile.json.
+    scripts/profile_forward.py --cells qwen3-30b-a3b:4,qwen3-30b-a3b:1024 --host --out "$OUT/profile"
+
+Prints one line per cell (kernel: us) and writes OUT/profile.json (and OUT/host-<model>-<T>.txt with --host).
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +30,11 @@ def main(argv=None):
     p.add_argument("--cells", required=True, help="comma list of model:T")
     p.add_argument("--out", default="profile-out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", action="store_true", help="also the host time per call and a cProfile of it")
+    p.add_argument("--host-calls", type=int, default=200)
     args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     import moe_dispatch as md
 
     device = torch.device("cuda")
@@ -39,14 +51,42 @@ def main(argv=None):
         prob = problems[name]
         ids, weights = bench.random_routing(t, shape.num_experts, shape.top_k, device, args.seed * 1000003 + t)
         x = prob.x[:t]
-        kernels = bench.kernel_times(lambda: md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights))
+
+        def call():
+            return md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
+
+        kernels = bench.kernel_times(call)
         total = sum(kernels.values())
         results.append({"model": name, "tokens": t, "total_us": total, "kernels_us": kernels})
         parts = ", ".join(f"{key[:48]} {us:.1f}" for key, us in kernels.items())
         print(f"{name} T={t}: {total:.1f} us = {parts}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        if args.host:
+            results[-1]["host_us"], text = host_profile(call, args.host_calls)
+            (out / f"host-{name}-{t}.txt").write_text(text)
+            print(f"{name} T={t}: host {results[-1]['host_us']:.1f} us per call", flush=True)
     (out / "profile.json").write_text(json.dumps(results, indent=1))
+
+
+def host_profile(fn, calls):
+    """(host us per call of `fn` issued back to back without a sync, cProfile text of `calls` more calls: the 40
+    functions of largest own time)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    return host_us, text.getvalue()
 
 
 if __name__ == "__main__":
