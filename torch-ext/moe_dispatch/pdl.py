@@ -53,16 +53,15 @@ else:  # a Triton without the grid dependency intrinsics: PDL is never on (`pdl_
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: an NVIDIA GPU of compute capability >= 9.0, a Triton with the
     intrinsics, and MOE_DISPATCH_PDL not set to 0."""
-    if device.type != "cuda" or is_interpreter() or not is_cuda() or not HAS_GDC:
+    if device.type != "cuda" or os.environ.get("MOE_DISPATCH_PDL", "1") == "0":
         return False
-    if os.environ.get("MOE_DISPATCH_PDL", "1") == "0":
-        return False
-    return _capability(device) >= (9, 0)
+    return _pdl_capable(device)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
+def _pdl_capable(device: torch.device) -> bool:
+    """The device facts of `pdl_enabled`, once per device (every launch asks)."""
+    return HAS_GDC and not is_interpreter() and is_cuda() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def pdl_options(device: torch.device) -> dict:

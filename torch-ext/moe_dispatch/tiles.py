@@ -181,7 +181,7 @@ def load_table(key: str) -> dict:
 
 def _wide_k(block_k, dtype):
     """Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes."""
-    return max(16, block_k // 2) if torch.empty((), dtype=dtype).element_size() > 2 else block_k
+    return max(16, block_k // 2) if dtype.itemsize > 2 else block_k
 
 
 def _pick_bucket(buckets, rows_per_expert):
