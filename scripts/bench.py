@@ -19,7 +19,7 @@ when `vllm` imports, and an eager per-expert loop for small T.
 Writes DIR/bench.json (everything), DIR/bench.md (tables), DIR/roofline.png (when matplotlib imports) and
 DIR/summary.txt, rewritten after every model so a run cut short keeps what it measured; prints the short table last.
 
-    scripts/bench --quick --out results/            # T in 1,16,128,1024,4096,16384, all models
+    scripts/bench --quick --out results/            # T in 1,4,16,128,1024,4096,16384, all models
     scripts/bench --models mixtral-8x7b --tokens 1,4096 --paths fused_experts --no-baselines
 """
 
@@ -52,7 +52,7 @@ from reference import ROUTING_AGREEMENT_MIN, TOLERANCE  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 ALL_TOKENS = tuple(2**i for i in range(15))  # 1 .. 16384
-QUICK_TOKENS = (1, 16, 128, 1024, 4096, 16384)
+QUICK_TOKENS = (1, 4, 16, 128, 1024, 4096, 16384)  # the T of issue 12's side-by-side table
 PATHS = ("fused_experts", "fused_moe_forward")
 BASELINES = ("grouped_mm", "vllm", "eager")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,7 +68,7 @@ ROUTING_ALLOWANCE_S = 15e-6
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="T in 1,16,128,1024,4096,16384 and shorter timing windows")
+    p.add_argument("--quick", action="store_true", help="T in 1,4,16,128,1024,4096,16384 and shorter timing windows")
     p.add_argument("--models", default="all", help=f"comma list of {', '.join(MODEL_SHAPES)} (default all)")
     p.add_argument("--tokens", default=None, help="comma list of token counts (default 1..16384, powers of two)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma list of fused_experts, fused_moe_forward")

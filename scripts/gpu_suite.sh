@@ -2,7 +2,7 @@
 # The one script for a GPU machine: environment report, GPU test suite, binned-routing benchmark (when present),
 # optional tile tuning, then the MoE benchmark; prints the benchmark's short table last.
 #
-#   bash scripts/gpu_suite.sh            # quick benchmark (T = 1, 16, 128, 1024, 4096, 16384; all models)
+#   bash scripts/gpu_suite.sh            # quick benchmark (T = 1, 4, 16, 128, 1024, 4096, 16384; all models)
 #   bash scripts/gpu_suite.sh full       # every T from 1 to 16384
 #
 # Environment knobs: SUITE_TRAIN=1 (also the training benchmark, scripts/bench_train.py; SUITE_TRAIN_LIGER=model,...
