@@ -9,7 +9,8 @@ from reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fuse
                        unpermute_tokens_ref)
 
 import moe_dispatch as md
-from moe_dispatch.dispatch import CHUNK, dispatch
+from moe_dispatch import dispatch as dispatch_module
+from moe_dispatch.dispatch import SINGLE_MAX, dispatch
 
 
 def make_inputs(case: Case, device=DEVICE):
@@ -155,14 +156,24 @@ def test_deterministic():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.fixture(params=["one-program", "chunked"])
+def dispatch_path(request, monkeypatch):
+    """Runs a dispatch test on each path: the one-program sort (N <= SINGLE_MAX) and the multi-chunk kernels (forced
+    by SINGLE_MAX = 0). Returns the path's name."""
+    if request.param == "chunked":
+        monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("T,E,top_k,kind", [(9, 5, 2, "random"), (100, 8, 3, "random"), (70, 4, 2, "empty-experts"),
-                                            (CHUNK, 3, 1, "one-expert"), (CHUNK + 1, 3, 1, "one-expert"),
+                                            (SINGLE_MAX, 3, 1, "one-expert"), (SINGLE_MAX + 1, 3, 1, "one-expert"),
                                             (2048, 256, 8, "random")])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_dispatch_metadata(T, E, top_k, kind, block_m):
-    """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once. The
-    largest case has more tiles than the offsets kernel scans at once (dispatch.BLOCK_TILES, at block_m 16) and more
-    chunks than it sums at once (dispatch.TILE_ELEMENTS // 256 rows)."""
+def test_dispatch_metadata(T, E, top_k, kind, block_m, dispatch_path):
+    """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once, on both
+    paths (the cases past SINGLE_MAX run the chunked one either way). The largest case has more tiles than the
+    offsets kernel scans at once (dispatch.BLOCK_TILES, at block_m 16) and more chunks than it sums at once
+    (dispatch.TILE_ELEMENTS // 256 rows)."""
     ids = _routing(T, E, top_k, kind).to(DEVICE)
     info = dispatch(ids, E, block_m)
     _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)
@@ -195,7 +206,7 @@ def _check_tile_map(info, ids, num_experts, block_m):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("kind", ["worst-case", "worst-case-with-sentinels", "one-expert", "all-sentinels"])
-def test_dispatch_tile_map_adversarial(kind, block_m):
+def test_dispatch_tile_map_adversarial(kind, block_m, dispatch_path):
     """Routings that need the most tiles (every expert one row past a tile edge), with expert-parallel sentinels
     mixed in, on one expert, or nothing kept: the static tile map still covers every kept row exactly once."""
     E = 5
@@ -216,7 +227,7 @@ def test_dispatch_tile_map_adversarial(kind, block_m):
         assert used == 0 and info.expert_offsets[-1].item() == 0
 
 
-def test_dispatch_drops_out_of_range_ids():
+def test_dispatch_drops_out_of_range_ids(dispatch_path):
     """Expert-parallel sentinels (ids >= E) and negative ids get no position and contribute nothing."""
     T, E, top_k, H, F = 20, 4, 2, 32, 16
     ids = _routing(T, E, top_k, "random")

@@ -144,3 +144,17 @@ def test_selected_decode_tiles_fit_shared_memory(name, dtype, fp8, monkeypatch):
                                           ("NVIDIA_H200_NVL", "NVIDIA_H200"), ("Some_New_GPU", "default")])
 def test_device_names_find_their_table(key, expected):
     assert os.path.basename(tiles.table_path(key)) == f"{expected}.json"
+
+
+def test_host_integer_helpers_match_triton():
+    """The launchers' plain cdiv / next_power_of_2 give Triton's values (they replace its constexpr functions on the
+    host, which cost microseconds per call)."""
+    import triton
+
+    from moe_dispatch._host_math import cdiv, next_power_of_2
+
+    for n in range(0, 4100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_2(2**31 + 1) == 2**32 == triton.next_power_of_2(2**31 + 1)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._checks import (check_dim, check_float, check_index, check_same_device, check_token_weights, index_map_problems,
                       raise_problems, reads_values, warn_if_gradient_cut)
+from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 
 
@@ -54,9 +55,9 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
         out = torch.empty((num_tokens, H), device=y.device, dtype=out_dtype or y.dtype)
     if num_tokens == 0 or H == 0:
         return out
-    block_h = min(triton.next_power_of_2(H), 1024 if top_k <= 4 else 512)
+    block_h = min(next_power_of_2(H), 1024 if top_k <= 4 else 512)
     block_t = max(1, min(16, 2048 // block_h))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(H, block_h))
     w_t, w_k = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
     _combine_kernel[grid](
         y, row_idx, weights, out, num_tokens, H, y.shape[0],

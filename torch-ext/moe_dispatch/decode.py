@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._device import smem_per_program
+from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
                            expert_tile_dot, same_strides, scale_args, scale_sums, weight_scale_ptrs, weight_strides)
@@ -258,25 +259,25 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     ws_down = down_scale or NO_SCALE
     # The GEMV has no dot-size floor: block scales always step inside one block.
     down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=1)
-    steps = triton.cdiv(F, down_block_k)
+    steps = cdiv(F, down_block_k)
     split_k = max(1, min(down_tile.split_k, steps))
-    split_len = triton.cdiv(steps, split_k) * down_block_k
+    split_len = cdiv(steps, split_k) * down_block_k
     reduced = top_k * split_k > 1
     partial = (torch.empty((num_assignments * split_k, H), device=x.device, dtype=torch.float32) if reduced
                else None)
-    num_counters = T * triton.cdiv(H, down_tile.block_n) if reduced else 0
+    num_counters = T * cdiv(H, down_tile.block_n) if reduced else 0
     counters = torch.empty((num_counters,), device=x.device, dtype=torch.int32)
     if F > 0:
         w_gate, w_up = same_strides(w_gate, w_up)
         if gate_bias is not None:
             gate_bias, up_bias = same_strides(gate_bias, up_bias)
         stride_e, stride_n, stride_k = weight_strides(w_gate, transposed)
-        block_t = max(16, triton.next_power_of_2(T))
+        block_t = max(16, next_power_of_2(T))
         dot_fp32, precision = dot_options(x.dtype)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
         scale_code, block_k = dequant_scale_code(ws, tile.block_k)
-        _decode_gate_up_kernel[(num_assignments, triton.cdiv(F, tile.block_n))](
+        _decode_gate_up_kernel[(num_assignments, cdiv(F, tile.block_n))](
             x, x.stride(0), x.stride(1),
             w_gate, w_up, stride_e, stride_n, stride_k,
             gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
@@ -295,7 +296,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             EVEN_K=H % block_k == 0,
             BLOCK_T=block_t,
             # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
-            BLOCK_A=triton.next_power_of_2(block_t * top_k),
+            BLOCK_A=next_power_of_2(block_t * top_k),
             BLOCK_N=tile.block_n,
             BLOCK_K=block_k,
             num_warps=tile.num_warps,
@@ -306,7 +307,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
-    _decode_down_kernel[(num_assignments * split_k * triton.cdiv(H, down_tile.block_n),)](
+    _decode_down_kernel[(num_assignments * split_k * cdiv(H, down_tile.block_n),)](
         intermediate, intermediate.stride(0),
         w_down, *weight_strides(w_down, transposed),
         down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),

@@ -7,7 +7,8 @@ An assignment is a = t * top_k + j (token t's j-th expert). `dispatch` sorts the
   _dispatch_offsets_kernel   one program: expert offsets, each chunk's start inside each expert, the tile map
   _assign_positions_kernel   per chunk: stable rank -> sorted position; writes gather_idx and scatter_idx
 
-When N fits in one chunk (decoding) `_dispatch_single_kernel` does all three in one launch. Ids outside [0, E) are
+Up to SINGLE_MAX assignments `_dispatch_single_kernel` does all three in one launch, with a sort in place of the ranks
+(one launch instead of three: each launch costs the host tens of microseconds). Ids outside [0, E) are
 dropped: they get no position (scatter_idx = -1) and contribute nothing downstream. Ids are compared with [0, E) in
 their own width (int64 ids at or past 2^31, or below -2^31, are out of range, not wrapped into it) before narrowing.
 
@@ -27,14 +28,16 @@ import triton.language as tl
 
 from ._checks import (check_float, check_ids_in_range, check_index, check_same_device, validate_option,
                       warn_if_gradient_cut)
+from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
+SINGLE_MAX = 1024  # most assignments the one-program path takes (its sort holds them all in one block)
 TILE_ELEMENTS = 8192  # int32 elements of one [rows, BLOCK_E] block the offsets kernel holds at once (32 per thread)
 BLOCK_TILES = 1024  # tile-map entries scanned at once
 BLOCK_FILL = 1024  # entries cleared at once
-SCAN_WARPS = 8  # the one-program kernels: their [CHUNK, CHUNK] and [rows, BLOCK_E] blocks stay in registers
+SCAN_WARPS = 8  # the one-program kernels: their sorted block of up to SINGLE_MAX keys and [rows, BLOCK_E] blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +178,8 @@ def _dispatch_single_kernel(
     BLOCK_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid: (1,). The whole dispatch for N <= CHUNK assignments in one program (the decode path)."""
+    """Grid: (1,). The whole dispatch for N <= CHUNK (<= SINGLE_MAX) assignments in one program: counts, offsets and
+    tile map as the multi-chunk path, then one sort of the chunk's keys gives both index maps."""
     wait_for_producer(PDL)
     offs_e = tl.arange(0, BLOCK_E)
     offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, 0, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
@@ -186,13 +190,14 @@ def _dispatch_single_kernel(
     tl.store(expert_offsets_ptr + E, total)
     _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
 
-    b_valid = b_ids >= 0
-    tl.debug_barrier()
-    b_base = tl.load(expert_offsets_ptr + b_ids, mask=mask_a & b_valid, other=0)  # offsets[id], stored above
-    b_pos = b_base + _stable_rank(b_ids, CHUNK)
-    tl.store(scatter_idx_ptr + offs_a, tl.where(b_valid, b_pos, -1), mask=mask_a)
-    tl.store(gather_idx_ptr + offs_a, tl.full((CHUNK,), -1, tl.int32), mask=mask_a & (offs_a >= total))
-    tl.store(gather_idx_ptr + b_pos, offs_a, mask=mask_a & b_valid)
+    # Sorting the keys id * CHUNK + a orders the assignments by expert, stably (a breaks ties); dropped ids and the
+    # padding past N take id E, after every kept one. Sorted position p < total then holds assignment key % CHUNK.
+    b_sorted = tl.sort(tl.where(b_ids >= 0, b_ids, E) * CHUNK + offs_a)
+    b_assignment = b_sorted % CHUNK
+    offs_p = tl.arange(0, CHUNK)
+    b_kept = offs_p < total
+    tl.store(gather_idx_ptr + offs_p, tl.where(b_kept, b_assignment, -1), mask=offs_p < N)
+    tl.store(scatter_idx_ptr + b_assignment, tl.where(b_kept, offs_p, -1), mask=b_assignment < N)
 
 
 @triton.jit
@@ -289,19 +294,19 @@ def dispatch(topk_ids, num_experts, block_m):
         expert_offsets.zero_()
         return info
 
-    block_e = triton.next_power_of_2(E)
-    block_tiles = min(BLOCK_TILES, triton.next_power_of_2(max_tiles))
+    block_e = next_power_of_2(E)
+    block_tiles = min(BLOCK_TILES, next_power_of_2(max_tiles))
     common = dict(TOP_K=top_k, BLOCK_E=block_e, **pdl_options(device))
-    if N <= CHUNK:
+    if N <= SINGLE_MAX and (E + 1) * SINGLE_MAX < 2**31:  # the sort keys id * CHUNK + a stay in int32
         _dispatch_single_kernel[(1,)](
             topk_ids, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
             N, E, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
-            CHUNK=max(16, triton.next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=block_tiles, **common,
+            CHUNK=max(16, next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=block_tiles, **common,
             num_warps=SCAN_WARPS,
         )
         return info
 
-    n_chunks = triton.cdiv(N, CHUNK)
+    n_chunks = cdiv(N, CHUNK)
     chunk_counts = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
     chunk_base = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
     _chunk_histogram_kernel[(n_chunks,)](
@@ -310,7 +315,7 @@ def dispatch(topk_ids, num_experts, block_m):
     _dispatch_offsets_kernel[(1,)](
         chunk_counts, chunk_base, expert_offsets, gather_idx, tile_expert, tile_row_start,
         N, E, n_chunks, max_tiles,
-        BLOCK_E=block_e, BLOCK_C=min(triton.next_power_of_2(n_chunks), max(1, TILE_ELEMENTS // block_e)),
+        BLOCK_E=block_e, BLOCK_C=min(next_power_of_2(n_chunks), max(1, TILE_ELEMENTS // block_e)),
         BLOCK_M=block_m, BLOCK_TILES=block_tiles, BLOCK_FILL=BLOCK_FILL, num_warps=SCAN_WARPS,
         **pdl_options(device),
     )
@@ -384,8 +389,8 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
     if max_tiles:
         _segment_tile_map_kernel[(1,)](
             expert_offsets, tile_expert, tile_row_start, num_experts, num_rows, max_tiles,
-            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-            BLOCK_TILES=min(BLOCK_TILES, triton.next_power_of_2(max_tiles)), num_warps=SCAN_WARPS,
+            BLOCK_E=next_power_of_2(num_experts), BLOCK_M=block_m,
+            BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max_tiles)), num_warps=SCAN_WARPS,
         )
     return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,
                         tile_expert, tile_row_start)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
 from .grouped_gemm import dot_options, gathered_rows, same_strides, tile_dot, tile_setup, weight_strides
@@ -271,7 +272,7 @@ def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGr
     """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernel."""
     E, n_i, n_j = out.shape
     dot_fp32, precision = dot_options(left.dtype)
-    grid = (E * triton.cdiv(n_i, tile.block_i) * triton.cdiv(n_j, tile.block_j),)
+    grid = (E * cdiv(n_i, tile.block_i) * cdiv(n_j, tile.block_j),)
     topk_t, topk_k = topk_weights.stride()
     _expert_weight_grad_kernel[grid](
         left, left.stride(0), left.stride(1),
@@ -335,7 +336,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     d_preact = torch.empty((N, 2 * F), device=device, dtype=x.dtype) if needs_d_preact else None
     act = torch.empty((N, F), device=device, dtype=x.dtype) if needs_act else None
     tile = tiles.gate_up
-    n_partials = triton.cdiv(F, tile.block_n)
+    n_partials = cdiv(F, tile.block_n)
     partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
     if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
         dot_fp32, precision = dot_options(x.dtype)
@@ -367,7 +368,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             act.zero_()
 
     if grads.topk_weights is not None and N:
-        _topk_weights_grad_kernel[(triton.cdiv(N, 64),)](
+        _topk_weights_grad_kernel[(cdiv(N, 64),)](
             partial, n_partials if F and info.max_tiles else 0, scatter_idx,
             grad_out, grad_out.stride(0), grad_out.stride(1),
             down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
@@ -383,7 +384,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         if N and H and info.max_tiles:
             w_gate_v, w_up_v = same_strides(w_gate, w_up)
             dot_fp32, precision = dot_options(x.dtype)
-            _gate_up_grad_kernel[(info.max_tiles * triton.cdiv(H, tile.block_n),)](
+            _gate_up_grad_kernel[(info.max_tiles * cdiv(H, tile.block_n),)](
                 d_preact, d_preact.stride(0),
                 w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed),
                 rows, rows.stride(0),

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._device import has_tma, is_interpreter
+from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
 from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAMIC, OUT_FLOAT, OUT_STATIC,
                       block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
@@ -187,12 +188,12 @@ def quantize_fp8_rows(x, group, static_scale=None, info=None):
     T, K = x.shape
     M = info.num_assignments if info is not None else T
     q = fp8_rows(M, K, x.device)
-    scales = None if static_scale is not None else torch.empty((M, triton.cdiv(K, group)), device=x.device,
+    scales = None if static_scale is not None else torch.empty((M, cdiv(K, group)), device=x.device,
                                                                dtype=torch.float32)
     if M == 0 or K == 0:
         return q, scales
     x = x if x.stride(1) == 1 else x.contiguous()
-    _quantize_rows_kernel[(triton.cdiv(M, QUANTIZE_BLOCK_M), triton.cdiv(K, group))](
+    _quantize_rows_kernel[(cdiv(M, QUANTIZE_BLOCK_M), cdiv(K, group))](
         x, x.stride(0), q, q.stride(0), scales, scales.stride(0) if scales is not None else 0, static_scale, M, K,
         fp8_max(W8A8_DTYPE), info.gather_idx if info is not None else None, T,
         TOP_K=info.top_k if info is not None else 1, GATHER=info is not None, STATIC=static_scale is not None,
@@ -276,7 +277,7 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
         if tile.block_n % out_group:
             raise ValueError(f"BLOCK_N {tile.block_n} of the quantizing GEMM must be a multiple of its output group "
                              f"{out_group}")
-        c_scale = torch.empty((num_rows, triton.cdiv(n_cols, out_group)), device=a.device, dtype=torch.float32)
+        c_scale = torch.empty((num_rows, cdiv(n_cols, out_group)), device=a.device, dtype=torch.float32)
     result = (c, c_scale) if out_group is not None else c
     if num_rows == 0 or n_cols == 0 or info.max_tiles == 0:
         return result
@@ -314,7 +315,7 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
             persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile,
                                  meta)
             return result
-    grid = (info.max_tiles * triton.cdiv(n_cols, tile.block_n),)
+    grid = (info.max_tiles * cdiv(n_cols, tile.block_n),)
     _w8a8_gemm_kernel[grid](
         a, a.stride(0), a.stride(1), a.shape[0],
         *a_scale_args,

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import has_tma
+from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
 from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
@@ -144,7 +145,7 @@ def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_
     K = a.shape[1]
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
-    programs = num_programs(a.device, info.max_tiles * triton.cdiv(w.n_cols, tile.block_n))
+    programs = num_programs(a.device, info.max_tiles * cdiv(w.n_cols, tile.block_n))
     _persistent_w8a8_gemm_kernel[(programs,)](
         a_desc, a.shape[0],
         *a_scale_args,

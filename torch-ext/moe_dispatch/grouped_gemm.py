@@ -39,6 +39,7 @@ import triton.language as tl
 from ._checks import (check_dim, check_float, check_index, check_same_device, expert_offsets_problems, raise_problems,
                       reads_values, warn_if_gradient_cut)
 from ._device import dot_input_precision, dot_needs_fp32
+from ._host_math import cdiv
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
 from .fp8 import WeightScale
@@ -464,7 +465,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
             return persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
                                           topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
     dot_fp32, precision = dot_options(a.dtype)
-    grid = (info.max_tiles * triton.cdiv(w.n_cols, tile.block_n),)
+    grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
     scale_code, block_k = dequant_scale_code(ws, tile.block_k)
     _grouped_gemm_kernel[grid](

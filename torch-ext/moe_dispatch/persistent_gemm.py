@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._device import has_tma, num_sms
+from ._host_math import cdiv
 from .pdl import wait_for_producer
 from .grouped_gemm import (GemmWeights, dot_options, routing_args, tile_coords, tile_epilogue, tile_meta, tile_rows,
                            tile_setup_at)
@@ -167,7 +168,7 @@ def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activa
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     dot_fp32, _ = dot_options(a.dtype)
-    programs = num_programs(a.device, info.max_tiles * triton.cdiv(w.n_cols, tile.block_n))
+    programs = num_programs(a.device, info.max_tiles * cdiv(w.n_cols, tile.block_n))
     _persistent_grouped_gemm_kernel[(programs,)](
         a, a_desc, a.stride(0), a.stride(1), a.shape[0],
         w_desc, w_up_desc, rows_per_expert,

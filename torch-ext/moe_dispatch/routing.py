@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._checks import check_choice, check_dim, check_float, check_hidden_size, check_same_device, check_top_k
 from ._device import dot_needs_fp32
+from ._host_math import cdiv, next_power_of_2
 from ._library import call, custom_op
 
 GATINGS = {"softmax": 0, "sigmoid": 1}
@@ -188,13 +189,13 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
     E = router_weight.shape[0]
     device = x.device
     block_t = 16 if T <= 64 else 64
-    block_e = min(max(16, triton.next_power_of_2(E)), 32)
+    block_e = min(max(16, next_power_of_2(E)), 32)
     block_h = 128
     # Few token tiles: split H as well, so the router weight is read by ~64+ programs in parallel (decode).
-    programs = max(1, triton.cdiv(T, block_t) * triton.cdiv(E, block_e))
-    split_h = max(1, min(triton.cdiv(H, 4 * block_h), triton.cdiv(64, programs))) if programs < 64 else 1
-    h_per_split = triton.cdiv(triton.cdiv(max(H, 1), split_h), block_h) * block_h
-    split_h = max(1, triton.cdiv(H, h_per_split))
+    programs = max(1, cdiv(T, block_t) * cdiv(E, block_e))
+    split_h = max(1, min(cdiv(H, 4 * block_h), cdiv(64, programs))) if programs < 64 else 1
+    h_per_split = cdiv(cdiv(max(H, 1), split_h), block_h) * block_h
+    split_h = max(1, cdiv(H, h_per_split))
     partials = torch.empty((split_h, T, E), device=device, dtype=torch.float32)
     topk_ids = torch.empty((T, top_k), device=device, dtype=torch.int64)
     topk_weights = torch.empty((T, top_k), device=device, dtype=torch.float32)
@@ -208,7 +209,7 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
     topk_group = topk_group or n_group
 
     dot_fp32 = dot_needs_fp32(x.dtype)
-    _router_logits_kernel[(triton.cdiv(T, block_t), triton.cdiv(E, block_e), split_h)](
+    _router_logits_kernel[(cdiv(T, block_t), cdiv(E, block_e), split_h)](
         x, router_weight, router_bias, partials,
         T, H, E, h_per_split,
         x.stride(0), x.stride(1),
@@ -222,9 +223,9 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
         num_warps=4,
     )
 
-    block_e_all = max(16, triton.next_power_of_2(E))
+    block_e_all = max(16, next_power_of_2(E))
     block_t_gate = 16 if block_e_all <= 128 else 8
-    _topk_gating_kernel[(triton.cdiv(T, block_t_gate),)](
+    _topk_gating_kernel[(cdiv(T, block_t_gate),)](
         partials, e_score_correction_bias, topk_ids, topk_weights,
         T, E, E // n_group,
         1e-6 if sigmoid else 0.0, float(routed_scaling_factor),
@@ -237,8 +238,8 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
         TOPK_GROUP=topk_group,
         BLOCK_T=block_t_gate,
         BLOCK_E=block_e_all,
-        BLOCK_G=max(2, triton.next_power_of_2(n_group)),
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_G=max(2, next_power_of_2(n_group)),
+        BLOCK_K=next_power_of_2(top_k),
         num_warps=4,
     )
     return topk_ids, topk_weights, partials[0]

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._device import is_interpreter
+from ._host_math import cdiv, next_power_of_2
 
 # LAYOUT: where sorted position p lives in the expert buffer (see binned.py); jit code may only read constexprs
 PLAIN, PADDED, BINNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -193,7 +194,7 @@ class CopyConfig:
 def copy_config(hidden: int, element_size: int, device: torch.device) -> CopyConfig:
     """Interpreter: few large programs (each one costs Python time). GPU: 16-byte vectors across 4 warps per row
     pass (2048 bytes of a row), and about 8 KiB of a tile per program so enough loads are in flight per SM."""
-    hidden_pow2 = triton.next_power_of_2(max(hidden, 1))
+    hidden_pow2 = next_power_of_2(max(hidden, 1))
     if is_interpreter() or device.type == "cpu":
         return CopyConfig(block_rows=16, block_h=min(hidden_pow2, 256), num_warps=1)
     block_h = min(hidden_pow2, 2048 // element_size)
@@ -228,7 +229,7 @@ def launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows):
         return out.zero_()
     num_experts = bins.shape[0] if bins is not None else 1
     cfg = copy_config(hidden, x.element_size(), x.device)
-    grid = (triton.cdiv(n_rows, cfg.block_rows), triton.cdiv(hidden, cfg.block_h))
+    grid = (cdiv(n_rows, cfg.block_rows), cdiv(hidden, cfg.block_h))
     _gather_kernel[grid](
         x, out, indices,
         weights if weights is not None else x,
@@ -255,7 +256,7 @@ def buffer_rows(indices, bins, padded_bins, layout):
     if num_assignments == 0:
         return buffer_row
     num_experts = bins.shape[0] if bins is not None else 1
-    _buffer_rows_kernel[(triton.cdiv(num_assignments, _BUFFER_ROWS_BLOCK),)](
+    _buffer_rows_kernel[(cdiv(num_assignments, _BUFFER_ROWS_BLOCK),)](
         indices,
         bins if bins is not None else indices,
         padded_bins if padded_bins is not None else indices,
@@ -277,7 +278,7 @@ def launch_scatter(x, buffer_row, weights, top_k, num_tokens):
     if x.numel() == 0:
         return out.zero_()
     cfg = copy_config(hidden, x.element_size(), x.device)
-    grid = (triton.cdiv(num_tokens, cfg.block_rows), triton.cdiv(hidden, cfg.block_h))
+    grid = (cdiv(num_tokens, cfg.block_rows), cdiv(hidden, cfg.block_h))
     _scatter_kernel[grid](
         x, out, buffer_row, weights if weights is not None else x,
         num_tokens, hidden, n_rows,
@@ -301,7 +302,7 @@ def launch_wgrad(x, grad, buffer_row, top_k, out_dtype):
     if x.numel() == 0:
         return out.zero_()
     cfg = copy_config(hidden, x.element_size(), x.device)
-    _wgrad_kernel[(triton.cdiv(num_assignments, cfg.block_rows),)](
+    _wgrad_kernel[(cdiv(num_assignments, cfg.block_rows),)](
         x, grad, out, buffer_row,
         num_assignments, hidden, n_rows,
         TOP_K=top_k,

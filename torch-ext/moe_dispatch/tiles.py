@@ -202,6 +202,8 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     rows_per_expert = -(-num_tokens * top_k // num_experts)
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
+    if dtype.itemsize <= 2:
+        return tiles
     gate_up, down = (dataclasses.replace(g, block_k=_wide_k(g.block_k, dtype)) for g in (tiles.gate_up, tiles.down))
     return dataclasses.replace(tiles, gate_up=gate_up, down=down)
 
