@@ -5,12 +5,16 @@
 For each model and T it times `fused_experts` (hot: triton.testing.do_bench_cudagraph, no L2 flush; the L2-flushed
 time is recorded beside it) for the table's tiles, then sweeps the gate_up GEMM's tile over CANDIDATES with the
 down GEMM held, then the down GEMM's with the best gate_up held; BLOCK_M takes the table's value and, where listed,
-one alternative. Every candidate's output is checked against the float64 reference on a row sample. Writes
+one alternative. Every candidate's output is checked against the float64 reference on a row sample. Winners are chosen
+on --select (the profiler's kernel time by default), then confirmed: the table's tiles and the winner are timed again in
+alternation (--confirm-rounds each) and the cell's gain is the ratio of their medians, so a winner that only ran on a
+cooler GPU than the table does not count. Writes
 OUT/sweep.json, OUT/sweep.md and OUT/<device_key>.json: the package's table with the winning tiles written into
 each swept (model, bucket) whose gain is above --min-gain (per-shape bucket lists are created from the generic ones
 where a model had none). scripts/sweep_fp8.py reuses the tile and table helpers for the w8a8 path's buckets.
 
     scripts/sweep_prefill.py --models qwen3-30b-a3b --tokens 1024,16384 --out "$OUT/sweep"
+    scripts/sweep_prefill.py --cpu-smoke --out /tmp/sweep    # plumbing on the CPU: interpreter, shrunk shapes
 """
 
 import argparse
@@ -18,6 +22,7 @@ import copy
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -26,7 +31,7 @@ import torch
 import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
 import reference
 import tune
-from model_shapes import MODEL_SHAPES
+from model_shapes import MODEL_SHAPES, shrunk
 
 # (block_n, block_k, num_warps, num_stages, group_m, persistent); the pointer kernel's known-good shapes and the
 # persistent kernel's (128 x 256 x 64 with 3 stages is what reaches cuBLAS on a plain GEMM, see gpu-workflow.md);
@@ -58,7 +63,17 @@ def parse_args(argv=None):
                         "a lightly loaded GPU), hot (graph replays without flush, power-capped at large T) or flushed")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--confirm-rounds", type=int, default=2,
+                   help="alternating re-timings of the table's tiles and the winner (0: the sweep's own times)")
+    p.add_argument("--max-candidates", type=int, default=None, help="first N candidates of each GEMM only")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="plumbing run: CPU, interpreter, shrunk shapes (default cell mixtral-8x7b:40), two candidates")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.device = "cpu"
+        args.cells = args.cells or "mixtral-8x7b:40"
+        args.max_candidates = args.max_candidates or 2
+    return args
 
 
 def tile_with(tiles_module, tiles, gemm, values):
@@ -69,7 +84,9 @@ def tile_with(tiles_module, tiles, gemm, values):
     return dataclasses.replace(tiles, **{gemm: new})
 
 
-def main(argv=None):
+def main(argv=None, *, timer=None):
+    """`timer` (tests): an object with hot(fn) and plain(fn) in ms; default bench.EventTimer on a GPU, none on the
+    CPU (every time 1 us)."""
     args = parse_args(argv)
     import moe_dispatch as md
     from moe_dispatch import tiles as tiles_module
@@ -78,7 +95,8 @@ def main(argv=None):
     device = torch.device(args.device)
     key = device_key(device)
     table = copy.deepcopy(tiles_module.load_table(key))
-    timer = bench.EventTimer(5.0, 30.0, args.hot_rep_ms) if device.type == "cuda" else None
+    if timer is None and device.type == "cuda":
+        timer = bench.EventTimer(5.0, 30.0, args.hot_rep_ms)
     alt_block_m = dict(tuple(int(v) for v in item.split(":")) for item in args.block_m.split(",") if item)
     tokens = [int(t) for t in args.tokens.split(",")]
     models = list(MODEL_SHAPES) if args.models == "all" else args.models.split(",")
@@ -93,7 +111,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, tokens in model_tokens.items():
-        shape = MODEL_SHAPES[name]
+        shape = shrunk(MODEL_SHAPES[name]) if args.cpu_smoke else MODEL_SHAPES[name]
         prob = bench.make_problem(shape, max(tokens), torch.bfloat16, device, args.seed)
         for t in tokens:
             if time.monotonic() - started > args.budget_s:
@@ -105,6 +123,7 @@ def main(argv=None):
         del prob
         bench.free_memory(device)
     write(out, key, table, cells, args.min_gain, markdown(cells))
+    return cells
 
 
 def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
@@ -117,10 +136,19 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
     base = tiles_module.select_tiles(device, t, shape.top_k, shape.num_experts, shape.ffn, shape.hidden)
     tried = []
 
-    def measure(tiles):
-        def call():
-            return md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights, tiles=tiles)
+    def call_with(tiles):
+        return lambda: md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights, tiles=tiles)
 
+    def timed(call):
+        """The selected timing of `call` in us (1.0 without a timer)."""
+        if timer is None:
+            return 1.0
+        if args.select == "kernels":
+            return sum(bench.kernel_times(call, calls=10).values()) if device.type == "cuda" else timer.hot(call) * 1e3
+        return (timer.hot(call) if args.select == "hot" else timer.plain(call)) * 1e3
+
+    def measure(tiles):
+        call = call_with(tiles)
         entry = {"tiles": tiles.to_dict()}
         try:
             err = reference.relative_error(call()[rows], ref)
@@ -132,7 +160,8 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
             else:
                 entry["hot_us"] = timer.hot(call) * 1e3
                 entry["flushed_us"] = timer.plain(call) * 1e3
-                entry["kernels_us"] = sum(bench.kernel_times(call, calls=10).values())
+                entry["kernels_us"] = (sum(bench.kernel_times(call, calls=10).values()) if device.type == "cuda"
+                                       else entry["hot_us"])
         except Exception as exc:
             entry["error"] = bench.error_text(exc)[:200]
             if device.type == "cuda":
@@ -146,19 +175,30 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
     for block_m in block_ms[1:] if args.alt_only and len(block_ms) > 1 else block_ms:
         start, start_us, start_entry = dataclasses.replace(base, block_m=block_m), math.inf, None
         for gemm in ("gate_up", "down"):  # gate_up with the table's down held, then down with the best gate_up
-            for values in CANDIDATES[gemm]:
+            for values in CANDIDATES[gemm][:args.max_candidates]:
                 candidate = tile_with(tiles_module, start, gemm, values)
                 us, entry = measure(candidate)
                 if us < start_us:
                     start, start_us, start_entry = candidate, us, entry
         if start_us < best_us:
             best, best_us, best_entry = start, start_us, start_entry
+    gain = reference_us / best_us - 1 if best_us < math.inf else None
+    confirm = None
+    if best is not base and gain is not None and args.confirm_rounds > 0:
+        # the table's tiles and the winner again, alternating, so both see the same GPU state; the gain is the
+        # ratio of the medians
+        confirm = {"table": [], "best": []}
+        for _ in range(args.confirm_rounds):
+            confirm["table"].append(timed(call_with(base)))
+            confirm["best"].append(timed(call_with(best)))
+        gain = statistics.median(confirm["table"]) / statistics.median(confirm["best"]) - 1
     timings = ("kernels_us", "hot_us", "flushed_us")
     return {"model": shape.name, "shape": shape_key(shape), "tokens": t, "select": args.select,
             "rows_per_expert": tune.rows_per_expert(t, shape.top_k, shape.num_experts),
             "table_tiles": base.to_dict(), "table": {k: table_entry.get(k) for k in timings},
             "best_tiles": best.to_dict(), "best": {k: best_entry.get(k) for k in timings},
-            "gain": reference_us / best_us - 1 if best_us < math.inf else None, "tried": tried}
+            "sweep_gain": reference_us / best_us - 1 if best_us < math.inf else None, "confirm": confirm,
+            "gain": gain, "tried": tried}
 
 
 def shape_key(shape):
@@ -185,7 +225,8 @@ def markdown(cells):
         if "skipped" in c:
             lines.append(f"| {c['model']} | {c['tokens']} | skipped | | | | |")
             continue
-        gain = f"{c['gain'] * 100:+.1f}% ({c['select']})" if c.get("gain") is not None else "-"
+        gain = f"{c['gain'] * 100:+.1f}% ({c['select']}{', confirmed' if c.get('confirm') else ''})" \
+            if c.get("gain") is not None else "-"
         lines.append(f"| {c['model']} | {c['tokens']} | {c['rows_per_expert']} | {us(c['table'])} | "
                      f"{us(c['best'])} | {gain} | {tiles_text(c['best_tiles'])} |")
     return lines

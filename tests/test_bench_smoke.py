@@ -334,7 +334,7 @@ class FallingTimer:
         self.ms *= 0.9
         return self.ms
 
-    graph = hot
+    graph = plain = hot
 
 
 def test_sweep_fp8_smoke(tmp_path):
@@ -369,6 +369,31 @@ def test_sweep_fp8_smoke(tmp_path):
     for c in cells:
         chosen = buckets[sweep_prefill.bucket_index(buckets, c["rows_per_expert"])]
         assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(c["best_tiles"])
+
+
+def test_sweep_prefill_smoke(tmp_path):
+    """scripts/sweep_prefill.py --cpu-smoke: every candidate passed the float64 check, the sweep's winner is the last
+    one measured, the confirmation timed table and winner alternately (the falling timer makes the winner's later
+    times faster, so the confirmed gain is positive but below the sweep's), and the table it writes gives the cell's
+    bucket the winner's tiles."""
+    import sweep_prefill
+
+    kernel = bench.load_kernel()
+    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
+    cells = sweep_prefill.main(["--cpu-smoke", "--out", str(tmp_path)], timer=FallingTimer())
+    (cell,) = cells
+    assert (cell["model"], cell["tokens"], cell["select"]) == ("mixtral-8x7b", 40, "kernels")
+    assert len(cell["tried"]) == 1 + 2 + 2  # the table's tiles, two gate_up and two down candidates
+    assert all("error" not in e and e["rel_err"] <= 0.02 for e in cell["tried"]), cell["tried"]
+    assert tiles.MoeTiles.from_dict(cell["best_tiles"]) == tiles.MoeTiles.from_dict(cell["tried"][-1]["tiles"])
+    assert len(cell["confirm"]["table"]) == len(cell["confirm"]["best"]) == 2
+    assert all(b < t for t, b in zip(cell["confirm"]["table"], cell["confirm"]["best"]))
+    assert 0 < cell["gain"] < cell["sweep_gain"]
+    assert "confirmed" in (tmp_path / "sweep.md").read_text()
+    table = json.loads((tmp_path / "interpreter.json").read_text())
+    buckets = table["shapes"][cell["shape"]]
+    chosen = buckets[sweep_prefill.bucket_index(buckets, cell["rows_per_expert"])]
+    assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(cell["best_tiles"])
 
 
 def _winner(rows, gain, tiles, shape="8,64,32"):
