@@ -462,6 +462,20 @@ def gpu_state(device):
         return {}
 
 
+def host_time(fn, calls=20):
+    """Host us per call of `fn`: `calls` calls issued back to back after a sync, without one in between (few enough
+    that the launch queue never fills, so the figure is the host's enqueue time, not the GPU's). Where it exceeds the
+    GPU time, plain launches (the flushed timing, eager serving) are bound by the host."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def kernel_times(fn, calls=5):
     """{kernel name: GPU us per call} of `fn` over `calls` calls (torch.profiler, CUDA activity only; plain launches,
     so the clock is the one a lightly loaded GPU runs at), largest first. The sum is the call's kernel time without
@@ -492,7 +506,8 @@ class Runner:
         """fn() -> output; check(output) -> correctness fields (skipped by --no-check); inspect(output) -> fields
         always wanted (experts hit by the routing). Fills record in place: plain_us, graph_us (when `graph`),
         hot_us (when `hot`; see EventTimer), the GPU's state after the plain and hot windows (`gpu_state`), and with
-        `kernels` kernel_us, the sum of the call's kernel times (`kernel_times`)."""
+        `kernels` kernel_us, the sum of the call's kernel times (`kernel_times`), and host_us, the host's time per
+        call (`host_time`)."""
         try:
             output = fn()  # compiles on first use; its result is what gets checked
             if self.device.type == "cuda":
@@ -527,6 +542,7 @@ class Runner:
         if kernels and self.device.type == "cuda":
             try:
                 record["kernel_us"] = sum(kernel_times(fn).values())
+                record["host_us"] = host_time(fn)
             except Exception as exc:  # noqa: BLE001 (a profiler that cannot run leaves the column empty)
                 record["kernel_error"] = error_text(exc)
                 torch.cuda.synchronize()
@@ -790,10 +806,12 @@ def summary_table(results):
 def peer_table(results):
     """fused_experts hot time against issue 12's vLLM figure and this package's figure before (same method), per
     model and T; also the L2-flushed time, the sum of the kernels' GPU times (no launch gaps, a lightly loaded GPU's
-    clock) and the SM clock after the hot and flushed windows; ratios > 1 mean slower than the figure."""
+    clock), the host's time per eager call (above the kernels' time: plain launches are host-bound) and the SM clock
+    after the hot and flushed windows; ratios > 1 mean slower than the figure."""
     cells, dtype = results["cells"], results["meta"]["dtype"]
     lines = ["| model | T | ours hot | vLLM (issue 12) | ours / vLLM | before (issue 12) | ours / before | "
-             "ours flushed | ours kernels | skewed hot | skewed gmm hot | SM MHz hot / flushed |", "|" + " --- |" * 12]
+             "ours flushed | ours kernels | ours host | skewed hot | skewed gmm hot | SM MHz hot / flushed |",
+             "|" + " --- |" * 13]
     ratios = []
     for model, tokens in dict.fromkeys((c["model"], c["tokens"]) for c in cells if c["dtype"] == dtype):
         c = _find(cells, model, tokens, "fused_experts", "moe_dispatch", dtype) or {}
@@ -807,7 +825,8 @@ def peer_table(results):
         mark = "" if vs_vllm is None or vs_vllm <= 1.0 else " **slower**"
         lines.append(f"| {model} | {tokens} | {fmt(hot)} | {fmt(vllm)} | {fmt(vs_vllm, '.3f')}{mark} | "
                      f"{fmt(before)} | {fmt(vs_before, '.3f')} | {fmt(c.get('plain_us'))} | "
-                     f"{fmt(c.get('kernel_us'))} | {fmt(skew.get('hot_us'))} | {fmt(skew_gmm.get('hot_us'))} | "
+                     f"{fmt(c.get('kernel_us'))} | {fmt(c.get('host_us'))} | {fmt(skew.get('hot_us'))} | "
+                     f"{fmt(skew_gmm.get('hot_us'))} | "
                      f"{c.get('state_hot', {}).get('sm_mhz', '-')} / {c.get('state_plain', {}).get('sm_mhz', '-')} |")
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

@@ -3,8 +3,8 @@
 activity only, mean of 5 calls) per (model, T). The launches that are neither GEMM (dispatch, combine) are the part
 issue 12's vLLM figure does not include.
 
-With --host, also where it spends its host time: the mean time to enqueue one eager call (a run of calls issued
-without a sync, so the figure is the host's time as long as the GPU keeps up), and a cProfile of those calls (the
+With --host, also where it spends its host time: the mean time to enqueue one eager call (bench.host_time: a short
+run of calls issued without a sync, so the launch queue never fills), and a cProfile of --host-calls more calls (the
 functions of largest own time). The L2-flushed timing of small cells is this host time, not the GPU's.
 
     scripts/profile_forward.py --cells qwen3-30b-a3b:4,qwen3-30b-a3b:1024 --host --out "$OUT/profile"
@@ -17,7 +17,6 @@ import cProfile
 import io
 import json
 import pstats
-import time
 from pathlib import Path
 
 import torch
@@ -68,16 +67,11 @@ def main(argv=None):
 
 
 def host_profile(fn, calls):
-    """(host us per call of `fn` issued back to back without a sync, cProfile text of `calls` more calls: the 40
-    functions of largest own time)."""
+    """(host us per call of `fn` (bench.host_time), cProfile text of `calls` calls: the 40 functions of largest own
+    time)."""
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host_us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
+    host_us = bench.host_time(fn)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
