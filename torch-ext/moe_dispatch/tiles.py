@@ -222,6 +222,8 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
     for bucket in buckets:
         if num_tokens * top_k <= bucket["max_assignments"]:
             tiles = DecodeTiles.from_dict(bucket)
+            if dtype.itemsize <= 2:
+                return tiles
             return DecodeTiles(*(dataclasses.replace(d, block_k=_wide_k(d.block_k, dtype))
                                  for d in (tiles.gate_up, tiles.down)))
     return None
