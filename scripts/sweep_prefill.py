@@ -59,8 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--hot-rep-ms", type=float, default=15.0)
     p.add_argument("--check-rows", type=int, default=64)
     p.add_argument("--select", choices=("kernels", "hot", "flushed"), default="kernels",
-                   help="the timing winners are chosen on: kernels (the profiler's sum of kernel times, at the clock of "
-                        "a lightly loaded GPU), hot (graph replays without flush, power-capped at large T) or flushed")
+                   help="the timing winners are chosen on: kernels (the profiler's sum of kernel times, at the "
+                        "clock of a lightly loaded GPU), hot (graph replays without flush, power-capped at large T) "
+                        "or flushed")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--confirm-rounds", type=int, default=2,

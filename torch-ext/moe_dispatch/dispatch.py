@@ -37,7 +37,7 @@ SINGLE_MAX = 1024  # most assignments the one-program path takes (its sort holds
 TILE_ELEMENTS = 8192  # int32 elements of one [rows, BLOCK_E] block the offsets kernel holds at once (32 per thread)
 BLOCK_TILES = 1024  # tile-map entries scanned at once
 BLOCK_FILL = 1024  # entries cleared at once
-SCAN_WARPS = 8  # the one-program kernels: their sorted block of up to SINGLE_MAX keys and [rows, BLOCK_E] blocks
+SCAN_WARPS = 8  # one-program kernels: 256 threads sort up to SINGLE_MAX keys and hold [rows, BLOCK_E] blocks
 
 
 @dataclasses.dataclass(frozen=True)
