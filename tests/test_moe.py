@@ -159,9 +159,13 @@ def test_deterministic():
 @pytest.fixture(params=["one-program", "chunked"])
 def dispatch_path(request, monkeypatch):
     """Runs a dispatch test on each path: the one-program sort (N <= SINGLE_MAX) and the multi-chunk kernels (forced
-    by SINGLE_MAX = 0). Returns the path's name."""
+    by SINGLE_MAX = 0, with the prefix kernel scanning 2 chunks at a time, so that every case walks several blocks of
+    each expert's row). The one-program path writes its tile map in blocks of 64 / BLOCK_E entries here (several
+    blocks per case). Returns the path's name."""
+    monkeypatch.setattr(dispatch_module, "TILE_MAP_ELEMENTS", 64)
     if request.param == "chunked":
         monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
+        monkeypatch.setattr(dispatch_module, "BLOCK_CHUNKS", 2)
     return request.param
 
 
@@ -171,9 +175,8 @@ def dispatch_path(request, monkeypatch):
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_dispatch_metadata(T, E, top_k, kind, block_m, dispatch_path):
     """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once, on both
-    paths (the cases past SINGLE_MAX run the chunked one either way). The largest case has more tiles than the
-    offsets kernel scans at once (dispatch.BLOCK_TILES, at block_m 16) and more chunks than it sums at once
-    (dispatch.TILE_ELEMENTS // 256 rows)."""
+    paths (the cases past SINGLE_MAX run the chunked one either way; on the one-program fixture the largest runs it
+    with the default dispatch.BLOCK_CHUNKS)."""
     ids = _routing(T, E, top_k, kind).to(DEVICE)
     info = dispatch(ids, E, block_m)
     _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)

@@ -4,8 +4,9 @@ An assignment is a = t * top_k + j (token t's j-th expert). `dispatch` sorts the
 (stably: token order is kept inside an expert) and builds the tile map the grouped GEMMs walk:
 
   _chunk_histogram_kernel    per chunk of CHUNK assignments: how many go to each expert
-  _dispatch_offsets_kernel   one program: expert offsets, each chunk's start inside each expert, the tile map
-  _assign_positions_kernel   per chunk: stable rank -> sorted position; writes gather_idx and scatter_idx
+  _chunk_prefix_kernel       per expert: its count in the chunks before each chunk, and its total
+  _assign_positions_kernel   per chunk: expert start + chunk prefix + stable rank -> sorted position; writes
+                             gather_idx and scatter_idx, and a slice of the tile map
 
 Up to SINGLE_MAX assignments `_dispatch_single_kernel` does all three in one launch, with a sort in place of the ranks
 (one launch instead of three: each launch costs the host tens of microseconds). Ids outside [0, E) are
@@ -34,9 +35,8 @@ from .row_copies import PLAIN, Layout, launch_gather
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
 SINGLE_MAX = 1024  # most assignments the one-program path takes (its sort holds them all in one block)
-TILE_ELEMENTS = 8192  # int32 elements of one [rows, BLOCK_E] block the offsets kernel holds at once (32 per thread)
-BLOCK_TILES = 1024  # tile-map entries scanned at once
-BLOCK_FILL = 1024  # entries cleared at once
+BLOCK_CHUNKS = 1024  # chunk counts of one expert the prefix kernel scans at once
+TILE_MAP_ELEMENTS = 8192  # [tiles, BLOCK_E] compare elements of one block of the one-program tile map
 SCAN_WARPS = 8  # one-program kernels: 256 threads sort up to SINGLE_MAX keys and hold [rows, BLOCK_E] blocks
 
 
@@ -79,6 +79,11 @@ class DispatchInfo:
         return self.expert_offsets[1:] - self.expert_offsets[:-1]
 
 
+def tile_map_block(max_tiles, block_e):
+    """Tile-map entries a one-program kernel writes per step (each compares its tile with every expert's end)."""
+    return max(1, min(next_power_of_2(max_tiles), TILE_MAP_ELEMENTS // block_e))
+
+
 def max_tiles_bound(num_assignments, num_experts, block_m):
     """Most row tiles any routing of N assignments over E experts can need: each non-empty expert wastes < block_m rows."""
     return (num_assignments + min(num_experts, num_assignments) * (block_m - 1)) // block_m
@@ -113,57 +118,32 @@ def _stable_rank(b_ids, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _running_max(a, b):
-    return tl.maximum(a, b)
+def _tile_map_block(b_counts, b_offsets, first_tile, tile_expert_ptr, tile_row_start_ptr, max_tiles,
+                    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """Entries [first_tile, +BLOCK_TILES) of the tile map, from the experts' row counts and first rows alone (no
+    pass over the rest of the map): tile i belongs to the expert after every expert whose tiles end at or before i
+    (experts with no rows end where they start, so they are passed over); its first row is that expert's first row
+    plus BLOCK_M per earlier tile of the expert. Tiles past the real total get expert -1 and row 0."""
+    b_tiles = (b_counts + BLOCK_M - 1) // BLOCK_M
+    b_tiles_end = tl.cumsum(b_tiles, axis=0)
+    total_tiles = tl.sum(b_tiles, axis=0)
+    offs_i = first_tile + tl.arange(0, BLOCK_TILES)
+    b_expert = tl.sum((b_tiles_end[None, :] <= offs_i[:, None]).to(tl.int32), axis=1)  # [BLOCK_TILES]
+    b_valid = offs_i < total_tiles
+    b_at = tl.where(b_valid, b_expert, 0)
+    b_row = tl.gather(b_offsets, b_at, 0) + (offs_i - tl.gather(b_tiles_end - b_tiles, b_at, 0)) * BLOCK_M
+    mask_i = offs_i < max_tiles
+    tl.store(tile_expert_ptr + offs_i, tl.where(b_valid, b_expert, -1), mask=mask_i)
+    tl.store(tile_row_start_ptr + offs_i, tl.where(b_valid, b_row, 0), mask=mask_i)
 
 
 @triton.jit
 def _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles,
                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr):
-    """Tile i belongs to the expert whose tile range holds i; tiles past the real total get expert -1.
-
-    One program, O(max_tiles + E): each expert with rows marks its first tile (its id in tile_expert, its first row in
-    tile_row_start) over a cleared map, then a running maximum over the tiles carries each mark to the expert's
-    other tiles (experts, first tiles and first rows all increase along the map)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    b_tiles = (b_counts + BLOCK_M - 1) // BLOCK_M
-    b_tiles_start = tl.cumsum(b_tiles, axis=0) - b_tiles
-    total_tiles = tl.sum(b_tiles, axis=0)
+    """The whole tile map from one program, a block of BLOCK_TILES entries at a time (blocks are independent)."""
     for i0 in range(0, max_tiles, BLOCK_TILES):
-        offs_i = i0 + tl.arange(0, BLOCK_TILES)
-        tl.store(tile_expert_ptr + offs_i, tl.full((BLOCK_TILES,), -1, tl.int32), mask=offs_i < max_tiles)
-    tl.debug_barrier()
-    b_marks = b_tiles > 0
-    tl.store(tile_expert_ptr + b_tiles_start, offs_e, mask=b_marks)
-    tl.store(tile_row_start_ptr + b_tiles_start, b_offsets, mask=b_marks)
-    tl.debug_barrier()
-    carry_expert = total_tiles * 0 - 1  # int32 scalars, carried from one block of the map to the next
-    carry_first = total_tiles * 0
-    carry_row = total_tiles * 0
-    for i0 in range(0, max_tiles, BLOCK_TILES):
-        offs_i = i0 + tl.arange(0, BLOCK_TILES)
-        mask_i = offs_i < max_tiles
-        b_mark = tl.load(tile_expert_ptr + offs_i, mask=mask_i, other=-1)
-        b_marked = b_mark >= 0
-        b_mark_row = tl.load(tile_row_start_ptr + offs_i, mask=mask_i & b_marked, other=-1)
-        b_expert = tl.maximum(tl.associative_scan(b_mark, 0, _running_max), carry_expert)
-        b_first = tl.maximum(tl.associative_scan(tl.where(b_marked, offs_i, -1), 0, _running_max), carry_first)
-        b_row = tl.maximum(tl.associative_scan(b_mark_row, 0, _running_max), carry_row)
-        carry_expert = tl.max(b_expert, axis=0)
-        carry_first = tl.max(b_first, axis=0)
-        carry_row = tl.max(b_row, axis=0)
-        b_valid = offs_i < total_tiles
-        tl.debug_barrier()  # every load of this block before any store to it
-        tl.store(tile_expert_ptr + offs_i, tl.where(b_valid, b_expert, -1), mask=mask_i)
-        tl.store(tile_row_start_ptr + offs_i, tl.where(b_valid, b_row + (offs_i - b_first) * BLOCK_M, 0), mask=mask_i)
-
-
-@triton.jit
-def _fill_unused_gather(gather_idx_ptr, total, N, BLOCK_FILL: tl.constexpr):
-    """gather_idx[p] = -1 for p in [total, N): the sorted positions no kept assignment took."""
-    for p0 in range((total // BLOCK_FILL) * BLOCK_FILL, N, BLOCK_FILL):
-        offs_p = p0 + tl.arange(0, BLOCK_FILL)
-        tl.store(gather_idx_ptr + offs_p, tl.full((BLOCK_FILL,), -1, tl.int32), mask=(offs_p < N) & (offs_p >= total))
+        _tile_map_block(b_counts, b_offsets, i0, tile_expert_ptr, tile_row_start_ptr, max_tiles,
+                        BLOCK_E, BLOCK_M, BLOCK_TILES)
 
 
 @triton.jit
@@ -203,78 +183,80 @@ def _dispatch_single_kernel(
 @triton.jit
 def _chunk_histogram_kernel(
     topk_ids_ptr, chunk_counts_ptr,
-    N, E,
+    N, E, n_chunks,
     stride_ids_t, stride_ids_k,
     TOP_K: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid: (n_chunks,). chunk_counts[c, e] = assignments of chunk c routed to expert e."""
+    """Grid: (n_chunks,). chunk_counts[e, c] = assignments of chunk c routed to expert e (expert-major [E, n_chunks],
+    so that the prefix kernel scans each expert's counts along contiguous memory)."""
     wait_for_producer(PDL)
     chunk = tl.program_id(0)
     _, _, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
     offs_e = tl.arange(0, BLOCK_E)
-    tl.store(chunk_counts_ptr + chunk * BLOCK_E + offs_e, _histogram(b_ids, BLOCK_E))
+    tl.store(chunk_counts_ptr + offs_e.to(tl.int64) * n_chunks + chunk, _histogram(b_ids, BLOCK_E), mask=offs_e < E)
 
 
 @triton.jit
-def _dispatch_offsets_kernel(
-    chunk_counts_ptr, chunk_base_ptr, expert_offsets_ptr, gather_idx_ptr, tile_expert_ptr, tile_row_start_ptr,
-    N, E, n_chunks, max_tiles,
-    BLOCK_E: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_TILES: tl.constexpr,
-    BLOCK_FILL: tl.constexpr,
+def _chunk_prefix_kernel(
+    chunk_counts_ptr, chunk_prefix_ptr, expert_totals_ptr,
+    n_chunks,
+    BLOCK_CHUNKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid: (1,). Scans chunk_counts twice: totals -> expert offsets; then chunk_base[c, e] = first sorted position
-    of chunk c's assignments to expert e. Also writes the tile map and marks unused gather_idx slots with -1."""
+    """Grid: (E,). Program e scans its expert's row: chunk_prefix[e, c] = assignments to expert e in chunks before c,
+    expert_totals[e] = all of them. The experts' rows are scanned side by side, one program each."""
     wait_for_producer(PDL)
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_c = tl.arange(0, BLOCK_C)
-    b_counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        b_tile = tl.load(chunk_counts_ptr + (c0 + offs_c)[:, None] * BLOCK_E + offs_e[None, :],
-                         mask=(c0 + offs_c < n_chunks)[:, None], other=0)  # [BLOCK_C, BLOCK_E]
-        b_counts += tl.sum(b_tile, axis=0)
-    b_offsets = tl.cumsum(b_counts, axis=0) - b_counts
-    total = tl.sum(b_counts, axis=0)
-    tl.store(expert_offsets_ptr + offs_e, b_offsets, mask=offs_e < E)
-    tl.store(expert_offsets_ptr + E, total)
-
-    b_running = b_offsets
-    for c0 in range(0, n_chunks, BLOCK_C):
-        mask_c = (c0 + offs_c < n_chunks)[:, None]
-        ptrs = (c0 + offs_c)[:, None] * BLOCK_E + offs_e[None, :]
-        b_tile = tl.load(chunk_counts_ptr + ptrs, mask=mask_c, other=0)
-        tl.store(chunk_base_ptr + ptrs, tl.cumsum(b_tile, axis=0) - b_tile + b_running[None, :], mask=mask_c)
-        b_running += tl.sum(b_tile, axis=0)
-
-    _write_tile_map(b_counts, b_offsets, tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
-    _fill_unused_gather(gather_idx_ptr, total, N, BLOCK_FILL)
+    expert = tl.program_id(0)
+    row = expert.to(tl.int64) * n_chunks
+    offs_c = tl.arange(0, BLOCK_CHUNKS)
+    running = expert * 0  # int32 scalar, carried from one block of the row to the next
+    for c0 in range(0, n_chunks, BLOCK_CHUNKS):
+        mask_c = c0 + offs_c < n_chunks
+        b_counts = tl.load(chunk_counts_ptr + row + c0 + offs_c, mask=mask_c, other=0)
+        tl.store(chunk_prefix_ptr + row + c0 + offs_c, tl.cumsum(b_counts, axis=0) - b_counts + running, mask=mask_c)
+        running += tl.sum(b_counts, axis=0)
+    tl.store(expert_totals_ptr + expert, running)
 
 
 @triton.jit
 def _assign_positions_kernel(
-    topk_ids_ptr, chunk_base_ptr, gather_idx_ptr, scatter_idx_ptr,
-    N, E,
+    topk_ids_ptr, chunk_prefix_ptr, expert_totals_ptr,
+    expert_offsets_ptr, gather_idx_ptr, scatter_idx_ptr, tile_expert_ptr, tile_row_start_ptr,
+    N, E, n_chunks, max_tiles,
     stride_ids_t, stride_ids_k,
     TOP_K: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILES_PER_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid: (n_chunks,). Sorted position = chunk_base[c, id] + rank of the assignment among the chunk's same-id ones."""
+    """Grid: (n_chunks,). Program c: sorted position of each of its assignments = first position of the id's expert
+    (exclusive scan of expert_totals) + chunk_prefix[id, c] + rank among the chunk's same-id assignments; -1 into
+    gather_idx at the chunk's positions no kept assignment takes (those at or past the kept total); tile map entries
+    [c * TILES_PER_CHUNK, +TILES_PER_CHUNK). Program 0 also writes expert_offsets."""
     wait_for_producer(PDL)
     chunk = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    b_totals = tl.load(expert_totals_ptr + offs_e, mask=offs_e < E, other=0)
+    b_offsets = tl.cumsum(b_totals, axis=0) - b_totals
+    total = tl.sum(b_totals, axis=0)
+    if chunk == 0:
+        tl.store(expert_offsets_ptr + offs_e, b_offsets, mask=offs_e < E)
+        tl.store(expert_offsets_ptr + E, total)
     offs_a, mask_a, b_ids = _load_chunk_ids(topk_ids_ptr, chunk, N, E, stride_ids_t, stride_ids_k, TOP_K, CHUNK)
     b_valid = b_ids >= 0
-    b_base = tl.load(chunk_base_ptr + chunk * BLOCK_E + b_ids, mask=mask_a & b_valid, other=0)
-    b_pos = b_base + _stable_rank(b_ids, CHUNK)
+    b_first = tl.gather(b_offsets, tl.where(b_valid, b_ids, 0), 0)
+    b_prefix = tl.load(chunk_prefix_ptr + b_ids.to(tl.int64) * n_chunks + chunk, mask=mask_a & b_valid, other=0)
+    b_pos = b_first + b_prefix + _stable_rank(b_ids, CHUNK)
     tl.store(scatter_idx_ptr + offs_a, tl.where(b_valid, b_pos, -1), mask=mask_a)
     tl.store(gather_idx_ptr + b_pos, offs_a, mask=mask_a & b_valid)
+    tl.store(gather_idx_ptr + offs_a, tl.full((CHUNK,), -1, tl.int32), mask=mask_a & (offs_a >= total))
+    _tile_map_block(b_totals, b_offsets, chunk * TILES_PER_CHUNK, tile_expert_ptr, tile_row_start_ptr, max_tiles,
+                    BLOCK_E, BLOCK_M, TILES_PER_CHUNK)
 
 
 def dispatch(topk_ids, num_experts, block_m):
@@ -295,7 +277,7 @@ def dispatch(topk_ids, num_experts, block_m):
         return info
 
     block_e = next_power_of_2(E)
-    block_tiles = min(BLOCK_TILES, next_power_of_2(max_tiles))
+    block_tiles = tile_map_block(max_tiles, block_e)
     common = dict(TOP_K=top_k, BLOCK_E=block_e, **pdl_options(device))
     if N <= SINGLE_MAX and (E + 1) * SINGLE_MAX < 2**31:  # the sort keys id * CHUNK + a stay in int32
         _dispatch_single_kernel[(1,)](
@@ -307,21 +289,20 @@ def dispatch(topk_ids, num_experts, block_m):
         return info
 
     n_chunks = cdiv(N, CHUNK)
-    chunk_counts = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
-    chunk_base = torch.empty((n_chunks, block_e), device=device, dtype=torch.int32)
+    chunk_counts = torch.empty((E, n_chunks), device=device, dtype=torch.int32)
+    chunk_prefix = torch.empty((E, n_chunks), device=device, dtype=torch.int32)
+    expert_totals = torch.empty(E, device=device, dtype=torch.int32)
     _chunk_histogram_kernel[(n_chunks,)](
-        topk_ids, chunk_counts, N, E, topk_ids.stride(0), topk_ids.stride(1), CHUNK=CHUNK, **common,
+        topk_ids, chunk_counts, N, E, n_chunks, topk_ids.stride(0), topk_ids.stride(1), CHUNK=CHUNK, **common,
     )
-    _dispatch_offsets_kernel[(1,)](
-        chunk_counts, chunk_base, expert_offsets, gather_idx, tile_expert, tile_row_start,
-        N, E, n_chunks, max_tiles,
-        BLOCK_E=block_e, BLOCK_C=min(next_power_of_2(n_chunks), max(1, TILE_ELEMENTS // block_e)),
-        BLOCK_M=block_m, BLOCK_TILES=block_tiles, BLOCK_FILL=BLOCK_FILL, num_warps=SCAN_WARPS,
-        **pdl_options(device),
+    _chunk_prefix_kernel[(E,)](
+        chunk_counts, chunk_prefix, expert_totals, n_chunks,
+        BLOCK_CHUNKS=min(next_power_of_2(n_chunks), BLOCK_CHUNKS), **pdl_options(device),
     )
     _assign_positions_kernel[(n_chunks,)](
-        topk_ids, chunk_base, gather_idx, scatter_idx, N, E, topk_ids.stride(0), topk_ids.stride(1),
-        CHUNK=CHUNK, **common,
+        topk_ids, chunk_prefix, expert_totals, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
+        N, E, n_chunks, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
+        CHUNK=CHUNK, BLOCK_M=block_m, TILES_PER_CHUNK=next_power_of_2(cdiv(max_tiles, n_chunks)), **common,
     )
     return info
 
@@ -390,7 +371,7 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
         _segment_tile_map_kernel[(1,)](
             expert_offsets, tile_expert, tile_row_start, num_experts, num_rows, max_tiles,
             BLOCK_E=next_power_of_2(num_experts), BLOCK_M=block_m,
-            BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max_tiles)), num_warps=SCAN_WARPS,
+            BLOCK_TILES=tile_map_block(max_tiles, next_power_of_2(num_experts)), num_warps=SCAN_WARPS,
         )
     return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,
                         tile_expert, tile_row_start)
