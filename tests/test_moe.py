@@ -160,9 +160,9 @@ def test_deterministic():
 def dispatch_path(request, monkeypatch):
     """Runs a dispatch test on each path: the one-program sort (N <= SINGLE_MAX) and the multi-chunk kernels (forced
     by SINGLE_MAX = 0, with the prefix kernel scanning 2 chunks at a time, so that every case walks several blocks of
-    each expert's row). The one-program path writes its tile map in blocks of 64 / BLOCK_E entries here (several
-    blocks per case). Returns the path's name."""
-    monkeypatch.setattr(dispatch_module, "TILE_MAP_ELEMENTS", 64)
+    each expert's row). The one-program kernels scan their tile map 16 entries at a time here, so the scan's carries
+    from one block to the next are exercised. Returns the path's name."""
+    monkeypatch.setattr(dispatch_module, "BLOCK_TILES", 16)
     if request.param == "chunked":
         monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
         monkeypatch.setattr(dispatch_module, "BLOCK_CHUNKS", 2)
