@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""A/B timing of one environment switch of the package (MOE_DISPATCH_PDL, ...) in one run: each (model, T) cell's
-`fused_experts` call timed hot (triton.testing.do_bench_cudagraph: the call repeated in one CUDA graph, no L2 flush)
-and as one-call graph replays with L2 flushed, for each value of the switch in turn, over --rounds alternating rounds
-(A B A B ...: clock drift hits both sides alike); the outputs of the values must be bit-identical.
+"""Paired A/B timing of one environment switch of the package (MOE_DISPATCH_PDL, ...) in one run: for each (model, T)
+cell, `fused_experts` is captured once per value of the switch (a one-call CUDA graph, replayed after an L2 flush, and
+a graph of ten calls, hot), then the values are replayed call by call, A B, B A, ... for --pairs pairs
+(`bench.paired_graph_times`): clock drift under the power cap hits neighbouring replays alike, so the medians of the
+per-pair ratios resolve 1-2% differences. The outputs of the values must be bit-identical; the first value's is checked
+against the float64 reference.
 
     scripts/ab_switch.py --switch MOE_DISPATCH_PDL=1,0 --cells qwen3-30b-a3b:1,qwen3-30b-a3b:4 --out "$OUT/ab"
 
-Prints a table (medians over rounds) and writes OUT/ab.json.
+Prints a table (medians; ratios against the first value) and writes OUT/ab.json.
 """
 
 import argparse
@@ -24,8 +26,8 @@ from model_shapes import MODEL_SHAPES
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--switch", required=True, help="VAR=a,b: the environment variable and its values")
-    p.add_argument("--cells", required=True, help="comma list of model:T")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cells", required=True, help="comma list of model:T (model:T:skewed for skewed routing)")
+    p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--out", default="ab-out")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -34,48 +36,58 @@ def main(argv=None):
     var, values = args.switch.split("=")
     values = values.split(",")
     device = torch.device("cuda")
-    timer = bench.EventTimer(5.0, 30.0, 15.0)
     results = []
     prob = None
     for cell in args.cells.split(","):
-        name, t = cell.split(":")
+        name, t, *routing = cell.split(":")
         t = int(t)
         shape = MODEL_SHAPES[name]
         if prob is None or prob.shape.name != name:
             prob = None
             bench.free_memory(device)
-            prob = bench.make_problem(shape, 4096, torch.bfloat16, device, args.seed)
-        ids, weights = bench.random_routing(t, shape.num_experts, shape.top_k, device, args.seed * 1000003 + t)
+            prob = bench.make_problem(shape, max(t, 1024), torch.bfloat16, device, args.seed)
+        route = bench.skewed_routing if routing else bench.random_routing
+        ids, weights = route(t, shape.num_experts, shape.top_k, device, args.seed * 1000003 + t)
         x = prob.x[:t]
-
-        def call():
-            return md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
-
-        times = {v: {"hot": [], "graph": []} for v in values}
-        outputs = {}
-        errors = []
-        for _ in range(args.rounds):
+        row = {"model": name, "tokens": t, "routing": "skewed" if routing else "balanced"}
+        try:
+            outputs = {}
+            variants = {}
             for v in values:
                 os.environ[var] = v
-                try:
-                    if v not in outputs:
-                        outputs[v] = call()
-                    times[v]["hot"].append(timer.hot(call) * 1e3)
-                    times[v]["graph"].append(timer.graph(call) * 1e3)
-                except Exception as exc:  # noqa: BLE001 (recorded; the other cells still run)
-                    errors.append(f"{var}={v}: {bench.error_text(exc)[:200]}")
-                    torch.cuda.synchronize()
-        same = len(outputs) == len(values) and all(torch.equal(outputs[values[0]], outputs[v]) for v in values[1:])
-        row = {"model": name, "tokens": t, "identical": same, "errors": errors,
-               **{f"{kind}_{v}": statistics.median(times[v][kind]) if times[v][kind] else float("nan")
-                  for v in values for kind in ("hot", "graph")}}
+                outputs[v] = md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
+
+                def call(v=v):  # the switch as it is read at launch, i.e. while each graph is captured
+                    os.environ[var] = v
+                    return md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
+
+                variants[v] = call
+            row["identical"] = all(torch.equal(outputs[values[0]], outputs[v]) for v in values[1:])
+            rows = bench.check_rows(t, 256, device, args.seed)
+            row["rel_err"] = bench.check_output(prob, rows, outputs[values[0]], ids, weights)
+            times = bench.paired_graph_times(variants, args.pairs)
+            for kind, series in times.items():
+                ratios = bench.median_ratios(series, values[0])
+                for v in values:
+                    row[f"{kind}_{v}"] = statistics.median(series[v])
+                    row[f"{kind}_ratio_{v}"] = ratios[v]
+            row["per_pair"] = times
+        except Exception as exc:  # noqa: BLE001 (recorded; the other cells still run)
+            row["error"] = bench.error_text(exc)
+            torch.cuda.synchronize()
+        finally:
+            os.environ.pop(var, None)
         results.append(row)
-        line = " ".join(f"{kind}[{v}] {row[f'{kind}_{v}']:.1f}" for kind in ("hot", "graph") for v in values)
-        print(f"{name:16s} T={t:<5d} {line} identical={same} {' '.join(errors)}", flush=True)
-    os.environ.pop(var, None)
+        if "error" in row:
+            print(f"{name:16s} T={t:<5d} {row['routing']:8s} error: {row['error']}", flush=True)
+        else:
+            line = " ".join(f"{kind}[{v}] {row[f'{kind}_{v}']:.1f} ({row[f'{kind}_ratio_{v}'] - 1:+.1%})"
+                            for kind in ("flushed", "hot") for v in values)
+            print(f"{name:16s} T={t:<5d} {row['routing']:8s} {line} identical={row['identical']} "
+                  f"rel_err={row['rel_err']:.1e}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ab.json").write_text(json.dumps({"switch": args.switch, "cells": results}, indent=1))
+    (out / "ab.json").write_text(json.dumps({"switch": args.switch, "pairs": args.pairs, "cells": results}, indent=1))
 
 
 if __name__ == "__main__":

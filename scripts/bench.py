@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -192,18 +193,71 @@ class EventTimer:
     def graph(self, fn):
         from triton.testing import do_bench
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = _capture(fn, 1)
         try:
             return do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
         finally:
             del graph
+
+
+def alternating_orders(names, pairs):
+    """The replay order of each pair of a paired A/B: every name once per pair, the order reversed every other pair,
+    so that neither side always runs first after the other."""
+    names = list(names)
+    return [names if i % 2 == 0 else names[::-1] for i in range(pairs)]
+
+
+def median_ratios(times, base):
+    """{name: median over pairs of times[name][i] / times[base][i]} (times: {name: [per-pair times]})."""
+    return {name: statistics.median(a / b for a, b in zip(series, times[base])) for name, series in times.items()}
+
+
+def paired_graph_times(variants, pairs, hot_calls=10, flush_bytes=256 << 20):
+    """Paired A/B timing of `variants` ({name: fn}, each a complete call): each is captured as a one-call CUDA graph
+    (replayed after an L2 flush: "flushed") and a graph of `hot_calls` calls (no flush: "hot", per call), then the
+    variants are replayed call by call in `alternating_orders`, `pairs` times. Returns {"flushed": {name: [us]},
+    "hot": {name: [us]}}. Clock drift under the power cap moves neighbouring replays alike, so per-pair ratios
+    (`median_ratios`) resolve differences of 1-2% that whole rounds timed one after the other do not (docs/performance.md,
+    "Issue 12, v7")."""
+    flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+    graphs = {}
+    for name, fn in variants.items():
+        graphs[name] = (_capture(fn, 1), _capture(fn, hot_calls))
+    for one, many in graphs.values():  # warm-up
+        one.replay()
+        many.replay()
+    torch.cuda.synchronize()
+    times = {"flushed": {name: [] for name in variants}, "hot": {name: [] for name in variants}}
+    for order in alternating_orders(variants, pairs):
+        events = []
+        for kind, index, do_flush in (("flushed", 0, True), ("hot", 1, False)):
+            for name in order:
+                if do_flush:
+                    flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[name][index].replay()
+                end.record()
+                events.append((kind, name, start, end))
+        torch.cuda.synchronize()
+        for kind, name, start, end in events:
+            calls = 1 if kind == "flushed" else hot_calls
+            times[kind][name].append(start.elapsed_time(end) * 1e3 / calls)
+    return times
+
+
+def _capture(fn, calls):
+    """A CUDA graph of `calls` calls of fn (warmed up on a side stream first, as capture wants)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
 
 
 class WallTimer:

@@ -461,3 +461,14 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
     conftest.pytest_runtest_logreport(failed)
     assert path.read_text() == ("tests/test_x.py::test_y[a] (call): AssertionError: rms rel err 3e-02 > 1e-05 "
                                 "(torch.float32)\n")
+
+
+def test_paired_orders_alternate():
+    """Paired A/B (bench.paired_graph_times): each variant once per pair, the order reversed every other pair, and
+    ratios are medians of per-pair ratios against the base (a drift that moves both sides of a pair cancels)."""
+    orders = bench.alternating_orders(["a", "b", "c"], 4)
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
+    drifting = {"base": [100.0, 120.0, 140.0], "new": [98.0, 117.6, 137.2]}  # 2% faster in every pair
+    ratios = bench.median_ratios(drifting, "base")
+    assert ratios["base"] == 1.0
+    assert abs(ratios["new"] - 0.98) < 1e-12
