@@ -7,6 +7,7 @@ would catch a wrong kernel.
 """
 
 import json
+import os
 from pathlib import Path
 
 import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
@@ -472,3 +473,22 @@ def test_paired_orders_alternate():
     ratios = bench.median_ratios(drifting, "base")
     assert ratios["base"] == 1.0
     assert abs(ratios["new"] - 0.98) < 1e-12
+
+
+def test_kernel_resources_compiles_what_a_call_launches(tmp_path):
+    """scripts/kernel_resources.py in a process without the interpreter: the two decode kernels of Qwen3 T = 4 on an
+    H200 are caught at launch, compiled for sm_90 and measured (registers, shared memory within the H200's limit)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(str(root / d) for d in ("scripts", "benchmarks", "torch-ext"))
+    run = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--cells", "qwen3-30b-a3b:4",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = json.loads((tmp_path / "resources.json").read_text())
+    assert [r["kernel"] for r in records] == ["_decode_gate_up_kernel", "_decode_down_kernel"]
+    for record in records:
+        assert 0 < record["registers"] <= 255 and record["sass_instructions"] > 0
+        assert 0 <= record["shared"] <= 232448
