@@ -6,9 +6,9 @@ For each model and T it times `fused_experts` (hot: triton.testing.do_bench_cuda
 time is recorded beside it) for the table's tiles, then sweeps the gate_up GEMM's tile over CANDIDATES with the
 down GEMM held, then the down GEMM's with the best gate_up held; BLOCK_M takes the table's value and, where listed,
 one alternative. Every candidate's output is checked against the float64 reference on a row sample. Winners are chosen
-on --select (the profiler's kernel time by default), then confirmed: the table's tiles and the winner are timed again in
-alternation (--confirm-rounds each) and the cell's gain is the ratio of their medians, so a winner that only ran on a
-cooler GPU than the table does not count. Writes
+on --select (the profiler's kernel time by default), then confirmed: the table's tiles and the winner are replayed call
+by call in alternation (--confirm-pairs pairs of CUDA graphs, hot, or flushed with --select flushed) and the cell's gain
+is the median of the per-pair ratios, so a winner that only ran on a cooler GPU than the table does not count. Writes
 OUT/sweep.json, OUT/sweep.md and OUT/<device_key>.json: the package's table with the winning tiles written into
 each swept (model, bucket) whose gain is above --min-gain (per-shape bucket lists are created from the generic ones
 where a model had none). scripts/sweep_fp8.py reuses the tile and table helpers for the w8a8 path's buckets.
@@ -64,8 +64,11 @@ def parse_args(argv=None):
                         "or flushed")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--confirm-pairs", type=int, default=16,
+                   help="on a GPU: pairs of call-by-call alternating graph replays of the table's tiles and the "
+                        "winner (bench.paired_graph_times; 0: the sweep's own times)")
     p.add_argument("--confirm-rounds", type=int, default=2,
-                   help="alternating re-timings of the table's tiles and the winner (0: the sweep's own times)")
+                   help="without CUDA (the CPU smoke run): alternating re-timings of the table's tiles and the winner")
     p.add_argument("--max-candidates", type=int, default=None, help="first N candidates of each GEMM only")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="plumbing run: CPU, interpreter, shrunk shapes (default cell mixtral-8x7b:40), two candidates")
@@ -185,9 +188,17 @@ def sweep_cell(md, tiles_module, prob, t, alt_block_m, timer, args, device):
             best, best_us, best_entry = start, start_us, start_entry
     gain = reference_us / best_us - 1 if best_us < math.inf else None
     confirm = None
-    if best is not base and gain is not None and args.confirm_rounds > 0:
-        # the table's tiles and the winner again, alternating, so both see the same GPU state; the gain is the
-        # ratio of the medians
+    if best is not base and gain is not None and device.type == "cuda" and args.confirm_pairs > 0:
+        # the table's tiles and the winner replayed call by call in alternation (bench.paired_graph_times): the gain
+        # is the median of the per-pair ratios, hot (flushed when selecting on flushed times)
+        kind = "flushed" if args.select == "flushed" else "hot"
+        times = bench.paired_graph_times({"table": call_with(base), "best": call_with(best)}, args.confirm_pairs)[kind]
+        ratio = bench.median_ratios(times, "table")["best"]
+        confirm = {"kind": kind, "pairs": args.confirm_pairs, "best_over_table": ratio, **times}
+        gain = 1 / ratio - 1
+    elif best is not base and gain is not None and args.confirm_rounds > 0:
+        # without CUDA graphs (the CPU smoke run): the table's tiles and the winner timed again in alternating rounds,
+        # the gain the ratio of the medians
         confirm = {"table": [], "best": []}
         for _ in range(args.confirm_rounds):
             confirm["table"].append(timed(call_with(base)))
