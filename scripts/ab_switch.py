@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Paired A/B timing of one environment switch of the package (MOE_DISPATCH_PDL, ...) in one run: for each (model, T)
+"""Paired A/B timing of one switch of the package in one run: an environment variable (MOE_DISPATCH_PDL, ...) or a
+module attribute read at launch (persistent_gemm.PREFETCH_META, ...). For each (model, T)
 cell, `fused_experts` is captured once per value of the switch (a one-call CUDA graph, replayed after an L2 flush, and
 a graph of ten calls, hot), then the values are replayed call by call, A B, B A, ... for --pairs pairs
 (`bench.paired_graph_times`): clock drift under the power cap hits neighbouring replays alike, so the medians of the
@@ -7,11 +8,14 @@ per-pair ratios resolve 1-2% differences. The outputs of the values must be bit-
 against the float64 reference.
 
     scripts/ab_switch.py --switch MOE_DISPATCH_PDL=1,0 --cells qwen3-30b-a3b:1,qwen3-30b-a3b:4 --out "$OUT/ab"
+    scripts/ab_switch.py --switch moe_dispatch.dispatch:SINGLE_MAX=1024,0 --cells qwen3-30b-a3b:128 --out "$OUT/ab"
 
 Prints a table (medians; ratios against the first value) and writes OUT/ab.json.
 """
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import statistics
@@ -23,9 +27,38 @@ import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/
 from model_shapes import MODEL_SHAPES
 
 
+def switch_setter(switch):
+    """(set(value), values) of a --switch: "VAR=a,b" sets environment variable VAR to the string value;
+    "package.module:NAME=a,b" sets the module's attribute NAME to the value read as a Python literal. set(None) puts
+    back what was there before."""
+    name, values = switch.split("=")
+    values = values.split(",")
+    if ":" not in name:
+        before = os.environ.get(name)
+
+        def set_env(value):
+            value = before if value is None else value
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+        return set_env, values
+    module_name, attr = name.split(":")
+    module = importlib.import_module(module_name)
+    before = getattr(module, attr)  # fails early on a misspelt attribute
+
+    def set_attr(value):
+        setattr(module, attr, before if value is None else ast.literal_eval(value))
+
+    return set_attr, values
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--switch", required=True, help="VAR=a,b: the environment variable and its values")
+    p.add_argument("--switch", required=True,
+                   help="VAR=a,b (an environment variable) or package.module:NAME=a,b (a module attribute, values as "
+                        "Python literals), and its values")
     p.add_argument("--cells", required=True, help="comma list of model:T (model:T:skewed for skewed routing)")
     p.add_argument("--pairs", type=int, default=16)
     p.add_argument("--out", default="ab-out")
@@ -33,8 +66,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import moe_dispatch as md
 
-    var, values = args.switch.split("=")
-    values = values.split(",")
+    setter, values = switch_setter(args.switch)
     device = torch.device("cuda")
     results = []
     prob = None
@@ -54,11 +86,11 @@ def main(argv=None):
             outputs = {}
             variants = {}
             for v in values:
-                os.environ[var] = v
+                setter(v)
                 outputs[v] = md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
 
                 def call(v=v):  # the switch as it is read at launch, i.e. while each graph is captured
-                    os.environ[var] = v
+                    setter(v)
                     return md.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights)
 
                 variants[v] = call
@@ -76,7 +108,7 @@ def main(argv=None):
             row["error"] = bench.error_text(exc)
             torch.cuda.synchronize()
         finally:
-            os.environ.pop(var, None)
+            setter(None)
         results.append(row)
         if "error" in row:
             print(f"{name:16s} T={t:<5d} {row['routing']:8s} error: {row['error']}", flush=True)

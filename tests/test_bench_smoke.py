@@ -492,3 +492,24 @@ def test_kernel_resources_compiles_what_a_call_launches(tmp_path):
     for record in records:
         assert 0 < record["registers"] <= 255 and record["sass_instructions"] > 0
         assert 0 <= record["shared"] <= 232448
+
+
+def test_ab_switch_sets_and_restores_both_kinds_of_switch(monkeypatch):
+    """scripts/ab_switch.py's --switch: an environment variable takes the string, a module attribute the Python
+    literal; setting None puts back what was there."""
+    import ab_switch
+    from moe_dispatch import dispatch
+
+    monkeypatch.delenv("MOE_DISPATCH_PDL", raising=False)
+    set_env, values = ab_switch.switch_setter("MOE_DISPATCH_PDL=1,0")
+    assert values == ["1", "0"]
+    set_env("0")
+    assert os.environ["MOE_DISPATCH_PDL"] == "0"
+    set_env(None)
+    assert "MOE_DISPATCH_PDL" not in os.environ
+    before = dispatch.SINGLE_MAX
+    set_attr, values = ab_switch.switch_setter("moe_dispatch.dispatch:SINGLE_MAX=1024,0")
+    set_attr(values[1])
+    assert dispatch.SINGLE_MAX == 0
+    set_attr(None)
+    assert dispatch.SINGLE_MAX == before
