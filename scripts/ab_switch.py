@@ -74,7 +74,7 @@ def main(argv=None):
         name, t, *routing = cell.split(":")
         t = int(t)
         shape = MODEL_SHAPES[name]
-        if prob is None or prob.shape.name != name:
+        if prob is None or prob.shape.name != name or prob.x.shape[0] < t:
             prob = None
             bench.free_memory(device)
             prob = bench.make_problem(shape, max(t, 1024), torch.bfloat16, device, args.seed)

@@ -94,9 +94,10 @@ class CompileOnly:
 @contextlib.contextmanager
 def as_h200():
     """The package's device facts as on an H200 (tile table, TMA, PDL, SMs, shared memory), for CPU tensors."""
-    from moe_dispatch import decode, pdl, persistent_gemm, tiles
+    from moe_dispatch import _device, decode, pdl, persistent_gemm, tiles
 
-    patches = [(tiles, "device_key", lambda device: H200["key"]),
+    patches = [(_device, "kernels_run_on", lambda device: True),  # CPU tensors, compiled for the GPU
+               (tiles, "device_key", lambda device: H200["key"]),
                (persistent_gemm, "has_tma", lambda device: True),
                (persistent_gemm, "INTERPRETER_PROGRAMS", H200["sms"]),
                (pdl, "pdl_enabled", lambda device: True),

@@ -5,16 +5,24 @@ through conftest.py. The tolerance table and `assert_close` live beside the floa
 (benchmarks/reference.py), because the Hub benchmark that ships benchmarks/ verifies with them too.
 """
 
+import os
+
 import pytest
 import torch
 from reference import TOLERANCE, assert_close, relative_error
 
-__all__ = ["DEVICE", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights", "needs_gpu",
-           "poison_empty", "relative_error"]
+__all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights",
+           "needs_gpu", "needs_interpreter", "poison_empty", "relative_error"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # conftest turns it on where there is no GPU
+# Tests of the CPU set-up (kernels on CPU tensors through Triton's interpreter: the README's CPU blocks, the scripts'
+# --cpu-smoke modes, gloo ranks) run in the CPU suite; on a GPU machine the same code runs compiled in the GPU tests.
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="the CPU set-up: kernels on CPU tensors through Triton's interpreter, which conftest turns on "
+                            "only where there is no GPU")
 
 
 def _poison(t):

@@ -14,7 +14,7 @@ import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
 import bench
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE
+from helpers import DEVICE, TOLERANCE, needs_interpreter
 from reference import W8A8_TOLERANCE
 from model_shapes import MODEL_SHAPES, shrunk
 
@@ -210,6 +210,7 @@ def test_gpu_only_scripts_start(launcher):
     assert run.returncode == 0 and "--models" in run.stdout, run.stderr[-2000:]
 
 
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sweep_decode_smoke(tmp_path, fp8):
     """scripts/sweep_decode.py --cpu-smoke on one tiny model: the outputs are written, every candidate's output was
@@ -273,6 +274,7 @@ def test_sweep_decode_entry_rules():
 # scripts/bench_fp8.py (issue 13)
 
 
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
 def test_bench_fp8_cpu_smoke(tmp_path, capsys):
     """The FP8 benchmark's --cpu-smoke: both moe_dispatch paths run (w8a8 forced) and pass their checks, transformers'
     path is reported as not run, the outputs have their structure and the short table is printed last."""
@@ -338,6 +340,7 @@ class FallingTimer:
     graph = plain = hot
 
 
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
 def test_sweep_fp8_smoke(tmp_path):
     """scripts/sweep_fp8.py --cpu-smoke on one tiny model: every stage ran and every candidate's output passed the
     w8a8 check, the winners are the last measured, and the table it writes gives each measured T its winner through
@@ -372,6 +375,7 @@ def test_sweep_fp8_smoke(tmp_path):
         assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(c["best_tiles"])
 
 
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
 def test_sweep_prefill_smoke(tmp_path):
     """scripts/sweep_prefill.py --cpu-smoke: every candidate passed the float64 check, the sweep's winner is the last
     one measured, the confirmation timed table and winner alternately (the falling timer makes the winner's later
@@ -440,6 +444,11 @@ def test_gpu_state_is_optional(monkeypatch):
         raise ModuleNotFoundError("pynvml")
 
     monkeypatch.setattr(torch.cuda, "clock_rate", missing)
+
+    def no_nvidia_smi(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_nvidia_smi)  # the fallback reader, present on a GPU machine
     assert bench.gpu_state(torch.device("cuda")) == {}
 
 
@@ -455,6 +464,7 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
     failed = types.SimpleNamespace(failed=True, nodeid="tests/test_x.py::test_y[a]", when="call",
                                    longrepr=types.SimpleNamespace(reprcrash=crash))
     passed = types.SimpleNamespace(failed=False, nodeid="tests/test_x.py::test_z", when="call", longrepr=None)
+    monkeypatch.delenv("MOE_DISPATCH_FAILURE_LOG", raising=False)  # a suite run's own log stays out of this test
     conftest.pytest_runtest_logreport(failed)
     assert not path.exists()
     monkeypatch.setenv("MOE_DISPATCH_FAILURE_LOG", str(path))

@@ -54,6 +54,11 @@ def hub_layout(tmp_path_factory) -> Path:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_KERNELS", "HF_TOKEN")}
+    # PYTHONPATH keeps what the machine installed there (a GPU image's side packages), nothing of this repository
+    outside = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+               if p and not Path(p).resolve().is_relative_to(ROOT)]
+    if outside:
+        env["PYTHONPATH"] = os.pathsep.join(outside)
     env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     if DEVICE == "cpu":
         env["TRITON_INTERPRET"] = "1"
@@ -82,12 +87,13 @@ def test_kernels_benchmark_command_on_the_local_layout(hub_layout, tmp_path):
 
 
 class _WrongExperts:
-    """moe_dispatch with fused_experts off by 1%: the verification must refuse it."""
+    """moe_dispatch with fused_experts off by 10% (past bf16's 2% tolerance on a GPU, float32's 1e-4 on the CPU): the
+    verification must refuse it."""
 
     def fused_experts(self, *args, **kwargs):
         import moe_dispatch
 
-        return moe_dispatch.fused_experts(*args, **kwargs) * 1.01
+        return moe_dispatch.fused_experts(*args, **kwargs) * 1.1
 
 
 def test_verification_catches_a_wrong_kernel():

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_close
+from helpers import assert_close, needs_interpreter
 from reference import capacity_keep_mask_ref, ep_capacity_keep_ref
 
 import moe_dispatch as md
@@ -234,10 +234,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@needs_interpreter
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_expert_parallel_gloo(world_size, monkeypatch):
     """Every case of CASES[world_size] in one spawn of world_size gloo ranks (see the module docstring)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children run the kernels on the CPU, GPU or not
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children run the kernels on the CPU too
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(world_size, _free_port()), nprocs=world_size, join=True,
              start_method="spawn")
@@ -256,6 +257,7 @@ def _inputs(E=E, T=T, top_k=TOP_K):
     return x, w_gate_up, w_down, ids, torch.rand(T, top_k, requires_grad=True)
 
 
+@needs_interpreter
 def test_one_rank_falls_back_to_fused_experts():
     """No process group: dropless is fused_experts itself (bit-equal); capacity drops by the same rule with W = 1."""
     assert not dist.is_initialized()
@@ -305,6 +307,7 @@ def test_capacity_reference_is_megablocks_rule_with_one_expert_per_rank():
         assert torch.equal(ep_capacity_keep_ref(ids, 1, 8, capacity), capacity_keep_mask_ref(ids, 8, capacity))
 
 
+@needs_interpreter
 def test_bad_inputs_name_the_argument():
     x, w_gate_up, w_down, ids, weights = _inputs()
     with pytest.raises(ValueError, match="w_down_local"):
@@ -328,6 +331,7 @@ def test_bad_inputs_name_the_argument():
     assert isinstance(ep_fused_experts(x, w_gate_up, w_down, ids, weights, return_stats=True)[1], ExpertParallelStats)
 
 
+@needs_interpreter
 def test_layer_from_all_experts_on_one_rank():
     x, w_gate_up, w_down, ids, weights = _inputs()
     layer = ExpertParallelExperts.from_experts(w_gate_up, w_down)
@@ -335,6 +339,7 @@ def test_layer_from_all_experts_on_one_rank():
     assert {name for name, _ in layer.named_parameters()} == {"w_gate_up_local", "w_down_local"}
 
 
+@needs_interpreter
 def test_torchrun_example_runs_on_cpu():
     """scripts/ep_example.py as the README runs it on a CPU: torchrun, 2 ranks, gloo, Triton's interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,8 @@
 """The README's Python blocks run as written, so the README cannot drift from the code.
 
 Convention: every ```python block of README.md runs on a CPU checkout as the README's quickstart says (PYTHONPATH=
-torch-ext, TRITON_INTERPRET=1, from the repository root), unless the line just above its fence is an HTML comment
-naming what else it needs:
+torch-ext, TRITON_INTERPRET=1, from the repository root; the suite on a GPU machine skips them), unless the line
+just above its fence is an HTML comment naming what else it needs:
 
     <!-- needs: gpu -->          a CUDA GPU (runs here only when torch sees one, without the interpreter)
     <!-- needs: hub -->          the Hugging Face Hub (a download; never run by the tests)
@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+from helpers import INTERPRETED
 
 README = os.path.join(ROOT, "README.md")
 KNOWN_NEEDS = {"gpu", "hub"}
@@ -46,6 +47,8 @@ def _missing(needs):
         return "needs the Hub (downloads are not part of the test suite)"
     if "gpu" in needs and not torch.cuda.is_available():
         return "needs a GPU"
+    if "gpu" not in needs and not INTERPRETED:
+        return "is the CPU set-up (Triton's interpreter on CPU tensors), run by the CPU suite"
     return None
 
 
@@ -63,7 +66,7 @@ def test_readme_block_runs(line, needs, code):
     if reason:
         pytest.skip(f"README.md:{line} {reason}")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "torch-ext"))
-    if torch.cuda.is_available():
+    if "gpu" in needs:
         env.pop("TRITON_INTERPRET", None)
     else:
         env["TRITON_INTERPRET"] = "1"

@@ -24,6 +24,7 @@ import torch
 
 import moe_dispatch  # from torch-ext (conftest.py)
 from helpers import DEVICE, assert_close, needs_gpu
+from reference import W8A8_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
@@ -694,7 +695,8 @@ def test_fp8_experts_static_activation_scales(count_kernel_calls):
     """activation_scheme="static": the module's per-expert `*_activation_scale` become `fused_experts`' static input
     scales. On the w8a8 path (forced here; the CPU picks dequant) one block's experts equal the float64 model of the
     w8a8 arithmetic with those scales; through the interface (dequant on the CPU, static scales unused) the logits
-    equal transformers' eager experts on the dequantized weights."""
+    equal transformers' eager experts on the dequantized weights. On a GPU with FP8 tensor cores the interface's
+    "auto" takes w8a8 (the module docstring): there the e4m3 activations put the logits about 2% from that model."""
     from reference import fused_experts_w8a8_ref
 
     model, reference = _fp8_experts_model(quant_block=(32, 32), activation_scheme="static")
@@ -719,7 +721,9 @@ def test_fp8_experts_static_activation_scales(count_kernel_calls):
     ids = input_ids()
     got, ref = run(model, ids), run(reference, ids)
     assert calls, "the FP8 experts did not run through moe_dispatch"
-    assert_close(got.logits, ref.logits, torch.float32, "static fp8 mixtral logits")
+    w8a8_here = DEVICE == "cuda" and torch.version.cuda is not None and torch.cuda.get_device_capability() >= (8, 9)
+    assert_close(got.logits, ref.logits, torch.float32, "static fp8 mixtral logits",
+                 tolerance=W8A8_TOLERANCE if w8a8_here else None)
 
 
 @pytest.mark.parametrize("change,message", [

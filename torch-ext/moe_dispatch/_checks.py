@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from . import _device
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Routing weights are applied in fp32 inside the kernels, so a float64 router may hand its weights over unchanged.
@@ -52,6 +54,9 @@ def check_same_device(**tensors):
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"{name} is on {device} but {first_name} is on {first}; all tensors must share a device")
+    if not _device.kernels_run_on(first):
+        raise ValueError(f"{first_name} is on the CPU, where moe_dispatch's Triton kernels run only through Triton's "
+                         "interpreter (TRITON_INTERPRET=1, set before triton is imported); move the tensors to a GPU")
 
 
 def check_choice(name, value, choices):

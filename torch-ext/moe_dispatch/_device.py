@@ -18,6 +18,11 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether Triton kernels can take tensors on `device`: a GPU's, or the CPU's under the interpreter."""
+    return device.type != "cpu" or is_interpreter()
+
+
 def is_hip() -> bool:
     return torch.version.hip is not None
 
