@@ -301,17 +301,22 @@ def test_errors_name_their_argument():
 
 def test_cpu_tensors_without_the_interpreter_are_refused_naming_the_argument(monkeypatch):
     """On the CPU, Triton runs kernels only through its interpreter; without it a launch would fail inside Triton
-    ("cannot be accessed from Triton"), so every entry point refuses CPU tensors first, naming the argument."""
+    ("cannot be accessed from Triton"), so every entry point refuses CPU tensors once its arguments are validated,
+    naming the operator's argument."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, ids = torch.randn(T, H), _routed().cpu()
     w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device="cpu")
     weights = torch.rand(T, TOP_K)
-    with pytest.raises(ValueError, match="hidden_states is on the CPU.*TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="fused_experts's x is on the CPU.*TRITON_INTERPRET=1"):
         md.fused_experts(x, torch.cat([w_gate, w_up], dim=1), w_down, ids, weights)
-    with pytest.raises(ValueError, match="hidden_states is on the CPU"):
+    with pytest.raises(ValueError, match="'s x is on the CPU"):
         md.fused_moe_forward(x, torch.randn(E, H), w_gate, w_up, w_down, E, TOP_K)
+    with pytest.raises(ValueError, match="hidden_states is on the CPU"):
+        md.permute_tokens(x, ids, E)
     with pytest.raises(ValueError, match="expert_outputs is on the CPU"):
         md.unpermute_tokens(torch.randn(T * TOP_K, H), weights, torch.arange(T * TOP_K), T, TOP_K)
+    with pytest.raises(ValueError, match="topk_ids"):  # argument errors come first, as with the interpreter
+        md.fused_experts(x, torch.cat([w_gate, w_up], dim=1), w_down, ids[:, :1], weights)
 
 
 def test_float64_topk_weights_are_accepted():

@@ -54,8 +54,14 @@ def check_same_device(**tensors):
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"{name} is on {device} but {first_name} is on {first}; all tensors must share a device")
-    if not _device.kernels_run_on(first):
-        raise ValueError(f"{first_name} is on the CPU, where moe_dispatch's Triton kernels run only through Triton's "
+
+
+def check_kernel_device(name, tensor):
+    """ValueError naming `name` when `tensor` is where Triton kernels cannot take it: the CPU without the interpreter.
+    `_library.call` checks each operator call's first tensor; public functions that launch kernels without `call`
+    check theirs after validating."""
+    if not _device.kernels_run_on(tensor.device):
+        raise ValueError(f"{name} is on the CPU, where moe_dispatch's Triton kernels run only through Triton's "
                          "interpreter (TRITON_INTERPRET=1, set before triton is imported); move the tensors to a GPU")
 
 

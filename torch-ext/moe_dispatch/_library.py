@@ -9,6 +9,8 @@ implementation directly: the same code, without the ~10 us the dispatcher adds p
 import torch
 from torch._library.custom_ops import OPDEFS
 
+from . import _device
+from ._checks import check_kernel_device
 from ._ops import add_op_namespace_prefix
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -40,7 +42,22 @@ def needs_operator(args) -> bool:
 
 
 def call(op, *args):
-    """Run custom operator `op` on positional `args`: its implementation directly in eager inference, else the op."""
+    """Run custom operator `op` on positional `args`: its implementation directly in eager inference, else the op.
+
+    Entry points validate first (their tensors share a device), so the first tensor argument's device is the call's:
+    CPU tensors without Triton's interpreter are refused here, naming the argument, instead of failing in Triton's
+    launcher ("cannot be accessed from Triton")."""
+    first = next((i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)), None)
+    if first is not None and not _device.kernels_run_on(args[first].device):  # the name is looked up only then
+        check_kernel_device(_argument_name(op, first), args[first])
     if needs_operator(args):
         return op(*args)
     return op._init_fn(*args)  # the function the op was defined from (CustomOpDef keeps it as `_init_fn`)
+
+
+def _argument_name(op, index):
+    """The name of `op`'s positional argument `index` (its schema's), for error messages."""
+    try:
+        return f"{op._name}'s {op._opoverload._schema.arguments[index].name}"
+    except (AttributeError, IndexError):
+        return f"{op._name}'s argument {index}"

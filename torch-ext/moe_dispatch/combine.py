@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_dim, check_float, check_index, check_same_device, check_token_weights, index_map_problems,
-                      raise_problems, reads_values, warn_if_gradient_cut)
+from ._checks import (check_dim, check_float, check_index, check_kernel_device, check_same_device, check_token_weights,
+                      index_map_problems, raise_problems, reads_values, warn_if_gradient_cut)
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 
@@ -85,5 +85,6 @@ def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top
     if reads_values(validate, restore_idx):
         raise_problems(index_map_problems("restore_idx", restore_idx, expert_outputs.shape[0], "rows of expert_outputs"))
     warn_if_gradient_cut("unpermute_tokens", expert_outputs=expert_outputs, top_k_weights=top_k_weights)
+    check_kernel_device("expert_outputs", expert_outputs)
     y = expert_outputs if expert_outputs.stride(1) == 1 else expert_outputs.contiguous()
     return combine(y, restore_idx, num_tokens, top_k, weights=top_k_weights)

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_float, check_ids_in_range, check_index, check_same_device, validate_option,
-                      warn_if_gradient_cut)
+from ._checks import (check_float, check_ids_in_range, check_index, check_kernel_device, check_same_device,
+                      validate_option, warn_if_gradient_cut)
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
@@ -363,6 +363,7 @@ def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate=None, 
     validate = validate_option(validate, validate_ids, "permute_tokens")
     check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate)
     warn_if_gradient_cut("permute_tokens", hidden_states=hidden_states)
+    check_kernel_device("hidden_states", hidden_states)
     info = dispatch(top_k_indices, num_experts, block_m=16)
     # The plain (unpadded) MegaBlocks gather: row p = hidden_states[gather_idx[p] // top_k], zero where gather_idx < 0.
     permuted = launch_gather(hidden_states.contiguous(), info.gather_idx, None, None, None,
