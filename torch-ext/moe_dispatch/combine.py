@@ -15,6 +15,7 @@ from ._checks import (check_dim, check_float, check_index, check_kernel_device, 
                       index_map_problems, raise_problems, reads_values, warn_if_gradient_cut)
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
+from ._plan import launch
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
     block_t = max(1, min(16, 2048 // block_h))
     grid = (cdiv(num_tokens, block_t), cdiv(H, block_h))
     w_t, w_k = (weights.stride(0), weights.stride(1)) if weights is not None else (0, 0)
-    _combine_kernel[grid](
+    launch(_combine_kernel, grid,
         y, row_idx, weights, out, num_tokens, H, y.shape[0],
         y.stride(0), w_t, w_k, out.stride(0),
         TOP_K=top_k, HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h,

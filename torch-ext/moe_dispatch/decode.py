@@ -41,6 +41,7 @@ from .pdl import pdl_options, release_dependents, wait_for_producer
 from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
                            expert_tile_dot, same_strides, scale_args, scale_sums, weight_scale_ptrs, weight_strides)
 from .tiles import DecodeTiles
+from ._plan import launch
 
 MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
@@ -277,7 +278,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
         scale_code, block_k = dequant_scale_code(ws, tile.block_k)
-        _decode_gate_up_kernel[(num_assignments, cdiv(F, tile.block_n))](
+        launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)),
             x, x.stride(0), x.stride(1),
             w_gate, w_up, stride_e, stride_n, stride_k,
             gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
@@ -307,7 +308,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
-    _decode_down_kernel[(num_assignments * split_k * cdiv(H, down_tile.block_n),)](
+    launch(_decode_down_kernel, (num_assignments * split_k * cdiv(H, down_tile.block_n),),
         intermediate, intermediate.stride(0),
         w_down, *weight_strides(w_down, transposed),
         down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),

@@ -32,6 +32,7 @@ from ._checks import (check_float, check_ids_in_range, check_index, check_kernel
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
+from ._plan import launch
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
 SINGLE_MAX = 1024  # most assignments the one-program path takes (its sort holds them all in one block)
@@ -315,7 +316,7 @@ def dispatch(topk_ids, num_experts, block_m):
     block_tiles = min(BLOCK_TILES, next_power_of_2(max_tiles))
     common = dict(TOP_K=top_k, BLOCK_E=block_e, **pdl_options(device))
     if N <= SINGLE_MAX and (E + 1) * SINGLE_MAX < 2**31:  # the sort keys id * CHUNK + a stay in int32
-        _dispatch_single_kernel[(1,)](
+        launch(_dispatch_single_kernel, (1,),
             topk_ids, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
             N, E, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
             CHUNK=max(16, next_power_of_2(N)), BLOCK_M=block_m, BLOCK_TILES=block_tiles, **common,
@@ -327,14 +328,14 @@ def dispatch(topk_ids, num_experts, block_m):
     chunk_counts = torch.empty((E, n_chunks), device=device, dtype=torch.int32)
     chunk_prefix = torch.empty((E, n_chunks), device=device, dtype=torch.int32)
     expert_totals = torch.empty(E, device=device, dtype=torch.int32)
-    _chunk_histogram_kernel[(n_chunks,)](
+    launch(_chunk_histogram_kernel, (n_chunks,),
         topk_ids, chunk_counts, N, E, n_chunks, topk_ids.stride(0), topk_ids.stride(1), CHUNK=CHUNK, **common,
     )
-    _chunk_prefix_kernel[(E,)](
+    launch(_chunk_prefix_kernel, (E,),
         chunk_counts, chunk_prefix, expert_totals, n_chunks,
         BLOCK_CHUNKS=min(next_power_of_2(n_chunks), BLOCK_CHUNKS), **pdl_options(device),
     )
-    _assign_positions_kernel[(n_chunks,)](
+    launch(_assign_positions_kernel, (n_chunks,),
         topk_ids, chunk_prefix, expert_totals, expert_offsets, gather_idx, scatter_idx, tile_expert, tile_row_start,
         N, E, n_chunks, max_tiles, topk_ids.stride(0), topk_ids.stride(1),
         CHUNK=CHUNK, BLOCK_M=block_m, TILES_PER_CHUNK=next_power_of_2(cdiv(max_tiles, n_chunks)), **common,
@@ -404,7 +405,7 @@ def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=
     if gather_idx is None:
         gather_idx = torch.arange(num_rows, device=device, dtype=torch.int32)
     if max_tiles:
-        _segment_tile_map_kernel[(1,)](
+        launch(_segment_tile_map_kernel, (1,),
             expert_offsets, tile_expert, tile_row_start, num_experts, num_rows, max_tiles,
             BLOCK_E=next_power_of_2(num_experts), BLOCK_M=block_m,
             BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max_tiles)), num_warps=SCAN_WARPS,

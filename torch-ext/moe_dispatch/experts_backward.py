@@ -31,6 +31,7 @@ from .combine import combine
 from .dispatch import segment_dispatch
 from .grouped_gemm import dot_options, gathered_rows, same_strides, tile_dot, tile_setup, weight_strides
 from .tiles import MoeTiles, WeightGradTile, select_tiles, select_weight_grad_tile
+from ._plan import launch
 
 
 @triton.jit
@@ -274,7 +275,7 @@ def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGr
     dot_fp32, precision = dot_options(left.dtype)
     grid = (E * cdiv(n_i, tile.block_i) * cdiv(n_j, tile.block_j),)
     topk_t, topk_k = topk_weights.stride()
-    _expert_weight_grad_kernel[grid](
+    launch(_expert_weight_grad_kernel, grid,
         left, left.stride(0), left.stride(1),
         right, right.stride(0), right.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2),
@@ -340,7 +341,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
     if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
         dot_fp32, precision = dot_options(x.dtype)
-        _down_grad_kernel[(info.max_tiles * n_partials,)](
+        launch(_down_grad_kernel, (info.max_tiles * n_partials,),
             grad_out, grad_out.stride(0), grad_out.stride(1),
             w_down, *weight_strides(w_down, not transposed),
             preact, preact.stride(0),
@@ -368,7 +369,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             act.zero_()
 
     if grads.topk_weights is not None and N:
-        _topk_weights_grad_kernel[(cdiv(N, 64),)](
+        launch(_topk_weights_grad_kernel, (cdiv(N, 64),),
             partial, n_partials if F and info.max_tiles else 0, scatter_idx,
             grad_out, grad_out.stride(0), grad_out.stride(1),
             down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
@@ -384,7 +385,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         if N and H and info.max_tiles:
             w_gate_v, w_up_v = same_strides(w_gate, w_up)
             dot_fp32, precision = dot_options(x.dtype)
-            _gate_up_grad_kernel[(info.max_tiles * cdiv(H, tile.block_n),)](
+            launch(_gate_up_grad_kernel, (info.max_tiles * cdiv(H, tile.block_n),),
                 d_preact, d_preact.stride(0),
                 w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed),
                 rows, rows.stride(0),

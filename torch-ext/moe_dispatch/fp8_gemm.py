@@ -54,6 +54,7 @@ from .fp8_persistent import persistent_w8a8_gemm, supports
 from .grouped_gemm import gathered_rows, gemm_weights, routing_args, scale_args, tile_meta, tile_rows, tile_setup
 from .pdl import wait_for_producer
 from .tiles import GemmTile, MoeTiles
+from ._plan import launch
 
 # Tiles of at least this many rows (the tile tables' prefill buckets) read x quantized by `quantize_fp8_rows`.
 PREQUANTIZE_MIN_BLOCK_M = 64
@@ -193,7 +194,7 @@ def quantize_fp8_rows(x, group, static_scale=None, info=None):
     if M == 0 or K == 0:
         return q, scales
     x = x if x.stride(1) == 1 else x.contiguous()
-    _quantize_rows_kernel[(cdiv(M, QUANTIZE_BLOCK_M), cdiv(K, group))](
+    launch(_quantize_rows_kernel, (cdiv(M, QUANTIZE_BLOCK_M), cdiv(K, group)),
         x, x.stride(0), q, q.stride(0), scales, scales.stride(0) if scales is not None else 0, static_scale, M, K,
         fp8_max(W8A8_DTYPE), info.gather_idx if info is not None else None, T,
         TOP_K=info.top_k if info is not None else 1, GATHER=info is not None, STATIC=static_scale is not None,
@@ -316,7 +317,7 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
                                  meta)
             return result
     grid = (info.max_tiles * cdiv(n_cols, tile.block_n),)
-    _w8a8_gemm_kernel[grid](
+    launch(_w8a8_gemm_kernel, grid,
         a, a.stride(0), a.stride(1), a.shape[0],
         *a_scale_args,
         *w.weight_args(), *w.bias_args(), *scale_args(ws),

@@ -31,6 +31,7 @@ from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epi
 from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
 from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
+from ._plan import launch
 
 # wgmma, the instruction this kernel exists for, works on 64-row slabs per warpgroup; smaller tiles (decode) keep the
 # pointer kernel, which the tables tune for them.
@@ -146,7 +147,7 @@ def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     programs = num_programs(a.device, info.max_tiles * cdiv(w.n_cols, tile.block_n))
-    _persistent_w8a8_gemm_kernel[(programs,)](
+    launch(_persistent_w8a8_gemm_kernel, (programs,),
         a_desc, a.shape[0],
         *a_scale_args,
         w_desc, w_up_desc, rows_per_expert,

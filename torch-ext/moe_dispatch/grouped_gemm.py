@@ -46,6 +46,7 @@ from .fp8 import WeightScale
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 from .tiles import GATHER_FIRST, GemmTile, select_tiles
+from ._plan import launch
 
 ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
 NO_SCALE = WeightScale(None, 0, (0, 0, 0))  # float weights: WEIGHT_SCALE = 0, the scale arguments unused
@@ -468,7 +469,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
     scale_code, block_k = dequant_scale_code(ws, tile.block_k)
-    _grouped_gemm_kernel[grid](
+    launch(_grouped_gemm_kernel, grid,
         a, a.stride(0), a.stride(1), a.shape[0],
         *w.weight_args(), *w.bias_args(), *scale_args(ws),
         c, c.stride(0), c.stride(1), c.shape[0],

@@ -18,6 +18,7 @@ from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_floa
                       check_same_device, check_tensor, check_token_weights, index_map_problems, raise_problems,
                       reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
 from ._library import call, custom_op
+from ._plan import PlanCache
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
 from .decode import MAX_ASSIGNMENTS, decode_experts
@@ -395,6 +396,34 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     "w8a8" instead of the dynamic scales (values beyond 448 * scale saturate); "dequant" does not quantize
     activations and ignores them.
     """
+    tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
+               w_down_scale, gate_up_input_scale, down_input_scale)
+    options = (activation, interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
+               tuple(fp8_block_shape) if type(fp8_block_shape) is list else fp8_block_shape, fp8_compute)
+    if not _checks_read_no_values(validate, validate_ids, topk_ids):
+        out = _fused_experts_full(*tensors, *options)
+    else:
+        out = _FUSED_EXPERTS_PLANS.run(_fused_experts_full, tensors, options)
+    return out if out.dim() == hidden_states.dim() else out.reshape(hidden_states.shape)
+
+
+_FUSED_EXPERTS_PLANS = PlanCache("fused_experts")
+
+
+def _checks_read_no_values(validate, validate_ids, topk_ids) -> bool:
+    """Whether a call's checks read only shapes, dtypes and devices (what a plan's key holds), so that a replay may
+    skip them: validate False, or None with ids on a GPU; the deprecated `validate_ids` always runs in full."""
+    if validate_ids is not None or validate is True:
+        return False
+    return validate is False or (validate is None and isinstance(topk_ids, torch.Tensor)
+                                 and topk_ids.device.type != "cpu")
+
+
+def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                        w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale, activation,
+                        interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
+                        fp8_block_shape, fp8_compute):
+    """`fused_experts` in full: checks, the choice of path and tiles, the launches. Returns out [T, H]."""
     T, H, E, _ = check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation=activation,
                                     gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
                                     w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
@@ -414,7 +443,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
                        limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
                        fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
                        down_input_scale=down_input_scale, fp8_compute=fp8_compute)
-    return out.reshape(hidden_states.shape)
+    return out
 
 
 def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
@@ -450,6 +479,20 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
     Differentiable in hidden_states, router_weight, router_bias and the three expert weights (see `fused_experts`; the
     routing weights' gradient flows through the softmax / sigmoid, the top-k choice is not differentiated).
     """
+    tensors = (hidden_states, router_weight, w_gate, w_up, w_down, router_bias, e_score_correction_bias)
+    options = (num_experts, top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor, capacity_factor,
+               tiles)
+    out, topk_ids, topk_weights = _FUSED_MOE_PLANS.run(_fused_moe_forward_full, tensors, options)
+    return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
+
+
+_FUSED_MOE_PLANS = PlanCache("fused_moe_forward")
+
+
+def _fused_moe_forward_full(hidden_states, router_weight, w_gate, w_up, w_down, router_bias, e_score_correction_bias,
+                            num_experts, top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor,
+                            capacity_factor, tiles):
+    """`fused_moe_forward` in full -> (out [T, H], topk_ids, topk_weights in fp32)."""
     E = check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
                           e_score_correction_bias)
     if num_experts != E:
@@ -466,7 +509,7 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
         routed_scaling_factor=routed_scaling_factor)
     expert_ids = topk_ids if capacity_factor is None else drop_over_capacity(topk_ids, E, capacity_factor)
     out = _run_experts(x, w_gate, w_up, w_down, expert_ids, topk_weights, tiles=tiles)
-    return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
+    return out, topk_ids, topk_weights
 
 
 @custom_op("expert_ffn")

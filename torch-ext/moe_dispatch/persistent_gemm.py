@@ -30,6 +30,7 @@ from ._host_math import cdiv
 from .pdl import wait_for_producer
 from .grouped_gemm import (GemmWeights, dot_options, routing_args, tile_coords, tile_epilogue, tile_meta, tile_rows,
                            tile_setup_at)
+from ._plan import launch
 
 INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles
 
@@ -169,7 +170,7 @@ def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activa
     a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     dot_fp32, _ = dot_options(a.dtype)
     programs = num_programs(a.device, info.max_tiles * cdiv(w.n_cols, tile.block_n))
-    _persistent_grouped_gemm_kernel[(programs,)](
+    launch(_persistent_grouped_gemm_kernel, (programs,),
         a, a_desc, a.stride(0), a.stride(1), a.shape[0],
         w_desc, w_up_desc, rows_per_expert,
         *w.bias_args(),

@@ -28,6 +28,7 @@ from ._checks import check_choice, check_dim, check_float, check_hidden_size, ch
 from ._device import dot_needs_fp32
 from ._host_math import cdiv, next_power_of_2
 from ._library import call, custom_op
+from ._plan import launch
 
 GATINGS = {"softmax": 0, "sigmoid": 1}
 
@@ -209,7 +210,7 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
     topk_group = topk_group or n_group
 
     dot_fp32 = dot_needs_fp32(x.dtype)
-    _router_logits_kernel[(cdiv(T, block_t), cdiv(E, block_e), split_h)](
+    launch(_router_logits_kernel, (cdiv(T, block_t), cdiv(E, block_e), split_h),
         x, router_weight, router_bias, partials,
         T, H, E, h_per_split,
         x.stride(0), x.stride(1),
@@ -225,7 +226,7 @@ def route(x, router_weight, top_k, gating="softmax", router_bias=None, *, renorm
 
     block_e_all = max(16, next_power_of_2(E))
     block_t_gate = 16 if block_e_all <= 128 else 8
-    _topk_gating_kernel[(cdiv(T, block_t_gate),)](
+    launch(_topk_gating_kernel, (cdiv(T, block_t_gate),),
         partials, e_score_correction_bias, topk_ids, topk_weights,
         T, E, E // n_group,
         1e-6 if sigmoid else 0.0, float(routed_scaling_factor),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ._device import is_interpreter
 from ._host_math import cdiv, next_power_of_2
+from ._plan import launch
 
 # LAYOUT: where sorted position p lives in the expert buffer (see binned.py); jit code may only read constexprs
 PLAIN, PADDED, BINNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -230,7 +231,7 @@ def launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows):
     num_experts = bins.shape[0] if bins is not None else 1
     cfg = copy_config(hidden, x.element_size(), x.device)
     grid = (cdiv(n_rows, cfg.block_rows), cdiv(hidden, cfg.block_h))
-    _gather_kernel[grid](
+    launch(_gather_kernel, grid,
         x, out, indices,
         weights if weights is not None else x,
         bins if bins is not None else indices,
@@ -256,7 +257,7 @@ def buffer_rows(indices, bins, padded_bins, layout):
     if num_assignments == 0:
         return buffer_row
     num_experts = bins.shape[0] if bins is not None else 1
-    _buffer_rows_kernel[(cdiv(num_assignments, _BUFFER_ROWS_BLOCK),)](
+    launch(_buffer_rows_kernel, (cdiv(num_assignments, _BUFFER_ROWS_BLOCK),),
         indices,
         bins if bins is not None else indices,
         padded_bins if padded_bins is not None else indices,
@@ -279,7 +280,7 @@ def launch_scatter(x, buffer_row, weights, top_k, num_tokens):
         return out.zero_()
     cfg = copy_config(hidden, x.element_size(), x.device)
     grid = (cdiv(num_tokens, cfg.block_rows), cdiv(hidden, cfg.block_h))
-    _scatter_kernel[grid](
+    launch(_scatter_kernel, grid,
         x, out, buffer_row, weights if weights is not None else x,
         num_tokens, hidden, n_rows,
         TOP_K=top_k,
@@ -302,7 +303,7 @@ def launch_wgrad(x, grad, buffer_row, top_k, out_dtype):
     if x.numel() == 0:
         return out.zero_()
     cfg = copy_config(hidden, x.element_size(), x.device)
-    _wgrad_kernel[(cdiv(num_assignments, cfg.block_rows),)](
+    launch(_wgrad_kernel, (cdiv(num_assignments, cfg.block_rows),),
         x, grad, out, buffer_row,
         num_assignments, hidden, n_rows,
         TOP_K=top_k,

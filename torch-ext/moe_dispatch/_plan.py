@@ -1,0 +1,457 @@
+"""The eager host path: what a call does is worked out once per input signature, then replayed.
+
+An eager inference call at decode is a few microseconds of GPU work behind a long Python path: argument checks, the
+choice of path and tiles, buffer sizes, grids, and Triton's binding and specialization of 30-50 arguments per launch.
+None of it depends on the values in the tensors, only on their signatures (shape, strides, dtype, device, 16-byte
+alignment of the data pointer) and on the call's other arguments. So `PlanCache.run` runs the full path once per
+signature while recording what it does, and from then on replays the record (a `Plan`):
+
+    record   the full path under a TorchDispatchMode that sees every torch op, with `launch` (the one way this
+             package starts a Triton kernel) noting each launch: the compiled kernel, its grid, its bound arguments
+    resolve  every tensor argument to where it comes from: an input of the call (itself, or a view at a fixed byte
+             offset), or a buffer the call allocated (torch.empty and views of it)
+    replay   allocate the same buffers, then start the same compiled kernels with the new pointers through Triton's
+             compiled launcher (`CompiledKernel.run`), on the current stream
+
+A record is kept only when the path did nothing but allocate, take views and launch Triton kernels: a torch op that
+computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, or an ambiguous alias
+leaves a `None` plan, and that signature runs the full path every time (correct, only not faster). Checks that read
+values (validate=True) are the caller's to keep out of plans; shape and dtype errors raise on the recording call and
+a signature that raised is never recorded, so bad inputs get the full path's errors every time.
+
+Where replay is used: eager calls without autograd (no input requiring a gradient under grad mode), outside
+torch.compile tracing and any user TorchDispatchMode, on plain tensors. CUDA-graph capture replays like eager code
+(its allocations come from the graph's pool, its launches go to the capturing stream). Under Triton's interpreter
+and when a launch hook is set (profilers), replay re-launches through `kernel[grid](...)` with the recorded arguments
+instead of the compiled launcher: the package's own Python is still skipped, and the CPU tests exercise the same
+records. `ENABLED = False` (or MOE_DISPATCH_PLANS=0 at import) runs every call in full, for A/B timing.
+
+A plan is valid while nothing the path reads besides its arguments changes: module attributes of the package (the
+A/B switches in scripts/) must be followed by `clear()`; the environment variable MOE_DISPATCH_PDL, the current CUDA
+device, grad mode and `torch.backends.cuda.matmul.allow_tf32` are part of every key.
+"""
+
+import dataclasses
+import inspect
+import os
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+
+try:  # the compiled-launch fast path needs Triton's knobs (3.4+) and driver; without them replay re-launches
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = _driver = None
+
+ENABLED = os.environ.get("MOE_DISPATCH_PLANS", "1") != "0"
+MAX_PLANS = 1024  # signatures kept per cache; past this the cache starts over (prefill T varies without bound)
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ALIGN = 16  # Triton specializes pointer arguments on 16-byte alignment
+
+_aten = torch.ops.aten
+_ALLOCATIONS = frozenset((_aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
+                          _aten.empty_like))
+_FILLS = frozenset((_aten.fill_, _aten.zero_))
+_VIEWS = frozenset((_aten.view, _aten._unsafe_view, _aten.slice, _aten.select, _aten.as_strided, _aten.alias,
+                    _aten.t, _aten.transpose, _aten.permute, _aten.unsqueeze, _aten.squeeze, _aten.expand,
+                    _aten.detach, _aten.narrow, _aten.split, _aten.split_with_sizes, _aten.unbind, _aten.chunk,
+                    _aten.unflatten, _aten.diagonal, _aten.view_as, _aten.expand_as))
+
+_state = threading.local()  # .recorder: the `_Recorder` of the call being recorded on this thread, if any
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`; noted by the recorder when a plan is being made. Every launch site of the
+    package goes through here, so a recorded call sees all of its kernels."""
+    recorder = getattr(_state, "recorder", None)
+    if recorder is None:
+        return kernel[grid](*args, **kwargs)
+    with _pop_mode_temporarily():  # what Triton does inside a launch (the interpreter's copies) is its own
+        compiled = kernel[grid](*args, **kwargs)
+    recorder.events.append((kernel, grid, args, kwargs, compiled))
+    return compiled
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs the full path once, keeping every allocation alive (so no two buffers share memory), the launches and the
+    constant fills of fresh buffers (`.zero_()`, `.fill_(value)`) in their order (`events`), and the first op that is
+    none of these nor a view (`foreign_op`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations = []
+        self.events = []  # (kernel, grid, args, kwargs, compiled) of a launch, or (tensor, value) of a fill
+        self.foreign_op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in _ALLOCATIONS:
+            self.allocations.append(out)
+        elif packet in _FILLS and func is not _aten.fill_.Tensor and any(args[0] is a for a in self.allocations):
+            self.events.append((args[0], args[1] if packet is _aten.fill_ else 0))
+        elif packet not in _VIEWS and self.foreign_op is None:
+            self.foreign_op = str(func)
+        return out
+
+
+class NotReplayable(Exception):
+    """Why a recorded call cannot be replayed (the signature then always runs in full)."""
+
+
+# Sources of a tensor argument at replay: the input itself, an input's data pointer plus a byte offset, a replay
+# buffer itself, a buffer's pointer plus an offset; views are rebuilt only where a tensor object is needed.
+_INPUT, _INPUT_AT, _BUFFER, _BUFFER_AT = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    kind: int
+    index: int
+    offset: int = 0  # bytes from the source's data pointer
+    view: tuple | None = None  # (shape, stride, dtype) where the argument is not the source tensor itself
+
+
+@dataclasses.dataclass(frozen=True)
+class _Descriptor:
+    """A TensorDescriptor argument: its base's source and the descriptor with the recorded base."""
+    base: _Source
+    recorded: object
+
+
+class _Pointer:
+    """A data pointer with a dtype: what Triton's launcher reads from a TensorDescriptor's base."""
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, ptr, dtype):
+        self._ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def _extent(t):
+    """Bytes from t's data pointer to one past its last element."""
+    if t.numel() == 0:
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+class _Resolver:
+    """Maps tensors seen during a recorded call to their `_Source`: an input, or a buffer the replay allocates (one
+    per allocation of the recorded call that an argument or a result lies in, and one per empty tensor)."""
+
+    def __init__(self, inputs, allocations):
+        self.inputs = inputs
+        self.allocations = [a for a in allocations if isinstance(a, torch.Tensor) and a.numel() > 0]
+        self.used = {}  # allocation index -> buffer index
+        self.specs = []  # (shape, stride, dtype, device) of each replay buffer, in buffer order
+
+    def _buffer(self, j, t=None):
+        if t is not None:  # an empty tensor: a buffer of its own (never read; empty storages share address 0)
+            self.specs.append((tuple(t.shape), tuple(t.stride()), t.dtype, t.device))
+            return len(self.specs) - 1
+        if j not in self.used:
+            a = self.allocations[j]
+            self.used[j] = len(self.specs)
+            self.specs.append((tuple(a.shape), tuple(a.stride()), a.dtype, a.device))
+        return self.used[j]
+
+    def resolve(self, t):
+        for i, x in enumerate(self.inputs):
+            if x is t:
+                return _Source(_INPUT, i)
+        if t.numel() == 0:
+            return _Source(_BUFFER, self._buffer(None, t))
+        view = (tuple(t.shape), tuple(t.stride()), t.dtype)
+        storage = t.untyped_storage().data_ptr()
+        ptr = t.data_ptr()
+        for j, a in enumerate(self.allocations):
+            if a.device == t.device and a.untyped_storage().data_ptr() == storage:
+                if a is t:
+                    return _Source(_BUFFER, self._buffer(j))
+                return self._view(_BUFFER_AT, self._buffer(j), a, t, view)
+        candidates = [i for i, x in enumerate(self.inputs)
+                      if isinstance(x, torch.Tensor) and x.numel() > 0 and x.device == t.device
+                      and x.untyped_storage().data_ptr() == storage
+                      and x.data_ptr() <= ptr < x.data_ptr() + _extent(x)]
+        if len(candidates) == 1:
+            i = candidates[0]
+            return self._view(_INPUT_AT, i, self.inputs[i], t, view)
+        if candidates:
+            raise NotReplayable(f"a tensor argument lies in {len(candidates)} overlapping inputs")
+        raise NotReplayable("a tensor argument comes from outside the call")
+
+    @staticmethod
+    def _view(kind, index, base, t, view):
+        offset = t.data_ptr() - base.data_ptr()
+        if t.element_size() != base.element_size() or offset % t.element_size():
+            raise NotReplayable("a view that reinterprets its base")
+        return _Source(kind, index, offset, view)
+
+    def value(self, value):
+        """A recorded argument as a constant or a `_Source` / `_Descriptor`."""
+        if isinstance(value, torch.Tensor):
+            return self.resolve(value)
+        if type(value).__name__ == "TensorDescriptor" and isinstance(getattr(value, "base", None), torch.Tensor):
+            return _Descriptor(self.resolve(value.base), value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            raise NotReplayable("a tensor inside a list argument")
+        return value
+
+
+class _Launch:
+    """One recorded launch: constant arguments plus the positions filled from the call's tensors."""
+    __slots__ = ("kernel", "grid", "values", "fills", "fast_fills", "names", "options", "compiled", "launcher",
+                 "function", "packed")
+
+    def __init__(self, kernel, grid, values, fills, names, compiled, options):
+        self.kernel = kernel
+        self.grid = grid  # (x, y, z)
+        self.values = values  # every bound argument in the kernel's parameter order, sources as placeholders
+        self.fills = fills  # ((position, source), ...)
+        # the same as flat tuples for the compiled path: (position, kind, index, offset, descriptor or None)
+        self.fast_fills = tuple((position, source.kind, source.index, source.offset, None) if type(source) is _Source
+                                else (position, -1, -1, 0, source) for position, source in fills)
+        self.names = names  # parameter names, for the re-launch path
+        self.options = options  # launch options (num_warps, ...), for the re-launch path
+        self.compiled = compiled
+        self.launcher = self.function = self.packed = None
+        if compiled is not None and hasattr(compiled, "packed_metadata"):
+            self.launcher = compiled.run
+            self.function = compiled.function
+            self.packed = compiled.packed_metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    """A recorded `.fill_(value)` / `.zero_()` of a replay buffer."""
+    buffer: int
+    value: object
+
+
+def _bound_values(kernel, args, kwargs):
+    """Every parameter of `kernel` in order (positional, then keyword, then defaults), their names, and the launch
+    options (num_warps, ...): what Triton's binder hands its compiled launcher."""
+    parameters = list(inspect.signature(kernel.fn).parameters.values())
+    values = list(args)
+    for param in parameters[len(args):]:
+        values.append(kwargs[param.name] if param.name in kwargs else param.default)
+    names = [p.name for p in parameters]
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    return values, names, options
+
+
+def _grid3(grid):
+    if callable(grid):
+        raise NotReplayable("a callable grid")
+    grid = tuple(grid)
+    return grid + (1,) * (3 - len(grid))
+
+
+@dataclasses.dataclass
+class Plan:
+    """A recorded call: the buffers to allocate, the steps (launches and fills, in order), where each output comes
+    from."""
+    buffers: tuple
+    steps: list
+    outputs: tuple
+    single: bool  # the recorded function returned one tensor, not a tuple
+    fast: bool  # every launch has a compiled handle
+
+
+def _make_plan(recorder, inputs, result):
+    if recorder.foreign_op is not None:
+        raise NotReplayable(f"the call runs torch op {recorder.foreign_op}")
+    single = isinstance(result, torch.Tensor)
+    results = (result,) if single else tuple(result)
+    if not all(isinstance(r, torch.Tensor) for r in results):
+        raise NotReplayable("a result that is not a tensor")
+    resolver = _Resolver(inputs, recorder.allocations)
+    steps, options = [], []
+    for event in recorder.events:
+        if len(event) == 2:  # a fill of a fresh buffer
+            tensor, value = event
+            source = resolver.resolve(tensor)
+            if source.kind != _BUFFER:
+                raise NotReplayable("a fill of a view")
+            steps.append(_Fill(source.index, value))
+            continue
+        kernel, grid, args, kwargs, compiled = event
+        values, names, launch_options = _bound_values(kernel, args, kwargs)
+        resolved = [resolver.value(v) for v in values]
+        fills = tuple((i, v) for i, v in enumerate(resolved) if isinstance(v, (_Source, _Descriptor)))
+        steps.append(_Launch(kernel, _grid3(grid), resolved, fills, names, compiled, launch_options))
+    outputs = tuple(resolver.resolve(r) for r in results)
+    fast = _knobs is not None and all(step.launcher is not None for step in steps if type(step) is _Launch)
+    return Plan(tuple(resolver.specs), steps, outputs, single, fast)
+
+
+def _tensor(source, inputs, buffers):
+    """The tensor a source stands for (a view rebuilt where it is not the source itself)."""
+    base = inputs[source.index] if source.kind in (_INPUT, _INPUT_AT) else buffers[source.index]
+    if source.view is None:
+        return base
+    shape, stride, dtype = source.view
+    if dtype != base.dtype:  # same element size (checked when recorded)
+        base = base.view(dtype)
+    return base.as_strided(shape, stride, base.storage_offset() + source.offset // base.element_size())
+
+
+def _pointer(source, inputs, buffers):
+    """What the compiled launcher takes for a pointer argument: the tensor itself, or its address plus the offset."""
+    kind = source.kind
+    if kind == _INPUT:
+        return inputs[source.index]
+    if kind == _BUFFER:
+        return buffers[source.index]
+    base = inputs[source.index] if kind == _INPUT_AT else buffers[source.index]
+    return base.data_ptr() + source.offset
+
+
+def _descriptor(desc, inputs, buffers, fast):
+    base = desc.base
+    if fast:
+        source = base
+        ptr = _pointer(source, inputs, buffers)
+        new_base = _Pointer(ptr if isinstance(ptr, int) else ptr.data_ptr(), desc.recorded.base.dtype)
+    else:
+        new_base = _tensor(base, inputs, buffers)
+    copy = object.__new__(type(desc.recorded))
+    copy.__dict__.update(desc.recorded.__dict__)
+    copy.base = new_base
+    return copy
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is set (Triton 3.6 keeps None there, later versions an empty HookChain)."""
+    runtime = _knobs.runtime
+    return all(hook is None or not getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def _replay(plan, inputs):
+    buffers = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+               for shape, stride, dtype, device in plan.buffers]
+    fast = plan.fast and _no_launch_hooks()
+    if fast:
+        stream = _driver.active.get_current_stream(_driver.active.get_current_device())
+    for step in plan.steps:
+        if type(step) is _Fill:
+            buffers[step.buffer].fill_(step.value)
+            continue
+        values = list(step.values)
+        if fast:
+            for position, kind, index, offset, desc in step.fast_fills:
+                if desc is not None:
+                    values[position] = _descriptor(desc, inputs, buffers, True)
+                elif kind == _INPUT:
+                    values[position] = inputs[index]
+                elif kind == _BUFFER:
+                    values[position] = buffers[index]
+                elif kind == _INPUT_AT:
+                    values[position] = inputs[index].data_ptr() + offset
+                else:
+                    values[position] = buffers[index].data_ptr() + offset
+            step.launcher(*step.grid, stream, step.function, step.packed, None, None, None, *values)
+        else:
+            for position, source in step.fills:
+                values[position] = (_tensor(source, inputs, buffers) if type(source) is _Source
+                                    else _descriptor(source, inputs, buffers, False))
+            step.kernel[step.grid](**dict(zip(step.names, values)), **step.options)
+    outputs = tuple(_tensor(source, inputs, buffers) for source in plan.outputs)
+    return outputs[0] if plan.single else outputs
+
+
+def _signature(tensors):
+    """The part of a key the tensors give: what the full path and Triton's specialization read from them."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % _ALIGN == 0)
+                 for t in tensors)
+
+
+def _global_state(device):
+    """What every path reads besides its arguments."""
+    current = torch.cuda.current_device() if device.type == "cuda" else -1
+    return (torch.is_grad_enabled(), current, os.environ.get("MOE_DISPATCH_PDL"),
+            torch.backends.cuda.matmul.allow_tf32)
+
+
+def replayable(tensors) -> bool:
+    """Whether a call on `tensors` (None allowed) may be replayed: plans on, eager (no compile tracing, no user
+    dispatch mode, not inside another recording), plain tensors, no gradient to record."""
+    if not ENABLED or torch.compiler.is_compiling() or getattr(_state, "recorder", None) is not None:
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    grad_mode = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad_mode and t.requires_grad)):
+            return False
+    return True
+
+
+class PlanCache:
+    """Plans of one entry point, keyed by (options, tensor signature, global state)."""
+
+    def __init__(self, name):
+        self.name = name
+        self._plans = {}
+        self.last_reason = None  # why the last new signature was not recorded (tests, benchmarks)
+        _CACHES.append(self)
+
+    def run(self, fn, tensors, options):
+        """`fn(*tensors, *options)` (tensors[0] a tensor, the others tensors or None; `options` hashable, everything
+        else the call depends on): replayed from this signature's
+        plan when there is one, recorded when the signature is new, in full when it cannot be replayed."""
+        if not replayable(tensors):
+            return fn(*tensors, *options)
+        key = (options, _signature(tensors), _global_state(tensors[0].device))
+        try:
+            plan = self._plans.get(key, False)
+        except TypeError:  # an unhashable option: no plan
+            return fn(*tensors, *options)
+        if plan is None:
+            return fn(*tensors, *options)
+        if plan is not False:
+            return _replay(plan, tensors)
+        return self._record(key, fn, tensors, options)
+
+    def _record(self, key, fn, tensors, options):
+        recorder = _Recorder()
+        _state.recorder = recorder
+        try:
+            with recorder:
+                result = fn(*tensors, *options)
+        finally:
+            _state.recorder = None
+        try:
+            plan = _make_plan(recorder, tensors, result)
+            self.last_reason = None
+        except NotReplayable as reason:
+            plan, self.last_reason = None, str(reason)
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return result
+
+    def clear(self):
+        self._plans.clear()
+
+    def __len__(self):
+        return len(self._plans)
+
+    def replayable_count(self):
+        return sum(plan is not None for plan in self._plans.values())
+
+
+_CACHES = []
+
+
+def clear():
+    """Forget every plan (after changing a module attribute a path reads)."""
+    for cache in _CACHES:
+        cache.clear()
