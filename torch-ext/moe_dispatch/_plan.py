@@ -91,8 +91,10 @@ class _Recorder(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _ALLOCATIONS:
             self.allocations.append(out)
-        elif packet in _FILLS and func is not _aten.fill_.Tensor and any(args[0] is a for a in self.allocations):
+        elif packet in _FILLS and func is not _aten.fill_.Tensor and any(_same(args[0], a) for a in self.allocations):
             self.events.append((args[0], args[1] if packet is _aten.fill_ else 0))
+        elif packet in _FILLS and args[0].numel() == 0:  # fills nothing
+            pass
         elif packet not in _VIEWS and self.foreign_op is None:
             self.foreign_op = str(func)
         return out
@@ -134,6 +136,13 @@ class _Pointer:
         return self._ptr
 
 
+def _same(t, a):
+    """t is allocation a or an alias of all of it (a factory call under a dispatch mode returns a detached alias)."""
+    return t is a or (t.device == a.device and t.dtype == a.dtype and t.shape == a.shape and t.stride() == a.stride()
+                      and t.numel() > 0 and t.data_ptr() == a.data_ptr()
+                      and t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr())
+
+
 def _extent(t):
     """Bytes from t's data pointer to one past its last element."""
     if t.numel() == 0:
@@ -163,7 +172,7 @@ class _Resolver:
 
     def resolve(self, t):
         for i, x in enumerate(self.inputs):
-            if x is t:
+            if x is t or (isinstance(x, torch.Tensor) and _same(t, x)):
                 return _Source(_INPUT, i)
         if t.numel() == 0:
             return _Source(_BUFFER, self._buffer(None, t))
@@ -172,7 +181,7 @@ class _Resolver:
         ptr = t.data_ptr()
         for j, a in enumerate(self.allocations):
             if a.device == t.device and a.untyped_storage().data_ptr() == storage:
-                if a is t:
+                if _same(t, a):
                     return _Source(_BUFFER, self._buffer(j))
                 return self._view(_BUFFER_AT, self._buffer(j), a, t, view)
         candidates = [i for i, x in enumerate(self.inputs)
@@ -287,7 +296,8 @@ def _make_plan(recorder, inputs, result):
         fills = tuple((i, v) for i, v in enumerate(resolved) if isinstance(v, (_Source, _Descriptor)))
         steps.append(_Launch(kernel, _grid3(grid), resolved, fills, names, compiled, launch_options))
     outputs = tuple(resolver.resolve(r) for r in results)
-    fast = _knobs is not None and all(step.launcher is not None for step in steps if type(step) is _Launch)
+    launches = [step for step in steps if type(step) is _Launch]
+    fast = _knobs is not None and bool(launches) and all(step.launcher is not None for step in launches)
     return Plan(tuple(resolver.specs), steps, outputs, single, fast)
 
 
@@ -401,6 +411,7 @@ class PlanCache:
         self.name = name
         self._plans = {}
         self.last_reason = None  # why the last new signature was not recorded (tests, benchmarks)
+        self.replays = 0  # calls served from a plan
         _CACHES.append(self)
 
     def run(self, fn, tensors, options):
@@ -417,6 +428,7 @@ class PlanCache:
         if plan is None:
             return fn(*tensors, *options)
         if plan is not False:
+            self.replays += 1
             return _replay(plan, tensors)
         return self._record(key, fn, tensors, options)
 

@@ -1,0 +1,240 @@
+"""Plans (moe_dispatch._plan): a replayed call computes what the full path computes, for new data in the same
+signature, and a new signature, a bad input or a call that cannot be replayed goes through the full path.
+
+On the CPU the replays re-launch through the interpreter (the recorded arguments, the package's Python skipped); on
+a GPU they go through Triton's compiled launcher, the path eager users take.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, assert_close, make_weights
+from reference import fused_experts_ref, fused_moe_forward_ref
+
+import moe_dispatch as md
+from moe_dispatch import _plan
+from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
+from moe_dispatch.tiles import select_tiles
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(_plan, "ENABLED", True)
+    _plan.clear()
+    yield
+    _plan.clear()
+
+
+def _inputs(T, E, top_k, H, F, dtype=torch.float32, seed=0, transposed=False):
+    torch.manual_seed(seed)
+    x = torch.randn(T, H).to(DEVICE, dtype)
+    w_gate, w_up, w_down = make_weights(E, H, F, dtype)
+    w_gate_up = torch.cat([w_gate, w_up], dim=1)
+    if transposed:
+        w_gate_up, w_down = w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)] or [torch.zeros(0, top_k, dtype=torch.int64)])
+    ids = ids.reshape(T, top_k).to(DEVICE)
+    weights = torch.rand(T, top_k).to(DEVICE)
+    return x, w_gate_up, w_down, ids, weights
+
+
+# (id, T, E, top_k, H, F, why)
+CASES = [
+    ("decode", 3, 8, 2, 32, 32, "a few tokens: the two-launch decode path"),
+    ("general", 37, 6, 2, 32, 48, "past the decode bucket: dispatch, two grouped GEMMs and the combine"),
+    ("odd-sizes", 5, 7, 3, 40, 24, "H and F not multiples of the tiles, prime E"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_replay_matches_reference_on_new_data(case, poison_empty):
+    """The second and third calls of a signature are replays (one plan, recorded by the first); each gives its own
+    inputs' result, in a fresh output tensor, with replay buffers poisoned like the recorded ones."""
+    name, T, E, top_k, H, F, _ = case
+    tiles = select_tiles(torch.device(DEVICE), T, top_k, E, F, H, torch.float32) if name == "general" else None
+    outs = []
+    for seed in range(3):
+        x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F, seed=seed)
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, tiles=tiles)
+        assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights), torch.float32)
+        outs.append(out)
+    assert len(_FUSED_EXPERTS_PLANS) == 1 and _FUSED_EXPERTS_PLANS.replayable_count() == 1, \
+        _FUSED_EXPERTS_PLANS.last_reason
+    assert outs[0].data_ptr() != outs[1].data_ptr() and not torch.equal(outs[0], outs[1])
+
+
+def test_replay_is_bit_identical_to_the_full_path():
+    x, w_gate_up, w_down, ids, weights = _inputs(4, 8, 2, 32, 32)
+    _plan.ENABLED = False
+    full = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    _plan.ENABLED = True
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)  # records
+    replayed = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    assert _FUSED_EXPERTS_PLANS.replayable_count() == 1
+    assert torch.equal(full, replayed)
+
+
+def test_gpt_oss_layout_replays():
+    """Transposed, interleaved gate/up with biases and the clamped SwiGLU: views of inputs at byte offsets."""
+    T, E, top_k, H, F = 3, 6, 2, 32, 16
+    for seed in range(2):
+        x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F, seed=seed, transposed=True)
+        gate_up_bias = torch.randn(E, 2 * F).to(DEVICE) * 0.1
+        down_bias = torch.randn(E, H).to(DEVICE) * 0.1
+        kwargs = dict(activation="swiglu_oai", interleaved=True, transposed=True, gate_up_bias=gate_up_bias,
+                      down_bias=down_bias)
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, **kwargs)
+        assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs), torch.float32)
+    assert _FUSED_EXPERTS_PLANS.replayable_count() == 1
+
+
+def test_input_views_at_other_offsets_replay_correctly():
+    """Same signature, different storage offsets: pointers come from the new inputs, never the recorded ones."""
+    T, E, top_k, H, F = 2, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    big = torch.randn(3, *w_gate_up.shape).to(DEVICE) * 0.1
+    for i in range(3):
+        out = md.fused_experts(x, big[i], w_down, ids, weights, validate=False)
+        assert_close(out, fused_experts_ref(x, big[i], w_down, ids, weights), torch.float32)
+    assert len(_FUSED_EXPERTS_PLANS) == 1
+
+
+def test_new_signatures_record_new_plans():
+    T, E, top_k, H, F = 3, 8, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    md.fused_experts(x[:2], w_gate_up, w_down, ids[:2], weights[:2], validate=False)  # T
+    md.fused_experts(x, w_gate_up, w_down, ids.int(), weights, validate=False)  # ids dtype
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, activation="swiglu_oai")  # option
+    x_t = torch.randn(H, T).to(DEVICE).t()  # strides
+    out = md.fused_experts(x_t, w_gate_up, w_down, ids, weights, validate=False)
+    assert_close(out, fused_experts_ref(x_t, w_gate_up, w_down, ids, weights), torch.float32)
+    assert len(_FUSED_EXPERTS_PLANS) == 5
+
+
+def test_misaligned_input_gets_its_own_plan():
+    """Triton specializes pointers on 16-byte alignment: a view one element in is another signature."""
+    T, E, top_k, H, F = 2, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    flat = torch.randn(T * H + 1).to(DEVICE)
+    aligned, shifted = flat[:T * H].view(T, H), flat[1:].view(T, H)
+    for xs in (aligned, shifted, aligned, shifted):
+        out = md.fused_experts(xs, w_gate_up, w_down, ids, weights, validate=False)
+        assert_close(out, fused_experts_ref(xs, w_gate_up, w_down, ids, weights), torch.float32)
+    assert len(_FUSED_EXPERTS_PLANS) == 2
+
+
+def test_bad_inputs_raise_every_time_after_a_plan():
+    T, E, top_k, H, F = 2, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="w_down"):
+            md.fused_experts(x, w_gate_up, w_down[:, :-1], ids, weights, validate=False)
+        with pytest.raises(TypeError, match="topk_ids"):
+            md.fused_experts(x, w_gate_up, w_down, ids.float(), weights, validate=False)
+        with pytest.raises(TypeError, match="hidden_states"):
+            md.fused_experts(x.tolist(), w_gate_up, w_down, ids, weights, validate=False)
+    assert _FUSED_EXPERTS_PLANS.replayable_count() == 1
+
+
+def test_value_checks_are_never_skipped():
+    """validate=True reads the ids on every call (no plan); out-of-range ids raise each time."""
+    T, E, top_k, H, F = 2, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=True)
+    bad = ids.clone()
+    bad[0, 0] = E + 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="topk_ids"):
+            md.fused_experts(x, w_gate_up, w_down, bad, weights, validate=True)
+    assert len(_FUSED_EXPERTS_PLANS) == 0
+
+
+def test_gradients_bypass_plans():
+    T, E, top_k, H, F = 3, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    x.requires_grad_(True)
+    for _ in range(2):
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False).sum().backward()
+    assert len(_FUSED_EXPERTS_PLANS) == 0
+    with torch.no_grad():
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    assert len(_FUSED_EXPERTS_PLANS) == 1
+
+
+def test_nan_propagates_through_a_replay():
+    T, E, top_k, H, F = 3, 8, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    x[1, 3] = float("nan")
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    assert _FUSED_EXPERTS_PLANS.replayable_count() == 1
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+def test_zero_tokens():
+    """Zero tokens: no launch at all; the replay gives an empty output too."""
+    T, E, top_k, H, F = 0, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    for _ in range(2):
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+        assert out.shape == (0, H)
+    assert len(_FUSED_EXPERTS_PLANS) == 1
+
+
+def test_foreign_ops_refuse_a_plan():
+    """The recorder refuses what it cannot replay: a torch op that computes, a tensor from outside the call."""
+    outside = torch.zeros(4, device=DEVICE)
+
+    def computes(x):
+        return x * 2
+
+    def reads_outside(x):
+        return outside
+
+    cache = _plan.PlanCache("test")
+    x = torch.ones(4, device=DEVICE)
+    for fn, reason in ((computes, "torch op"), (reads_outside, "outside the call")):
+        for _ in range(2):
+            assert torch.equal(cache.run(fn, (x,), ()), fn(x))
+        assert cache.last_reason is not None and reason in cache.last_reason
+        cache.clear()
+
+
+def test_disabled_plans_and_user_dispatch_modes_run_in_full():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    T, E, top_k, H, F = 2, 4, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    _plan.ENABLED = False
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    assert len(_FUSED_EXPERTS_PLANS) == 0
+    _plan.ENABLED = True
+    md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    replays = _FUSED_EXPERTS_PLANS.replays
+    with Counting():
+        md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+    assert Counting.ops > 0 and _FUSED_EXPERTS_PLANS.replays == replays  # the user's mode saw the full path
+
+
+def test_fused_moe_forward_replays():
+    T, E, top_k, H, F = 3, 8, 2, 32, 16
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(T, H).to(DEVICE)
+        router = (torch.randn(E, H) * 0.5).to(DEVICE)
+        out, ids, weights = md.fused_moe_forward(x, router, w_gate, w_up, w_down, E, top_k)
+        ref_out, ref_ids, ref_weights = fused_moe_forward_ref(x, router, w_gate, w_up, w_down, E, top_k)
+        assert torch.equal(ids.cpu(), ref_ids.cpu())
+        assert_close(weights, ref_weights, torch.float32, "top_k_weights")
+        assert_close(out, ref_out, torch.float32)
+    assert len(_FUSED_MOE_PLANS) == 1
