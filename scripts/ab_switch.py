@@ -50,8 +50,13 @@ def switch_setter(switch):
 
     def set_attr(value):
         setattr(module, attr, before if value is None else ast.literal_eval(value))
+        clear_plans()  # a plan replays what the path did when recorded: the attribute is not part of its key
 
     return set_attr, values
+
+
+def clear_plans():
+    importlib.import_module("moe_dispatch._plan").clear()
 
 
 def main(argv=None):

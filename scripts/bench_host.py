@@ -70,8 +70,11 @@ def implementations(md, prob, tokens, topk_ids, topk_weights):
             return md.fused_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights)
         return call
 
-    fns = {"plans": fused(True), "no_plans": fused(False),
-           "transformers_fn": lambda: md.moe_dispatch_experts(module, x, topk_ids, topk_weights)}
+    def transformers_fn():
+        plan_module.ENABLED = True
+        return md.moe_dispatch_experts(module, x, topk_ids, topk_weights)
+
+    fns = {"plans": fused(True), "no_plans": fused(False), "transformers_fn": transformers_fn}
     weight_bytes = prob.shape.hidden * prob.shape.ffn * 3 * prob.w_down.element_size()
     for name in ("batched_mm", "grouped_mm"):
         fn = ALL_EXPERTS_FUNCTIONS.get(name) if hasattr(ALL_EXPERTS_FUNCTIONS, "get") else None
@@ -143,7 +146,7 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
     launch_costs = []
     if plans:
         plan = plans[-1]
-        from moe_dispatch._plan import _Launch, _tensor
+        from moe_dispatch._plan import _Launch, _buffers, _tensor
 
         for step in plan.steps:
             if type(step) is not _Launch or any(f[4] is not None for f in step.fast_fills):
@@ -151,7 +154,7 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
             values = list(step.values)
             # the recorded call's own tensors are gone; time both paths on fresh buffers of the same shapes
             inputs = (x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights) + (None,) * 6
-            buffers = [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in plan.buffers]
+            buffers, _scratch = _buffers(plan, False)
             for position, source in step.fills:
                 values[position] = _tensor(source, inputs, buffers)
             kwargs = dict(zip(step.names, values))

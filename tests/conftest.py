@@ -87,6 +87,17 @@ def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """No test replays a plan another test recorded: tests patch module attributes and functions a path reads
+    (tiles, dispatch limits, spies), which a plan's key does not see (moe_dispatch._plan)."""
+    import moe_dispatch
+
+    moe_dispatch._plan.clear()
+    yield
+    moe_dispatch._plan.clear()
+
+
 def pytest_runtest_logreport(report):
     """With MOE_DISPATCH_FAILURE_LOG set (scripts/gpu_suite.sh sets it), each failure's test id and message are
     appended to that file as it happens: a GPU run cut by its time limit never reaches pytest's summary, and then

@@ -50,6 +50,7 @@ MAX_PLANS = 1024  # signatures kept per cache; past this the cache starts over (
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ALIGN = 16  # Triton specializes pointer arguments on 16-byte alignment
+_SCRATCH_ALIGN = 256  # each buffer's offset in the call's scratch allocation (TMA wants 128-byte bases)
 
 _aten = torch.ops.aten
 _ALLOCATIONS = frozenset((_aten.empty, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided,
@@ -60,13 +61,17 @@ _VIEWS = frozenset((_aten.view, _aten._unsafe_view, _aten.slice, _aten.select, _
                     _aten.detach, _aten.narrow, _aten.split, _aten.split_with_sizes, _aten.unbind, _aten.chunk,
                     _aten.unflatten, _aten.diagonal, _aten.view_as, _aten.expand_as))
 
-_state = threading.local()  # .recorder: the `_Recorder` of the call being recorded on this thread, if any
+class _ThreadState(threading.local):
+    recorder = None  # the `_Recorder` of the call being recorded on this thread, if any
+
+
+_state = _ThreadState()
 
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`; noted by the recorder when a plan is being made. Every launch site of the
     package goes through here, so a recorded call sees all of its kernels."""
-    recorder = getattr(_state, "recorder", None)
+    recorder = _state.recorder
     if recorder is None:
         return kernel[grid](*args, **kwargs)
     with _pop_mode_temporarily():  # what Triton does inside a launch (the interpreter's copies) is its own
@@ -266,8 +271,10 @@ def _grid3(grid):
 class Plan:
     """A recorded call: the buffers to allocate, the steps (launches and fills, in order), where each output comes
     from."""
-    buffers: tuple
+    buffers: tuple  # (shape, stride, dtype, device, scratch offset or None) of each buffer, in buffer order
     steps: list
+    scratch_bytes: int  # one allocation holding every buffer that is neither an output nor filled
+    device: torch.device
     outputs: tuple
     single: bool  # the recorded function returned one tensor, not a tuple
     fast: bool  # every launch has a compiled handle
@@ -298,7 +305,18 @@ def _make_plan(recorder, inputs, result):
     outputs = tuple(resolver.resolve(r) for r in results)
     launches = [step for step in steps if type(step) is _Launch]
     fast = _knobs is not None and bool(launches) and all(step.launcher is not None for step in launches)
-    return Plan(tuple(resolver.specs), steps, outputs, single, fast)
+    separate = {source.index for source in outputs if source.kind in (_BUFFER, _BUFFER_AT)}
+    separate |= {step.buffer for step in steps if type(step) is _Fill}
+    buffers, scratch_bytes = [], 0
+    for index, (shape, stride, dtype, device) in enumerate(resolver.specs):
+        if index in separate:
+            buffers.append((shape, stride, dtype, device, None))
+            continue
+        buffers.append((shape, stride, dtype, device, scratch_bytes))
+        size = (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * dtype.itemsize if all(shape) else 0
+        scratch_bytes += -(-size // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    device = inputs[0].device
+    return Plan(tuple(buffers), steps, scratch_bytes, device, outputs, single, fast)
 
 
 def _tensor(source, inputs, buffers):
@@ -320,7 +338,7 @@ def _pointer(source, inputs, buffers):
     if kind == _BUFFER:
         return buffers[source.index]
     base = inputs[source.index] if kind == _INPUT_AT else buffers[source.index]
-    return base.data_ptr() + source.offset
+    return (base if type(base) is int else base.data_ptr()) + source.offset
 
 
 def _descriptor(desc, inputs, buffers, fast):
@@ -344,12 +362,32 @@ def _no_launch_hooks() -> bool:
                for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
+def _buffers(plan, fast):
+    """The call's buffers: outputs and filled buffers as tensors of their own, the others carved from one scratch
+    allocation (addresses on the compiled path, typed views on the re-launch path). The scratch tensor is returned
+    too: it must outlive the launches' enqueueing (the caching allocator then reuses it in stream order)."""
+    scratch = (torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=plan.device) if plan.scratch_bytes
+               else None)
+    base = scratch.data_ptr() if fast and scratch is not None else 0
+    buffers = []
+    for shape, stride, dtype, device, offset in plan.buffers:
+        if offset is None:
+            buffers.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        elif fast:
+            buffers.append(base + offset)
+        else:
+            size = (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) if all(shape) else 0
+            flat = scratch[offset:offset + size * dtype.itemsize] if scratch is not None else torch.empty(
+                0, dtype=torch.uint8, device=device)
+            buffers.append(flat.view(dtype).as_strided(shape, stride))
+    return buffers, scratch
+
+
 def _replay(plan, inputs):
-    buffers = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-               for shape, stride, dtype, device in plan.buffers]
     fast = plan.fast and _no_launch_hooks()
+    buffers, scratch = _buffers(plan, fast)
     if fast:
-        stream = _driver.active.get_current_stream(_driver.active.get_current_device())
+        stream = _current_stream(plan.device)
     for step in plan.steps:
         if type(step) is _Fill:
             buffers[step.buffer].fill_(step.value)
@@ -366,42 +404,54 @@ def _replay(plan, inputs):
                 elif kind == _INPUT_AT:
                     values[position] = inputs[index].data_ptr() + offset
                 else:
-                    values[position] = buffers[index].data_ptr() + offset
+                    buffer = buffers[index]
+                    values[position] = (buffer if type(buffer) is int else buffer.data_ptr()) + offset
             step.launcher(*step.grid, stream, step.function, step.packed, None, None, None, *values)
         else:
             for position, source in step.fills:
                 values[position] = (_tensor(source, inputs, buffers) if type(source) is _Source
                                     else _descriptor(source, inputs, buffers, False))
             step.kernel[step.grid](**dict(zip(step.names, values)), **step.options)
+    del scratch  # enqueued: the allocator may hand it out again, in stream order
     outputs = tuple(_tensor(source, inputs, buffers) for source in plan.outputs)
     return outputs[0] if plan.single else outputs
 
 
-def _signature(tensors):
-    """The part of a key the tensors give: what the full path and Triton's specialization read from them."""
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % _ALIGN == 0)
-                 for t in tensors)
+def _current_stream(device):
+    """The raw current CUDA stream of `device` (what Triton's launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else _current_device())
 
 
-def _global_state(device):
-    """What every path reads besides its arguments."""
-    current = torch.cuda.current_device() if device.type == "cuda" else -1
-    return (torch.is_grad_enabled(), current, os.environ.get("MOE_DISPATCH_PDL"),
-            torch.backends.cuda.matmul.allow_tf32)
+def _current_device():
+    return torch._C._cuda_getDevice() if torch.cuda.is_available() else -1
 
 
 def replayable(tensors) -> bool:
     """Whether a call on `tensors` (None allowed) may be replayed: plans on, eager (no compile tracing, no user
     dispatch mode, not inside another recording), plain tensors, no gradient to record."""
-    if not ENABLED or torch.compiler.is_compiling() or getattr(_state, "recorder", None) is not None:
-        return False
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return False
+    return _key(tensors, ()) is not None
+
+
+def _key(tensors, options):
+    """The plan key of a call, or None when it may not be replayed (see `replayable`). The tensors give what the full
+    path and Triton's specialization read from them (shape, strides, dtype, device, 16-byte alignment); the rest is
+    what every path reads besides its arguments."""
+    if not ENABLED or _state.recorder is not None or torch.compiler.is_compiling():
+        return None
+    if torch._C._len_torch_dispatch_stack():
+        return None
     grad_mode = torch.is_grad_enabled()
+    signature = []
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad_mode and t.requires_grad)):
-            return False
-    return True
+        if t is None:
+            signature.append(None)
+        elif type(t) not in _PLAIN_TENSORS or (grad_mode and t.requires_grad):
+            return None
+        else:
+            signature.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % _ALIGN == 0))
+    current = _current_device() if signature and signature[0][3] >= 0 else -1
+    return (options, tuple(signature), grad_mode, current, os.environ.get("MOE_DISPATCH_PDL"),
+            torch.backends.cuda.matmul.allow_tf32)
 
 
 class PlanCache:
@@ -418,9 +468,9 @@ class PlanCache:
         """`fn(*tensors, *options)` (tensors[0] a tensor, the others tensors or None; `options` hashable, everything
         else the call depends on): replayed from this signature's
         plan when there is one, recorded when the signature is new, in full when it cannot be replayed."""
-        if not replayable(tensors):
+        key = _key(tensors, options)
+        if key is None:
             return fn(*tensors, *options)
-        key = (options, _signature(tensors), _global_state(tensors[0].device))
         try:
             plan = self._plans.get(key, False)
         except TypeError:  # an unhashable option: no plan
