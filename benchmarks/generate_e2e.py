@@ -1,0 +1,754 @@
+"""End-to-end decode speed of transformers' `generate` with moe_dispatch as the experts implementation.
+
+Builds causal-LM models of real layer width and small depth from transformers configs (random weights, nothing is
+downloaded) and runs greedy `generate` on one model object, switching its experts implementation between runs
+(`model.set_experts_implementation`), so every implementation decodes with the same weights from the same prompt:
+
+    qwen3-30b-a3b   Qwen3MoeForCausalLM    H 2048, F 768, 128 experts, top-8 renormalised, 32 q / 4 kv heads of 128
+    mixtral-8x7b    MixtralForCausalLM     H 4096, F 14336, 8 experts, top-2, 32 q / 8 kv heads
+    deepseek-v3     DeepseekV3ForCausalLM  H 7168, F 2048, 256 experts, top-8 of 4 groups out of 8, sigmoid scores with
+                                           e_score_correction_bias, a shared expert, MLA attention; every layer MoE
+                                           (first_k_dense_replace 0)
+
+The expert widths and routing come from benchmarks/model_shapes.py (the table the kernel benchmarks use); --layers
+decoder layers (default 2) and a vocabulary of --vocab (default 32000, so the LM head does not dominate), bf16. The
+models are built on the device with transformers' weight initialisation switched off (`no_init_weights`), then every
+weight is filled in place: norms 1, biases 0, the rest normal(0, --init-std), the DeepSeek-V3 correction bias an fp32
+normal(0, 0.1) tensor. Building DeepSeek-V3 at 2 layers takes about 47 GB.
+
+Implementations, in one process on one model: `moe_dispatch` (`moe_dispatch.register_experts()`), transformers'
+default (`grouped_mm`, which `generate` itself swaps for `batched_mm` during the decode steps on a GPU:
+`GenerationMixin._optimize_model_for_decode`), `batched_mm` (for prefill too: it gathers every token's expert
+weights, which for 16 x 32 prompt tokens exceeds the GPU's memory on Mixtral and DeepSeek-V3; those cells record the
+out-of-memory error), and `grouped_mm_always`: transformers' grouped_mm function registered under a second name,
+which that swap leaves alone (grouped_mm's own decode speed).
+
+Modes: `eager` is `generate` with the default DynamicCache, no compilation; `static` is
+`cache_implementation="static"`, for which transformers compiles the decode step (torch.compile, inductor,
+"reduce-overhead", i.e. CUDA graphs; prefill runs uncompiled). `generate` builds a new StaticCache on every call, whose
+tensors are static inputs of the CUDA graphs, so each call's first decode step records its graph again (inside the
+timed t(new_tokens)); `static-reuse` passes one StaticCache per batch size as `past_key_values` instead, reset before
+every call, so the recorded graph replays from the first step: the steady decode rate. Every run is greedy,
+--new-tokens (default 64) with `min_new_tokens` equal, so every row decodes the same number of steps; prompts are
+--prompt-len (default 32) random ids from a fixed seed, batch sizes --batches (default 1,16).
+
+Metric: decode tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)), where t(n) is the median over --repeats
+(default 3, after --warmup runs; the compiled modes warm up at least twice: compile, then CUDA-graph recording) of
+`generate(max_new_tokens=n)` timed between two `torch.cuda.synchronize()`; the difference removes prefill and set-up.
+Each implementation's tokens are compared with the reference's (transformers' default on a GPU, its `eager` loop on
+the CPU): the fraction of rows equal, and the first generated position at which any row differs (bf16 random weights
+can legitimately diverge after a few tokens: a near-tie in an argmax flips on rounding).
+
+Per model the order is: eager decode, training, static, static-reuse (a run cut by --budget-s loses the compiled
+modes first; a cell that fails records its error and the run goes on).
+
+Training (--train, on by default on a GPU): one forward + backward of a --train-tokens batch (default 4x512,
+labels = input ids) with moe_dispatch and with grouped_mm: step time (median of --train-steps after one warm-up
+step), peak memory (torch.cuda.max_memory_allocated after a reset), the loss, and the largest norm-wise relative
+difference between the two implementations' gradients of the experts' weights (gate_up_proj, down_proj of every
+layer; also max |diff| / max |ref|).
+
+Output: the tables (every implementation, then a short one: model, batch, mode, moe_dispatch vs default, tokens
+match; then training) are printed last; with --out, `generate_e2e.json` (every measurement, device, versions of torch,
+triton, transformers and the package, git commit, arguments) and `generate_e2e.md`, rewritten after every cell so a
+run cut short keeps what it measured.
+
+Run from the repository root (torch-ext/ holds the package), all models in one process or one model per process:
+
+    PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --out results/generate-e2e
+    PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models deepseek-v3 --out results/generate-e2e/deepseek-v3
+    PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models mixtral-8x7b --modes eager --no-train
+
+Cost on one H200 (estimated, not yet measured): mostly torch.compile, 6 decode graphs per model (moe_dispatch,
+batched_mm, which grouped_mm's decode steps reuse, and grouped_mm_always, each at batch 1 and again with a dynamic
+batch), each tens of seconds; roughly 5 to 9 minutes per model, the eager mode and training about a minute of that.
+--budget-s keeps a run inside a time limit (no new cell starts after it; what was measured is written).
+
+Without a GPU (or with --device cpu) it is a smoke run: tiny widths (H 64, F 32, 8 experts, top-2, vocab 128,
+1 layer, 3 new tokens, batches 1 and 2), fp32, eager mode only, no training, the kernels in Triton's interpreter
+(TRITON_INTERPRET=1 is set when it is not); the times then mean nothing, the token match is exact.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from model_shapes import MODEL_SHAPES  # beside this file: on sys.path when it runs as a script or from the tests
+
+ROOT = Path(__file__).resolve().parents[1]
+BOS, EOS, PAD = 0, 1, 2  # prompts draw ids from PAD + 1 up
+ALWAYS_GROUPED = "grouped_mm_always"
+RESULTS_NAME = "generate_e2e"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One transformers model family: its classes, the released model's non-expert widths, and the smoke widths."""
+
+    name: str  # a MODEL_SHAPES key: the routed experts' E, top_k, H, F and routing
+    config: str  # transformers config class
+    model: str  # transformers causal-LM class
+    real: dict  # attention and dense widths of the released model
+    tiny: dict  # the same for the CPU smoke run
+
+
+SPECS = {
+    s.name: s
+    for s in (
+        ModelSpec("qwen3-30b-a3b", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  real=dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)),
+        ModelSpec("mixtral-8x7b", "MixtralConfig", "MixtralForCausalLM",
+                  real=dict(num_attention_heads=32, num_key_value_heads=8),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=2)),
+        ModelSpec("deepseek-v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                  real=dict(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
+                            n_shared_experts=1, first_k_dense_replace=0),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, intermediate_size=64,
+                            n_shared_experts=1, first_k_dense_replace=0)),
+    )
+}
+# The smoke run's experts: small enough for the interpreter, groups kept where the model routes by group.
+TINY_EXPERTS = dict(num_experts=8, top_k=2, hidden=64, ffn=32)
+TINY_GROUPS = dict(n_group=2, topk_group=1)
+
+MODES = ("eager", "static", "static-reuse")
+GPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm," + ALWAYS_GROUPED, modes=",".join(MODES),
+                    batches="1,16", new_tokens=64, prompt_len=32, layers=2, vocab=32000, repeats=3, warmup=1,
+                    dtype="bfloat16", init_std=0.02, reference="grouped_mm", train=True)
+# The CPU reference is transformers' eager loop: at fp32 its tokens and the kernel's must agree exactly. A larger
+# init std than 0.02 makes the experts, not the embeddings, decide the tiny model's logits.
+CPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm,eager", modes="eager", batches="1,2", new_tokens=3,
+                    prompt_len=8, layers=1, vocab=128, repeats=1, warmup=0, dtype="float32", init_std=0.1,
+                    reference="eager", train=False)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu (the smoke run)")
+    p.add_argument("--models", default=",".join(SPECS), help=f"comma list of {', '.join(SPECS)}")
+    p.add_argument("--impls", default=None, help="experts implementations to compare (GPU default: "
+                   f"{GPU_DEFAULTS['impls']}; CPU: {CPU_DEFAULTS['impls']})")
+    p.add_argument("--reference", default=None, help="implementation whose tokens the others are compared with "
+                   "(GPU: grouped_mm, transformers' default; CPU: eager)")
+    p.add_argument("--modes", default=None, help="of eager (DynamicCache), static (StaticCache, compiled decode), "
+                   "static-reuse (one StaticCache reused); GPU default all three, CPU eager")
+    p.add_argument("--batches", default=None, help="comma list of batch sizes (GPU 1,16; CPU 1,2)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (GPU 64, CPU 3)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (GPU 32, CPU 8)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (GPU 2, CPU 1)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (GPU 32000, CPU 128)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per length, median (GPU 3, CPU 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs per length first (GPU 1, CPU 0)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="GPU bfloat16, CPU float32")
+    p.add_argument("--init-std", type=float, default=None, help="std of the random weights (GPU 0.02, CPU 0.1)")
+    p.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
+                   help="smoke widths (default on the CPU only)")
+    p.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time one training step, moe_dispatch vs grouped_mm (default on a GPU)")
+    p.add_argument("--train-tokens", default="4x512", help="training batch as BATCHxSEQ")
+    p.add_argument("--train-steps", type=int, default=3, help="timed training steps, median")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new cell after this many seconds")
+    p.add_argument("--profile", action="store_true", help="also a cProfile of one eager generate per cell (printed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for generate_e2e.json and .md (default: write nothing)")
+    args = p.parse_args(argv)
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu for the smoke run")
+    defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.tiny is None:
+        args.tiny = device.type == "cpu"
+    args.models = _names(args.models)
+    unknown = [m for m in args.models if m not in SPECS]
+    if unknown:
+        p.error(f"unknown models {unknown}; choose from {list(SPECS)}")
+    args.impls = _names(args.impls)
+    args.modes = _names(args.modes)
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes takes {', '.join(MODES)}")
+    args.batches = [int(b) for b in _names(args.batches)]
+    try:
+        args.train_batch, args.train_seq = (int(n) for n in args.train_tokens.lower().split("x"))
+    except ValueError:
+        p.error("--train-tokens is BATCHxSEQ, e.g. 4x512")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (the metric subtracts a 1-token generate)")
+    return args
+
+
+def _names(text):
+    return [name.strip() for name in str(text).split(",") if name.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+
+
+def experts_shape(name, tiny):
+    """The routed experts of `name` (model_shapes.ModelShape), at the smoke widths when `tiny`."""
+    shape = MODEL_SHAPES[name]
+    if not tiny:
+        return shape
+    groups = TINY_GROUPS if shape.n_group else {}
+    return dataclasses.replace(shape, **TINY_EXPERTS, **groups)
+
+
+def config_kwargs(spec, shape, args):
+    """transformers config arguments of `spec` with `shape`'s experts and the run's depth, vocabulary and init."""
+    kwargs = dict(spec.tiny if args.tiny else spec.real)
+    kwargs.update(hidden_size=shape.hidden, num_experts_per_tok=shape.top_k, num_hidden_layers=args.layers,
+                  vocab_size=args.vocab, initializer_range=args.init_std, tie_word_embeddings=False,
+                  max_position_embeddings=max(4096, args.prompt_len + args.new_tokens, args.train_seq),
+                  bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, output_router_logits=False)
+    if spec.config == "MixtralConfig":  # Mixtral always renormalises its top-k
+        kwargs.update(intermediate_size=shape.ffn, num_local_experts=shape.num_experts)
+    elif spec.config == "Qwen3MoeConfig":
+        kwargs.update(moe_intermediate_size=shape.ffn, num_experts=shape.num_experts,
+                      norm_topk_prob=shape.renormalize)
+    else:  # DeepseekV3Config
+        kwargs.update(moe_intermediate_size=shape.ffn, n_routed_experts=shape.num_experts, n_group=shape.n_group,
+                      topk_group=shape.topk_group, routed_scaling_factor=shape.routed_scaling_factor,
+                      norm_topk_prob=shape.renormalize)
+    return kwargs
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def fill_random_(model, std, seed):
+    """Norm weights 1, biases 0, every other parameter normal(0, std), in place; the correction bias of a
+    DeepSeek-V3-style router becomes a real fp32 normal(0, 0.1) tensor (it picks experts, it does not weight them)."""
+    torch.manual_seed(seed)
+    for module in model.modules():
+        is_norm = "Norm" in type(module).__name__
+        for name, param in module.named_parameters(recurse=False):
+            if is_norm:
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std)
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            module.e_score_correction_bias = torch.randn(bias.shape, device=bias.device, dtype=torch.float32) * 0.1
+
+
+def build_model(spec, args, device, dtype, experts_implementation):
+    """A random-weight `spec.model` built directly on `device` in `dtype`, eval mode (see the module docstring)."""
+    import transformers
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older layouts kept it in modeling_utils
+        from transformers.modeling_utils import no_init_weights
+
+    shape = experts_shape(spec.name, args.tiny)
+    config = getattr(transformers, spec.config)(**config_kwargs(spec, shape, args), attn_implementation="sdpa",
+                                                experts_implementation=experts_implementation)
+    with torch.device(device), default_dtype(dtype), no_init_weights():
+        model = getattr(transformers, spec.model)(config)
+    fill_random_(model, args.init_std, args.seed)
+    return model.eval(), shape
+
+
+def experts_parameters(model):
+    """(name, parameter) of every routed-experts module's gate_up_proj and down_proj (shared experts excluded)."""
+    found = []
+    for module_name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts"):
+            found += [(f"{module_name}.{p}", getattr(module, p)) for p in ("gate_up_proj", "down_proj")]
+    return found
+
+
+def model_record(model, spec, shape, args, build_s):
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for _, p in experts_parameters(model))
+    itemsize = next(model.parameters()).element_size()
+    return {"class": spec.model, "experts": dataclasses.asdict(shape), "layers": args.layers, "vocab": args.vocab,
+            "moe_layers": len(experts_parameters(model)) // 2, "params": params, "experts_params": experts,
+            "weights_gib": params * itemsize / 2**30, "build_s": build_s,
+            "config": {k: v for k, v in model.config.to_diff_dict().items() if isinstance(v, (int, float, str, bool))}}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode
+
+
+def register_implementations(package):
+    """Register moe_dispatch and grouped_mm under a name generate's decode switch does not touch; the package's
+    name."""
+    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+
+    ExpertsInterface.register(ALWAYS_GROUPED, grouped_mm_experts_forward)
+    return package.register_experts()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt(batch, args, device):
+    generator = torch.Generator().manual_seed(args.seed * 1000 + batch)
+    return torch.randint(PAD + 1, args.vocab, (batch, args.prompt_len), generator=generator).to(device)
+
+
+def timed_generate(model, ids, new_tokens, mode, args, device, cache=None):
+    """(seconds, generated ids [batch, new_tokens]) of one greedy generate; `cache` is static-reuse's StaticCache."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD,
+                  attention_mask=torch.ones_like(ids))
+    if mode == "static":  # one cache length for both lengths: the compiled step is the same graph
+        kwargs.update(cache_implementation="static", max_cache_len=args.prompt_len + args.new_tokens)
+    elif mode == "static-reuse":
+        cache.reset()
+        kwargs.update(past_key_values=cache)
+    synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    synchronize(device)
+    return time.perf_counter() - start, out[:, ids.shape[1]:]
+
+
+def compile_counts():
+    """torch.compile's running totals in this process: graphs produced (grows on every (re)compile), graph breaks,
+    and graphs inductor ran without CUDA graphs ("reduce-overhead" skipped them)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+
+
+def _delta(after, before):
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
+def measure_decode(model, impl, ids, mode, args, device, cache=None):
+    """One cell: warm-up, then --repeats pairs of generate(new_tokens) and generate(1); the decode rate."""
+    model.set_experts_implementation(impl)
+    before = compile_counts()
+    warmup = max(args.warmup, 2) if mode != "eager" else args.warmup  # compile, then CUDA-graph recording
+    for _ in range(warmup):
+        timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+        timed_generate(model, ids, 1, mode, args, device, cache)
+    after_warmup = compile_counts()
+    long_s, short_s, tokens = [], [], None
+    for _ in range(args.repeats):
+        seconds, tokens = timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+        long_s.append(seconds)
+        short_s.append(timed_generate(model, ids, 1, mode, args, device, cache)[0])
+    t_long, t_short = statistics.median(long_s), statistics.median(short_s)
+    steps = args.new_tokens - 1
+    decode_s = t_long - t_short
+    cell = {"generate_s": t_long, "one_token_s": t_short, "decode_ms_per_step": decode_s / steps * 1e3,
+            "tokens_per_s": ids.shape[0] * steps / decode_s if decode_s > 0 else None,
+            "generate_times_s": long_s, "one_token_times_s": short_s}
+    if args.profile and mode == "eager":
+        cell["profile"] = profile_generate(model, ids, mode, args, device, cache)
+    if mode != "eager":  # a graph compiled while timed would mean the timed runs were not the warmed-up graph
+        cell.update(compiled=hasattr(model, "_compiled_call"), compile_in_warmup=_delta(after_warmup, before),
+                    compile_while_timed=_delta(compile_counts(), after_warmup))
+    return cell, tokens.cpu()
+
+
+def profile_generate(model, ids, mode, args, device, cache=None, rows=25):
+    """cProfile of one generate(new_tokens): the top functions by own time, as text (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
+def agreement(tokens, ref):
+    """Fraction of rows equal to the reference's, and the first generated position where any row differs."""
+    differs = tokens != ref
+    columns = differs.any(dim=0).nonzero()
+    return {"rows_equal": float((~differs.any(dim=1)).float().mean()),
+            "first_diff": int(columns[0]) if len(columns) else None}
+
+
+def reset_compiled(model):
+    """Forget the compiled graphs and CUDA graphs (after each model)."""
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    try:
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001 (a torch without dynamo: nothing was compiled)
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def training_step(model, ids, device):
+    """(seconds, peak bytes, bytes allocated before the step, loss) of one forward + backward from no gradients."""
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    before = peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    return seconds, peak, before, loss.item()
+
+
+@torch.no_grad()
+def gradient_difference(got, ref):
+    """max over tensors of ||got - ref|| / ||ref|| and of max|got - ref| / max|ref|, one expert at a time (a
+    DeepSeek-V3 layer's gate_up gradient is 15 GB in bf16; its fp32 difference would not fit beside the model)."""
+    worst_norm, worst_max = 0.0, 0.0
+    for name, grad in got:
+        reference = ref.get(name)
+        if reference is None:
+            continue
+        sq_diff = sq_ref = max_diff = max_ref = torch.zeros((), device=grad.device, dtype=torch.float64)
+        for e in range(grad.shape[0]):
+            a, b = grad[e].float(), reference[e].to(grad.device).float()
+            d = a - b
+            sq_diff = sq_diff + d.double().square().sum()
+            sq_ref = sq_ref + b.double().square().sum()
+            max_diff = torch.maximum(max_diff, d.abs().max().double())
+            max_ref = torch.maximum(max_ref, b.abs().max().double())
+        worst_norm = max(worst_norm, float(sq_diff.sqrt() / sq_ref.sqrt().clamp_min(1e-300)))
+        worst_max = max(worst_max, float(max_diff / max_ref.clamp_min(1e-300)))
+    return worst_norm, worst_max
+
+
+def measure_training(model, impls, args, device):
+    """One forward + backward per step for each implementation (the first is the gradient reference)."""
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(PAD + 1, args.vocab, (args.train_batch, args.train_seq), generator=generator).to(device)
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the eager decode's cached blocks (batched_mm's gathered weights) go back first
+    cells, ref_grads = [], None
+    try:
+        for impl in impls:
+            model.set_experts_implementation(impl)
+            training_step(model, ids, device)  # warm-up: kernel compiles, allocator growth
+            steps = [training_step(model, ids, device) for _ in range(args.train_steps)]
+            cell = {"impl": impl, "tokens": args.train_batch * args.train_seq, "batch": args.train_batch,
+                    "seq": args.train_seq, "step_ms": statistics.median(s[0] for s in steps) * 1e3,
+                    "step_times_s": [s[0] for s in steps], "loss": steps[-1][3]}
+            if device.type == "cuda":  # weights (and whatever else was alive), then the step's peak
+                cell["before_gib"] = steps[-1][2] / 2**30
+                cell["peak_gib"] = max(s[1] for s in steps) / 2**30
+            grads = [(name, p.grad) for name, p in experts_parameters(model) if p.grad is not None]
+            if ref_grads is None:  # kept on the host: the next implementation needs the device memory
+                ref_grads = {name: g.detach().to("cpu") for name, g in grads}
+                ref_loss = cell["loss"]
+            else:
+                cell["grad_rel_diff"], cell["grad_max_diff"] = gradient_difference(grads, ref_grads)
+                cell["loss_diff"] = cell["loss"] - ref_loss
+            cells.append(cell)
+            model.zero_grad(set_to_none=True)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _git_commit():
+    if os.environ.get("MOE_DISPATCH_COMMIT"):
+        return os.environ["MOE_DISPATCH_COMMIT"]
+    try:
+        run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (run.stdout.strip() + ("-dirty" if dirty else "")) or None
+    except Exception:  # noqa: BLE001 (no git, not a checkout)
+        return None
+
+
+def meta(args, device, package):
+    import transformers
+    import triton
+
+    recorded = {k: v for k, v in vars(args).items() if k != "out"}  # --out is a path on this machine
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "package": f"{package.__name__} {getattr(package, '__version__', '?')}",
+        "commit": _git_commit(), "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        "args": recorded,
+    }
+
+
+def _num(value, digits=1):
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _sci(value):
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _match(cell):
+    if "rows_equal" not in cell:
+        return "-"
+    rows = round(cell["rows_equal"] * cell["batch"])
+    text = f"{rows}/{cell['batch']}"
+    return text if cell["first_diff"] is None else f"{text} (first diff at {cell['first_diff']})"
+
+
+def tables(results):
+    """(full table, short table, training table) in Markdown."""
+    args = results["meta"]["args"]
+    cells = [c for c in results["decode"] if "tokens_per_s" in c]
+    head = (f"{args['layers']} decoder layers, vocab {args['vocab']}, prompt {args['prompt_len']}, "
+            f"{args['new_tokens']} new tokens, {args['dtype']}, {results['meta']['device']}; decode tok/s = "
+            f"batch * (new_tokens - 1) / (t(new_tokens) - t(1)); tokens vs {args['reference']}")
+    full = [head, "", "| model | batch | mode | impl | tok/s | ms/step | generate s | vs default | tokens match |",
+            "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for c in results["decode"]:
+        if "tokens_per_s" not in c:
+            full.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c['impl']} | "
+                        f"{c.get('error') or c.get('skipped')} | | | | |")
+            continue
+        full.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c['impl']} | {_num(c['tokens_per_s'])} | "
+                    f"{_num(c['decode_ms_per_step'], 2)} | {_num(c['generate_s'], 3)} | "
+                    f"{_num(c.get('vs_default'), 2)} | {_match(c)} |")
+    default, package = results["default_impl"], results["package_impl"]
+    short = [f"{head}; default = {default}", "",
+             f"| model | batch | mode | {package} tok/s | {default} tok/s | ratio | tokens match |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for c in results["decode"]:
+        if c["impl"] != package:
+            continue
+        if "tokens_per_s" not in c:
+            short.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c.get('error') or c.get('skipped')} "
+                         f"| | | |")
+            continue
+        base = next((b for b in cells if b["impl"] == default and
+                     (b["model"], b["batch"], b["mode"]) == (c["model"], c["batch"], c["mode"])), None)
+        short.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {_num(c['tokens_per_s'])} | "
+                     f"{_num(base and base['tokens_per_s'])} | {_num(c.get('vs_default'), 2)} | {_match(c)} |")
+    train = ["Training: one forward + backward, labels = input ids; gradient difference of the experts' weights "
+             "against the first implementation (norm-wise, max over tensors)", "",
+             "| model | tokens | impl | step ms | peak GiB (before step) | loss | grad rel diff | grad max diff |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for c in results["train"]:
+        if "step_ms" not in c:
+            train.append(f"| {c['model']} | | {c.get('impl', '')} | {c.get('error') or c.get('skipped')} | | | | |")
+            continue
+        memory = "-" if "peak_gib" not in c else f"{c['peak_gib']:.2f} ({c['before_gib']:.2f})"
+        train.append(f"| {c['model']} | {c['batch']}x{c['seq']} | {c['impl']} | {_num(c['step_ms'])} | {memory} | "
+                     f"{c['loss']:.5f} | {_sci(c.get('grad_rel_diff'))} | {_sci(c.get('grad_max_diff'))} |")
+    if not results["train"]:
+        train = ["Training: not run (--no-train)"]
+    return "\n".join(full), "\n".join(short), "\n".join(train)
+
+
+def write(results, out):
+    if out is None:
+        return
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{RESULTS_NAME}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (folder / f"{RESULTS_NAME}.md").write_text("\n\n".join(tables(results)) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_package(device):
+    """The moe_dispatch package (torch-ext/ on PYTHONPATH); on the CPU its kernels need Triton's interpreter, which
+    must be on before the package (its @triton.jit decorators) is imported."""
+    if device.type == "cpu" and "moe_dispatch" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import moe_dispatch
+    except ImportError as exc:
+        raise SystemExit(f"cannot import moe_dispatch ({exc}): run from the repository root with "
+                         f"PYTHONPATH=torch-ext") from exc
+    return moe_dispatch
+
+
+def _error(exc):
+    """One line for a table cell: the exception's type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300].replace("|", "/")
+
+
+def _over_budget(args, started):
+    return args.budget_s is not None and time.monotonic() - started > args.budget_s
+
+
+def run_decode_mode(model, spec, mode, impls, args, device, results, started, log):
+    """Every (batch, implementation) cell of one mode; tokens compared with the reference's of the same batch."""
+    default = results["default_impl"]
+    for batch in args.batches:
+        ids = prompt(batch, args, device)
+        cache = None
+        if mode == "static-reuse":
+            from transformers import StaticCache
+
+            cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
+        ref_tokens, by_impl = None, {}
+        for impl in impls:
+            cell = {"model": spec.name, "batch": batch, "mode": mode, "impl": impl, "new_tokens": args.new_tokens,
+                    "prompt_len": args.prompt_len}
+            results["decode"].append(cell)
+            if _over_budget(args, started):
+                cell["skipped"] = "budget"
+                continue
+            try:
+                measured, tokens = measure_decode(model, impl, ids, mode, args, device, cache)
+            except Exception as exc:  # noqa: BLE001 (one failing implementation does not end the run)
+                cell["error"] = _error(exc)
+                log(f"  {mode} batch {batch} {impl}: {cell['error']}")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            cell.update(measured)
+            if impl == args.reference:
+                ref_tokens = tokens
+            if ref_tokens is not None:
+                cell.update(agreement(tokens, ref_tokens))
+            by_impl[impl] = cell
+            compiled = ""
+            if "compile_while_timed" in cell:
+                warm, timed = cell["compile_in_warmup"], cell["compile_while_timed"]
+                compiled = (f"; compiled {cell['compiled']}: {warm.get('graphs')} graphs in warm-up, "
+                            f"{timed.get('graphs')} while timed, "
+                            f"{warm.get('cudagraph_skips', 0) + timed.get('cudagraph_skips', 0)} CUDA-graph skips")
+            log(f"  {mode} batch {batch} {impl}: {_num(cell['tokens_per_s'])} tok/s, "
+                f"{cell['decode_ms_per_step']:.2f} ms/step, tokens {_match(cell)}{compiled}")
+            if "profile" in cell:
+                log(cell["profile"])
+            write(results, args.out)
+        base = by_impl.get(default, {}).get("tokens_per_s")
+        for cell in by_impl.values():
+            if base and cell["tokens_per_s"]:
+                cell["vs_default"] = cell["tokens_per_s"] / base
+        del cache
+
+
+def run_training(model, spec, args, device, results, started, log):
+    if _over_budget(args, started):
+        results["train"].append({"model": spec.name, "skipped": "budget"})
+        return
+    try:
+        for cell in measure_training(model, [results["default_impl"], results["package_impl"]], args, device):
+            results["train"].append({"model": spec.name, **cell})
+            log(f"  train {cell['impl']}: {cell['step_ms']:.1f} ms, loss {cell['loss']:.5f}, "
+                f"grad rel diff {_sci(cell.get('grad_rel_diff'))}")
+    except Exception as exc:  # noqa: BLE001 (an out-of-memory step keeps the decode results)
+        results["train"].append({"model": spec.name, "error": _error(exc)})
+        log(f"  train: {results['train'][-1]['error']}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_model(spec, args, device, dtype, results, started, log):
+    """Build one model, then: eager decode, the training step, the compiled decode modes (the order a run cut short
+    by --budget-s loses least in)."""
+    build_start = time.perf_counter()
+    model, shape = build_model(spec, args, device, dtype, None)  # None: the implementation transformers defaults to
+    synchronize(device)
+    default = results["default_impl"] = model.config._experts_implementation
+    record = model_record(model, spec, shape, args, time.perf_counter() - build_start)
+    results["models"][spec.name] = record
+    log(f"{spec.name}: built in {record['build_s']:.1f} s, {record['params'] / 1e9:.2f} B parameters "
+        f"({record['weights_gib']:.1f} GiB), {record['moe_layers']} MoE layers; default experts: {default}")
+    impls = list(dict.fromkeys([args.reference, default, *args.impls]))  # reference first, then the default
+    try:
+        if "eager" in args.modes:
+            run_decode_mode(model, spec, "eager", impls, args, device, results, started, log)
+        if args.train:
+            run_training(model, spec, args, device, results, started, log)
+            write(results, args.out)
+        for mode in [m for m in args.modes if m != "eager"]:
+            run_decode_mode(model, spec, mode, impls, args, device, results, started, log)
+    finally:
+        reset_compiled(model)  # the compiled graphs and their CUDA-graph memory pools go with the model
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    """Run the benchmark; returns the results dict (see the module docstring)."""
+    started = time.monotonic()
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    package = load_package(device)
+    package_impl = register_implementations(package)
+    if set(args.modes) - {"eager"}:
+        # Each implementation and batch size compiles its own decode graph of the same frame (model.__call__):
+        # close to dynamo's default limit of 8 recompilations, past which it would silently run uncompiled.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+
+    def log(line):
+        print(line, flush=True)
+
+    results = {"meta": meta(args, device, package), "package_impl": package_impl, "default_impl": None,
+               "models": {}, "decode": [], "train": []}
+    log(f"generate_e2e on {results['meta']['device']}: {args.layers} layers, vocab {args.vocab}, {args.dtype}, "
+        f"impls {','.join(args.impls)}, modes {','.join(args.modes)}, batches {args.batches}")
+    for name in args.models:
+        run_model(SPECS[name], args, device, dtype, results, started, log)
+    results["meta"]["wall_s"] = time.monotonic() - started
+    write(results, args.out)
+    full, short, train = tables(results)
+    print("\n" + full + "\n\n" + short + "\n\n" + train, flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
