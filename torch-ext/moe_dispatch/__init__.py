@@ -15,6 +15,8 @@ per expert hit, then down + weighted sum per token); the tile tables choose (til
 fp8.py holds the FP8 weight formats (quantizer, checks, the choice of compute path); the grouped GEMMs dequantize
 fp8 weights in their loads, and fp8_gemm.py runs e4m3 activations x e4m3 weights on FP8 tensor cores (w8a8).
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
+_plan.py is the eager host path: a call is recorded once per input signature and then replayed through Triton's
+compiled launcher (every launch site goes through `_plan.launch`).
 
 `__all__` is the versioned public surface (API major = build.toml `version`).
 """
