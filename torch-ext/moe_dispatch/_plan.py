@@ -436,8 +436,8 @@ def _key(tensors, options):
     """The plan key of a call, or None when it may not be replayed (see `replayable`). The tensors give what the full
     path and Triton's specialization read from them (shape, strides, dtype, device, 16-byte alignment); the rest is
     what every path reads besides its arguments."""
-    if not ENABLED or _state.recorder is not None or torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or not ENABLED or _state.recorder is not None:  # tracing first: nothing else
+        return None                                                                   # is read under torch.compile
     if torch._C._len_torch_dispatch_stack():
         return None
     grad_mode = torch.is_grad_enabled()

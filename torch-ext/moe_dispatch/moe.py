@@ -403,7 +403,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
                w_down_scale, gate_up_input_scale, down_input_scale)
     options = (activation, interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
                tuple(fp8_block_shape) if type(fp8_block_shape) is list else fp8_block_shape, fp8_compute)
-    if not _checks_read_no_values(validate, validate_ids, topk_ids):
+    if torch.compiler.is_compiling() or not _checks_read_no_values(validate, validate_ids, topk_ids):
         out = _fused_experts_full(*tensors, *options)
     else:
         out = _FUSED_EXPERTS_PLANS.run(_fused_experts_full, tensors, options)
@@ -485,7 +485,10 @@ def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_ex
     tensors = (hidden_states, router_weight, w_gate, w_up, w_down, router_bias, e_score_correction_bias)
     options = (num_experts, top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor, capacity_factor,
                tiles)
-    out, topk_ids, topk_weights = _FUSED_MOE_PLANS.run(_fused_moe_forward_full, tensors, options)
+    if torch.compiler.is_compiling():
+        out, topk_ids, topk_weights = _fused_moe_forward_full(*tensors, *options)
+    else:
+        out, topk_ids, topk_weights = _FUSED_MOE_PLANS.run(_fused_moe_forward_full, tensors, options)
     return out.reshape(hidden_states.shape), topk_ids, topk_weights.to(hidden_states.dtype)
 
 
