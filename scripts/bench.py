@@ -530,6 +530,25 @@ def host_time(fn, calls=20):
     return elapsed / calls * 1e6
 
 
+def cprofile_text(fn, calls, rows=25):
+    """cProfile of `calls` calls of `fn` (a sync before and after): the `rows` functions of largest own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
+
+
 def kernel_times(fn, calls=5):
     """{kernel name: GPU us per call} of `fn` over `calls` calls (torch.profiler, CUDA activity only; plain launches,
     so the clock is the one a lightly loaded GPU runs at), largest first. The sum is the call's kernel time without

@@ -21,10 +21,8 @@ Prints a markdown table last and writes OUT/host.json (and OUT/profile.txt with 
 """
 
 import argparse
-import cProfile
 import io
 import json
-import pstats
 import statistics
 import time
 from pathlib import Path
@@ -130,16 +128,8 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
 
     for enabled in (False, True):
         md._plan.ENABLED = enabled
-        call()
-        torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            call()
-        profiler.disable()
-        torch.cuda.synchronize()
         out.write(f"\n=== cProfile, {calls} calls, plans {'on' if enabled else 'off'} ===\n")
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+        out.write(bench.cprofile_text(call, calls))
     md._plan.ENABLED = True
     cache = md.moe._FUSED_EXPERTS_PLANS
     plans = [p for p in cache._plans.values() if p is not None]

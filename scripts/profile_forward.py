@@ -13,10 +13,7 @@ Prints one line per cell (kernel: us) and writes OUT/profile.json (and OUT/host-
 """
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 from pathlib import Path
 
 import torch
@@ -72,15 +69,7 @@ def host_profile(fn, calls):
     for _ in range(10):
         fn()
     host_us = bench.host_time(fn)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
-    return host_us, text.getvalue()
+    return host_us, bench.cprofile_text(fn, calls, rows=40)
 
 
 if __name__ == "__main__":
