@@ -35,6 +35,9 @@ every call, so the recorded graph replays from the first step: the steady decode
 Metric: decode tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)), where t(n) is the median over --repeats
 (default 3, after --warmup runs; the compiled modes warm up at least twice: compile, then CUDA-graph recording) of
 `generate(max_new_tokens=n)` timed between two `torch.cuda.synchronize()`; the difference removes prefill and set-up.
+In the eager mode the implementations' timed runs are interleaved (each round times every implementation once, the
+order rotated by one per round): eager decode is host-bound, and the host's speed drifts by tens of percent within
+one process on a shared machine, so cells timed one after another would compare the drift.
 Each implementation's tokens are compared with the reference's (transformers' default on a GPU, its `eager` loop on
 the CPU): the fraction of rows equal, and the first generated position at which any row differs (bf16 random weights
 can legitimately diverge after a few tokens: a near-tie in an argmax flips on rounding).
@@ -165,6 +168,8 @@ def parse_args(argv=None):
     p.add_argument("--train-steps", type=int, default=3, help="timed training steps, median")
     p.add_argument("--budget-s", type=float, default=None, help="start no new cell after this many seconds")
     p.add_argument("--profile", action="store_true", help="also a cProfile of one eager generate per cell (printed)")
+    p.add_argument("--trace", action="store_true", help="also a torch.profiler table of one eager generate per cell "
+                   "(operators and kernels by host and by device time; printed and kept in the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for generate_e2e.json and .md (default: write nothing)")
     args = p.parse_args(argv)
@@ -355,32 +360,87 @@ def _delta(after, before):
     return {key: after[key] - before.get(key, 0) for key in after}
 
 
-def measure_decode(model, impl, ids, mode, args, device, cache=None):
-    """One cell: warm-up, then --repeats pairs of generate(new_tokens) and generate(1); the decode rate."""
-    model.set_experts_implementation(impl)
-    before = compile_counts()
-    warmup = max(args.warmup, 2) if mode != "eager" else args.warmup  # compile, then CUDA-graph recording
-    for _ in range(warmup):
-        timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
-        timed_generate(model, ids, 1, mode, args, device, cache)
-    after_warmup = compile_counts()
-    long_s, short_s, tokens = [], [], None
-    for _ in range(args.repeats):
-        seconds, tokens = timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
-        long_s.append(seconds)
-        short_s.append(timed_generate(model, ids, 1, mode, args, device, cache)[0])
+def decode_rate(ids, long_s, short_s, args):
+    """The decode measurement of a cell from its timed generate(new_tokens) and generate(1) runs (medians)."""
     t_long, t_short = statistics.median(long_s), statistics.median(short_s)
     steps = args.new_tokens - 1
     decode_s = t_long - t_short
-    cell = {"generate_s": t_long, "one_token_s": t_short, "decode_ms_per_step": decode_s / steps * 1e3,
+    return {"generate_s": t_long, "one_token_s": t_short, "decode_ms_per_step": decode_s / steps * 1e3,
             "tokens_per_s": ids.shape[0] * steps / decode_s if decode_s > 0 else None,
             "generate_times_s": long_s, "one_token_times_s": short_s}
+
+
+def warm_up(model, impl, ids, mode, args, device, cache=None):
+    """Switch the model to `impl` and run the untimed generates (the compiled modes at least twice: compile, then
+    CUDA-graph recording)."""
+    model.set_experts_implementation(impl)
+    warmup = max(args.warmup, 2) if mode != "eager" else args.warmup
+    for _ in range(warmup):
+        timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+        timed_generate(model, ids, 1, mode, args, device, cache)
+
+
+def timed_pair(model, ids, mode, args, device, cache=None):
+    """(seconds of generate(new_tokens), its tokens, seconds of generate(1))."""
+    seconds, tokens = timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+    return seconds, tokens, timed_generate(model, ids, 1, mode, args, device, cache)[0]
+
+
+def diagnostics(model, ids, mode, args, device, cache=None):
+    """The --profile and --trace texts of one more generate (eager mode only)."""
+    out = {}
     if args.profile and mode == "eager":
-        cell["profile"] = profile_generate(model, ids, mode, args, device, cache)
+        out["profile"] = profile_generate(model, ids, mode, args, device, cache)
+    if args.trace and mode == "eager":
+        out["trace"] = trace_generate(model, ids, mode, args, device, cache)
+    return out
+
+
+def measure_decode(model, impl, ids, mode, args, device, cache=None):
+    """One cell: warm-up, then --repeats pairs of generate(new_tokens) and generate(1); the decode rate."""
+    before = compile_counts()
+    warm_up(model, impl, ids, mode, args, device, cache)
+    after_warmup = compile_counts()
+    long_s, short_s, tokens = [], [], None
+    for _ in range(args.repeats):
+        seconds, tokens, short = timed_pair(model, ids, mode, args, device, cache)
+        long_s.append(seconds)
+        short_s.append(short)
+    cell = decode_rate(ids, long_s, short_s, args)
+    cell.update(diagnostics(model, ids, mode, args, device, cache))
     if mode != "eager":  # a graph compiled while timed would mean the timed runs were not the warmed-up graph
         cell.update(compiled=hasattr(model, "_compiled_call"), compile_in_warmup=_delta(after_warmup, before),
                     compile_while_timed=_delta(compile_counts(), after_warmup))
     return cell, tokens.cpu()
+
+
+def measure_interleaved(model, impls, ids, args, device):
+    """The eager cells of one batch with the timed runs interleaved: every implementation warms up, then each of the
+    --repeats rounds times one generate(new_tokens) and one generate(1) of every implementation, the order rotated
+    by one each round. The host's speed drifts by tens of percent between and within runs on a shared machine
+    (eager decode is host-bound), so timing one implementation after another would compare drift, not the paths.
+    {impl: (cell, tokens) or the exception of its warm-up}."""
+    ready, results = [], {}
+    for impl in impls:
+        try:
+            warm_up(model, impl, ids, "eager", args, device)
+            ready.append(impl)
+        except Exception as exc:  # noqa: BLE001 (one failing implementation does not end the run)
+            results[impl] = exc
+    times = {impl: ([], [], None) for impl in ready}
+    for r in range(args.repeats if ready else 0):
+        for impl in ready[r % len(ready):] + ready[:r % len(ready)]:
+            model.set_experts_implementation(impl)
+            seconds, tokens, short = timed_pair(model, ids, "eager", args, device)
+            long_s, short_s, _ = times[impl]
+            times[impl] = (long_s + [seconds], short_s + [short], tokens)
+    for impl in ready:
+        long_s, short_s, tokens = times[impl]
+        model.set_experts_implementation(impl)
+        cell = decode_rate(ids, long_s, short_s, args)
+        cell.update(diagnostics(model, ids, "eager", args, device))
+        results[impl] = (cell, tokens.cpu())
+    return results
 
 
 def profile_generate(model, ids, mode, args, device, cache=None, rows=25):
@@ -396,6 +456,24 @@ def profile_generate(model, ids, mode, args, device, cache=None, rows=25):
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
     return text.getvalue()
+
+
+def trace_generate(model, ids, mode, args, device, cache=None, rows=30):
+    """torch.profiler of one generate(new_tokens): the operators and kernels with the most host time, then those with
+    the most device time, and the step's wall time beside the summed device time (how much of a step the GPU is
+    idle), as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds, _ = timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) if device.type == "cuda" else 0.0
+    head = (f"generate({args.new_tokens}) wall {seconds * 1e3:.2f} ms under the profiler, summed device time "
+            f"{device_us / 1e3:.2f} ms\n")
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=rows)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=rows) if device.type == "cuda" else ""
+    return head + by_host + "\n" + by_device
 
 
 def agreement(tokens, ref):
@@ -636,6 +714,9 @@ def run_decode_mode(model, spec, mode, impls, args, device, results, started, lo
 
             cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
         ref_tokens, by_impl = None, {}
+        interleaved = None
+        if mode == "eager" and len(impls) > 1 and not _over_budget(args, started):
+            interleaved = measure_interleaved(model, impls, ids, args, device)
         for impl in impls:
             cell = {"model": spec.name, "batch": batch, "mode": mode, "impl": impl, "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len}
@@ -644,7 +725,12 @@ def run_decode_mode(model, spec, mode, impls, args, device, results, started, lo
                 cell["skipped"] = "budget"
                 continue
             try:
-                measured, tokens = measure_decode(model, impl, ids, mode, args, device, cache)
+                if interleaved is None:
+                    measured, tokens = measure_decode(model, impl, ids, mode, args, device, cache)
+                elif isinstance(interleaved[impl], Exception):
+                    raise interleaved[impl]
+                else:
+                    measured, tokens = interleaved[impl]
             except Exception as exc:  # noqa: BLE001 (one failing implementation does not end the run)
                 cell["error"] = _error(exc)
                 log(f"  {mode} batch {batch} {impl}: {cell['error']}")
@@ -665,8 +751,9 @@ def run_decode_mode(model, spec, mode, impls, args, device, results, started, lo
                             f"{warm.get('cudagraph_skips', 0) + timed.get('cudagraph_skips', 0)} CUDA-graph skips")
             log(f"  {mode} batch {batch} {impl}: {_num(cell['tokens_per_s'])} tok/s, "
                 f"{cell['decode_ms_per_step']:.2f} ms/step, tokens {_match(cell)}{compiled}")
-            if "profile" in cell:
-                log(cell["profile"])
+            for key in ("profile", "trace"):
+                if key in cell:
+                    log(cell[key])
             write(results, args.out)
         base = by_impl.get(default, {}).get("tokens_per_s")
         for cell in by_impl.values():
