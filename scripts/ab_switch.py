@@ -42,6 +42,7 @@ def switch_setter(switch):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+            clear_plans()  # the package reads its settings when a plan is recorded (MOE_DISPATCH_PDL)
 
         return set_env, values
     module_name, attr = name.split(":")

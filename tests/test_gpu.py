@@ -101,6 +101,7 @@ def test_programmatic_dependent_launch_changes_nothing(T, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     monkeypatch.setenv("MOE_DISPATCH_PDL", "0")
+    md._plan.clear()  # the setting is read when a plan is recorded
     assert not pdl_enabled(device)
     plain = run()
     for got, want in zip(with_pdl + static, plain + plain):

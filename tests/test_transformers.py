@@ -11,6 +11,7 @@ On the CPU the kernels run through the Triton interpreter, so the models are tin
 CUDA) use real layer sizes in bf16 and a short `generate()`.
 """
 
+import gc
 import importlib
 import json
 import shutil
@@ -544,6 +545,41 @@ def test_compiled_training_step(case_id):
     for param_name, grad in grads.items():
         if grad is not None:
             assert_close(compiled_grads[param_name], grad, torch.float32, f"{case_id} compiled d {param_name}")
+
+
+def test_cached_options_follow_module_changes():
+    """The experts function caches each module's options; a change after the first call is seen: a new activation
+    (refused), new weights and a new GPT-OSS `alpha` (results follow the eager module), and a dead module's entry
+    goes with it."""
+    model, experts = _tiny_experts("gpt_oss")
+    generator = torch.Generator().manual_seed(7)
+    hidden_states = torch.randn(5, experts.gate_up_proj.shape[1], generator=generator).to(DEVICE)
+    top_k_index = torch.rand(5, experts.num_experts, generator=generator).argsort(dim=1)[:, :2].to(DEVICE)
+    top_k_weights = torch.rand(5, 2, generator=generator).to(DEVICE)
+
+    def check(what):
+        with torch.no_grad():
+            got = moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, top_k_weights)
+            assert_close(got, experts(hidden_states, top_k_index, top_k_weights), torch.float32, what)
+
+    check("first call")
+    experts.alpha = experts.alpha * 3.0
+    check("after a new alpha")
+    experts.down_proj = torch.nn.Parameter(torch.randn_like(experts.down_proj), requires_grad=False)
+    check("after new down_proj weights")
+    key = id(experts)
+    assert key in moe_dispatch.transformers_experts._OPTIONS
+    del model, experts
+    gc.collect()
+    assert key not in moe_dispatch.transformers_experts._OPTIONS
+
+    _, experts = _tiny_experts("qwen3_moe")
+    hidden_states = torch.randn(3, experts.hidden_dim, device=DEVICE)
+    top_k_index = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
+    moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, torch.ones(3, 2, device=DEVICE))
+    experts.act_fn = transformers.activations.ACT2FN["gelu"]
+    with pytest.raises(NotImplementedError, match="activation `act_fn`"):
+        moe_dispatch.moe_dispatch_experts(experts, hidden_states, top_k_index, torch.ones(3, 2, device=DEVICE))
 
 
 def test_swish_act_fn_is_accepted():

@@ -27,8 +27,9 @@ instead of the compiled launcher: the package's own Python is still skipped, and
 records. `ENABLED = False` (or MOE_DISPATCH_PLANS=0 at import) runs every call in full, for A/B timing.
 
 A plan is valid while nothing the path reads besides its arguments changes: module attributes of the package (the
-A/B switches in scripts/) must be followed by `clear()`; the environment variable MOE_DISPATCH_PDL, the current CUDA
-device, grad mode and `torch.backends.cuda.matmul.allow_tf32` are part of every key.
+A/B switches in scripts/) and of the environment variable MOE_DISPATCH_PDL must be followed by `clear()` (reading the
+environment costs more than the rest of a key); the current CUDA device, grad mode and
+`torch.backends.cuda.matmul.allow_tf32` are part of every key.
 """
 
 import dataclasses
@@ -449,9 +450,9 @@ def _key(tensors, options):
             return None
         else:
             signature.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % _ALIGN == 0))
-    current = _current_device() if signature and signature[0][3] >= 0 else -1
-    return (options, tuple(signature), grad_mode, current, os.environ.get("MOE_DISPATCH_PDL"),
-            torch.backends.cuda.matmul.allow_tf32)
+    # allow_tf32 read as torch.backends.cuda.matmul's getter does, without its __getattr__
+    current = torch._C._cuda_getDevice() if tensors[0].is_cuda else -1
+    return options, tuple(signature), grad_mode, current, torch._C._get_cublas_allow_tf32()
 
 
 class PlanCache:

@@ -42,7 +42,10 @@ FP4-packed int8 weights, `block_size=None` (per-tensor scales stored per gate/up
 fp32 activation scales, gates other than SiLU or GPT-OSS's SwiGLU.
 """
 
+import functools
 import sys
+import types
+import weakref
 
 import torch
 
@@ -192,6 +195,50 @@ def _is_fp8_experts(experts) -> bool:
     return hasattr(experts, "gate_up_proj_scale_inv")
 
 
+# id(module) -> (ids, kept, options, is_fp8, weakref): what `fused_experts_options` / `fp8_experts_options` found
+# for a module, valid while what they read is unchanged. Reading a module's parameters and flags through
+# nn.Module.__getattr__ costs about as much host time as the rest of an eager decode call.
+_OPTIONS = {}
+# what an entry keeps alive: not the module's containers or bound methods (hooks and methods refer to the module)
+_KEPT = (torch.Tensor, torch.nn.Module, torch.dtype, type, types.FunctionType, bool, int, float, str, tuple)
+
+
+def _read_from(experts) -> tuple:
+    """What the options of `experts` are read from, compared by identity: its class, parameters, buffers and submodules
+    (`act_fn`), the weights' dtypes (`Module.to` changes a parameter's dtype in place), the class's gate function and
+    the instance attributes (the layout flags, `alpha`, `limit`, `block_size`, `activation_scheme`, ...). Other class
+    attributes changed after a module's first call are not seen."""
+    params = experts._parameters
+    w_gate_up, w_down = params.get("gate_up_proj"), params.get("down_proj")
+    cls = type(experts)
+    return (cls, getattr(cls, "_apply_gate", None), getattr(w_gate_up, "dtype", None),
+            getattr(w_down, "dtype", None), *params.values(),
+            *experts._buffers.values(), *experts._modules.values(), *experts.__dict__.values())
+
+
+def _forget(key, _ref):
+    _OPTIONS.pop(key, None)
+
+
+def _experts_options(experts) -> tuple:
+    """(options, is_fp8) of `experts`, from the cache when nothing they are read from has changed (same ids). The
+    entry keeps every compared object alive but the module's own containers (hooks may refer to the module, which
+    must stay collectable), so a changed attribute cannot reuse its predecessor's id; it is dropped when the module
+    dies."""
+    read = _read_from(experts)
+    ids = tuple(map(id, read))
+    key = id(experts)
+    cached = _OPTIONS.get(key)
+    if cached is not None and cached[0] == ids:
+        return cached[2], cached[3]
+    is_fp8 = _is_fp8_experts(experts)
+    options = fp8_experts_options(experts) if is_fp8 else fused_experts_options(experts)
+    kept = tuple(v for v in read if isinstance(v, _KEPT))
+    ref = cached[4] if cached is not None else weakref.ref(experts, functools.partial(_forget, key))
+    _OPTIONS[key] = (ids, kept, options, is_fp8, ref)
+    return options, is_fp8
+
+
 def moe_dispatch_experts(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -204,18 +251,20 @@ def moe_dispatch_experts(
     `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales (w8a8 on FP8 tensor cores where
     the device has them), activations in and out in their own dtype.
     """
-    if _is_fp8_experts(self):
-        options = fp8_experts_options(self)
-        x = hidden_states
+    if torch.compiler.is_compiling():  # traced: no host-side cache (dynamo would guard on it)
+        options, is_fp8 = (fp8_experts_options(self), True) if _is_fp8_experts(self) else (
+            fused_experts_options(self), False)
     else:
-        options = fused_experts_options(self)
-        weight_dtype = self.gate_up_proj.dtype
-        # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
-        x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
+        options, is_fp8 = _experts_options(self)
+    x = hidden_states
+    weight_dtype = self.gate_up_proj.dtype
+    # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
+    if not is_fp8 and x.dtype != weight_dtype:
+        x = x.to(weight_dtype)
     out = fused_experts(
         x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate=False, **options
     )
-    return out.to(hidden_states.dtype)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
 def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
