@@ -565,6 +565,7 @@ def measure_training(model, impls, args, device):
                 cell["grad_rel_diff"], cell["grad_max_diff"] = gradient_difference(grads, ref_grads)
                 cell["loss_diff"] = cell["loss"] - ref_loss
             cells.append(cell)
+            del grads  # the next implementation's "before" and peak must not hold this one's gradients
             model.zero_grad(set_to_none=True)
     finally:
         model.zero_grad(set_to_none=True)
