@@ -144,6 +144,10 @@ def test_layouts_without_descriptors_fall_back(layout, monkeypatch):
     else:
         x, w_gate_up, w_down = x.float(), w_gate_up.float(), w_down.float()
     spy = _Spy(monkeypatch)
+    control = _problem(case, gen)[:5]  # the same tile on the layout it is made for: the spy sees the persistent kernel
+    md.fused_experts(*control, tiles=_tiles(16, 1))
+    assert spy.calls, "the spy no longer sees persistent launches: this test would pass whatever the fallback does"
+    spy.calls.clear()
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, 1), **kwargs)
     assert spy.calls == []
     ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs)
