@@ -609,3 +609,48 @@ def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
         assert f"build/{variant}/metadata.json" in out and f"build/{variant}/_ops.py" in out
         assert f"build/{variant}/_version.py" in out
     assert "benchmarks/benchmark_moe.py" in out
+
+
+def _package_imports(source: str) -> set:
+    """Modules of the package that a module imports at its top level (function-level imports are not counted: they
+    are how a cycle hides, and the test below wants none of those either)."""
+    import ast
+
+    found = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_package_import_graph_has_no_cycle_and_the_kernels_floor_imports_nothing():
+    """The package's modules import each other without a cycle, no module imports another inside a function to dodge
+    one, and the `@triton.jit` floor (gemm_jit.py) imports nothing of the package."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "torch-ext" / "moe_dispatch"
+    sources = {path.stem: path.read_text() for path in folder.glob("*.py")}
+    graph = {name: _package_imports(text) & set(sources) for name, text in sources.items()}
+    assert graph["gemm_jit"] == set()
+    for name, text in sources.items():
+        nested = [node.module for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)
+                  and node.level == 1 and node.col_offset > 0]
+        assert name in ("expert_parallel", "__init__") or not nested, (name, nested)
+
+    done, path = set(), []
+
+    def visit(name):
+        assert name not in path, f"import cycle: {' -> '.join(path[path.index(name):] + [name])}"
+        if name in done:
+            return
+        path.append(name)
+        for dep in sorted(graph[name] - {"__init__"}):
+            visit(dep)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

@@ -289,7 +289,7 @@ def _make_plan(recorder, inputs, result):
     if not all(isinstance(r, torch.Tensor) for r in results):
         raise NotReplayable("a result that is not a tensor")
     resolver = _Resolver(inputs, recorder.allocations)
-    steps, options = [], []
+    steps = []
     for event in recorder.events:
         if len(event) == 2:  # a fill of a fresh buffer
             tensor, value = event

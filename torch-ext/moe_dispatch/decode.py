@@ -38,8 +38,8 @@ import triton.language as tl
 from ._device import smem_per_program
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
-from .grouped_gemm import (ACTIVATIONS, NO_SCALE, _apply_activation, add_bias, dequant_scale_code, dot_options,
-                           expert_tile_dot, same_strides, scale_args, scale_sums, weight_scale_ptrs, weight_strides)
+from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
+from .gemm_jit import ACTIVATIONS, add_bias, apply_activation, expert_tile_dot, scale_sums, weight_scale_ptrs
 from .tiles import DecodeTiles
 from ._plan import launch
 
@@ -116,7 +116,7 @@ def _decode_gate_up_kernel(
     if HAS_BIAS:
         b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
                                 stride_bias_n, ACTIVATION)
-    b_act = _apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
+    b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
 
     for j in tl.static_range(TOP_K):
         b_ids = tl.load(topk_ids_ptr + offs_t * stride_ids_t + j * stride_ids_k, mask=mask_t, other=-1)  # [BLOCK_T]

@@ -29,7 +29,8 @@ import triton.language as tl
 from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
-from .grouped_gemm import dot_options, gathered_rows, same_strides, tile_dot, tile_setup, weight_strides
+from .gemm_args import dot_options, same_strides, weight_strides
+from .gemm_jit import gathered_rows, tile_dot, tile_setup
 from .tiles import MoeTiles, WeightGradTile, select_tiles, select_weight_grad_tile
 from ._plan import launch
 

@@ -51,7 +51,8 @@ from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
 from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAMIC, OUT_FLOAT, OUT_STATIC,
                       block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
 from .fp8_persistent import persistent_w8a8_gemm, supports
-from .grouped_gemm import gathered_rows, gemm_weights, routing_args, scale_args, tile_meta, tile_rows, tile_setup
+from .gemm_args import gemm_weights, routing_args, scale_args, tile_meta
+from .gemm_jit import gathered_rows, tile_rows, tile_setup
 from .pdl import wait_for_producer
 from .tiles import GemmTile, MoeTiles
 from ._plan import launch

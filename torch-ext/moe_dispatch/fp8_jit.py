@@ -6,7 +6,7 @@ the epilogue after it. fp8_gemm.py's docstring describes the arithmetic they imp
 import triton
 import triton.language as tl
 
-from .grouped_gemm import activate_and_weight, add_bias, step_masks
+from .gemm_jit import activate_and_weight, add_bias, step_masks
 
 # A_QUANT: how GEMM A tiles become float8
 A_DYNAMIC = 0  # float rows, one scale per row and K step computed in the loads (amax / fp8 max)

@@ -28,7 +28,8 @@ from ._device import has_tma
 from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
 from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
-from .grouped_gemm import GemmWeights, routing_args, scale_args, tile_coords, tile_rows, tile_setup_at
+from .gemm_args import GemmWeights, routing_args, scale_args
+from .gemm_jit import tile_coords, tile_rows, tile_setup_at
 from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
 from ._plan import launch

@@ -28,8 +28,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._device import has_tma, num_sms
 from ._host_math import cdiv
 from .pdl import wait_for_producer
-from .grouped_gemm import (GemmWeights, dot_options, routing_args, tile_coords, tile_epilogue, tile_meta, tile_rows,
-                           tile_setup_at)
+from .gemm_args import dot_options, GemmWeights, routing_args, tile_meta
+from .gemm_jit import tile_coords, tile_epilogue, tile_rows, tile_setup_at
 from ._plan import launch
 
 INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles

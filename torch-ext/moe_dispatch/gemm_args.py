@@ -1,0 +1,105 @@
+"""Host-side argument packing shared by the grouped-GEMM launchers (grouped_gemm.py, persistent_gemm.py,
+experts_backward.py, fp8_gemm.py, fp8_persistent.py, decode.py): weight strides as [E, n, K], the weight-side operands
+(`GemmWeights`), routing and scale arguments, and the constexprs every grouped-GEMM kernel shares."""
+
+import dataclasses
+
+import torch
+
+from ._device import dot_input_precision, dot_needs_fp32
+from .fp8 import WeightScale
+from .gemm_jit import ACTIVATIONS
+from .pdl import pdl_options
+from .tiles import GemmTile
+
+NO_SCALE = WeightScale(None, 0, (0, 0, 0))  # float weights: WEIGHT_SCALE = 0, the scale arguments unused
+
+
+def weight_strides(weight, transposed):
+    """(stride_e, stride_n, stride_k) of a per-expert weight used as [E, n, K]; `transposed` means it is [E, K, n]."""
+    stride_e, stride_n, stride_k = weight.stride()
+    return (stride_e, stride_k, stride_n) if transposed else (stride_e, stride_n, stride_k)
+
+
+def same_strides(first, second):
+    """The two views with one set of strides (the kernels take one set for gate and up); copies only if they differ."""
+    if first.stride() == second.stride():
+        return first, second
+    return first.contiguous(), second.contiguous()
+
+
+def dot_options(dtype):
+    """The constexpr pair (DOT_FP32, DOT_PRECISION) for operands of `dtype`."""
+    dot_fp32 = dot_needs_fp32(dtype)
+    return dot_fp32, "ieee" if dot_fp32 else dot_input_precision(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmWeights:
+    """One grouped GEMM's weight-side operands as every launcher passes them: the weight (and, gated, the up view
+    with the same strides), its (stride_e, stride_n, stride_k) as [E, n, K], n, and the biases with equal strides."""
+
+    weight: torch.Tensor
+    weight_up: torch.Tensor | None  # None unless the activation is gated
+    strides: tuple
+    n_cols: int
+    bias: torch.Tensor | None
+    bias_up: torch.Tensor | None
+
+    @property
+    def gated(self):
+        return self.weight_up is not None
+
+    def weight_args(self):
+        """w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k (w_up_ptr = w_ptr when not gated)."""
+        return (self.weight, self.weight_up if self.gated else self.weight, *self.strides)
+
+    def bias_args(self):
+        """bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n."""
+        bias = self.bias
+        return (bias, self.bias_up if self.bias_up is not None else bias,
+                bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0)
+
+
+def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) -> GemmWeights:
+    """`GemmWeights` of [E, n, K] weights ([E, K, n] when `transposed`); views copied only when gate and up strides
+    differ (see `same_strides`)."""
+    gated = ACTIVATIONS[activation] != 0
+    if gated:
+        weight, weight_up = same_strides(weight, weight_up)
+    if bias is not None and bias_up is not None:
+        bias, bias_up = same_strides(bias, bias_up)
+    n_cols = weight.shape[2] if transposed else weight.shape[1]
+    return GemmWeights(weight, weight_up if gated else None, weight_strides(weight, transposed), n_cols, bias,
+                       bias_up)
+
+
+def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16):
+    """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K: block scales whose K
+    side has a power-of-two divisor >= min_block_k take code 4 with BLOCK_K narrowed to divide it (K steps inside one
+    scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per stage, which
+    overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
+    if ws.code == 3 and (ws.block_k & -ws.block_k) >= min_block_k:
+        return 4, min(block_k, ws.block_k & -ws.block_k)
+    return ws.code, block_k
+
+
+def scale_args(ws: WeightScale):
+    """scale_ptr, its 3 strides, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k."""
+    return (ws.scale, *ws.strides, ws.row_step, ws.up_row_offset, ws.block_n, ws.block_k)
+
+
+def routing_args(info, topk_weights):
+    """tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
+    stride_topk_k, num_tokens (topk_weights None: no routing weight in the epilogue)."""
+    topk_t, topk_k = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    return (info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx, topk_weights, topk_t, topk_k,
+            info.num_tokens)
+
+
+def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, topk_weights):
+    """The constexprs and launch options every grouped-GEMM kernel shares (BLOCK_K is each launcher's own)."""
+    return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w.bias is not None,
+                MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m, BLOCK_N=tile.block_n,
+                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **pdl_options(info.tile_expert.device))

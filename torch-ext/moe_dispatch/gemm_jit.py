@@ -1,0 +1,245 @@
+"""The Triton device functions every grouped-GEMM kernel of the package is built from (the kernels floor: `@triton.jit`
+code only, importing nothing of the package): the tile walk (`tile_coords`, `tile_setup`, `tile_setup_at`), gathered
+row indices, the K loop with float or float8-dequantized weights (`tile_dot`, `expert_tile_dot`, `load_weight_tile`,
+`weight_scale_ptrs`, `scale_sums`, `step_masks`), and the epilogue (`add_bias`, `apply_activation`,
+`activate_and_weight`, `tile_epilogue`). The kernels that use them: grouped_gemm.py, persistent_gemm.py, decode.py,
+experts_backward.py, fp8_gemm.py / fp8_jit.py / fp8_persistent.py. Index bounds: see grouped_gemm.py's module doc.
+"""
+
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
+"""The ACTIVATION constexpr of each activation name: 0 none; 1 silu(gate) * up; 2 GPT-OSS clamped SwiGLU."""
+
+
+@triton.jit
+def apply_activation(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:
+        return b_gate * tl.sigmoid(b_gate) * b_up
+    else:
+        b_gate = tl.minimum(b_gate, limit)
+        b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
+        return (b_up + 1.0) * b_gate * tl.sigmoid(alpha * b_gate)
+
+
+@triton.jit
+def tile_coords(pid, n_cols, max_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), walking GROUP_M row tiles per column tile (L2 reuse of weights)."""
+    num_pid_n = tl.cdiv(n_cols, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_pid_in_group) * GROUP_M
+    group_size = min(max_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pid_in_group) % group_size
+    pid_n = (pid % num_pid_in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile over the tile map: (expert, -1 for a sentinel tile or one naming no expert in
+    [0, E); sorted positions and their mask, inside the expert and inside C; column tile, columns and their mask)."""
+    return tile_setup_at(tl.program_id(0), tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols,
+                         E, max_tiles, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def tile_setup_at(tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`tile_setup` for output tile `tile_id` (persistent kernels walk several)."""
+    pid_m, pid_n = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    expert = tl.where((expert >= 0) & (expert < E), expert, -1)
+    row_start = tl.load(tile_row_start_ptr + pid_m)
+    row_end = tl.minimum(tl.load(expert_offsets_ptr + tl.maximum(expert, 0) + 1), num_rows)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, offs_m, (offs_m >= 0) & (offs_m < row_end), pid_n, offs_n, offs_n < n_cols
+
+
+@triton.jit
+def gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K: tl.constexpr):
+    """Token row of each sorted position (gather_idx[p] // TOP_K) and the mask of those inside [0, num_tokens)."""
+    b_assignment = tl.load(gather_idx_ptr + offs_m, mask=mask_m, other=-1)
+    b_token = b_assignment // TOP_K
+    mask = mask_m & (b_assignment >= 0) & (b_token < num_tokens)
+    return tl.where(mask, b_token, 0), tl.where(mask, b_assignment, 0), mask
+
+
+@triton.jit
+def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, scale_block_k, a_ptrs,
+                     DOT_FP32: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile ready for the dot with A: fp8 tiles converted to A's dtype, block-scaled
+    ones first multiplied by the scale of their block (s_ptrs [BLOCK_N]: each column's scale row at k = 0). With
+    WEIGHT_SCALE 4 the K step lies inside one scale block (BLOCK_K divides the block's K side): one [BLOCK_N] scale
+    vector per step; WEIGHT_SCALE 3 loads a scale per element (any block shape)."""
+    b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if WEIGHT_SCALE == 4:
+        b_s = tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)
+        b_w = (b_w.to(tl.float32) * b_s[None, :]).to(a_ptrs.dtype.element_ty)
+    elif WEIGHT_SCALE == 3:
+        b_s = tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask, other=0.0)
+        b_w = (b_w.to(tl.float32) * b_s).to(a_ptrs.dtype.element_ty)
+    elif WEIGHT_SCALE != 0:
+        b_w = b_w.to(a_ptrs.dtype.element_ty)
+    if DOT_FP32:
+        b_w = b_w.to(tl.float32)
+    return b_w
+
+
+@triton.jit
+def weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step, scale_up_row_offset,
+                      scale_block_n, WEIGHT_SCALE: tl.constexpr):
+    """(s_ptrs, s_up_ptrs) [BLOCK_N]: each column's scale row of the gate (and up) view at k = 0 for the dequant
+    path's WEIGHT_SCALE codes 1-4. Column j of a view is row j * scale_row_step (+ scale_up_row_offset) of the
+    unsplit weight; block scales divide it by scale_block_n. Callers with float weights (WEIGHT_SCALE 0, scale_ptr
+    None) pass scale_ptr on themselves: Triton 3.6 cannot return None from a jit function (its interpreter can)."""
+    scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
+    scale_up_rows = scale_rows + scale_up_row_offset
+    if WEIGHT_SCALE >= 3:
+        scale_rows = scale_rows // scale_block_n
+        scale_up_rows = scale_up_rows // scale_block_n
+    s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
+    s_up_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_up_rows * stride_scale_n
+    return s_ptrs, s_up_ptrs
+
+
+@triton.jit
+def scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """Per-tensor (stride_scale_n = 0) and per-channel scales (WEIGHT_SCALE 1, 2) multiply the [.., BLOCK_N] sums
+    once after the K loop; other codes return them as they are."""
+    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:
+        b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K: tl.constexpr):
+    """(A's mask [BLOCK_M, 1 or BLOCK_K], W's mask [1 or BLOCK_K, BLOCK_N]) of the K step at k0: rows and columns
+    only when K has no tail (EVEN_K), else also the K columns past the end."""
+    if EVEN_K:
+        a_mask = mask_m[:, None]
+        w_mask = mask_n[None, :]
+    else:
+        mask_k = offs_k < K - k0
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        w_mask = mask_k[:, None] & mask_n[None, :]
+    return a_mask, w_mask
+
+
+@triton.jit
+def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
+              GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+              BLOCK_K: tl.constexpr, s_ptrs=None, s_up_ptrs=None, stride_s_k=0, scale_block_k=1,
+              WEIGHT_SCALE: tl.constexpr = 0):
+    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] (and b_acc_up with the up weights when GATED).
+
+    a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; rows/columns outside the masks read 0.
+    Block-scaled fp8 weights (WEIGHT_SCALE 3) also take s_ptrs / s_up_ptrs, see `load_weight_tile`.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b_w = load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
+                               DOT_FP32, WEIGHT_SCALE)
+        if DOT_FP32:
+            b_a = b_a.to(tl.float32)
+        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_wu = load_weight_tile(w_up_ptrs, w_mask, mask_n, s_up_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k,
+                                    a_ptrs, DOT_FP32, WEIGHT_SCALE)
+            b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += BLOCK_K * stride_w_k
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += BLOCK_K * stride_w_k
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
+                    w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+                    scale_block_n, scale_block_k, K, stride_a_k,
+                    GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """b_acc (and b_acc_up, GATED) plus A @ W[expert]'s columns offs_n (and W_up's) over all of K, float8 weights
+    scaled as the dequant path's WEIGHT_SCALE code says (per element or per K step in the loop, per column after it):
+    everything on the weight side of a forward tile, shared by `_grouped_gemm_kernel` and decode.py's gate/up
+    kernel. a_ptrs [rows, BLOCK_K] point at A's k = 0; scale_ptr is None for float weights."""
+    # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
+    expert_base = expert.to(tl.int64) * stride_w_e
+    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
+    s_ptrs = scale_ptr
+    s_up_ptrs = scale_ptr
+    if WEIGHT_SCALE != 0:
+        s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
+                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
+                               mask_m, mask_n, K, stride_a_k, stride_w_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K,
+                               BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
+    b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED, WEIGHT_SCALE)
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K: tl.constexpr, GATHER_A: tl.constexpr,
+              NEEDS_ASSIGNMENT: tl.constexpr):
+    """(A row of each sorted position, its assignment (0 when not needed), the row mask): gathered rows go through
+    gather_idx (`gathered_rows`); otherwise A is in sorted order and row p is p, bounded by A's rows."""
+    if GATHER_A or NEEDS_ASSIGNMENT:
+        a_rows, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
+    else:
+        b_assignment = tl.zeros_like(offs_m)
+    if not GATHER_A:
+        a_rows = tl.where(mask_m & (offs_m < num_a_rows), offs_m, 0)
+    return a_rows, b_assignment, mask_m
+
+
+@triton.jit
+def add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+             ACTIVATION: tl.constexpr):
+    """The accumulators plus the expert's bias row (and the up bias when gated)."""
+    bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
+    b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION != 0:
+        b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
+                        limit, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """act(gate, up) when gated, then each row times its assignment's routing weight when MUL_ROUTED_WEIGHT."""
+    if ACTIVATION != 0:
+        b_acc = apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
+    if MUL_ROUTED_WEIGHT:
+        b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t
+                         + (b_assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+        b_acc = b_acc * b_topk.to(tl.float32)[:, None]
+    return b_acc
+
+
+@triton.jit
+def tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
+                  bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
+                  preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                  TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
+                  MUL_ROUTED_WEIGHT: tl.constexpr):
+    """Bias, saved pre-activations, activation, routing weight, then the masked store of one C tile (rows outside
+    mask_m, e.g. the next expert's rows a tile load reached, are never written)."""
+    if HAS_BIAS:
+        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
+                                   stride_bias_n, ACTIVATION)
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
+        tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+    b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
+                                alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
+    tl.store(c_ptrs, b_acc.to(c_ptr.dtype.element_ty), mask=mask_mn)
