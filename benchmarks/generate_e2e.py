@@ -164,6 +164,8 @@ def parse_args(argv=None):
                    help="smoke widths (default on the CPU only)")
     p.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
                    help="also time one training step, moe_dispatch vs grouped_mm (default on a GPU)")
+    p.add_argument("--logits", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare each implementation's prefill logits (last prompt position) with the reference's")
     p.add_argument("--train-tokens", default="4x512", help="training batch as BATCHxSEQ")
     p.add_argument("--train-steps", type=int, default=3, help="timed training steps, median")
     p.add_argument("--budget-s", type=float, default=None, help="start no new cell after this many seconds")
@@ -484,6 +486,39 @@ def agreement(tokens, ref):
             "first_diff": int(columns[0]) if len(columns) else None}
 
 
+def prefill_logits(model, impls, ids, reference):
+    """The last prompt position's logits of one forward per implementation, against the reference's: the largest
+    |difference| and the reference's logit scale, the rows whose argmax (the first generated token) differs, and for
+    those rows the reference's margin between its top two logits. A differing first token with a margin under the
+    logit difference that two of transformers' own implementations also show between themselves is a near tie
+    flipped by rounding, not a wrong result."""
+    logits = {}
+    for impl in impls:
+        model.set_experts_implementation(impl)
+        try:
+            with torch.no_grad():
+                logits[impl] = model(ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
+        except Exception as exc:  # noqa: BLE001 (batched_mm's prefill can run out of memory)
+            logits[impl] = exc
+            if ids.is_cuda:
+                torch.cuda.empty_cache()
+    ref = logits.get(reference)
+    out = []
+    for impl, got in logits.items():
+        cell = {"impl": impl, "batch": ids.shape[0]}
+        if isinstance(got, Exception) or isinstance(ref, Exception) or ref is None:
+            cell["error"] = _error(got if isinstance(got, Exception) else ref)
+            out.append(cell)
+            continue
+        top2 = ref.topk(2, dim=-1).values
+        flipped = (got.argmax(-1) != ref.argmax(-1)).nonzero().flatten()
+        cell.update(max_abs_diff=float((got - ref).abs().max()), ref_max_abs=float(ref.abs().max()),
+                    rows_flipped=len(flipped), batch_rows=ids.shape[0],
+                    flipped_ref_margins=[float(top2[r, 0] - top2[r, 1]) for r in flipped.tolist()])
+        out.append(cell)
+    return out
+
+
 def reset_compiled(model):
     """Forget the compiled graphs and CUDA graphs (after each model)."""
     if hasattr(model, "_compiled_call"):
@@ -666,7 +701,20 @@ def tables(results):
                      f"{c['loss']:.5f} | {_sci(c.get('grad_rel_diff'))} | {_sci(c.get('grad_max_diff'))} |")
     if not results["train"]:
         train = ["Training: not run (--no-train)"]
-    return "\n".join(full), "\n".join(short), "\n".join(train)
+    logits = [f"Prefill logits (last prompt position) against {args['reference']}: the largest |difference| "
+              "(the reference's largest |logit|), rows whose first token differs, the reference's top-2 margin there",
+              "", "| model | batch | impl | max abs diff | rows flipped | margins of flipped rows |",
+              "|---|---:|---|---:|---:|---|"]
+    for c in results.get("logits", []):
+        if "error" in c:
+            logits.append(f"| {c['model']} | {c['batch']} | {c['impl']} | {c['error']} | | |")
+            continue
+        margins = ", ".join(f"{m:.3g}" for m in c["flipped_ref_margins"]) or "-"
+        logits.append(f"| {c['model']} | {c['batch']} | {c['impl']} | {_sci(c['max_abs_diff'])} "
+                      f"({c['ref_max_abs']:.3g}) | {c['rows_flipped']}/{c['batch_rows']} | {margins} |")
+    if not results.get("logits"):
+        logits = ["Prefill logits: not compared (--no-logits)"]
+    return "\n".join(full), "\n".join(short), "\n".join(train), "\n".join(logits)
 
 
 def write(results, out):
@@ -792,6 +840,11 @@ def run_model(spec, args, device, dtype, results, started, log):
         f"({record['weights_gib']:.1f} GiB), {record['moe_layers']} MoE layers; default experts: {default}")
     impls = list(dict.fromkeys([args.reference, default, *args.impls]))  # reference first, then the default
     try:
+        if args.logits and not _over_budget(args, started):
+            for batch in args.batches:
+                for cell in prefill_logits(model, impls, prompt(batch, args, device), args.reference):
+                    results["logits"].append({"model": spec.name, **cell})
+            write(results, args.out)
         if "eager" in args.modes:
             run_decode_mode(model, spec, "eager", impls, args, device, results, started, log)
         if args.train:
@@ -826,15 +879,14 @@ def main(argv=None):
         print(line, flush=True)
 
     results = {"meta": meta(args, device, package), "package_impl": package_impl, "default_impl": None,
-               "models": {}, "decode": [], "train": []}
+               "models": {}, "decode": [], "train": [], "logits": []}
     log(f"generate_e2e on {results['meta']['device']}: {args.layers} layers, vocab {args.vocab}, {args.dtype}, "
         f"impls {','.join(args.impls)}, modes {','.join(args.modes)}, batches {args.batches}")
     for name in args.models:
         run_model(SPECS[name], args, device, dtype, results, started, log)
     results["meta"]["wall_s"] = time.monotonic() - started
     write(results, args.out)
-    full, short, train = tables(results)
-    print("\n" + full + "\n\n" + short + "\n\n" + train, flush=True)
+    print("\n" + "\n\n".join(tables(results)), flush=True)
     return results
 
 

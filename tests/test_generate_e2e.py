@@ -68,13 +68,20 @@ def test_cpu_smoke_tokens_match_eager(tmp_path, capsys, kernel_calls):
         assert results["models"][name]["moe_layers"] == 1
 
     data = json.loads((tmp_path / "generate_e2e.json").read_text())
-    assert set(data) == {"meta", "package_impl", "default_impl", "models", "decode", "train"}
+    assert set(data) == {"meta", "package_impl", "default_impl", "models", "decode", "train", "logits"}
+    logits = {(c["model"], c["batch"], c["impl"]): c for c in data["logits"]}
+    assert set(logits) == {(m, b, i) for m in MODELS for b in (1, 2) for i in impls}
+    for (_, _, impl), c in logits.items():
+        assert "error" not in c, c
+        if impl == "moe_dispatch":  # fp32: the same logits as the eager loop, to rounding
+            assert c["max_abs_diff"] <= 1e-4 * c["ref_max_abs"] and c["rows_flipped"] == 0, c
     assert data["meta"]["transformers"] and data["meta"]["device"] == "cpu"
     assert str(tmp_path) not in json.dumps(data["meta"])
     printed = capsys.readouterr().out
     md = (tmp_path / "generate_e2e.md").read_text()
     assert "| qwen3-30b-a3b | 2 | eager | " in md and "moe_dispatch tok/s | grouped_mm tok/s" in md
-    assert printed.rstrip().endswith("Training: not run (--no-train)")
+    assert "Training: not run (--no-train)" in printed
+    assert printed.rstrip().endswith(md.rstrip().splitlines()[-1])  # the logits table, printed last
 
 
 @needs_interpreter
