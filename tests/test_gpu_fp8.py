@@ -165,10 +165,14 @@ def test_fp8_matches_transformers_fp8_experts(compute):
     """transformers' FP8Experts (grouped_mm over the finegrained-fp8 Hub kernel, activations quantized per token and
     128 columns) against moe_dispatch on the same weights: within FP8 activation error (5e-2 RMS). Skipped when the
     Hub kernel cannot be loaded (no network, and no LOCAL_KERNELS or HF cache copy of
-    kernels-community/finegrained-fp8)."""
+    kernels-community/finegrained-fp8), checked before the comparison, which is never turned into a skip."""
     if compute == "w8a8":
         _needs_fp8_cores()
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    try:  # the precondition only: the comparison below runs outside any try
+        finegrained.load_finegrained_fp8_kernel()
+    except Exception as error:  # noqa: BLE001 (offline: OSError, or kernels' ValueError when trust cannot be checked)
+        pytest.skip(f"transformers' FP8 experts kernel cannot be loaded: {type(error).__name__}: {error}"[:300])
     shape = MODEL_SHAPES["mixtral-8x7b"]
     q_gate_up, q_down, scales = _fp8_experts(shape, "block", experts=2)
     if q_gate_up.dtype != torch.float8_e4m3fn:
@@ -187,9 +191,6 @@ def test_fp8_matches_transformers_fp8_experts(compute):
         _apply_gate = finegrained.FP8Experts._apply_gate
         swiglu_alpha = swiglu_limit = limit = None
 
-    try:
-        theirs = finegrained.fp8_grouped_mm_experts_forward(Experts(), x, ids, weights)
-    except (ImportError, OSError) as error:  # its Hub kernel not installed or not reachable (offline: OSError)
-        pytest.skip(f"transformers' FP8 experts kernel is not available: {type(error).__name__}: {error}"[:300])
+    theirs = finegrained.fp8_grouped_mm_experts_forward(Experts(), x, ids, weights)
     ours = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute=compute, **scales)
     assert_close(ours, theirs, tolerance=5e-2)
