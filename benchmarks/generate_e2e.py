@@ -37,7 +37,8 @@ Metric: decode tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)), whe
 `generate(max_new_tokens=n)` timed between two `torch.cuda.synchronize()`; the difference removes prefill and set-up.
 In the eager mode the implementations' timed runs are interleaved (each round times every implementation once, the
 order rotated by one per round): eager decode is host-bound, and the host's speed drifts by tens of percent within
-one process on a shared machine, so cells timed one after another would compare the drift.
+one process on a shared machine, so cells timed one after another would compare the drift. `--interleave all` does the same in the compiled modes
+(each implementation's compiled graph stays in dynamo's cache and replays after a switch).
 Each implementation's tokens are compared with the reference's (transformers' default on a GPU, its `eager` loop on
 the CPU): the fraction of rows equal, and the first generated position at which any row differs (bf16 random weights
 can legitimately diverge after a few tokens: a near-tie in an argmax flips on rounding).
@@ -164,13 +165,16 @@ def parse_args(argv=None):
                    help="smoke widths (default on the CPU only)")
     p.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
                    help="also time one training step, moe_dispatch vs grouped_mm (default on a GPU)")
+    p.add_argument("--interleave", choices=("eager", "all"), default="eager",
+                   help="which modes time their implementations interleaved (round by round; default the eager mode "
+                   "only); the compiled modes otherwise time one implementation after the other")
     p.add_argument("--logits", action=argparse.BooleanOptionalAction, default=True,
                    help="compare each implementation's prefill logits (last prompt position) with the reference's")
     p.add_argument("--train-tokens", default="4x512", help="training batch as BATCHxSEQ")
     p.add_argument("--train-steps", type=int, default=3, help="timed training steps, median")
     p.add_argument("--budget-s", type=float, default=None, help="start no new cell after this many seconds")
-    p.add_argument("--profile", action="store_true", help="also a cProfile of one eager generate per cell (printed)")
-    p.add_argument("--trace", action="store_true", help="also a torch.profiler table of one eager generate per cell "
+    p.add_argument("--profile", action="store_true", help="also a cProfile of one generate per cell (printed)")
+    p.add_argument("--trace", action="store_true", help="also a torch.profiler table of one generate per cell "
                    "(operators and kernels by host and by device time; printed and kept in the JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for generate_e2e.json and .md (default: write nothing)")
@@ -389,11 +393,12 @@ def timed_pair(model, ids, mode, args, device, cache=None):
 
 
 def diagnostics(model, ids, mode, args, device, cache=None):
-    """The --profile and --trace texts of one more generate (eager mode only)."""
+    """The --profile and --trace texts of one more generate (every mode: in the compiled ones the decode steps
+    replay CUDA graphs, so what is left on the host is generate's own loop and the graphs' launch)."""
     out = {}
-    if args.profile and mode == "eager":
+    if args.profile:
         out["profile"] = profile_generate(model, ids, mode, args, device, cache)
-    if args.trace and mode == "eager":
+    if args.trace:
         out["trace"] = trace_generate(model, ids, mode, args, device, cache)
     return out
 
@@ -416,31 +421,40 @@ def measure_decode(model, impl, ids, mode, args, device, cache=None):
     return cell, tokens.cpu()
 
 
-def measure_interleaved(model, impls, ids, args, device):
-    """The eager cells of one batch with the timed runs interleaved: every implementation warms up, then each of the
+def measure_interleaved(model, impls, ids, mode, args, device, cache=None):
+    """The cells of one batch with the timed runs interleaved: every implementation warms up, then each of the
     --repeats rounds times one generate(new_tokens) and one generate(1) of every implementation, the order rotated
     by one each round. The host's speed drifts by tens of percent between and within runs on a shared machine
-    (eager decode is host-bound), so timing one implementation after another would compare drift, not the paths.
+    (eager decode is host-bound, and so is compiled decode of a small-depth model: generate's own loop), so timing
+    one implementation after another would compare drift, not the paths. In the compiled modes every
+    implementation's graph stays in dynamo's cache, so a switch replays it; the compile counts of the timed rounds
+    are kept (a graph compiled while timed would show there).
     {impl: (cell, tokens) or the exception of its warm-up}."""
     ready, results = [], {}
+    before = compile_counts()
     for impl in impls:
         try:
-            warm_up(model, impl, ids, "eager", args, device)
+            warm_up(model, impl, ids, mode, args, device, cache)
             ready.append(impl)
         except Exception as exc:  # noqa: BLE001 (one failing implementation does not end the run)
             results[impl] = exc
+    after_warmup = compile_counts()
     times = {impl: ([], [], None) for impl in ready}
     for r in range(args.repeats if ready else 0):
         for impl in ready[r % len(ready):] + ready[:r % len(ready)]:
             model.set_experts_implementation(impl)
-            seconds, tokens, short = timed_pair(model, ids, "eager", args, device)
+            seconds, tokens, short = timed_pair(model, ids, mode, args, device, cache)
             long_s, short_s, _ = times[impl]
             times[impl] = (long_s + [seconds], short_s + [short], tokens)
+    timed = _delta(compile_counts(), after_warmup)
     for impl in ready:
         long_s, short_s, tokens = times[impl]
         model.set_experts_implementation(impl)
         cell = decode_rate(ids, long_s, short_s, args)
-        cell.update(diagnostics(model, ids, "eager", args, device))
+        cell.update(diagnostics(model, ids, mode, args, device, cache))
+        if mode != "eager":
+            cell.update(compiled=hasattr(model, "_compiled_call"), compile_in_warmup=_delta(after_warmup, before),
+                        compile_while_timed=timed, interleaved=True)
         results[impl] = (cell, tokens.cpu())
     return results
 
@@ -764,8 +778,8 @@ def run_decode_mode(model, spec, mode, impls, args, device, results, started, lo
             cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
         ref_tokens, by_impl = None, {}
         interleaved = None
-        if mode == "eager" and len(impls) > 1 and not _over_budget(args, started):
-            interleaved = measure_interleaved(model, impls, ids, args, device)
+        if (mode == "eager" or args.interleave == "all") and len(impls) > 1 and not _over_budget(args, started):
+            interleaved = measure_interleaved(model, impls, ids, mode, args, device, cache)
         for impl in impls:
             cell = {"model": spec.name, "batch": batch, "mode": mode, "impl": impl, "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len}
