@@ -442,12 +442,20 @@ def measure_interleaved(model, impls, ids, mode, args, device, cache=None):
     times = {impl: ([], [], None) for impl in ready}
     for r in range(args.repeats if ready else 0):
         for impl in ready[r % len(ready):] + ready[:r % len(ready)]:
+            if impl in results:  # failed in an earlier round
+                continue
             model.set_experts_implementation(impl)
-            seconds, tokens, short = timed_pair(model, ids, mode, args, device, cache)
+            try:
+                seconds, tokens, short = timed_pair(model, ids, mode, args, device, cache)
+            except Exception as exc:  # noqa: BLE001 (without a warm-up the first failure happens here)
+                results[impl] = exc
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             long_s, short_s, _ = times[impl]
             times[impl] = (long_s + [seconds], short_s + [short], tokens)
     timed = _delta(compile_counts(), after_warmup)
-    for impl in ready:
+    for impl in [i for i in ready if i not in results]:
         long_s, short_s, tokens = times[impl]
         model.set_experts_implementation(impl)
         cell = decode_rate(ids, long_s, short_s, args)
