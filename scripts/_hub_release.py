@@ -1,57 +1,75 @@
-"""Build the noarch variants of the kernel and publish them to the Hugging Face kernel hub.
+"""Build the noarch variants of the kernel, tag releases and publish them to the Hugging Face kernel hub.
 
-Shared by scripts/build and scripts/publish (each a thin command line over this module); docs/releasing.md
-explains the release flow. Only the standard library is needed to build; publishing needs huggingface_hub.
+Shared by scripts/build, scripts/release and scripts/publish (each a thin command line over this module);
+docs/releasing.md explains the release flow. Only the standard library is needed to build and to tag; publishing
+needs huggingface_hub. Python >= 3.11 (tomllib): MIN_PYTHON below, stated in build.toml and README.md.
 
-Build (what kernel-builder's noarch build produces, without nix)::
+Build (what kernel-builder's noarch build writes, without nix), one variant per backend of build.toml::
 
     torch-ext/moe_dispatch/**  --copy, files with a `pyext` extension-->  build/torch-<backend>/
-                               + _ops.py        per-build torch op namespace (`add_op_namespace_prefix`)
-                               + _version.py    __version__: the release tag on HEAD (v1.2.0 -> "1.2.0"), else
-                                                "<major>.x.dev+<commit>" (a build no release comes from)
-                               + metadata.json  name, id, version, license, python-depends, backend {type, archs}
+                               + _ops.py        the builder's op namespace: _moe_dispatch_<torch's backend>_<rev>
+                               + moe_dispatch/__init__.py  the package under its own name, for kernels < 0.11.1
+                               + _version.py    __version__ (the builder leaves the source's; see build_version)
+                               + metadata.json  name, id, version, kernels-minver, license, source, python-depends,
+                                                kernel-depends, backend {type, archs}, digest, provenance
 
-    id = _moe_dispatch_<backend>_<first 7 hex digits of HEAD>[_dirty]
+    rev = first 7 hex digits of HEAD, `_dirty` appended when tracked files have changes; id = _moe_dispatch_<backend>_<rev>
 
-Publish (tag v<major>.<minor>.<patch> -> Hub)::
+Release (scripts/release X.Y.Z)::
+
+    checks -> _version.py = X.Y.Z and CHANGELOG.md's [X.Y.Z] dated -> commit "Release vX.Y.Z" -> branch v<major> at it
+    -> annotated tag vX.Y.Z; pushing the tag runs .github/workflows/publish.yml (scripts/publish --build --tag vX.Y.Z)
+
+Publish (tag vX.Y.Z -> Hub)::
 
     checks (nothing is sent when one fails): tag format, tag major == build.toml version, git tag on HEAD,
-    clean tree, build/ fresh for HEAD, HF_TOKEN set, huggingface_hub able to commit to kernel repos
+    clean tree, build/ fresh for HEAD and its __version__ the tag's, HF_TOKEN set, huggingface_hub able to commit
     create_repo(kernel) -> README card on main -> branch v<major> -> commit build/<variant>/** and benchmarks/*.py
-    (+ deletions)
-    -> Hub tag named like the git tag on that commit
+    (+ deletions) -> Hub tag named like the git tag on that commit
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
-import hashlib
-import json
-import os
-import re
-import shutil
-import subprocess
 import sys
-import tomllib
-from dataclasses import dataclass
-from pathlib import Path
 
-# Variant directory -> (backend in the build id, backend type in metadata.json, build.toml key of its archs).
-# `torch-universal` is the pre-noarch name that older `kernels` clients look for. "universal" is not a backend
-# type the loader accepts in metadata.json, so that variant declares CUDA, the primary target: the current loader
-# only picks it where no torch-<backend> variant matches (e.g. CPU-only machines), and its arch check only runs
-# on CUDA devices.
-VARIANTS = {
-    "torch-cuda": ("cuda", "cuda", "cuda_capabilities"),
-    "torch-rocm": ("rocm", "rocm", "rocm_archs"),
-    "torch-universal": ("universal", "cuda", "cuda_capabilities"),
-}
+MIN_PYTHON = (3, 11)  # tomllib; the oldest Python the tooling and the tests run on (CI uses it)
+if sys.version_info < MIN_PYTHON:
+    sys.exit(f"moe-dispatch's scripts need Python >= {'.'.join(map(str, MIN_PYTHON))} (tomllib); this is "
+             f"{sys.version.split()[0]} ({sys.executable}). Use the project's venv: bash scripts/setup-env")
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import base64  # noqa: E402
+import datetime  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tomllib  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# build.toml [torch-noarch] key holding each backend's archs; kernel-builder writes archs for these two only.
+ARCHS_KEY = {"cuda": "cuda_capabilities", "rocm": "rocm_archs"}
+# Backends kernel-builder's noarch build knows (kernels' backend types); each gets build/torch-<backend>.
+NOARCH_BACKENDS = ("cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu")
+# The `kernels` version kernel-builder writes as `kernels-minver` for a build without kernel dependencies: the
+# first that loads this metadata format (kernels-data's baseline).
+KERNELS_MINVER = "0.14.0"
+# What provenance.kernel-builder.version says: these builds come from this script, not from kernel-builder.
+BUILDER_NAME = "moe-dispatch scripts/build (kernel-builder noarch layout)"
+BUILDER_FILES = ("scripts/_hub_release.py", "scripts/build")  # the builder's own source, for its dirty flag
 GENERATED_FILES = ("_ops.py", "_version.py", "metadata.json")
+VERSION_FILE = "_version.py"
 SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 TAG_PATTERN = re.compile(r"v(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
+# The versions a source _version.py may hold (a PEP 440 subset): a release X.Y.Z, or X.Y.Z.devN on the way to it.
+SOURCE_VERSION_PATTERN = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:\.dev(0|[1-9]\d*))?")
 CARD_PATH = "README.md"
+CHANGELOG = "CHANGELOG.md"
 BENCHMARKS_DIR = "benchmarks"  # the Hub's benchmark convention: committed beside build/ on the release branch
 # huggingface_hub 1.x and 2.0 refuse repo_type="kernel" in create_commit; 2.4.0 (requirements.txt) is the one tested.
 MIN_HUB_CLIENT = (2, 4)
@@ -71,7 +89,8 @@ class Project:
     license: str
     backends: tuple[str, ...]
     repo_id: str | None
-    archs: dict[str, tuple[str, ...]]  # build.toml [torch-noarch] key -> archs
+    source: str | None  # [general] source: the kernel-builder formatted source repository
+    archs: dict[str, tuple[str, ...]]  # backend -> archs written into its metadata (cuda, rocm)
     pyext: tuple[str, ...]
     python_depends: tuple[str, ...]
 
@@ -85,8 +104,11 @@ class Project:
 
     @property
     def variants(self) -> list[str]:
-        built = [f"torch-{backend}" for backend in self.backends if f"torch-{backend}" in VARIANTS]
-        return built + ["torch-universal"]
+        return [f"torch-{backend}" for backend in sorted(self.backends)]
+
+
+def variant_backend(variant: str) -> str:
+    return variant.removeprefix("torch-")
 
 
 def load_project(root: Path) -> Project:
@@ -97,9 +119,9 @@ def load_project(root: Path) -> Project:
     noarch = config.get("torch-noarch")
     if noarch is None:
         raise ReleaseError("build.toml has no [torch-noarch] section: scripts/build only reproduces noarch builds")
-    unknown = [b for b in general["backends"] if f"torch-{b}" not in VARIANTS]
+    unknown = [b for b in general["backends"] if b not in NOARCH_BACKENDS]
     if unknown:
-        raise ReleaseError(f"scripts/build has no variant for backend(s) {unknown}; add them to VARIANTS")
+        raise ReleaseError(f"build.toml backends {unknown} are not kernel backends ({', '.join(NOARCH_BACKENDS)})")
     return Project(
         root=root,
         name=general["name"],
@@ -107,8 +129,9 @@ def load_project(root: Path) -> Project:
         license=general["license"],
         backends=tuple(general["backends"]),
         repo_id=general.get("hub", {}).get("repo-id"),
-        archs={key: tuple(noarch.get(key, ())) for key in ("cuda_capabilities", "rocm_archs")},
-        pyext=tuple(noarch.get("pyext", ("py",))),
+        source=general.get("source"),
+        archs={backend: tuple(noarch.get(key, ())) for backend, key in ARCHS_KEY.items()},
+        pyext=tuple(noarch.get("pyext", ("py", "pyi"))),
         python_depends=tuple(general.get("python-depends", ())),
     )
 
@@ -128,17 +151,42 @@ def head_commit(root: Path) -> str:
 
 
 def dirty_paths(root: Path) -> list[str]:
-    """Tracked files with changes and untracked files that are not ignored (`git status --porcelain`)."""
+    """Tracked files with changes and untracked files that are not ignored (`git status --porcelain`): what
+    scripts/release and scripts/publish refuse."""
     return [line for line in git(root, "status", "--porcelain").splitlines() if line.strip()]
 
 
-def source_revision(project: Project) -> tuple[str, bool]:
-    """(commit, dirty) the build is made from.
+def tracked_changes(root: Path, *paths: str) -> bool:
+    """Whether tracked files (under `paths`, or anywhere) differ from HEAD. kernel-builder marks a build dirty this
+    way (untracked files do not count)."""
+    return bool(git(root, "status", "--porcelain", "--untracked-files=no", "--", *paths).strip())
+
+
+@dataclass(frozen=True)
+class Revision:
+    """The source a build is made from."""
+
+    commit: str  # full hex id of HEAD; outside git MOE_DISPATCH_COMMIT or a hash of the package's files
+    dirty: bool  # tracked files differ from `commit` (always True outside git: nothing shows they match)
+    in_git: bool
+    builder_dirty: bool  # scripts/_hub_release.py or scripts/build differ from `commit`
+    tags_on_head: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()  # every tag of the repository
+
+    @property
+    def rev(self) -> str:
+        """The unique id of the build (kernel-builder's `--unique-id`, nix's shortRev / dirtyShortRev)."""
+        return f"{self.commit[:7]}{'_dirty' if self.dirty else ''}"
+
+
+def source_revision(project: Project) -> Revision:
+    """The revision the build is made from.
 
     Outside a git checkout (e.g. a copy of the tree on a GPU machine) the commit is MOE_DISPATCH_COMMIT when set,
     else a hash of the package's files, and the build counts as dirty: nothing shows it matches a commit."""
+    root = project.root
     try:
-        return head_commit(project.root), bool(dirty_paths(project.root))
+        commit = head_commit(root)
     except ReleaseError as e:
         commit = os.environ.get("MOE_DISPATCH_COMMIT", "")
         if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
@@ -147,18 +195,28 @@ def source_revision(project: Project) -> tuple[str, bool]:
                 digest.update(rel.encode() + b"\0" + (project.source_dir / rel).read_bytes())
             commit = digest.hexdigest()
         print(f"warning: no git revision ({e}); the build id uses {commit[:7]} and is marked _dirty", file=sys.stderr)
-        return commit, True
+        return Revision(commit=commit, dirty=True, in_git=False, builder_dirty=True)
+    return Revision(
+        commit=commit,
+        dirty=tracked_changes(root),
+        in_git=True,
+        builder_dirty=tracked_changes(root, *BUILDER_FILES),
+        tags_on_head=tuple(git(root, "tag", "--points-at", "HEAD").split()),
+        tags=tuple(git(root, "tag", "--list").split()),
+    )
 
 
-def build_id(project: Project, variant: str, commit: str, dirty: bool) -> str:
-    backend = VARIANTS[variant][0]
-    return f"_{project.module}_{backend}_{commit[:7]}{'_dirty' if dirty else ''}"
+def build_id(project: Project, variant: str, revision: Revision) -> str:
+    return f"_{project.module}_{variant_backend(variant)}_{revision.rev}"
 
 
 def source_files(project: Project) -> list[str]:
     """Relative paths of the package files a variant ships, sorted; refuses files `pyext` would drop."""
     if not (project.source_dir / "__init__.py").is_file():
         raise ReleaseError(f"{project.source_dir.relative_to(project.root)}/__init__.py is missing")
+    if (project.source_dir / project.module).exists():
+        raise ReleaseError(f"torch-ext/{project.module}/{project.module} exists: each variant's {project.module}/ is "
+                           "the generated compatibility package (kernel-builder refuses this layout too)")
     shipped, dropped = [], []
     for path in sorted(project.source_dir.rglob("*")):
         rel = path.relative_to(project.source_dir)
@@ -175,16 +233,35 @@ def source_files(project: Project) -> list[str]:
     return shipped
 
 
-def render_ops_py(namespace: str) -> str:
-    return f'''"""Torch op namespace of this build; generated by scripts/build, do not edit.
+def render_ops_py(module: str, rev: str) -> str:
+    return f'''"""Torch op namespace of this build; generated by scripts/build in kernel-builder's noarch form, do not edit.
 
-Every build registers its custom ops under its own namespace, so several builds of the kernel can be
-loaded into one process (e.g. two pinned revisions) without their ops clashing.
+The namespace is `_{module}_<backend>_{rev}`: <backend> is the one torch was built for, read when this module is
+imported, so it equals the `id` of the variant the loader picks on this machine (metadata.json). Every build has its
+own, so several builds of the kernel loaded into one process (e.g. two pinned revisions) never share an operator.
 """
 
 import torch
 
-NAMESPACE = "{namespace}"
+
+def _torch_backend() -> str:
+    """The backend torch was built for, in the names of kernel variants."""
+    if hasattr(torch.backends, "tpu"):
+        return "tpu"
+    if hasattr(torch, "neuron"):
+        return "neuron"
+    if torch.version.cuda is not None:
+        return "cuda"
+    if torch.version.hip is not None:
+        return "rocm"
+    if torch.backends.mps.is_available():
+        return "metal"
+    if getattr(torch.version, "xpu", None) is not None:
+        return "xpu"
+    return "cpu"
+
+
+NAMESPACE = f"_{module}_{{_torch_backend()}}_{rev}"
 
 ops = getattr(torch.ops, NAMESPACE)
 
@@ -195,73 +272,160 @@ def add_op_namespace_prefix(op_name: str) -> str:
 '''
 
 
-def build_version(project: Project, commit: str, dirty: bool) -> str:
-    """The package's `__version__` in a build: the newest release tag of build.toml's major on HEAD of a clean tree
-    (tag v1.2.0 -> "1.2.0"), else "<major>.x.dev+<commit>[.dirty]". Publishing a tag needs a build made on it."""
-    if not dirty:
-        try:
-            tags = git(project.root, "tag", "--points-at", "HEAD").split()
-        except ReleaseError:
-            tags = []
-        releases = sorted(parse_release_tag(t) for t in tags if TAG_PATTERN.fullmatch(t))
-        releases = [r for r in releases if r[0] == project.version]
-        if releases:
-            return ".".join(str(part) for part in releases[-1])
-    return f"{project.version}.x.dev+{commit[:7]}{'.dirty' if dirty else ''}"
+def render_compat_init(module: str) -> str:
+    return f'''"""`{module}` under its own name: kernels clients older than 0.11.1 import build/<variant>/{module}/ instead of
+build/<variant>/. Generated by scripts/build (kernel-builder's compatibility folder), do not edit.
+
+Loads the variant's package (the folder above) under a name unique to its path and re-exports its names.
+"""
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _variant_package():
+    init = Path(__file__).resolve().parent.parent / "__init__.py"
+    name = "_{module}_" + hashlib.sha256(str(init).encode()).hexdigest()[:16]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, init)
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    return sys.modules[name]
+
+
+_package = _variant_package()
+globals().update({{key: value for key, value in vars(_package).items() if not key.startswith("__")}})
+__all__ = list(getattr(_package, "__all__", ()))
+__version__ = getattr(_package, "__version__", None)
+__doc__ = _package.__doc__
+'''
+
+
+def source_version(project: Project) -> str:
+    """`__version__` of torch-ext/<module>/_version.py, read without importing; refuses a version outside
+    SOURCE_VERSION_PATTERN or of another API major than build.toml's."""
+    path = project.source_dir / VERSION_FILE
+    tree = ast.parse(path.read_text())
+    values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and any(getattr(t, "id", None) == "__version__" for t in node.targets)
+              and isinstance(node.value, ast.Constant)]
+    if len(values) != 1 or not isinstance(values[0], str):
+        raise ReleaseError(f"{path.relative_to(project.root)} must assign __version__ = \"X.Y.Z\" once")
+    version = values[0]
+    match = SOURCE_VERSION_PATTERN.fullmatch(version)
+    if match is None:
+        raise ReleaseError(f"{path.relative_to(project.root)} says __version__ = {version!r}: not X.Y.Z or X.Y.Z.devN")
+    if int(match.group(1)) != project.version:
+        raise ReleaseError(f"{path.relative_to(project.root)} says {version} but build.toml has version = "
+                           f"{project.version} (the API major): they must agree")
+    return version
+
+
+def build_version(project: Project, revision: Revision) -> str:
+    """The package's `__version__` in a build (PEP 440).
+
+    - A release build: a clean tree whose HEAD carries the tag v<source version> -> the source version ("1.2.0").
+    - Otherwise a development build, "<next>.dev0+g<rev>[.dirty]" (or "<source>+g<rev>[.dirty]" when the source
+      already says X.Y.Z.devN): <next> is the source version while no tag v<source> exists (the release being
+      prepared), else its next patch (the release is out and the tree has moved on: "1.0.1.dev0+g1a2b3c4")."""
+    version = source_version(project)
+    local = f"+g{revision.commit[:7]}{'.dirty' if revision.dirty else ''}"
+    major, minor, patch, dev = SOURCE_VERSION_PATTERN.fullmatch(version).groups()
+    if dev is not None:
+        return version + local
+    if not revision.dirty and f"v{version}" in revision.tags_on_head:
+        return version
+    if f"v{version}" in revision.tags:
+        return f"{major}.{minor}.{int(patch) + 1}.dev0{local}"
+    return f"{version}.dev0{local}"
 
 
 def render_version_py(version: str) -> str:
-    return f'''"""Version of this build; generated by scripts/build from the git tag, do not edit."""
+    return f'''"""Version of this build, written by scripts/build (a release's X.Y.Z, or X.Y.Z.devN+g<commit>); do not edit."""
 
 __version__ = "{version}"
 '''
 
 
-def render_metadata(project: Project, variant: str, kernel_id: str) -> str:
-    _, backend_type, archs_key = VARIANTS[variant]
+def render_source_version_py(version: str) -> str:
+    return f'''"""Version of the package: the release it is (a tagged commit) or the last one it follows.
+
+scripts/release sets it; scripts/build writes each build's own `__version__` from it and git (docs/releasing.md):
+the release X.Y.Z on a clean commit tagged vX.Y.Z, a development version X.Y.(Z+1).dev0+g<commit> after it."""
+
+__version__ = "{version}"
+'''
+
+
+def file_digest(files: dict[str, bytes]) -> dict:
+    """kernel-builder's `digest` of a variant: sha256 of every file but metadata.json, base64, by relative path."""
+    return {
+        "algorithm": "sha256",
+        "files": {rel: base64.b64encode(hashlib.sha256(content).digest()).decode() for rel, content in
+                  sorted(files.items())},
+    }
+
+
+def render_metadata(project: Project, variant: str, revision: Revision, files: dict[str, bytes]) -> str:
+    """metadata.json as kernel-builder writes it for a noarch variant, `digest` (its hash step) and `provenance`
+    (its git state, and this builder's) included."""
+    backend_type = variant_backend(variant)
     backend: dict = {"type": backend_type}
-    if project.archs[archs_key]:
-        backend["archs"] = list(project.archs[archs_key])
+    if project.archs.get(backend_type):
+        backend["archs"] = list(project.archs[backend_type])
+    builder: dict = {"version": BUILDER_NAME}
+    provenance: dict = {"kernel-builder": builder}
+    if revision.in_git:
+        builder.update(commit=revision.commit, dirty=revision.builder_dirty)
+        provenance["kernel"] = {"commit": revision.commit, "dirty": revision.dirty}
     metadata = {
         "name": project.name,
-        "id": kernel_id,
+        "id": build_id(project, variant, revision),
         "version": project.version,
+        "kernels-minver": KERNELS_MINVER,
         "license": project.license,
+        **({"source": project.source} if project.source else {}),
         "python-depends": list(project.python_depends),
+        "kernel-depends": [],
         "backend": backend,
+        "digest": file_digest(files),
+        "provenance": provenance,
     }
     return json.dumps(metadata, indent=2) + "\n"
 
 
-def expected_variant_files(project: Project, variant: str, kernel_id: str, version: str) -> dict[str, bytes]:
+def expected_variant_files(project: Project, variant: str, revision: Revision, version: str) -> dict[str, bytes]:
     """Every file of build/<variant>/ as the build writes it: relative path -> content."""
     files = {rel: (project.source_dir / rel).read_bytes() for rel in source_files(project)}
-    files["_ops.py"] = render_ops_py(kernel_id).encode()
-    files["_version.py"] = render_version_py(version).encode()
-    files["metadata.json"] = render_metadata(project, variant, kernel_id).encode()
+    files["_ops.py"] = render_ops_py(project.module, revision.rev).encode()
+    files[VERSION_FILE] = render_version_py(version).encode()
+    files[f"{project.module}/__init__.py"] = render_compat_init(project.module).encode()
+    files["metadata.json"] = render_metadata(project, variant, revision, files).encode()
     return files
 
 
 def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
-    """Write build/torch-<backend>/ for every variant into `out` (default: <root>/build). Returns the variant dirs."""
+    """Write build/torch-<backend>/ for every backend into `out` (default: <root>/build). Returns the variant dirs."""
     project = load_project(root)
     out = out if out is not None else root / "build"
-    commit, dirty = source_revision(project)
-    version = build_version(project, commit, dirty)
+    revision = source_revision(project)
+    version = build_version(project, revision)
     written = []
     for variant in project.variants:
-        kernel_id = build_id(project, variant, commit, dirty)
         variant_dir = out / variant
         if variant_dir.exists():
             shutil.rmtree(variant_dir)
-        for rel, content in expected_variant_files(project, variant, kernel_id, version).items():
+        for rel, content in expected_variant_files(project, variant, revision, version).items():
             (variant_dir / rel).parent.mkdir(parents=True, exist_ok=True)
             (variant_dir / rel).write_bytes(content)
-        log(f"built {variant_dir} ({kernel_id}, version {version})")
+        log(f"built {variant_dir} ({build_id(project, variant, revision)}, version {version})")
         written.append(variant_dir)
-    if dirty:
-        log("warning: the build ids end in _dirty (uncommitted changes, or no git revision); "
-            "scripts/publish refuses them")
+    if revision.dirty:
+        log("warning: the build ids end in _dirty and provenance says dirty (uncommitted changes, or no git "
+            "revision): kernels warns when it loads them, and scripts/publish refuses them")
     return written
 
 
@@ -282,8 +446,8 @@ def variant_tree(variant_dir: Path) -> dict[str, bytes]:
     }
 
 
-def check_build_fresh(project: Project, build_dir: Path, commit: str, version: str) -> dict[str, dict[str, bytes]]:
-    """Check that build_dir holds exactly what scripts/build writes for `commit` on a clean tree, as `version`.
+def check_build_fresh(project: Project, build_dir: Path, revision: Revision, version: str) -> dict[str, dict[str, bytes]]:
+    """Check that build_dir holds exactly what scripts/build writes for `revision` (a clean tree), as `version`.
 
     Returns variant -> {relative path -> content} of the files to upload; raises ReleaseError when stale."""
     if not build_dir.is_dir():
@@ -300,13 +464,13 @@ def check_build_fresh(project: Project, build_dir: Path, commit: str, version: s
         if not (variant_dir / "metadata.json").is_file():
             raise ReleaseError(f"{variant_dir}/metadata.json is missing: run scripts/build")
         built_id = json.loads((variant_dir / "metadata.json").read_text())["id"]
-        want_id = build_id(project, variant, commit, dirty=False)
+        want_id = build_id(project, variant, revision)
         if built_id != want_id:
             raise ReleaseError(
-                f"build is stale: {variant} has id {built_id}, HEAD {commit[:7]} on a clean tree needs {want_id}; "
-                "rerun scripts/build"
+                f"build is stale: {variant} has id {built_id}, HEAD {revision.commit[:7]} on a clean tree needs "
+                f"{want_id}; rerun scripts/build"
             )
-        want = expected_variant_files(project, variant, want_id, version)
+        want = expected_variant_files(project, variant, revision, version)
         have = variant_tree(variant_dir)
         differ = sorted(
             set(want).symmetric_difference(have) | {rel for rel in set(want) & set(have) if want[rel] != have[rel]}
@@ -330,8 +494,77 @@ def current_git_tag(root: Path) -> str:
     try:
         return git(root, "describe", "--exact-match", "--tags", "HEAD")
     except ReleaseError as e:
-        raise ReleaseError(f"HEAD carries no git tag; tag it (git tag v1.2.0) or pass --tag ({e})") from None
+        raise ReleaseError(f"HEAD carries no git tag; tag it (scripts/release X.Y.Z) or pass --tag ({e})") from None
 
+
+# -- scripts/release ---------------------------------------------------------------------------------------------------
+
+def _changelog_section(text: str, version: str) -> re.Match | None:
+    """The `## [X.Y.Z] - <date or "unreleased">` heading of CHANGELOG.md for `version`."""
+    return re.search(rf"^## \[{re.escape(version)}\](?: - (?P<date>\S+))?[ \t]*$", text, re.M)
+
+
+def release(root: Path, version: str, *, today: str | None = None, log=print) -> str:
+    """Tag release `version` (X.Y.Z): set _version.py and date CHANGELOG.md's entry, commit, move branch v<major> to
+    that commit and create the annotated tag vX.Y.Z there. Returns the tagged commit. Sends nothing anywhere.
+
+    Refuses (changing nothing) when: `version` is not X.Y.Z or its major is not build.toml's `version`; the tree is
+    dirty; tag vX.Y.Z exists; a release tag of the same major is not older; CHANGELOG.md has no `## [X.Y.Z]` entry;
+    branch v<major> exists and is not an ancestor of HEAD (the release would rewrite its history)."""
+    project = load_project(root)
+    tag = f"v{version}"
+    parsed = parse_release_tag(tag)
+    if parsed[0] != project.version:
+        raise ReleaseError(f"{version} has major {parsed[0]} but build.toml has version = {project.version}; "
+                           f"a v{parsed[0]} release starts with `version = {parsed[0]}` in build.toml")
+    dirty = dirty_paths(root)
+    if dirty:
+        raise ReleaseError(f"the git tree is dirty ({len(dirty)} path(s), e.g. {dirty[0].strip()}); commit or stash")
+    tags = git(root, "tag", "--list").split()
+    if tag in tags:
+        raise ReleaseError(f"tag {tag} exists already (on {git(root, 'rev-parse', '--short', tag + '^{commit}')})")
+    newer = sorted(t for t in tags if TAG_PATTERN.fullmatch(t) and parse_release_tag(t)[0] == parsed[0]
+                   and parse_release_tag(t) > parsed)
+    if newer:
+        raise ReleaseError(f"release tags newer than {tag} exist ({', '.join(newer)}); releases only go forward")
+    changelog = root / CHANGELOG
+    text = changelog.read_text() if changelog.is_file() else ""
+    entry = _changelog_section(text, version)
+    if entry is None:
+        raise ReleaseError(f"{CHANGELOG} has no entry for {version}: add a `## [{version}] - unreleased` section "
+                           "saying what changed, commit it, and run this again")
+    branch = f"v{project.version}"
+    branches = git(root, "branch", "--list", "--format=%(refname:short)").split()
+    if branch in branches:
+        merge_base = subprocess.run(["git", "-C", str(root), "merge-base", "--is-ancestor", branch, "HEAD"])
+        if merge_base.returncode != 0:
+            raise ReleaseError(f"branch {branch} is not an ancestor of HEAD: releasing here would rewrite its history; "
+                               f"release from a commit that contains {branch}")
+
+    today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    if entry["date"] != today:
+        text = text[:entry.start()] + f"## [{version}] - {today}" + text[entry.end():]
+        changelog.write_text(text)
+    version_file = project.source_dir / VERSION_FILE
+    if source_version(project) != version:
+        version_file.write_text(render_source_version_py(version))
+    if dirty_paths(root):
+        git(root, "add", "--", CHANGELOG, str(version_file.relative_to(root)))
+        git(root, "commit", "-q", "-m", f"Release {tag}", "--", CHANGELOG, str(version_file.relative_to(root)))
+        log(f"committed {CHANGELOG} ({version} dated {today}) and {version_file.relative_to(root)} ({version})")
+    commit = head_commit(root)
+    current = git(root, "rev-parse", "--abbrev-ref", "HEAD")
+    if current != branch:
+        git(root, "branch", "-f", branch, commit)
+    log(f"branch {branch} -> {commit[:7]}")
+    git(root, "tag", "-a", tag, "-m", f"Release {tag}", commit)
+    log(f"tagged {tag} -> {commit[:7]}")
+    log(f"next: `git push origin {branch} {tag}` (the tag runs .github/workflows/publish.yml), or publish from here: "
+        f"HF_TOKEN=... .venv/bin/python scripts/publish --build --tag {tag}")
+    return commit
+
+
+# -- the Hub card ------------------------------------------------------------------------------------------------------
 
 def _first_paragraph(node: ast.AST) -> str:
     doc = (ast.get_docstring(node) or "").strip()
@@ -359,6 +592,15 @@ def public_api(project: Project) -> tuple[str, list[tuple[str, str]]]:
                     summary = _first_paragraph(node)
         summaries.append((name, summary))
     return ast.get_docstring(init) or "", summaries
+
+
+def public_layers(project: Project) -> list[str]:
+    """The classes of layers.py when `__all__` exports `layers` (the builder's card lists them as its layers)."""
+    _, api = public_api(project)
+    layers = project.source_dir / "layers.py"
+    if "layers" not in {name for name, _ in api} or not layers.is_file():
+        return []
+    return [node.name for node in ast.parse(layers.read_text()).body if isinstance(node, ast.ClassDef)]
 
 
 def _doc_summaries(root: Path) -> list[tuple[str, str, str]]:
@@ -391,12 +633,15 @@ def _readme_section(root: Path, title: str) -> list[str]:
     return [line for line in lines[start + 1:end]]
 
 
-def render_card(project: Project, repo_id: str) -> str:
-    """The Hub README: usage, the versioned API (`__all__`), variants, supported hardware and docs, from the sources."""
+def render_card(project: Project, repo_id: str, tag: str | None = None) -> str:
+    """The Hub README: the builder's card fields (library_name, license, usage, functions, layers, benchmarks,
+    source), plus the versioned API's summaries, variants, supported hardware and docs, from the sources."""
     package_doc, api = public_api(project)
     summary = package_doc.strip().splitlines()[0] if package_doc.strip() else project.name
+    pin = tag or f"v{project.version}.0.0"
     lines = [
         "---",
+        "library_name: kernels",
         f"license: {project.license.lower()}",
         "tags:",
         "- kernels",
@@ -406,28 +651,34 @@ def render_card(project: Project, repo_id: str) -> str:
         "",
         summary,
         "",
-        "This card is generated by `scripts/publish` from the package's `__all__`, build.toml, README.md and docs/.",
+        f"This is the repository card of {repo_id} on the Hub, for the [`kernels` library]"
+        "(https://github.com/huggingface/kernels). It is generated by `scripts/publish` from the package's "
+        "`__all__`, build.toml, README.md and docs/.",
         "",
-        "## Usage",
+        "## How to use",
         "",
         "```python",
+        "# pip install -U kernels",
         "from kernels import get_kernel",
         "",
         f'{project.module} = get_kernel("{repo_id}", version={project.version}, trust_remote_code=True)',
         "```",
         "",
         f"`version={project.version}` loads the newest release of API v{project.version} (branch "
-        f"`v{project.version}`). Pin a release with `revision=\"v{project.version}.0.0\"` (each release has a tag), "
+        f"`v{project.version}`). Pin a release with `revision=\"{pin}\"` (each release has a tag), "
         "or lock the commit with `kernels lock` and `load_kernel(..., lockfile=...)`. `trust_remote_code=True` is "
         "needed until the publishing organisation is a trusted kernel publisher.",
         "",
-        f"## API v{project.version}",
+        f"## Available functions (API v{project.version})",
         "",
         "| name | summary |",
         "| --- | --- |",
     ]
-    lines += [f"| `{name}` | {doc.replace('|', '/')} |" for name, doc in api]
-    archs = project.archs
+    lines += [f"| `{name}` | {doc.replace('|', '/')} |" for name, doc in api if name != "layers"]
+    layers = public_layers(project)
+    if layers:
+        lines += ["", "## Available layers", ""]
+        lines += [f"- `{name}` (`{project.module}.layers.{name}`)" for name in layers]
     lines += [
         "",
         "## Build variants",
@@ -436,17 +687,21 @@ def render_card(project: Project, repo_id: str) -> str:
         "",
     ]
     for variant in project.variants:
-        _, backend_type, key = VARIANTS[variant]
-        lines.append(f"- `build/{variant}`: backend `{backend_type}`, declared archs {', '.join(archs[key]) or 'any'}")
+        backend = variant_backend(variant)
+        archs = project.archs.get(backend)
+        detail = f", declared archs {', '.join(archs)}" if archs else ""
+        if backend == "cpu":
+            detail += " (Triton's interpreter, TRITON_INTERPRET=1: for tests and tiny shapes)"
+        lines.append(f"- `build/{variant}`: backend `{backend}`{detail}")
     benchmarks = sorted(path for path in benchmark_files(project) if Path(path).name.startswith("benchmark"))
+    lines += ["", "## Benchmarks", ""]
     if benchmarks:
-        lines += [
-            "",
-            "## Benchmarks",
-            "",
-            f"`kernels benchmark {repo_id}@v{project.version}` runs {', '.join(f'`{p}`' for p in benchmarks)} of this "
-            "branch (needs `kernels[benchmark]`): each workload is timed and verified against float64 references.",
-        ]
+        lines.append(
+            f"`kernels benchmark {repo_id}@v{project.version}` runs {', '.join(f'`{p}`' for p in benchmarks)} of "
+            "this branch (needs `kernels[benchmark]`): each workload is timed beside transformers' experts path in "
+            "the same dtype (the Ref column) and verified against float64 references.")
+    else:
+        lines.append("No benchmark available yet.")
     hardware = _readme_section(project.root, "Supported hardware")
     if hardware:
         lines += ["", "## Supported hardware", *hardware]
@@ -456,6 +711,9 @@ def render_card(project: Project, repo_id: str) -> str:
     if docs:
         lines += ["", "## Documentation (in the source repository's docs/)", ""]
         lines += [f"- **{title}** (`docs/{name}`)" + (f": {text}" if text else "") for name, title, text in docs]
+    if project.source:
+        lines += ["", "## Source", "", f"The kernel-builder formatted source for this kernel is available at "
+                  f"{project.source}."]
     lines += ["", f"License: {project.license}.", ""]
     return "\n".join(lines)
 
@@ -486,12 +744,14 @@ def publish(
     build_dir: Path | None = None,
     token: str | None = None,
     dry_run: bool = False,
+    build_first: bool = False,
     log=print,
 ) -> str | None:
     """Publish build/ as release `tag`. Returns the Hub commit the tag points to (None on a dry run).
 
-    All local checks run before the first request; remote checks (an existing tag with other content, a newer
-    release of the same major) run before the first write of content."""
+    With `build_first`, scripts/build runs first (into `build_dir`) once the tag and the tree have been checked:
+    the one command CI runs on a pushed tag. All local checks run before the first request; remote checks (an
+    existing tag with other content, a newer release of the same major) run before the first write of content."""
     project = load_project(root)
     repo_id = repo_id or project.repo_id
     if not repo_id:
@@ -512,14 +772,22 @@ def publish(
     try:
         tagged = git(root, "rev-parse", f"{tag}^{{commit}}")
     except ReleaseError:
-        raise ReleaseError(f"git tag {tag} does not exist; create it on the commit being released") from None
+        raise ReleaseError(f"git tag {tag} does not exist; create it on the commit being released "
+                           f"(scripts/release {tag[1:]})") from None
     if tagged != commit:
         raise ReleaseError(f"git tag {tag} points to {tagged[:7]}, not HEAD {commit[:7]}; check out the tag")
-    version = build_version(project, commit, dirty=False)
-    if version != f"{major}.{minor}.{patch}":
-        raise ReleaseError(f"HEAD's newest v{major} tag makes the build version {version}, not {tag[1:]}; "
-                           f"release that tag, or check out a commit whose newest release tag is {tag}")
-    trees = check_build_fresh(project, build_dir if build_dir is not None else root / "build", commit, version)
+    source = source_version(project)
+    if source != tag[1:]:
+        raise ReleaseError(f"tag {tag} is on HEAD but torch-ext/{project.module}/{VERSION_FILE} says {source}; "
+                           f"scripts/release {tag[1:]} sets it in the release commit it tags")
+    revision = source_revision(project)
+    version = build_version(project, revision)
+    if version != tag[1:]:  # a clean tree with the tag on HEAD: only another check above failing gets here
+        raise ReleaseError(f"the build version would be {version}, not {tag[1:]}")
+    build_dir = build_dir if build_dir is not None else root / "build"
+    if build_first:
+        build(root, build_dir, log=log)
+    trees = check_build_fresh(project, build_dir, revision, version)
     # Hub path -> content of every file the release commits next to the card: the variants and the benchmarks.
     uploads = {f"build/{variant}/{rel}": content for variant, tree in trees.items() for rel, content in tree.items()}
     uploads.update(benchmark_files(project))
@@ -530,7 +798,7 @@ def publish(
         check_hub_client()
 
     branch = f"v{project.version}"
-    card = render_card(project, repo_id).encode()
+    card = render_card(project, repo_id, tag).encode()
     prefix = "[dry-run] " if dry_run else ""
     log(f"{prefix}release {tag} of {repo_id} from commit {commit[:7]}: {len(uploads)} files in {len(trees)} variants "
         f"and {BENCHMARKS_DIR}/")
@@ -622,7 +890,7 @@ def _project_root() -> Path:
 def main_build(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/build",
-        description="Build the noarch variants (build/torch-cuda, torch-rocm, torch-universal) without nix.",
+        description="Build the noarch variants (build/torch-<backend> for each backend of build.toml) without nix.",
     )
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <repo>/build)")
     parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")
@@ -631,6 +899,23 @@ def main_build(argv: list[str] | None = None) -> int:
         build(args.root.resolve(), args.out.resolve() if args.out else None)
     except ReleaseError as e:
         print(f"scripts/build: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main_release(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/release",
+        description="Tag release VERSION (X.Y.Z): set the package's _version.py, date its CHANGELOG.md entry, commit "
+        "'Release vX.Y.Z', move branch v<major> to that commit and tag it vX.Y.Z (annotated). Pushes nothing.",
+    )
+    parser.add_argument("version", help="the release, X.Y.Z (its major must be build.toml's version)")
+    parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")
+    args = parser.parse_args(argv)
+    try:
+        release(args.root.resolve(), args.version)
+    except ReleaseError as e:
+        print(f"scripts/release: refusing to release: {e}", file=sys.stderr)
         return 2
     return 0
 
@@ -644,6 +929,8 @@ def main_publish(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo-id", default=None, help="kernel repo (default: build.toml [general.hub] repo-id)")
     parser.add_argument("--tag", default=None, help="release tag vMAJOR.MINOR.PATCH (default: the git tag on HEAD)")
     parser.add_argument("--build-dir", type=Path, default=None, help="variants to upload (default: <repo>/build)")
+    parser.add_argument("--build", action="store_true",
+                        help="run scripts/build into the build dir first, after the tag checks (what CI runs)")
     parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")
     parser.add_argument("--dry-run", action="store_true", help="run the checks and print every step; send nothing")
     args = parser.parse_args(argv)
@@ -655,6 +942,7 @@ def main_publish(argv: list[str] | None = None) -> int:
             build_dir=args.build_dir.resolve() if args.build_dir else None,
             token=os.environ.get("HF_TOKEN") or None,
             dry_run=args.dry_run,
+            build_first=args.build,
         )
     except ReleaseError as e:
         print(f"scripts/publish: refusing to publish: {e}", file=sys.stderr)

@@ -1,16 +1,19 @@
 """Packaging: build.toml, the noarch build of scripts/build, and the release path of scripts/publish, end to end.
 
 - build.toml passes the parser inside the `kernels` wheel; flake.nix is in the builder's form.
-- scripts/build writes build/torch-{cuda,rocm,universal}: each loads with `kernels.get_local_kernel` and through
-  `LOCAL_KERNELS` + `get_kernel(..., version=1)`, and its forward matches `fused_moe_forward_ref`.
-- scripts/publish, against tests/hub_server.py (a loopback test double of the Hub's HTTP API): two releases, then
-  fresh client processes load the newest v1, the pinned v1.0.0 and a `kernels lock`ed commit, and a version-2
-  request fails with the loader's error. Every refusal of scripts/publish sends nothing.
+- scripts/build writes build/torch-{cpu,cuda,rocm} as kernel-builder's noarch build does (metadata with digest and
+  provenance, the op namespace, the compatibility package folder): kernels' own validation passes on every variant,
+  each loads with `kernels.get_local_kernel` and through `LOCAL_KERNELS` + `get_kernel(..., version=1)`, and its
+  forward matches `fused_moe_forward_ref`. Versions are PEP 440.
+- The release flow against tests/hub_server.py (a loopback test double of the Hub's HTTP API): scripts/release tags
+  v1.0.0 on branch v1, scripts/publish --build (what CI runs on the tag) publishes it; then v1.1.0; fresh client
+  processes load the newest v1, the pinned v1.0.0 and a `kernels lock`ed commit, and a version-2 request fails with
+  the loader's error. Every refusal of scripts/release and scripts/publish changes and sends nothing.
 
 Releases are made from a throw-away git repo holding a copy of this checkout's working tree, so the tests do not
-depend on whether this checkout is clean. On a CPU-only machine the loader accepts only `torch-universal` (and
-`torch-cpu`) from a repo, and `backend=` can only name "cpu" or the machine's own backend; the cuda and rocm
-variants are therefore loaded by pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
+depend on whether this checkout is clean. On a CPU-only machine the loader accepts `torch-cpu` from a repo, and
+`backend=` can only name "cpu" or the machine's own backend; the cuda and rocm variants are therefore loaded by
+pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
 """
 
 import json
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from hub_server import HubServer
 from reference import fused_moe_forward_ref
@@ -34,13 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENT_PATH = [str(ROOT / folder) for folder in ("tests", "benchmarks", "scripts")]
 REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in build.toml only
 TOKEN = "hf_test_token"
-VARIANTS = ("torch-cuda", "torch-rocm", "torch-universal")
-BACKEND_OF = {"torch-cuda": ("cuda", "cuda"), "torch-rocm": ("rocm", "rocm"), "torch-universal": ("universal", "cuda")}
-ON_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
-# The variant the loader picks from a full build on this machine.
-PREFERRED_VARIANT = "torch-cuda" if ON_CUDA else "torch-rocm" if torch.cuda.is_available() else "torch-universal"
-RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "docs", "benchmarks",
-                 "scripts/_hub_release.py", "scripts/build", "scripts/publish", "torch-ext/moe_dispatch"]
+VARIANTS = ("torch-cpu", "torch-cuda", "torch-rocm")
+ARCHS = {"torch-cpu": None, "torch-cuda": ["8.0", "9.0"], "torch-rocm": ["gfx942"]}
+# The variant the loader picks from a full build on this machine: torch's own backend.
+PREFERRED_VARIANT = ("torch-cuda" if torch.version.cuda is not None else "torch-rocm" if torch.version.hip is not None
+                     else "torch-cpu")
+RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "CHANGELOG.md", "docs",
+                 "benchmarks", "scripts/_hub_release.py", "scripts/build", "scripts/release", "scripts/publish",
+                 "torch-ext/moe_dispatch"]
+# What .github/workflows/publish.yml runs on a pushed tag (after the tests); the release test runs the same.
+CI_PUBLISH = '.venv/bin/python scripts/publish --build --tag "$GITHUB_REF_NAME"'
+SOURCE_URL = "https://github.com/moe-dispatch/moe-dispatch"
 HAS_GIT = shutil.which("git") is not None
 requires_git = pytest.mark.skipif(not HAS_GIT, reason="needs the git command")
 GIT_ENV = {"GIT_AUTHOR_NAME": "release-test", "GIT_AUTHOR_EMAIL": "release-test@example.invalid",
@@ -143,12 +151,13 @@ def test_build_toml_passes_the_kernels_parser():
     from kernels._rust import Backend, Build
 
     build = Build.open(ROOT)
-    assert build.general.backends == [Backend.CUDA, Backend.ROCm]
+    assert build.general.backends == [Backend.CUDA, Backend.ROCm, Backend.CPU]
     config = tomllib.loads((ROOT / "build.toml").read_text())
     general = config["general"]
     assert (general["name"], general["version"], general["edition"]) == ("moe-dispatch", 1, 5)
     assert general["license"] == "Apache-2.0" and (ROOT / "LICENSE").read_text().count("Apache License") >= 1
     assert re.fullmatch(r"[\w.-]+/moe-dispatch", general["hub"]["repo-id"])
+    assert general["source"] == SOURCE_URL  # metadata.json's `source` and the card's Source section
     noarch = config["torch-noarch"]
     assert noarch["cuda_capabilities"] == ["8.0", "9.0"] and noarch["rocm_archs"] == ["gfx942"]
     assert "json" in noarch["pyext"]  # configs/*.json ship with the package
@@ -170,8 +179,11 @@ def test_workflows_test_every_push_and_publish_tags():
     assert publish[True] == {"push": {"tags": ["v*"]}}
     steps = publish["jobs"]["publish"]["steps"]
     runs = [step["run"] for step in steps if "run" in step]
-    assert runs[0] == "bash scripts/test" and "scripts/build" in runs[1] and "scripts/publish" in runs[2]
+    # The tests, then the very command the release test below runs against the Hub's test double.
+    assert runs == ["bash scripts/test", CI_PUBLISH]
     assert steps[-1]["env"] == {"HF_TOKEN": "${{ secrets.HF_TOKEN }}"}
+    python = next(step["with"]["python-version"] for step in steps if step.get("uses", "").startswith("actions/setup"))
+    assert python == ".".join(map(str, hub_release().MIN_PYTHON))  # CI runs the stated minimum
 
 
 # -- scripts/build -----------------------------------------------------------------------------------------------------
@@ -200,13 +212,19 @@ def built(build_run) -> Path:
     return build_run[0]
 
 
-GENERATED = {"_ops.py", "_version.py", "metadata.json"}  # written by scripts/build for each variant
+# written by scripts/build for each variant: the op namespace, the build's version, the compatibility package, metadata
+GENERATED = {"_ops.py", "_version.py", "moe_dispatch/__init__.py", "metadata.json"}
+DEV_VERSION = r"1\.0\.[01]\.dev0\+g{rev}(\.dirty)?"  # before the v1.0.0 tag exists (1.0.0.dev0), or after it
 
 
 def package_files() -> set[str]:
     src = ROOT / "torch-ext" / "moe_dispatch"
     return {p.relative_to(src).as_posix() for p in src.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name not in GENERATED}
+
+
+def built_version(variant_dir: Path) -> str:
+    return re.search(r'__version__ = "([^"]+)"', (variant_dir / "_version.py").read_text()).group(1)
 
 
 def test_build_writes_each_variant(build_run):
@@ -222,25 +240,102 @@ def test_build_writes_each_variant(build_run):
         for rel in package_files():
             assert (vdir / rel).read_bytes() == (ROOT / "torch-ext" / "moe_dispatch" / rel).read_bytes()
         metadata = Metadata.read_from_file(vdir / "metadata.json")  # the loader's strict parser
-        backend, backend_type = BACKEND_OF[variant]
+        backend = variant.removeprefix("torch-")
         match = re.fullmatch(rf"_moe_dispatch_{backend}_([0-9a-f]{{7}})(_dirty)?", metadata.id)
         assert match and (heads is None and match.group(2) or match.group(1) in heads), metadata.id
         assert str(metadata.name) == "moe-dispatch" and metadata.version == 1 and metadata.license == "Apache-2.0"
-        assert metadata.python_depends == []
-        assert str(metadata.backend.backend_type).lower() == backend_type
-        assert metadata.backend.archs == (["gfx942"] if backend == "rocm" else ["8.0", "9.0"])
-        assert f'NAMESPACE = "{metadata.id}"' in (vdir / "_ops.py").read_text()
-        # No release tag on this checkout's HEAD is assumed: a development build says so, with its commit.
-        version = re.search(r'__version__ = "([^"]+)"', (vdir / "_version.py").read_text()).group(1)
-        assert re.fullmatch(rf"1\.x\.dev\+{match.group(1)}(\.dirty)?", version) or re.fullmatch(r"1\.\d+\.\d+", version)
+        assert metadata.python_depends == [] and metadata.kernel_depends == [] and metadata.source == SOURCE_URL
+        assert str(metadata.kernels_minver) == "0.14.0"
+        assert str(metadata.backend.backend_type).lower() == backend and metadata.backend.archs == ARCHS[variant]
+        provenance = metadata.provenance
+        assert provenance.dirty == (match.group(2) is not None)
+        if heads is not None:  # a git checkout: the commit and its state, for the builder (this script) as well
+            assert provenance.kernel.commit[:7] == match.group(1) and len(provenance.kernel.commit) == 40
+            assert provenance.kernel.dirty == (match.group(2) is not None)
+            assert provenance.kernel_builder.git.commit == provenance.kernel.commit
+        assert "scripts/build" in provenance.kernel_builder.version  # says what built it: not kernel-builder
+        ops = (vdir / "_ops.py").read_text()
+        assert f'NAMESPACE = f"_moe_dispatch_{{_torch_backend()}}_{metadata.id.removeprefix(f"_moe_dispatch_{backend}_")}"' in ops
+        version = built_version(vdir)
+        Version(version)  # PEP 440, or this raises
+        assert re.fullmatch(DEV_VERSION.format(rev=match.group(1)), version) or version == "1.0.0", version
 
 
-def test_source_version_names_the_api_major():
-    """A checkout's __version__ is "<build.toml version>.x.dev"; builds get theirs from the git tag."""
+def test_kernels_validation_passes_on_every_variant(built, caplog):
+    """kernels' own checks of a variant, as its loader and `kernels verify-signature` run them: the strict metadata
+    parser, the digest against a rehash of the files, and the metadata validators (python dependencies, minimum
+    kernels version, dirty builds, archs). A dirty build is loaded with kernels' warning; a clean one without."""
+    import logging
+
+    from kernels._rust import Digest, Metadata
+    from kernels.validate import AllValidator, ArchValidator, default_metadata_validators
+
+    validator = AllValidator(validators=[*default_metadata_validators(), ArchValidator()])
+    for variant in VARIANTS:
+        metadata = Metadata.read_from_file(built / variant / "metadata.json")
+        assert metadata.digest is not None and str(metadata.digest.algorithm) == "sha256"
+        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, built / variant))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kernels.validate"):
+            validator.validate_metadata(metadata=metadata, variant=variant)
+        warned = "built from a dirty git tree" in caplog.text
+        assert warned == metadata.provenance.dirty, (variant, caplog.text)
+
+
+def test_digest_catches_an_edited_variant(tmp_path, built):
+    from kernels._rust import Digest, DigestValidationError, Metadata
+
+    variant = tmp_path / "torch-cuda"
+    shutil.copytree(built / "torch-cuda", variant)
+    with open(variant / "moe.py", "a") as f:
+        f.write("# edited after the build\n")
+    metadata = Metadata.read_from_file(variant / "metadata.json")
+    with pytest.raises(DigestValidationError, match="moe.py"):
+        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant))
+
+
+def test_compatibility_package_exports_the_variant(built):
+    """build/<variant>/moe_dispatch/__init__.py, which kernels < 0.11.1 import, is the variant's package."""
+    import importlib.util
+
+    for variant in VARIANTS:
+        spec = importlib.util.spec_from_file_location(f"compat_{variant.replace('-', '_')}",
+                                                      built / variant / "moe_dispatch" / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.__version__ == built_version(built / variant)
+        assert module.__all__ and all(hasattr(module, name) for name in module.__all__)
+        check_forward(module)
+
+
+def test_source_version_is_pep440_with_a_changelog_entry():
+    """A checkout's __version__ is the release it is or follows: PEP 440, build.toml's major, in CHANGELOG.md."""
     with open(ROOT / "build.toml", "rb") as f:
         major = tomllib.load(f)["general"]["version"]
-    source = (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text()
-    assert f'__version__ = "{major}.x.dev"' in source
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text())[1]
+    assert Version(version).major == major and re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(rf"^## \[{re.escape(version)}\]( - (unreleased|\d{{4}}-\d\d-\d\d))?$", changelog, re.M), version
+
+
+@pytest.mark.parametrize("source,tags_on_head,tags,dirty,want", [
+    ("1.0.0", ("v1.0.0",), ("v1.0.0",), False, "1.0.0"),  # the release build
+    ("1.0.0", ("v1.0.0",), ("v1.0.0",), True, "1.0.1.dev0+g0123456.dirty"),  # edits on the release: after it
+    ("1.0.0", (), (), False, "1.0.0.dev0+g0123456"),  # on the way to 1.0.0 (not tagged yet)
+    ("1.0.0", (), ("v1.0.0",), False, "1.0.1.dev0+g0123456"),  # past the release
+    ("1.2.0.dev3", (), ("v1.0.0",), True, "1.2.0.dev3+g0123456.dirty"),  # a development version stays itself
+])
+def test_build_versions_are_pep440(tmp_path, source, tags_on_head, tags, dirty, want):
+    release_module = hub_release()
+    root = tmp_path / "repo"
+    (root / "torch-ext" / "moe_dispatch").mkdir(parents=True)
+    shutil.copy2(ROOT / "build.toml", root / "build.toml")
+    (root / "torch-ext" / "moe_dispatch" / "_version.py").write_text(release_module.render_source_version_py(source))
+    project = release_module.load_project(root)
+    revision = release_module.Revision(commit="0123456789" * 4, dirty=dirty, in_git=True, builder_dirty=False,
+                                       tags_on_head=tags_on_head, tags=tags)
+    version = release_module.build_version(project, revision)
+    assert version == want and str(Version(version)) == want
 
 
 @requires_git
@@ -248,15 +343,20 @@ def test_build_id_marks_a_dirty_tree(tmp_path):
     repo = make_release_repo(tmp_path / "repo")
     head = git(repo, "rev-parse", "HEAD")[:7]
 
-    def built_id() -> str:
+    def built_metadata() -> dict:
         result = run_script(repo, "build", env=clean_env())
         assert result.returncode == 0, result.stderr
-        return json.loads((repo / "build" / "torch-cuda" / "metadata.json").read_text())["id"]
+        return json.loads((repo / "build" / "torch-cuda" / "metadata.json").read_text())
 
-    assert built_id() == f"_moe_dispatch_cuda_{head}"
+    clean = built_metadata()
+    assert clean["id"] == f"_moe_dispatch_cuda_{head}" and clean["provenance"]["kernel"]["dirty"] is False
+    (repo / "notes.txt").write_text("untracked\n")  # kernel-builder counts tracked changes only
+    assert built_metadata()["id"] == f"_moe_dispatch_cuda_{head}"
     with open(repo / "torch-ext" / "moe_dispatch" / "__init__.py", "a") as f:
         f.write("# local edit\n")
-    assert built_id() == f"_moe_dispatch_cuda_{head}_dirty"
+    dirty = built_metadata()
+    assert dirty["id"] == f"_moe_dispatch_cuda_{head}_dirty" and dirty["provenance"]["kernel"]["dirty"] is True
+    assert dirty["provenance"]["kernel-builder"]["dirty"] is False  # scripts/build itself is unchanged
 
 
 def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
@@ -268,8 +368,10 @@ def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
     env = clean_env(MOE_DISPATCH_COMMIT="0123456789abcdef", GIT_CEILING_DIRECTORIES=str(tmp_path))
     result = run_script(tree, "build", env=env)
     assert result.returncode == 0, result.stderr
-    assert json.loads((tree / "build" / "torch-rocm" / "metadata.json").read_text())["id"] == \
-        "_moe_dispatch_rocm_0123456_dirty"
+    metadata = json.loads((tree / "build" / "torch-rocm" / "metadata.json").read_text())
+    assert metadata["id"] == "_moe_dispatch_rocm_0123456_dirty"
+    assert "kernel" not in metadata["provenance"]  # no git: the kernel's revision is unknown
+    assert re.fullmatch(r"1\.0\.0\.dev0\+g0123456\.dirty", built_version(tree / "build" / "torch-rocm"))
 
 
 @requires_git
@@ -339,11 +441,16 @@ def publish(repo: Path, hub: HubServer, *args: str, token: str | None = TOKEN) -
     return run_script(repo, "publish", "--repo-id", REPO_ID, *args, env=env)
 
 
-def release(repo: Path, hub: HubServer, tag: str) -> str:
-    """Tag HEAD, build, publish; returns the Hub commit of the tag."""
-    git(repo, "tag", tag)
-    assert run_script(repo, "build", env=clean_env()).returncode == 0
-    result = publish(repo, hub)
+def release(repo: Path, hub: HubServer, version: str) -> str:
+    """The release flow: scripts/release tags it on branch v1, then CI's command builds and publishes the tag.
+    Returns the Hub commit of the tag."""
+    result = run_script(repo, "release", version, env=clean_env(**GIT_ENV))
+    assert result.returncode == 0, result.stdout + result.stderr
+    tag = f"v{version}"
+    assert git(repo, "rev-parse", f"{tag}^{{commit}}") == git(repo, "rev-parse", "v1") == git(repo, "rev-parse", "HEAD")
+    assert git(repo, "cat-file", "-t", tag) == "tag"  # annotated
+    ci_args = CI_PUBLISH.split("scripts/publish ", 1)[1].replace('"$GITHUB_REF_NAME"', tag).split()
+    result = publish(repo, hub, *ci_args)
     assert result.returncode == 0, result.stdout + result.stderr
     return hub.state.repos[("kernel", REPO_ID)].tags[tag]
 
@@ -372,7 +479,7 @@ def releases(hub, tmp_path_factory):
         pytest.skip(f"the kernels command does not import here: {e}")
     base = tmp_path_factory.mktemp("releases")
     repo = make_release_repo(base / "repo")
-    first = release(repo, hub, "v1.0.0")
+    first = release(repo, hub, "1.0.0")
 
     project = base / "consumer"
     project.mkdir()
@@ -387,8 +494,11 @@ def releases(hub, tmp_path_factory):
 
     init = repo / "torch-ext" / "moe_dispatch" / "__init__.py"
     init.write_text(init.read_text() + "# release v1.1.0\n")
+    changelog = repo / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace("\n## [1.0.0]", "\n## [1.1.0] - unreleased\n\n- A change.\n\n"
+                                                       "## [1.0.0]", 1))
     git(repo, "commit", "-q", "-am", "change for v1.1.0")
-    second = release(repo, hub, "v1.1.0")
+    second = release(repo, hub, "1.1.0")
     return {"repo": repo, "v1.0.0": first, "v1.1.0": second, "lockfile": project / "kernels.lock", "base": base}
 
 
@@ -404,10 +514,17 @@ def test_release_layout_on_the_hub(hub, releases):
     benchmarks = {p for p in files if p.startswith("benchmarks/")}  # the Hub's benchmark convention, beside build/
     assert benchmarks == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")}
     assert "benchmarks/benchmark_moe.py" in benchmarks
-    assert b"# release v1.1.0" in files["build/torch-universal/__init__.py"]
-    assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-universal/__init__.py"]
+    assert b"# release v1.1.0" in files["build/torch-cpu/__init__.py"]
+    assert b"# release v1.1.0" not in repo.commits[first].files["build/torch-cpu/__init__.py"]
+    for commit, version in ((first, "1.0.0"), (second, "1.1.0")):  # each release's files carry its version
+        for variant in VARIANTS:
+            assert f'__version__ = "{version}"'.encode() in repo.commits[commit].files[f"build/{variant}/_version.py"]
+            metadata = json.loads(repo.commits[commit].files[f"build/{variant}/metadata.json"])
+            assert metadata["provenance"]["kernel"]["dirty"] is False and "_dirty" not in metadata["id"]
     card = repo.resolve("main").files["README.md"].decode()
-    assert f'get_kernel("{REPO_ID}", version=1' in card and "revision=" in card and "kernels lock" in card
+    assert card.startswith("---\nlibrary_name: kernels\nlicense: apache-2.0\n")  # the builder's card fields
+    assert f"available at {SOURCE_URL}" in card and "## Available functions" in card
+    assert f'get_kernel("{REPO_ID}", version=1' in card and 'revision="v1.1.0"' in card and "kernels lock" in card
     assert f"kernels benchmark {REPO_ID}@v1" in card
     for name in ("fused_moe_forward", "fused_experts", "moe_router", "grouped_gemm"):
         assert f"`{name}`" in card
@@ -446,7 +563,8 @@ def test_fresh_client_gets_newest_v1_pinned_release_and_version_error(hub, relea
     assert report["newest"] == [releases["v1.1.0"], PREFERRED_VARIANT] and report["newest_marked"]
     assert report["pinned"] == [releases["v1.0.0"], PREFERRED_VARIANT] and not report["pinned_marked"]
     assert report["version_2"] == "Version 2 not found, available versions: 1"
-    assert report["versions"] == ["1.1.0", "1.0.0"]  # __version__ written by scripts/build from the release tag
+    assert report["versions"] == ["1.1.0", "1.0.0"]  # __version__ of each release build (PEP 440)
+    assert all(str(Version(v)) == v for v in report["versions"])
 
 
 LOCKED_CLIENT = """
@@ -508,8 +626,12 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     init.write_text(init.read_text() + "# another change\n")
     git(clone, "commit", "-q", "-am", "another change")
     before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
+    version_file = clone / "torch-ext" / "moe_dispatch" / "_version.py"
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
-        git(clone, "tag", "-d", "v1.1.0")  # HEAD carries only the tag under test (the build's __version__ is its)
+        git(clone, "tag", "-d", "v1.1.0")  # the tag under test is the one on HEAD, and the source's version
+        if version_file.read_text() != hub_release().render_source_version_py(tag[1:]):
+            version_file.write_text(hub_release().render_source_version_py(tag[1:]))
+            git(clone, "commit", "-q", "-am", f"source version {tag[1:]}")
         git(clone, "tag", tag)
         assert run_script(clone, "build", env=clean_env()).returncode == 0
         result = publish(clone, hub, "--tag", tag)
@@ -547,7 +669,7 @@ def _stale_commit(repo):
 
 
 def _tag_and_build(repo, tag):
-    """A release build: scripts/build writes the tag on HEAD into the build's __version__."""
+    """A build of a tagged commit: a release build when the tag is the source's version."""
     git(repo, "tag", tag)
     assert run_script(repo, "build", env=clean_env()).returncode == 0
 
@@ -560,14 +682,13 @@ def _stale_files(repo):
 
 
 def _build_before_the_tag(repo):
-    git(repo, "tag", "v1.0.0")  # the build (made before) says 1.x.dev+<commit>, not 1.0.0
-    return [], "torch-cuda differs from torch-ext/moe_dispatch in ['_version.py']"
+    git(repo, "tag", "v1.0.0")  # the build (made before) says 1.0.0.dev0+g<commit>, not 1.0.0 (and so its digest)
+    return [], "torch-cpu differs from torch-ext/moe_dispatch in ['_version.py', 'metadata.json']"
 
 
-def _older_of_two_tags(repo):
-    git(repo, "tag", "v1.0.0")
-    _tag_and_build(repo, "v1.0.1")  # the build's __version__ is HEAD's newest release tag
-    return ["--tag", "v1.0.0"], "makes the build version 1.0.1, not 1.0.0"
+def _tag_other_than_the_source_version(repo):
+    _tag_and_build(repo, "v1.0.1")  # the source says 1.0.0: scripts/release would have set 1.0.1
+    return [], "says 1.0.0; scripts/release 1.0.1 sets it"
 
 
 def _missing_token(repo):
@@ -576,7 +697,7 @@ def _missing_token(repo):
 
 
 REFUSALS = [_tag_major_mismatch, _malformed_tag, _dirty_tree, _tag_not_on_head, _stale_commit, _stale_files,
-            _build_before_the_tag, _older_of_two_tags, _missing_token]
+            _build_before_the_tag, _tag_other_than_the_source_version, _missing_token]
 
 
 @requires_git
@@ -590,6 +711,71 @@ def test_publish_refuses_and_sends_nothing(hub, tmp_path, case):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "refusing to publish" in result.stderr and reason in result.stderr, result.stderr
     assert hub.state.requests[n_requests:] == []
+
+
+def _release_major_mismatch(repo):
+    return "2.0.0", "has major 2 but build.toml has version = 1"
+
+
+def _release_dirty_tree(repo):
+    (repo / "notes.txt").write_text("untracked\n")
+    return "1.0.0", "the git tree is dirty"
+
+
+def _release_without_changelog_entry(repo):
+    return "1.0.1", "CHANGELOG.md has no entry for 1.0.1"
+
+
+def _release_tag_exists(repo):
+    git(repo, "tag", "v1.0.0")
+    return "1.0.0", "tag v1.0.0 exists already"
+
+
+def _release_older_than_a_tag(repo):
+    git(repo, "tag", "v1.2.0")
+    return "1.0.0", "release tags newer than v1.0.0 exist (v1.2.0)"
+
+
+def _release_rewriting_branch_v1(repo):
+    git(repo, "branch", "v1")
+    git(repo, "checkout", "-q", "v1")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "only on v1")
+    git(repo, "checkout", "-q", "main")
+    return "1.0.0", "branch v1 is not an ancestor of HEAD"
+
+
+RELEASE_REFUSALS = [_release_major_mismatch, _release_dirty_tree, _release_without_changelog_entry,
+                    _release_tag_exists, _release_older_than_a_tag, _release_rewriting_branch_v1]
+
+
+@requires_git
+@pytest.mark.parametrize("case", RELEASE_REFUSALS, ids=[case.__name__.strip("_") for case in RELEASE_REFUSALS])
+def test_release_refuses_and_changes_nothing(tmp_path, case):
+    repo = make_release_repo(tmp_path / "repo")
+    version, reason = case(repo)
+    refs = git(repo, "show-ref")
+    status = git(repo, "status", "--porcelain")
+    result = run_script(repo, "release", version, env=clean_env(**GIT_ENV))
+    assert result.returncode == 2 and "refusing to release" in result.stderr and reason in result.stderr, \
+        result.stdout + result.stderr
+    assert git(repo, "show-ref") == refs and git(repo, "status", "--porcelain") == status
+
+
+@requires_git
+def test_release_dates_the_changelog_and_sets_the_version(tmp_path):
+    repo = make_release_repo(tmp_path / "repo")
+    result = run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV))
+    assert result.returncode == 0, result.stderr
+    assert git(repo, "log", "-1", "--format=%s") == "Release v1.0.0"
+    assert re.search(r"^## \[1\.0\.0\] - \d{4}-\d\d-\d\d$", (repo / "CHANGELOG.md").read_text(), re.M)
+    assert 'git push origin v1 v1.0.0' in result.stdout
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"  # the branch it ran on; v1 follows releases
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    assert built_version(repo / "build" / "torch-cpu") == "1.0.0"  # the release build
+    git(repo, "commit", "-q", "--allow-empty", "-m", "after the release")
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    head = git(repo, "rev-parse", "HEAD")[:7]
+    assert built_version(repo / "build" / "torch-cpu") == f"1.0.1.dev0+g{head}"  # the tree has moved past 1.0.0
 
 
 @requires_git

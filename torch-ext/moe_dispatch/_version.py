@@ -1,4 +1,6 @@
-"""Version of the package. A source checkout only knows its API major (build.toml `version`); scripts/build replaces
-this file in every build with the release's version, taken from the git tag (v1.2.0 -> "1.2.0"; docs/releasing.md)."""
+"""Version of the package: the release it is (a tagged commit) or the last one it follows.
 
-__version__ = "1.x.dev"
+scripts/release sets it; scripts/build writes each build's own `__version__` from it and git (docs/releasing.md):
+the release X.Y.Z on a clean commit tagged vX.Y.Z, a development version X.Y.(Z+1).dev0+g<commit> after it."""
+
+__version__ = "1.0.0"
