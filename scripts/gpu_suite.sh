@@ -1,103 +1,235 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine: environment report, GPU test suite, binned-routing benchmark (when present),
-# optional tile tuning, then the MoE benchmark; prints the benchmark's short table last.
+# optional training benchmark and tile tuning, then the MoE benchmark. Ends with a one-screen summary (each stage,
+# its exit status, pytest's counts) and exits non-zero when any stage failed.
 #
 #   bash scripts/gpu_suite.sh            # quick benchmark (T = 1, 4, 16, 128, 1024, 4096, 16384; all models)
 #   bash scripts/gpu_suite.sh full       # every T from 1 to 16384
 #
-# Environment knobs: SUITE_TRAIN=1 (also the training benchmark, scripts/bench_train.py; SUITE_TRAIN_LIGER=model,...
-# adds Liger-Kernel where its wheel is carried, minutes of autotuning per shape), OUT (output folder, default ./gpu-out), SUITE_BUDGET_S (wall-clock budget of the whole script,
-# default 540), SUITE_TESTS=0 (skip pytest), SUITE_BINNED=0 (skip the binned-routing benchmark), SUITE_TEST_PATHS (what pytest runs, default tests), PYTEST_ARGS (extra pytest arguments), PYTEST_BUDGET_S (default 240), SUITE_TUNE="model,model"
-# (run scripts/tune first; its table is used by the benchmark and copied to $OUT), BENCH_ARGS (extra benchmark
-# arguments), MOE_DISPATCH_COMMIT (recorded in the results when .git is absent).
+# Python: $PYTHON when set, else the project's .venv/bin/python, else python3 (scripts/_env.sh); the first line of the
+# report says which one runs and why.
 #
-# Files under $OUT (at most 8 come back, two folders deep): suite.log, pytest.log, failures.txt (only when a test
-# failed: id and message of each failure as it happened), bench/{bench.json, bench.md,
-# roofline.png, summary.txt}, binned/binned.json (scripts/bench_binned.py) and, with SUITE_TUNE, the tuned table and
-# its tuning log in place of roofline.png (redrawn from bench.json when wanted).
+# Environment knobs (none needed):
+#   OUT                     output folder (default ./gpu-out)
+#   SUITE_WHEELS=0          do not install the carried wheels of .whl/ (into /tmp/site, put first on PYTHONPATH)
+#   SUITE_TESTS=0           skip pytest. SUITE_TEST_PATHS: what pytest runs (default tests); PYTEST_ARGS: extra
+#                           arguments; PYTEST_BUDGET_S: a time limit for each pytest process (default none)
+#   SUITE_PYTEST_GROUPS=N   run the test files as N concurrent pytest processes (each file to the group with the fewest
+#                           bytes of tests so far, largest first), then the files of SUITE_PYTEST_ALONE (default
+#                           tests/test_gpu_backward.py, which needs the GPU's memory) alone; one log per group. The
+#                           whole GPU suite takes about 20 minutes serially on one H200; 4 groups suit a 16-core host.
+#   SUITE_BINNED=0          skip the binned-routing benchmark (scripts/bench_binned.py)
+#   SUITE_TRAIN=1           also the training benchmark (scripts/bench_train.py); SUITE_TRAIN_LIGER=model,... adds
+#                           Liger-Kernel where its wheel is installed (minutes of autotuning per shape)
+#   SUITE_TUNE="model,..."  run scripts/tune first; its table is used by the benchmark and copied to $OUT
+#   SUITE_BENCH=0           skip the MoE benchmark (scripts/bench.py); BENCH_ARGS: extra benchmark arguments
+#   SUITE_BUDGET_S          a wall-clock budget for the whole script: a stage that would start with too little of it
+#                           left is skipped (and counts as failed), and the last ones get what remains (default none)
+#   MOE_DISPATCH_COMMIT     the commit recorded in results when .git is absent
+#
+# Files under $OUT: suite.log (everything, in order), pytest.log (or pytest-<i>.log per group and pytest-alone.log),
+# failures*.txt (only when a test failed: id and message of each failure as it happened), bench/ (bench.json,
+# bench.md, summary.txt, roofline.png when matplotlib imports), binned/binned.json, train/ and, with SUITE_TUNE, the
+# tuned table and its tuning log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON="${PYTHON:-python3}"
-source scripts/_env.sh  # $python, and PYTHONPATH for the scripts' imports
+if [ -n "${PYTHON:-}" ]; then python_why="\$PYTHON"
+elif [ -x .venv/bin/python ]; then python_why="the project's .venv"
+else python_why="python3 on PATH (no \$PYTHON, no .venv)"; fi
+source scripts/_env.sh  # $python ($PYTHON, else .venv/bin/python, else python3), and PYTHONPATH for the imports
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 mode="${1:-quick}"
-budget="${SUITE_BUDGET_S:-540}"
 start=$(date +%s)
 log="$OUT/suite.log"
-left() { echo $((budget - ($(date +%s) - start))); }
-say() { echo "== $* (t=$(( $(date +%s) - start ))s)" | tee -a "$log"; }
+: > "$log"
+elapsed() { echo $(( $(date +%s) - start )); }
+# Seconds of SUITE_BUDGET_S left, or empty without a budget.
+left() { [ -n "${SUITE_BUDGET_S:-}" ] && echo $(( SUITE_BUDGET_S - $(elapsed) )); }
+say() { echo "== $* (t=$(elapsed)s)" | tee -a "$log"; }
+# `limited SECONDS cmd...`: cmd under `timeout` when SECONDS is set, as is otherwise.
+limited() { local s="$1"; shift; if [ -n "$s" ]; then timeout "$s" "$@"; else "$@"; fi; }
+
+stage_names=(); stage_rcs=(); stage_notes=()
+record() { stage_names+=("$1"); stage_rcs+=("$2"); stage_notes+=("$3"); }
+# `enough NAME SECONDS`: true when no budget is set or at least SECONDS of it are left; else records NAME as skipped.
+enough() {
+  local l; l="$(left)"
+  if [ -z "$l" ] || [ "$l" -ge "$2" ]; then return 0; fi
+  record "$1" 1 "skipped: ${l}s of SUITE_BUDGET_S left, needs ${2}s"
+  return 1
+}
+# pytest's closing counts in a log ("3 failed, 997 passed, 32 skipped"), or why there are none.
+pytest_counts() {
+  local counts
+  counts=$(tail -n 3 "$1" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected)' \
+    | paste -sd, - | sed 's/,/, /g')
+  echo "${counts:-no summary line}"
+}
+pytest_note() {  # rc log -> the summary's note for one pytest process
+  case "$1" in
+    0) echo "ok: $(pytest_counts "$2")" ;;
+    5) echo "FAILED: no tests collected ($(basename "$2"))" ;;
+    124) echo "FAILED: timed out after ${PYTEST_BUDGET_S}s: $(pytest_counts "$2") ($(basename "$2"))" ;;
+    *) echo "FAILED: $(pytest_counts "$2") ($(basename "$2"))" ;;
+  esac
+}
 
 say "environment"
 {
+  echo "python: $python ($python_why)"
   uname -a
   nvidia-smi || true
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,power.limit,temperature.gpu \
     --format=csv || true
-  python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
-"cuda", torch.version.cuda, "triton", triton.__version__, "device", torch.cuda.get_device_name(0))'
 } 2>&1 | tee -a "$log"
+"$python" -c 'import sys, torch, triton
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (torch sees no GPU)"
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton",
+      triton.__version__, "device", gpu)' 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+record "environment" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $("$python" -V 2>&1) at $python" || echo "FAILED: $python cannot import torch and triton")"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ "${SUITE_WHEELS:-1}" != "0" ] && compgen -G ".whl/*.whl" > /dev/null; then
   say "installing carried wheels"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    2>&1 | tee -a "$log"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  record "carried wheels" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $(ls .whl/*.whl | wc -l) into /tmp/site" || echo FAILED)"
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-pytest_summary="pytest: skipped"
 if [ "${SUITE_TESTS:-1}" != "0" ]; then
-  say "GPU test suite"
   per_test=()
-  if python3 -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 300); fi
-  limit=$(( $(left) / 2 ))
-  [ "$limit" -gt "${PYTEST_BUDGET_S:-240}" ] && limit="${PYTEST_BUDGET_S:-240}"
-  # failures are written as they happen (tests/conftest.py), so a run cut by the limit still says why
-  MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" timeout "$limit" python3 -m pytest ${SUITE_TEST_PATHS:-tests} -q -p no:cacheprovider \
-    --tb=line -rfE "${per_test[@]}" ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
-  rc=$?
-  tail -n 25 "$OUT/pytest.log" | tee -a "$log"
-  if [ -s "$OUT/failures.txt" ]; then echo "--- failures as they happened:"; cut -c1-300 "$OUT/failures.txt"; fi \
-    | tee -a "$log"
-  pytest_summary="pytest: rc=$rc ($( [ $rc = 124 ] && echo "timed out after ${limit}s" || tail -n 1 "$OUT/pytest.log"))"
+  if "$python" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 300); fi
+  # shellcheck disable=SC2206  # PYTEST_ARGS and SUITE_TEST_PATHS are word lists
+  pytest_cmd=("$python" -m pytest -q -p no:cacheprovider --tb=line -rfE "${per_test[@]}" ${PYTEST_ARGS:-})
+  groups="${SUITE_PYTEST_GROUPS:-1}"
+  if [ "$groups" -le 1 ]; then
+    say "GPU test suite: ${SUITE_TEST_PATHS:-tests}"
+    # failures are written as they happen (tests/conftest.py), so a run cut by its limit still says why
+    # shellcheck disable=SC2086
+    MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" \
+      ${SUITE_TEST_PATHS:-tests} > "$OUT/pytest.log" 2>&1
+    rc=$?
+    tail -n 25 "$OUT/pytest.log" | tee -a "$log"
+    record "pytest" "$rc" "$(pytest_note "$rc" "$OUT/pytest.log")"
+  else
+    alone=()
+    files=()
+    for path in ${SUITE_TEST_PATHS:-tests}; do
+      if [ -d "$path" ]; then while IFS= read -r f; do files+=("$f"); done < <(find "$path" -name 'test_*.py' | sort)
+      else files+=("$path"); fi
+    done
+    grouped=()
+    for f in "${files[@]}"; do
+      is_alone=0
+      for a in ${SUITE_PYTEST_ALONE-tests/test_gpu_backward.py}; do [ "$f" -ef "$a" ] && is_alone=1; done
+      if [ "$is_alone" = 1 ]; then alone+=("$f"); else grouped+=("$f"); fi
+    done
+    # Largest file first, each to the group with the fewest bytes so far: one line of files per group.
+    mapfile -t group_files < <(for f in "${grouped[@]}"; do echo "$(wc -c < "$f") $f"; done | sort -rn | awk -v n="$groups" '
+      { best = 1; for (i = 2; i <= n; i++) if (load[i] < load[best]) best = i; load[best] += $1; g[best] = g[best] " " $2 }
+      END { for (i = 1; i <= n; i++) print g[i] }')
+    say "GPU test suite: ${#grouped[@]} files in $groups concurrent groups, then ${alone[*]:-nothing} alone"
+    pids=()
+    for i in $(seq 1 "$groups"); do
+      group="${group_files[$((i - 1))]:-}"
+      [ -z "${group// /}" ] && { pids+=(""); continue; }
+      echo "group $i:$group" | tee -a "$log"
+      # shellcheck disable=SC2086
+      MOE_DISPATCH_FAILURE_LOG="$OUT/failures-$i.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" $group \
+        > "$OUT/pytest-$i.log" 2>&1 &
+      pids+=("$!")
+    done
+    for i in $(seq 1 "$groups"); do
+      pid="${pids[$((i - 1))]}"
+      [ -z "$pid" ] && { record "pytest group $i/$groups" 0 "empty (fewer files than groups)"; continue; }
+      wait "$pid"
+      rc=$?
+      record "pytest group $i/$groups" "$rc" "$(pytest_note "$rc" "$OUT/pytest-$i.log")"
+      echo "group $i: $(tail -n 1 "$OUT/pytest-$i.log")" | tee -a "$log"
+    done
+    if [ "${#alone[@]}" -gt 0 ]; then
+      say "GPU test suite, alone: ${alone[*]}"
+      MOE_DISPATCH_FAILURE_LOG="$OUT/failures-alone.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" \
+        "${alone[@]}" > "$OUT/pytest-alone.log" 2>&1
+      rc=$?
+      tail -n 5 "$OUT/pytest-alone.log" | tee -a "$log"
+      record "pytest alone" "$rc" "$(pytest_note "$rc" "$OUT/pytest-alone.log")"
+    fi
+  fi
+  for f in "$OUT"/failures*.txt; do
+    if [ -s "$f" ]; then echo "--- failures as they happened ($(basename "$f")):"; cut -c1-300 "$f"; fi
+  done | tee -a "$log"
+else
+  record "pytest" - "skipped (SUITE_TESTS=0)"
 fi
 
-if [ "${SUITE_BINNED:-1}" != "0" ] && [ -f scripts/bench_binned.py ] && [ "$(left)" -gt 120 ]; then
+if [ "${SUITE_BINNED:-1}" = "0" ] || [ ! -f scripts/bench_binned.py ]; then
+  record "binned benchmark" - "skipped ($( [ -f scripts/bench_binned.py ] && echo SUITE_BINNED=0 || echo 'no scripts/bench_binned.py'))"
+elif enough "binned benchmark" 120; then
   say "binned routing benchmark"
   mkdir -p "$OUT/binned"
-  timeout 90 "$python" scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
+  limited "$(left)" "$python" scripts/bench_binned.py --json "$OUT/binned/binned.json" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  record "binned benchmark" "$rc" "$( [ "$rc" = 0 ] && echo "ok: binned/binned.json" || echo FAILED)"
 fi
 
-if [ -n "${SUITE_TRAIN:-}" ] && [ "$(left)" -gt 240 ]; then
+if [ -n "${SUITE_TRAIN:-}" ] && enough "training benchmark" 240; then
   say "training benchmark (forward + backward; Liger on: ${SUITE_TRAIN_LIGER:-none})"
-  timeout $(( $(left) / 2 )) "$python" scripts/bench_train.py --out "$OUT/train" --rep-ms 100 \
+  limited "$(left)" "$python" scripts/bench_train.py --out "$OUT/train" --rep-ms 100 \
     --liger-models "${SUITE_TRAIN_LIGER:-none}" 2>&1 | tee -a "$log"
-  rm -f "$OUT/train/train.json"  # the table is in train.md and suite.log; $OUT keeps to 8 files
+  rc=${PIPESTATUS[0]}
+  record "training benchmark" "$rc" "$( [ "$rc" = 0 ] && echo "ok: train/" || echo FAILED)"
 fi
 
-if [ -n "${SUITE_TUNE:-}" ] && [ "$(left)" -gt 180 ]; then
+if [ -n "${SUITE_TUNE:-}" ] && enough "tile tuning" 180; then
   say "tile tuning: $SUITE_TUNE"
-  key=$(python3 -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(0)).strip("_"))')
-  timeout $(( $(left) - 150 )) "$python" scripts/tune.py --models "$SUITE_TUNE" --budget-s $(( $(left) - 200 )) \
-    2>&1 | tee -a "$log"
+  key=$("$python" -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(0)).strip("_"))')
+  tune_budget=()
+  [ -n "$(left)" ] && tune_budget=(--budget-s $(( $(left) - 200 )))
+  limited "$(left)" "$python" scripts/tune.py --models "$SUITE_TUNE" "${tune_budget[@]}" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
   cp "torch-ext/moe_dispatch/configs/$key.json" "docs/results/tuning-$key.json" "$OUT/" 2>/dev/null || true
+  record "tile tuning" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $key.json" || echo FAILED)"
 fi
 
-say "benchmark ($mode)"
-quick=(--quick)
-[ "$mode" = "full" ] && quick=()
-nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
-remaining=$(left)
-timeout "$remaining" "$python" scripts/bench.py "${quick[@]}" --out "$OUT/bench" --deadline-s $((remaining - 40)) \
-  ${BENCH_ARGS:-} >> "$log" 2>&1
-bench_rc=$?
-nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
+if [ "${SUITE_BENCH:-1}" = "0" ]; then
+  record "benchmark" - "skipped (SUITE_BENCH=0)"
+elif enough "benchmark" 60; then
+  say "benchmark ($mode)"
+  quick=(--quick)
+  [ "$mode" = "full" ] && quick=()
+  deadline=()
+  [ -n "$(left)" ] && deadline=(--deadline-s $(( $(left) - 40 )))
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
+  # shellcheck disable=SC2086
+  limited "$(left)" "$python" scripts/bench.py "${quick[@]}" --out "$OUT/bench" "${deadline[@]}" ${BENCH_ARGS:-} \
+    >> "$log" 2>&1
+  rc=$?
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | tee -a "$log"
+  if [ "$rc" != 0 ]; then echo "--- end of the benchmark log:"; tail -n 20 "$log" | grep -v '^=='; fi
+  if [ -f "$OUT/bench/summary.txt" ]; then cat "$OUT/bench/summary.txt"; fi
+  note="ok: bench/"
+  [ "$rc" = 124 ] && note="FAILED: timed out (SUITE_BUDGET_S)"
+  [ "$rc" != 0 ] && [ "$rc" != 124 ] && note="FAILED (the end of suite.log says why)"
+  [ "$rc" = 0 ] && [ ! -f "$OUT/bench/roofline.png" ] && note="$note (no roofline.png: matplotlib does not import)"
+  record "benchmark ($mode)" "$rc" "$note"
+fi
 
-[ -n "${SUITE_TUNE:-}" ] && rm -f "$OUT/bench/roofline.png"  # keeps the files under $OUT at 8
-
-say "done"
-echo "$pytest_summary" | tee -a "$log"
-echo "bench: rc=$bench_rc$( [ $bench_rc = 124 ] && echo ' (timed out)'), outputs in $OUT/bench" | tee -a "$log"
-if [ "$bench_rc" != 0 ]; then echo "--- end of the benchmark log:"; tail -n 20 "$log" | grep -v '^==' ; fi
-if [ -f "$OUT/bench/summary.txt" ]; then cat "$OUT/bench/summary.txt"; fi
+failed=0
+{
+  echo
+  echo "== summary: $(elapsed)s, python $python ($python_why), outputs in $OUT"
+  printf '%-22s %4s  %s\n' stage rc result
+  for i in "${!stage_names[@]}"; do
+    printf '%-22s %4s  %s\n' "${stage_names[$i]}" "${stage_rcs[$i]}" "${stage_notes[$i]}"
+    case "${stage_rcs[$i]}" in 0|-) ;; *) failed=$((failed + 1)) ;; esac
+  done
+  if [ "$failed" = 0 ]; then echo "suite: passed"; else echo "suite: FAILED ($failed of ${#stage_names[@]} stages)"; fi
+} | tee -a "$log"
+# (the count above ran in a subshell of the pipe; count again for the exit status)
+for rc in "${stage_rcs[@]}"; do case "$rc" in 0|-) ;; *) exit 1 ;; esac; done
+exit 0

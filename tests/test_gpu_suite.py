@@ -1,0 +1,83 @@
+"""scripts/gpu_suite.sh on the CPU, with cheap stages: it exits non-zero when a stage fails, says which python it
+runs, ends with its one-screen summary, and runs pytest as concurrent groups of files plus the files run alone.
+
+The pytest stage runs tiny test files written here (no GPU needed); the benchmarks are skipped, except where a
+benchmark's failure is the point (an unknown flag makes scripts/bench.py exit 2 at once).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_bash = pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+
+
+def suite(tmp_path, **env):
+    out = tmp_path / "out"
+    full_env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "SUITE_WHEELS": "0", "SUITE_BINNED": "0",
+                "SUITE_BENCH": "0", **env}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh")], cwd=ROOT, env=full_env,
+                            capture_output=True, text=True, timeout=300)
+    return result, out
+
+
+def summary(stdout: str) -> dict[str, tuple[str, str]]:
+    """stage -> (rc, result) of the summary table."""
+    lines = stdout[stdout.index("== summary"):].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        if line.startswith("suite:"):
+            break
+        stage, rc, result = line[:22].strip(), line[22:27].strip(), line[29:]
+        rows[stage] = (rc, result)
+    return rows
+
+
+def write_tests(folder: Path, **files: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, body in files.items():
+        (folder / f"{name}.py").write_text(body)
+
+
+PASS = "def test_passes():\n    pass\n"
+FAIL = "def test_passes():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n"
+
+
+@needs_bash
+def test_failing_stages_fail_the_suite_and_the_summary_says_which(tmp_path):
+    """A failing test in one of two concurrent groups, the file run alone after them, and a benchmark that fails."""
+    folder = tmp_path / "t"
+    write_tests(folder, test_a=PASS, test_b=PASS, test_big="# a larger file\n" * 40 + FAIL, test_alone=PASS)
+    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(folder), SUITE_PYTEST_GROUPS="2",
+                        SUITE_PYTEST_ALONE=str(folder / "test_alone.py"), SUITE_BENCH="1", BENCH_ARGS="--no-such-flag")
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = summary(result.stdout)
+    # the largest file alone in group 1 balances the two small ones in group 2
+    assert rows["pytest group 1/2"] == ("1", "FAILED: 1 failed, 1 passed (pytest-1.log)")
+    assert rows["pytest group 2/2"] == ("0", "ok: 2 passed")
+    assert rows["pytest alone"] == ("0", "ok: 1 passed")
+    rc, note = rows["benchmark (quick)"]
+    assert rc == "2" and note.startswith("FAILED"), rows
+    assert rows["environment"][0] == "0" and sys.executable in rows["environment"][1]
+    assert f"python {sys.executable} ($PYTHON)" in result.stdout  # which python, and why
+    assert "suite: FAILED (2 of" in result.stdout
+    assert "test_big.py::test_fails" in (out / "pytest-1.log").read_text()
+    suite_log = (out / "suite.log").read_text()
+    assert "test_big.py" in suite_log.split("group 1:")[1].splitlines()[0] and "== summary" in suite_log
+    for log in ("pytest-2.log", "pytest-alone.log"):
+        assert "passed" in (out / log).read_text()
+
+
+@needs_bash
+def test_a_passing_run_exits_0(tmp_path):
+    write_tests(tmp_path / "t", test_good=PASS)
+    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(tmp_path / "t"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = summary(result.stdout)
+    assert rows["pytest"] == ("0", "ok: 1 passed")
+    assert rows["benchmark"] == ("-", "skipped (SUITE_BENCH=0)") and "suite: passed" in result.stdout
+    assert (out / "pytest.log").is_file()
