@@ -917,7 +917,9 @@ def plot_roofline(results, path):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
+    except Exception as e:  # not pinned in requirements.txt: say so rather than skip the picture silently
+        print(f"warning: {path} not written: matplotlib does not import ({e}); `pip install matplotlib` for the "
+              "roofline plot (bench.json and bench.md are complete without it)", file=sys.stderr)
         return False
     ceil = results["ceilings"]
     R, P = ceil["read_bytes_per_s"], ceil["matmul_flops_per_s"]
