@@ -9,6 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Collection draws random tensors (some parametrize ids show them): seeded, every process collects the same test ids,
+# which pytest-xdist's workers must (scripts/test runs them); each test is seeded again from its id (_seed below).
+torch.manual_seed(0)
+
 # The one place that edits sys.path: the package (torch-ext/), the float64 references and model shapes shared with the
 # benchmarks (benchmarks/), the benchmark and release tooling under test (scripts/), and the test helpers (tests/).
 # Everything is then imported by name; scripts/_env.sh sets the same folders as PYTHONPATH for the scripts.

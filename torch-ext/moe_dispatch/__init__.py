@@ -47,7 +47,7 @@ from .routing import moe_router
 from . import expert_parallel, fp8, layers, transformers_experts
 from .transformers_experts import moe_dispatch_experts, register_experts
 
-from ._version import __version__  # "1.x.dev" in a checkout; a build has its release tag's (scripts/build)
+from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)
 
 __all__ = [
     # v1 surface shared with bassrehab/moe-dispatch (same names, argument order, defaults, returns)
