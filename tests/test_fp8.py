@@ -13,6 +13,8 @@ Block shapes of 16 / 32 make tiny weights span several blocks, partial ones incl
 block); one case keeps the default 128 x 128. w8a8 needs the block's K side to be a power of two >= 32.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import DEVICE, assert_close
@@ -20,8 +22,9 @@ from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref,
                        fused_experts_w8a8_ref, quantize_fp8_groups_ref)
 
 import moe_dispatch as md
-from moe_dispatch import decode, moe
+from moe_dispatch import decode, fp8_gemm, moe
 from moe_dispatch import fp8 as fp8_module
+from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequantize_experts_fp8, fp8_max,
                               quantize_experts_fp8)
@@ -69,6 +72,29 @@ def test_quantize_zero_group_and_channel_of_transposed():
     q, scale = quantize_experts_fp8(w.transpose(1, 2), "channel", n_axis=2)
     assert scale.shape == (2, 16)
     assert_close(dequantize_experts_fp8(q, scale, n_axis=2), w.transpose(1, 2), tolerance=0.05)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_keeps_non_finite_weights_alone(scheme):
+    """A NaN or +-inf weight quantizes to NaN (float8 has no inf) and alone: its block, channel or expert keeps the
+    scale of its finite values, so every other weight is what it is without the bad ones (a bf16 weight keeps its
+    neighbours too)."""
+    w = torch.randn(2, 32, 48, device=DEVICE)
+    bad_at = ((0, 3, 5), (1, 20, 40), (1, 21, 41))
+    for at in bad_at:
+        w[at] = 0
+    clean_q, clean_scale = quantize_experts_fp8(w, scheme, block_shape=(16, 16))
+    bad = w.clone()
+    for at, value in zip(bad_at, (float("nan"), float("inf"), float("-inf"))):
+        bad[at] = value
+    q, scale = quantize_experts_fp8(bad, scheme, block_shape=(16, 16))
+    assert torch.equal(scale, clean_scale)
+    back = dequantize_experts_fp8(q, scale, scheme, (16, 16))
+    good = torch.ones_like(w, dtype=torch.bool)
+    for at in bad_at:
+        assert torch.isnan(back[at])
+        good[at] = False
+    assert torch.equal(back[good], dequantize_experts_fp8(clean_q, clean_scale, scheme, (16, 16))[good])
 
 
 def test_dequantize_matches_transformers():
@@ -409,6 +435,71 @@ def test_w8a8_no_tokens_and_sentinel_ids(T, poison_empty):
         assert out.shape == (T, H)
         if T:
             _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {})
+
+
+PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
+PERSISTENT = MoeTiles(64, GemmTile(64, 32, persistent=1), GemmTile(32, 32, persistent=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteCase:
+    id: str
+    why: str
+    scheme: str = "block"
+    fp8_compute: str = "w8a8"
+    static: str = "dynamic"  # STATIC_MODES
+    tiles: object = None
+    hidden: int = H
+    ffn: int = F
+
+
+NON_FINITE_CASES = [
+    NonFiniteCase("w8a8-block", "dynamic scales per token and K step, quantized in GEMM1's loads; the intermediate "
+                  "quantized per group in GEMM1's epilogue"),
+    NonFiniteCase("w8a8-block-prefill", "x quantized by the pass over its rows first", tiles=PREFILL),
+    NonFiniteCase("w8a8-block-persistent", "the pass gathers the rows; both GEMMs on the descriptor kernel (H = 64, "
+                  "F = 32: weight rows of whole 16 bytes)", tiles=PERSISTENT, hidden=64, ffn=32),
+    NonFiniteCase("w8a8-tensor-static-tensor", "per-tensor static input scales: no scale to carry a NaN, the e4m3 "
+                  "values must (x / scale in GEMM1's loads, h / scale in its epilogue)", scheme="tensor",
+                  static="static-tensor"),
+    NonFiniteCase("w8a8-tensor-static-tensor-prefill", "the pass divides x by the static scale", scheme="tensor",
+                  static="static-tensor", tiles=PREFILL),
+    NonFiniteCase("w8a8-channel-static-expert", "per-expert static input scales, in the loads", scheme="channel",
+                  static="static-expert"),
+    NonFiniteCase("dequant-block", "weights dequantized in the loads, activations stay in their dtype",
+                  fp8_compute="dequant"),
+    NonFiniteCase("dequant-tensor", "per-tensor weight scales after the K loop", scheme="tensor",
+                  fp8_compute="dequant"),
+    NonFiniteCase("decode-block", "the two-launch decode path", fp8_compute="dequant", tiles=DECODE),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter, on NaN
+@pytest.mark.parametrize("case", NON_FINITE_CASES, ids=[c.id for c in NON_FINITE_CASES])
+def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
+    """A NaN in one token's hidden state gives NaN in its whole output row and an inf gives a non-finite row, as the
+    bf16 experts do, on every FP8 path (never a finite made-up row: the e4m3 clamp and the group amax must not drop
+    them); every other token's row is bit for bit the output of the same call without them."""
+    persistent_launches = []
+    persistent = fp8_gemm.persistent_w8a8_gemm
+    monkeypatch.setattr(fp8_gemm, "persistent_w8a8_gemm",
+                        lambda *a, **k: persistent_launches.append(1) or persistent(*a, **k))
+    q_gate_up, q_down, scales = _fp8_experts(case.scheme, block_shape=(16, 32), ffn=case.ffn, hidden=case.hidden)
+    x = torch.randn(T, case.hidden, device=DEVICE)
+    scales.update(_static_scales(case.static, x))
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    options = dict(fp8_compute=case.fp8_compute, tiles=case.tiles, **scales)
+    clean = md.fused_experts(x, q_gate_up, q_down, ids, weights, **options)
+    bad = x.clone()
+    bad[2, 7] = float("nan")
+    bad[5, 33] = float("inf")  # in the second K step of 32 columns
+    out = md.fused_experts(bad, q_gate_up, q_down, ids, weights, **options)
+    assert torch.isnan(out[2]).all(), f"NaN token: {out[2, :8].tolist()}"
+    assert not torch.isfinite(out[5]).any(), f"inf token: {out[5, :8].tolist()}"
+    others = [t for t in range(T) if t not in (2, 5)]
+    assert torch.isfinite(clean).all()
+    assert torch.equal(out[others], clean[others])
+    assert len(persistent_launches) == (4 if case.tiles is PERSISTENT and has_tma(x.device) else 0)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU 'auto' follows the device (test_choose_fp8_compute)")

@@ -177,22 +177,27 @@ def quantize_experts_fp8(w, scheme="block", *, block_shape=(128, 128), dtype=tor
 
     scheme "block": scale [E, ceil(d1/b1), ceil(d2/b2)] for block_shape (b1, b2) (the weight's trailing partial blocks
     get their own scale); "channel": scale [E, N] with N = w.shape[n_axis] (1 for the transformers layout [E, N, K],
-    2 for a transposed [E, K, N] weight); "tensor": scale [E]. Each scale is amax / fp8 max of its group (1 for an
-    all-zero group), so the largest value of a group maps onto the largest fp8 value.
+    2 for a transposed [E, K, N] weight); "tensor": scale [E]. Each scale is amax / fp8 max of its group's finite
+    values (1 for a group without a nonzero one), so the largest value of a group maps onto the largest fp8 value. A
+    NaN or +-inf weight becomes NaN alone (the float8 formats have no inf), as it stays non-finite in bf16; the rest of
+    its group keeps its scale.
     """
     block_shape = _check_quantize_args(w, scheme, block_shape, dtype)
     if n_axis not in (1, 2):
         raise ValueError(f"n_axis must be 1 or 2, got {n_axis!r}")
     w32 = w.detach().to(torch.float32)
+    finite = torch.isfinite(w32)
+    magnitude = torch.where(finite, w32.abs(), 0.0)
     if scheme == "block":
-        amax = _block_view(w32.abs(), block_shape).amax(dim=(2, 4))
+        amax = _block_view(magnitude, block_shape).amax(dim=(2, 4))
     elif scheme == "channel":
-        amax = w32.abs().amax(dim=3 - n_axis)
+        amax = magnitude.amax(dim=3 - n_axis)
     else:
-        amax = w32.abs().amax(dim=(1, 2))
+        amax = magnitude.amax(dim=(1, 2))
     scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
     limit = fp8_max(dtype)
     q = (w32 / _expand_scale(scale, scheme, w.shape, block_shape, n_axis)).clamp(-limit, limit)
+    q = torch.where(finite, q, float("nan"))
     return q.to(dtype), scale.contiguous()
 
 

@@ -36,7 +36,9 @@ promotion interval).
 
 Triton's interpreter rounds fp32 -> e4m3 wrongly (half up, and a carry into the exponent is lost: 31.1 -> 16), so
 under the interpreter values are first rounded to the e4m3 grid in fp32 (ROUND_IN_FP32); GPUs convert in hardware
-(round to nearest even, saturating).
+(round to nearest even, saturating). The interpreter knows no e4m3 NaN either (its conversions and dots read NaN's
+code as 480), so there `fp8_jit.to_fp8` writes the code itself and the dots decode their operands to fp32 first
+(`fp8_jit.dot_operand`): NaN and inf in the activations come out NaN on both, as on bf16 dots.
 """
 
 import dataclasses

@@ -19,20 +19,42 @@ OUT_DYNAMIC = 1  # float8, one scale per row and OUT_GROUP columns
 OUT_STATIC = 2  # float8 with a static scale per expert
 
 MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
+E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN code (with its sign bit: 0xFF); e4m3fn has no inf
+NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
 def to_fp8(b, fp8_max, ROUND_IN_FP32: tl.constexpr):
-    """fp32 -> e4m3 (fn), saturated at +-fp8_max, rounded to nearest even."""
-    b = tl.minimum(tl.maximum(b, -fp8_max), fp8_max)
+    """fp32 -> e4m3 (fn), saturated at +-fp8_max, rounded to nearest even; NaN and +-inf give NaN, so a non-finite
+    activation stays non-finite through the fp8 dots, as through bf16 ones (saturated, an inf would become 448)."""
+    # b * 0 is +-0 for finite b and NaN for NaN and +-inf: one FMA puts it back after the clamp, whose max / min drop
+    # NaN.
+    b = tl.fma(b, 0.0, tl.minimum(tl.maximum(b, -fp8_max), fp8_max))
     if ROUND_IN_FP32:
+        is_nan = b != b
         # Normals: keep 3 of the 23 mantissa bits, ties to even (the carry may step the exponent). Subnormals
         # (|b| < 2^-6): multiples of 2^-9, rounded by adding and removing 1.5 * 2^14 (whose fp32 ulp is 2^-9).
         bits = b.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         subnormal = (b + 24576.0) - 24576.0
         b = tl.where(tl.abs(b) < 0.015625, subnormal, normal)
-    return b.to(tl.float8e4nv)
+        # the interpreter converts NaN to a finite e4m3 code: NaN's code is written here
+        codes = b.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(is_nan, E4M3_NAN, codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return b.to(tl.float8e4nv)
+
+
+@triton.jit
+def dot_operand(b, ROUND_IN_FP32: tl.constexpr):
+    """An e4m3 tile as the dot reads it: itself on a GPU; under the interpreter (ROUND_IN_FP32), decoded to fp32 by
+    hand, since the interpreter's conversions and dots read e4m3fn's NaN code as 480 (finite values are exact in
+    fp32, so the sums are those of the e4m3 dot)."""
+    if ROUND_IN_FP32:
+        codes = b.to(tl.uint8, bitcast=True)
+        return tl.where((codes & 0x7F) == E4M3_NAN, NAN, b.to(tl.float32))
+    else:
+        return b
 
 
 @triton.jit
@@ -55,9 +77,11 @@ def quantize_groups(b, fp8_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GR
 
 @triton.jit
 def scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     """b_acc + (b_a @ b_w) times this K step's scales: b_a_s [BLOCK_M] per row, b_w_s a scalar or [1, BLOCK_N].
-    Without scales the dot accumulates in place, its fp8 sums promoted to fp32 every BLOCK_K products."""
+    Without scales the dot accumulates in place, its fp8 sums promoted to fp32 every BLOCK_K products. A NaN operand
+    (`to_fp8`'s NaN and inf) makes its row or column NaN (`dot_operand` under the interpreter)."""
+    b_a, b_w = dot_operand(b_a, ROUND_IN_FP32), dot_operand(b_w, ROUND_IN_FP32)
     if ROW_SCALE and COLUMN_SCALE:
         return b_acc + tl.dot(b_a, b_w) * (b_a_s[:, None] * b_w_s)
     elif ROW_SCALE:
@@ -120,12 +144,14 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
         b_w_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_offs, mask_n, WEIGHT_SCALE,
                                  SCALE_UNIFORM)
         b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
+        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K,
+                           ROUND_IN_FP32)
         if GATED:
             b_wu_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_up_offs, mask_n, WEIGHT_SCALE,
                                       SCALE_UNIFORM)
             b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
-            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K)
+            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K,
+                                  ROUND_IN_FP32)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += BLOCK_K * stride_w_k
