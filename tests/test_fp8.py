@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import DEVICE, assert_close
 from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
-                       fused_experts_w8a8_ref, quantize_fp8_groups_ref)
+                       fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
 
 import moe_dispatch as md
 from moe_dispatch import decode, fp8_gemm, moe
@@ -502,6 +502,109 @@ def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
     assert len(persistent_launches) == (4 if case.tiles is PERSISTENT and has_tma(x.device) else 0)
 
 
+LAYOUT_FFN = 96  # not a multiple of the 128-row block: "fused" and "merged" scales have one shape, two meanings
+
+
+def _gate_up_scales(layout, *, transposed=False, ffn=LAYOUT_FFN, block_shape=(128, 128)):
+    """(float8 w_gate_up, its block scales in `layout`, the float64 dequantized weight): "fused" quantizes the
+    [E, 2F, H] weight as one, "merged" gate and up each on its own (a checkpoint's separate projections), their
+    scales stacked along the N axis, gate's blocks first. Up's values are 4x gate's, so are its scales."""
+    axis = 2 if transposed else 1
+    w_gate_up = torch.randn(E, 2 * ffn, H, device=DEVICE) * 0.2
+    w_gate_up[:, ffn:] *= 4
+    if transposed:
+        w_gate_up = w_gate_up.transpose(1, 2).contiguous()
+    if layout == "fused":
+        q, scale = quantize_experts_fp8(w_gate_up, block_shape=block_shape, n_axis=axis)
+        return q, scale, dequantize_fp8_ref(q, scale, block_shape, n_axis=axis)
+    halves = [quantize_experts_fp8(half, block_shape=block_shape, n_axis=axis)
+              for half in w_gate_up.split(ffn, dim=axis)]
+    q = torch.cat([half[0] for half in halves], dim=axis)
+    scale = torch.cat([half[1] for half in halves], dim=axis)
+    dequantized = torch.cat([dequantize_fp8_ref(*half, block_shape, n_axis=axis) for half in halves], dim=axis)
+    return q, scale, dequantized
+
+
+# (id, layout, fp8_compute, transposed, tiles): every path that reads w_gate_up's block scales
+SCALE_LAYOUT_CASES = [
+    ("fused-dequant", "fused", "dequant", False, None),
+    ("merged-dequant", "merged", "dequant", False, None),
+    ("merged-dequant-transposed", "merged", "dequant", True, None),
+    ("merged-decode", "merged", "dequant", False, DECODE),
+    ("fused-w8a8", "fused", "w8a8", False, None),
+    ("merged-w8a8", "merged", "w8a8", False, None),
+    ("merged-w8a8-transposed", "merged", "w8a8", True, None),
+    ("merged-w8a8-prefill", "merged", "w8a8", False, PREFILL),
+]
+
+
+@pytest.mark.parametrize("case", SCALE_LAYOUT_CASES, ids=[c[0] for c in SCALE_LAYOUT_CASES])
+def test_gate_up_scale_layouts(case):
+    """F = 96 with 128 x 128 blocks: fused scales (ceil(2F/128) = 2 row blocks over the 2F rows) and merged ones (gate's
+    one block, then up's) have the same shape; each, declared, matches the float64 experts on its dequantized weights
+    (dequant and decode paths at fp32 rounding, w8a8 tightly against the model of its arithmetic on those weights),
+    and the merged scales read as fused are wrong (the positive control: up's first 32 rows then take gate's 4x
+    smaller scale)."""
+    _, layout, compute, transposed, tiles = case
+    axis = 2 if transposed else 1
+    q_gate_up, s_gate_up, w_gate_up = _gate_up_scales(layout, transposed=transposed)
+    w_down = torch.randn(E, H, LAYOUT_FFN, device=DEVICE) * 0.2
+    if transposed:
+        w_down = w_down.transpose(1, 2).contiguous()
+    q_down, s_down = quantize_experts_fp8(w_down, block_shape=(128, 128), n_axis=axis)
+    T_ = 3 if tiles is DECODE else T
+    x = torch.randn(T_, H, device=DEVICE)
+    ids, weights = _ids(T_), torch.rand(T_, TOP_K, device=DEVICE)
+    options = dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, transposed=transposed, fp8_compute=compute,
+                   tiles=tiles)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, w_gate_up_scale_layout=layout, **options)
+    w_down64 = dequantize_fp8_ref(q_down, s_down, (128, 128), n_axis=axis)
+    reference = fused_experts_ref(x, w_gate_up, w_down64, ids, weights, transposed=transposed)
+    if compute == "dequant":
+        assert_close(out, reference)
+    else:
+        # the w8a8 model on the dequantized weights, given as "float8" weights with unit per-tensor scales
+        tiles_ = tiles or md.tiles.select_fp8_tiles(torch.device(DEVICE), T_, TOP_K, E, LAYOUT_FFN, H)
+        groups = w8a8_groups(tiles_, s_gate_up, s_down, transposed=transposed)
+        ones = torch.ones(E, device=DEVICE)
+        model = fused_experts_w8a8_ref(x, w_gate_up, w_down64, ids, weights, w_gate_up_scale=ones, w_down_scale=ones,
+                                       groups=groups, transposed=transposed)
+        assert_close(out, model, what="w8a8 vs its model", tolerance=MODEL_TOLERANCE)
+        assert_close(out, reference, what="w8a8 vs dequantized weights", tolerance=W8A8_TOLERANCE)
+    if layout == "merged":
+        misread = md.fused_experts(x, q_gate_up, q_down, ids, weights, w_gate_up_scale_layout="fused", **options)
+        assert relative_error(misread, reference) > 0.1
+
+
+def test_transformers_fp8_experts_pass_their_scale_layout():
+    """transformers' FP8Experts: merged gate/up scales (what loading a checkpoint makes) where the counts of the two
+    layouts agree (F = 96, b = 128) or where only merged has its count; fused where only fused has it (transformers
+    quantizing the merged weight on load: F = 48, b = 32); the experts function runs them as the float64 experts on
+    the dequantized weights."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import MixtralConfig
+
+    from moe_dispatch import transformers_experts
+
+    class TinyFP8Experts(finegrained.FP8Experts):  # a subclass, so that nothing of FP8Experts itself is changed
+        pass
+
+    for layout, ffn, block in (("merged", 96, 128), ("merged", 48, 32), ("fused", 48, 32)):
+        config = MixtralConfig(hidden_size=H, intermediate_size=ffn, num_local_experts=E, num_experts_per_tok=TOP_K)
+        experts = TinyFP8Experts(config, block_size=(block, 32))
+        q_gate_up, s_gate_up, w_gate_up = _gate_up_scales(layout, ffn=ffn, block_shape=(block, 32))
+        q_down, s_down = quantize_experts_fp8(torch.randn(E, H, ffn, device=DEVICE) * 0.2, block_shape=(block, 32))
+        for name, value in (("gate_up_proj", q_gate_up), ("gate_up_proj_scale_inv", s_gate_up),
+                            ("down_proj", q_down), ("down_proj_scale_inv", s_down)):
+            setattr(experts, name, torch.nn.Parameter(value, requires_grad=False))
+        assert transformers_experts.fp8_experts_options(experts).get("w_gate_up_scale_layout", "fused") == layout
+        x = torch.randn(T, H, device=DEVICE)
+        ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+        out = transformers_experts.moe_dispatch_experts(experts, x, ids, weights)
+        reference = fused_experts_ref(x, w_gate_up, dequantize_fp8_ref(q_down, s_down, (block, 32)), ids, weights)
+        assert_close(out, reference, what=f"{layout} F = {ffn}")
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU 'auto' follows the device (test_choose_fp8_compute)")
 def test_fp8_compute_auto_is_dequant_on_the_cpu():
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(16, 32))
@@ -594,6 +697,22 @@ BAD_INPUTS = [
      "gate_up_input_scale is on meta"),
     ("input-scale-zero", lambda: _bad(down_input_scale=torch.zeros(E, device=DEVICE), validate=True), ValueError,
      "down_input_scale must be positive and finite"),
+    # F = 24 with 16-row blocks: fused scales have ceil(48/16) = 3 row blocks, merged 2 * ceil(24/16) = 4
+    ("fused-scale-declared-merged", lambda: _bad(w_gate_up_scale_layout="merged"), ValueError,
+     r"w_gate_up_scale has shape \(4, 3, 3\) but w_gate_up \(4, 48, 40\) needs \(4, 4, 3\) for block scales with "
+     r"fp8_block_shape \(16, 16\) and w_gate_up_scale_layout='merged' \(its shape is that of "
+     r"w_gate_up_scale_layout='fused'\)"),
+    ("merged-scale-declared-fused", lambda: _bad(w_gate_up_scale=torch.ones(E, 4, 3, device=DEVICE)), ValueError,
+     r"w_gate_up_scale has shape \(4, 4, 3\) but w_gate_up \(4, 48, 40\) needs \(4, 3, 3\) for block scales with "
+     r"fp8_block_shape \(16, 16\) and w_gate_up_scale_layout='fused' \(its shape is that of "
+     r"w_gate_up_scale_layout='merged'\)"),
+    ("scale-layout-neither", lambda: _bad(w_gate_up_scale=torch.ones(E, 5, 3, device=DEVICE),
+                                          w_gate_up_scale_layout="merged"), ValueError,
+     r"needs \(4, 4, 3\) for block scales with fp8_block_shape \(16, 16\) and w_gate_up_scale_layout='merged'$"),
+    ("scale-layout-value", lambda: _bad(w_gate_up_scale_layout="concatenated"), ValueError,
+     "w_gate_up_scale_layout must be one of"),
+    ("merged-scale-interleaved", lambda: _bad(w_gate_up_scale_layout="merged", interleaved=True), ValueError,
+     "w_gate_up_scale_layout='merged' .* needs concatenated gate/up rows"),
 ]
 
 

@@ -8,6 +8,14 @@ w ≈ w_fp8 * scale. For a weight stored as [E, d1, d2] the scheme is read from 
   scale [E, N]                          "channel"  one scale per output channel (N = output size of the projection)
   scale [E]                             "tensor"   one scale per expert
 
+Block scales of the fused gate/up weight (2F rows, gate's then up's) come in two layouts, named by
+`w_gate_up_scale_layout` and never guessed from shapes (where F is not a multiple of the block's N side b they
+differ, even where their shapes agree, as at F = 96, b = 128):
+
+  "fused"   ceil(2F/b) row blocks over the 2F rows as stored (the fused weight quantized as one; the default)
+  "merged"  2 * ceil(F/b) row blocks: gate's ceil(F/b), then up's, each over its own F rows (a checkpoint's separate
+            gate and up scales stacked, as transformers merges them); concatenated gate/up rows only
+
 Two ways to compute with them (`fp8_compute`, chosen by `choose_fp8_compute` from device facts, `_device.py`):
 
   "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (grouped_gemm.py, WEIGHT_SCALE) loads
@@ -42,6 +50,7 @@ SCHEMES = ("block", "channel", "tensor")
 # `WEIGHT_SCALE` constexpr of the grouped GEMMs: 0 is a float weight without scales.
 SCHEME_CODES = {"tensor": 1, "channel": 2, "block": 3}
 FP8_COMPUTE = ("auto", "w8a8", "dequant")
+GATE_UP_SCALE_LAYOUTS = ("fused", "merged")  # `w_gate_up_scale_layout` (module docstring)
 W8A8_DTYPE = torch.float8_e4m3fn  # the operand type of NVIDIA's FP8 tensor cores (Triton's fp8e4nv)
 # Smallest K step of an fp8 x fp8 tensor-core dot (the K of one e4m3 MMA instruction on SM89 / SM90).
 W8A8_MIN_GROUP = 32
@@ -58,13 +67,17 @@ def check_block_shape(block_shape):
     return tuple(block_shape)
 
 
-def scale_shape(weight_shape, scheme, block_shape=(128, 128), *, n_axis=1):
+def scale_shape(weight_shape, scheme, block_shape=(128, 128), *, n_axis=1, gate_up_layout="fused"):
     """Expected scale shape of an [E, d1, d2] weight under `scheme`; `n_axis` is the output (N) axis (1, or 2 for a
-    transposed weight)."""
+    transposed weight). `gate_up_layout` "merged": block scales of a gate/up weight (N = 2F) as two halves of
+    ceil(F/b) blocks each (module docstring)."""
     E, d1, d2 = weight_shape
     if scheme == "block":
         b1, b2 = block_shape
-        return (E, math.ceil(d1 / b1), math.ceil(d2 / b2))
+        shape = [E, math.ceil(d1 / b1), math.ceil(d2 / b2)]
+        if gate_up_layout == "merged":
+            shape[n_axis] = 2 * math.ceil(weight_shape[n_axis] // 2 / block_shape[n_axis - 1])
+        return tuple(shape)
     if scheme == "channel":
         return (E, weight_shape[n_axis])
     return (E,)
@@ -75,9 +88,10 @@ def infer_scheme(scale) -> str:
     return {3: "block", 2: "channel", 1: "tensor"}.get(scale.dim(), "unknown")
 
 
-def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1):
+def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1, gate_up_layout=None):
     """A weight and its optional scale: float8 needs an fp32 scale of a matching shape, a float weight takes none.
-    Returns the scheme ("block", "channel", "tensor") or None for a float weight."""
+    `gate_up_layout`: the `w_gate_up_scale_layout` of a gate/up weight's scale (None for other weights). Returns the
+    scheme ("block", "channel", "tensor") or None for a float weight."""
     if not is_fp8(weight):
         if scale is not None:
             raise ValueError(f"{scale_name} was given but {name} has dtype {weight.dtype}; scales go with float8 "
@@ -92,12 +106,38 @@ def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1):
     if scheme == "unknown":
         raise ValueError(f"{scale_name} must have 1 (tensor), 2 (channel) or 3 (block) dimensions, got shape "
                          f"{tuple(scale.shape)}")
-    expected = scale_shape(weight.shape, scheme, block_shape, n_axis=n_axis)
+    expected = scale_shape(weight.shape, scheme, block_shape, n_axis=n_axis, gate_up_layout=gate_up_layout or "fused")
     if tuple(scale.shape) != expected:
         extra = f" with fp8_block_shape {tuple(block_shape)}" if scheme == "block" else ""
+        if gate_up_layout is not None and scheme == "block":
+            extra += f" and w_gate_up_scale_layout={gate_up_layout!r}"
+            other = "merged" if gate_up_layout == "fused" else "fused"
+            if tuple(scale.shape) == scale_shape(weight.shape, scheme, block_shape, n_axis=n_axis,
+                                                 gate_up_layout=other):
+                extra += f" (its shape is that of w_gate_up_scale_layout={other!r})"
         raise ValueError(f"{scale_name} has shape {tuple(scale.shape)} but {name} {tuple(weight.shape)} needs "
                          f"{expected} for {scheme} scales{extra}")
     return scheme
+
+
+def check_gate_up_scale_layout(layout, interleaved, scale):
+    """`w_gate_up_scale_layout`: one of GATE_UP_SCALE_LAYOUTS; "merged" stacks the halves' own scales, which
+    interleaved gate/up rows do not have."""
+    check_choice("w_gate_up_scale_layout", layout, GATE_UP_SCALE_LAYOUTS)
+    if layout == "merged" and interleaved and scale is not None:
+        raise ValueError("w_gate_up_scale_layout='merged' (gate's scales, then up's) needs concatenated gate/up rows; "
+                         "with interleaved=True pass the scales of the weight as stored (w_gate_up_scale_layout="
+                         "'fused')")
+
+
+def gate_up_row_offset(num_ffn, scheme, block_shape, *, transposed, layout):
+    """The row of w_gate_up's scales where the up half (concatenated rows) starts, in the unsplit weight's row
+    coordinates (WeightScale.up_row_offset): F; merged block scales, F rounded up to whole blocks of N, so that up's
+    row j reads block ceil(F/b) + j // b."""
+    if layout == "merged" and scheme == "block":
+        block_n = block_shape[1] if transposed else block_shape[0]
+        return math.ceil(num_ffn / block_n) * block_n
+    return num_ffn
 
 
 def check_fp8_dtype_on_device(name, weight, device):

@@ -24,8 +24,9 @@ from .combine import combine
 from .decode import MAX_ASSIGNMENTS, decode_experts
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
-from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight, check_input_scale,
-                  choose_fp8_compute, infer_scheme, input_scale_problems, is_fp8)
+from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
+                  check_gate_up_scale_layout, check_input_scale, choose_fp8_compute, gate_up_row_offset, infer_scheme,
+                  input_scale_problems, is_fp8)
 from .fp8_gemm import w8a8_experts
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
@@ -66,7 +67,7 @@ def _fused_experts_op(
     interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None, save_preact: bool,
     w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
     fp8_block_shape: list[int] | None = None, gate_up_input_scale: torch.Tensor | None = None,
-    down_input_scale: torch.Tensor | None = None, fp8_compute: str = "dequant",
+    down_input_scale: torch.Tensor | None = None, fp8_compute: str = "dequant", w_gate_up_scale_layout: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H] -> (out [T, H], preact [N, 2F], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
 
@@ -76,7 +77,8 @@ def _fused_experts_op(
     `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
     float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
     inputs that need no gradient and save_preact False. `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py,
-    with the static input scales if any) or "dequant" (grouped_gemm.py).
+    with the static input scales if any) or "dequant" (grouped_gemm.py); `w_gate_up_scale_layout` as in
+    `fused_experts`.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -91,7 +93,7 @@ def _fused_experts_op(
     decode_tiles = (_decode_tiles(forced, x, T, top_k, E, F, H, fp8=not float_weights)
                     if not save_preact and not w8a8 else None)
     gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
-                                               transposed)
+                                               transposed, w_gate_up_scale_layout)
     if decode_tiles is not None:
         out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, decode_tiles, transposed=transposed,
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
@@ -154,14 +156,19 @@ def _no_backward_outputs(x):
     return x.new_empty((0,)), torch.empty(0, **index), torch.empty(0, **index), torch.empty(0, **index)
 
 
-def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interleaved, transposed):
+def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interleaved, transposed,
+                   gate_up_layout="fused"):
     """fp8.WeightScale of each GEMM (None for a float weight). The gate and up views of w_gate_up read the one scale
-    tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated."""
+    tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated (+F
+    rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset)."""
     block_shape = tuple(block_shape) if block_shape is not None else DEFAULT_FP8_BLOCK_SHAPE
     gate_up = down = None
     if w_gate_up_scale is not None:
-        gate_up = WeightScale.of(w_gate_up_scale, infer_scheme(w_gate_up_scale), block_shape, transposed=transposed,
-                                 row_step=2 if interleaved else 1, up_row_offset=1 if interleaved else num_ffn)
+        scheme = infer_scheme(w_gate_up_scale)
+        up_row_offset = 1 if interleaved else gate_up_row_offset(num_ffn, scheme, block_shape, transposed=transposed,
+                                                                 layout=gate_up_layout)
+        gate_up = WeightScale.of(w_gate_up_scale, scheme, block_shape, transposed=transposed,
+                                 row_step=2 if interleaved else 1, up_row_offset=up_row_offset)
     if w_down_scale is not None:
         down = WeightScale.of(w_down_scale, infer_scheme(w_down_scale), block_shape, transposed=transposed)
     return gate_up, down
@@ -170,7 +177,7 @@ def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interlea
 @_fused_experts_op.register_fake
 def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
       transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None,
-      gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant"):
+      gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant", w_gate_up_scale_layout="fused"):
     T, H = x.shape
     if not save_preact:
         return (x.new_empty((T, H)), *_no_backward_outputs(x))
@@ -260,7 +267,7 @@ def _fused_experts_backward(ctx, grad_out, *_):
                                        interleaved, transposed, alpha, limit, needs)
     d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = (
         g if need else None for g, need in zip(grads, needs))
-    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 13
+    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 14
 
 
 _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
@@ -269,7 +276,8 @@ _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fuse
 def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias=None, down_bias=None, *,
                  activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None,
                  w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE,
-                 gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant"):
+                 gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant",
+                 w_gate_up_scale_layout="fused"):
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
     With float8 weights (forward only) every input is detached: the output carries no gradient (warned once).
@@ -286,7 +294,7 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
             for s in (w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale))
     save_preact = not fp8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     scales = (w_gate_up_scale, w_down_scale, list(fp8_block_shape), gate_up_input_scale, down_input_scale,
-              fp8_compute) if fp8 else ()
+              fp8_compute, w_gate_up_scale_layout) if fp8 else ()
     return call(_fused_experts_op, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                 activation, interleaved, transposed, float(alpha), float(limit),
                 tiles.to_list() if tiles is not None else None, save_preact, *scales)[0]
@@ -294,12 +302,13 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
 
 def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
                        down_bias, transposed, suffix="", w_gate_up_scale=None, w_down_scale=None,
-                       fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None, down_input_scale=None):
+                       fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None, down_input_scale=None,
+                       interleaved=False, w_gate_up_scale_layout="fused"):
     """Shape, dtype and device checks of `fused_experts`' arguments (host only, no value read) -> (T, H, E, F).
 
     `suffix` is appended to the weight and bias names in messages (expert parallelism: "_local"). float8 weights
-    need their scales (see fp8.check_fp8_weight); float weights match hidden_states' dtype; static input scales go
-    with float8 weights (fp8.check_input_scale).
+    need their scales (see fp8.check_fp8_weight; w_gate_up's in `w_gate_up_scale_layout`); float weights match
+    hidden_states' dtype; static input scales go with float8 weights (fp8.check_input_scale).
     """
     w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
     gate_up_bias_name, down_bias_name = "gate_up_bias" + suffix, "down_bias" + suffix
@@ -339,10 +348,11 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
                     (down_bias_name, down_bias)):
         if not is_fp8(w):
             _check_weight_dtype(name, w, hidden_states.dtype)
+    check_gate_up_scale_layout(w_gate_up_scale_layout, interleaved, w_gate_up_scale)
     if is_fp8(w_gate_up) or is_fp8(w_down) or w_gate_up_scale is not None or w_down_scale is not None:
         block_shape = check_block_shape(fp8_block_shape)
         check_fp8_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, block_shape,
-                         n_axis=f_axis)
+                         n_axis=f_axis, gate_up_layout=w_gate_up_scale_layout)
         check_fp8_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, block_shape, n_axis=down_h_axis)
         for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down)):
             check_fp8_dtype_on_device(name, w, hidden_states.device)
@@ -360,7 +370,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
                   down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
                   validate=None, validate_ids=None, tiles: MoeTiles | DecodeTiles | None = None, w_gate_up_scale=None,
                   w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None,
-                  down_input_scale=None, fp8_compute="auto"):
+                  down_input_scale=None, fp8_compute="auto", w_gate_up_scale_layout="fused"):
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -386,6 +396,11 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for w_down);
     [E] per tensor. hidden_states and the output stay bf16/fp16/fp32. The output carries no gradient (a warning says
     so once when an input requires grad).
+    `w_gate_up_scale_layout` says how w_gate_up_scale's block scales cover the 2F rows (the layouts differ where F is
+    not a multiple of the block's N side b, and are never guessed from shapes): "fused" (default) ceil(2F/b) blocks over
+    the rows as stored; "merged" gate's ceil(F/b) blocks, then up's, each over its own F rows (a checkpoint's separate
+    gate and up scales stacked, as transformers' FP8Experts holds them; concatenated gate/up rows only). Channel and
+    tensor scales read alike in both. A scale whose shape does not match the declared layout raises ValueError.
     `fp8_compute` picks how they are computed (fp8.py): "w8a8" quantizes the activations to e4m3 too and runs FP8
     tensor-core dots (activations per token and K step of 128 columns, amax / 448, dynamically; the intermediate
     quantized in GEMM1's epilogue), "dequant" converts the weights to the activation dtype in the loads; "auto"
@@ -402,7 +417,8 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)
     options = (activation, interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
-               tuple(fp8_block_shape) if type(fp8_block_shape) is list else fp8_block_shape, fp8_compute)
+               tuple(fp8_block_shape) if type(fp8_block_shape) is list else fp8_block_shape, fp8_compute,
+               w_gate_up_scale_layout)
     if torch.compiler.is_compiling() or not _checks_read_no_values(validate, validate_ids, topk_ids):
         out = _fused_experts_full(*tensors, *options)
     else:
@@ -425,13 +441,14 @@ def _checks_read_no_values(validate, validate_ids, topk_ids) -> bool:
 def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
                         w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale, activation,
                         interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
-                        fp8_block_shape, fp8_compute):
+                        fp8_block_shape, fp8_compute, w_gate_up_scale_layout):
     """`fused_experts` in full: checks, the choice of path and tiles, the launches. Returns out [T, H]."""
     T, H, E, _ = check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, activation=activation,
                                     gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=transposed,
                                     w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
                                     fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
-                                    down_input_scale=down_input_scale)
+                                    down_input_scale=down_input_scale, interleaved=interleaved,
+                                    w_gate_up_scale_layout=w_gate_up_scale_layout)
     validate = validate_option(validate, validate_ids, "fused_experts")
     check_ids_in_range("topk_ids", topk_ids, E, validate)
     x = hidden_states.reshape(T, H)
@@ -445,7 +462,8 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
                        activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
                        limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
                        fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
-                       down_input_scale=down_input_scale, fp8_compute=fp8_compute)
+                       down_input_scale=down_input_scale, fp8_compute=fp8_compute,
+                       w_gate_up_scale_layout=w_gate_up_scale_layout)
     return out
 
 

@@ -29,7 +29,8 @@ FP8 checkpoints (`FineGrainedFP8Config`: DeepSeek-V3/R1, Qwen3-*-FP8) replace th
 under the same name, so `experts_implementation="moe_dispatch"` covers both. It reads:
 
     gate_up_proj, down_proj                 float8_e4m3fn (or e4m3fnuz), layout as above
-    gate_up_proj_scale_inv, down_proj_scale_inv   fp32 block scales [E, ceil(2F/b0), ceil(H/b1)], [E, ceil(H/b0), ...]
+    gate_up_proj_scale_inv, down_proj_scale_inv   fp32 block scales [E, 2 ceil(F/b0) or ceil(2F/b0), ceil(H/b1)]
+                                            (see below), [E, ceil(H/b0), ceil(F/b1)]
     block_size                              (b0, b1), e.g. (128, 128)
     activation_scheme                       "dynamic", or "static" with fp32 per-expert activation scales
     gate_up_proj_activation_scale, down_proj_activation_scale   [E] (static only)
@@ -37,9 +38,15 @@ under the same name, so `experts_implementation="moe_dispatch"` covers both. It 
 and runs `fused_experts` with `fp8_compute="auto"` (fp8.py): on GPUs with FP8 tensor cores (NVIDIA SM89+) the w8a8
 path, activations quantized to e4m3 per token and 128-column group (dynamic) or with the module's static scales,
 as transformers' own FP8 kernels do; elsewhere weights are dequantized in the GEMMs' loads and activations stay in
-the model dtype (static scales unused). Refused with `NotImplementedError`: UE8M0 (`float8_e8m0fnu`) scales,
-FP4-packed int8 weights, `block_size=None` (per-tensor scales stored per gate/up half), a static scheme without its
-fp32 activation scales, gates other than SiLU or GPT-OSS's SwiGLU.
+the model dtype (static scales unused). `gate_up_proj_scale_inv` is passed with the layout transformers gave it
+(`fused_experts`' `w_gate_up_scale_layout`, the layouts differing only where F is not a multiple of b0): loading a
+checkpoint merges each expert's gate_proj and up_proj scales into gate's ceil(F/b0) row blocks, then up's
+("merged"); quantizing on load (`FineGrainedFP8Config` over a bf16 checkpoint) quantizes the merged weight:
+ceil(2F/b0) blocks over its 2F rows ("fused"), made only where b0 divides 2F. So ceil(2F/b0) row blocks that are not
+2 ceil(F/b0) are fused and every other count is merged: where the two counts agree and F is not a multiple of b0,
+b0 does not divide 2F, so only loading can have made them. Refused with `NotImplementedError`: UE8M0
+(`float8_e8m0fnu`) scales, FP4-packed int8 weights, `block_size=None` (per-tensor scales stored per gate/up half), a
+static scheme without its fp32 activation scales, gates other than SiLU or GPT-OSS's SwiGLU.
 """
 
 import functools
@@ -161,6 +168,9 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict:
             what = getattr(scale, "dtype", type(scale).__name__)
             raise _unsupported(experts, f"`{name}_scale_inv` is {what}; float32 scales are supported (not UE8M0)")
         options[key] = scale
+    if _gate_up_scale_layout(experts.gate_up_proj, options["w_gate_up_scale"], options["fp8_block_shape"],
+                             options["transposed"], options["interleaved"]) == "merged":
+        options["w_gate_up_scale_layout"] = "merged"  # only then: "fused" is fused_experts' default
     if scheme == "static":  # transformers keeps one fp32 scale per expert and projection input (x ≈ x_fp8 * scale)
         for name, key in (("gate_up_proj_activation_scale", "gate_up_input_scale"),
                           ("down_proj_activation_scale", "down_input_scale")):
@@ -187,6 +197,18 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict:
     else:
         options["activation"] = "silu"
     return options
+
+
+def _gate_up_scale_layout(weight, scale, block_size, transposed, interleaved) -> str:
+    """"merged" or "fused": the layout transformers gave `gate_up_proj_scale_inv` (module docstring). Interleaved
+    rows take "fused" (scales of the weight as stored: transformers merges separate projections by concatenating them),
+    and so does a scale that is not 3-D (no block scale: fused_experts' checks say what it is)."""
+    n_axis = 2 if transposed else 1
+    num_ffn, block_n = weight.shape[n_axis] // 2, block_size[n_axis - 1]
+    fused_blocks, merged_blocks = -(-2 * num_ffn // block_n), 2 * -(-num_ffn // block_n)
+    if interleaved or scale.dim() != 3 or scale.shape[n_axis] == fused_blocks != merged_blocks:
+        return "fused"
+    return "merged"
 
 
 def _is_fp8_experts(experts) -> bool:
