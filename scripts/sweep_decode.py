@@ -72,8 +72,8 @@ def parse_args(argv):
     p.add_argument("--out", default="sweep-decode", help="output folder (created)")
     p.add_argument("--models", default="all", help="comma list of model names (default all)")
     p.add_argument("--tokens", default=None, help="comma list of token counts (default 1,2,4,8,16,32)")
-    p.add_argument("--max-assignments", type=int, default=256, help="largest T * top_k swept (decode.MAX_ASSIGNMENTS "
-                                                                    "at most)")
+    p.add_argument("--max-assignments", type=int, default=256, help="largest T * top_k swept (at most "
+                   "tiles.MAX_DECODE_ASSIGNMENTS)")
     p.add_argument("--candidates", type=int, default=None, help="first N candidates of each kernel only")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(bench.DTYPES))
     p.add_argument("--device", default="cuda")
@@ -333,9 +333,8 @@ def main(argv=None, *, kernel=None):
     device = bench.benchmark_device(args.device, "--cpu-smoke")
     kernel = kernel if kernel is not None else bench.load_kernel()
     tiles_module = importlib.import_module(kernel.__name__ + ".tiles")
-    decode_module = importlib.import_module(kernel.__name__ + ".decode")
     key = importlib.import_module(kernel.__name__ + "._device").device_key(device)
-    max_assignments = min(args.max_assignments, decode_module.MAX_ASSIGNMENTS)
+    max_assignments = min(args.max_assignments, tiles_module.MAX_DECODE_ASSIGNMENTS)
     models = bench.select_models(args.models, bench.default_shapes(args.cpu_smoke))
     dtype = bench.DTYPES[args.dtype]
     timer = GpuTimer(args.rep_ms) if device.type == "cuda" else CpuTimer()

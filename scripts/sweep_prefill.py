@@ -35,7 +35,7 @@ from model_shapes import MODEL_SHAPES, shrunk
 
 # (block_n, block_k, num_warps, num_stages, group_m, persistent); the pointer kernel's known-good shapes and the
 # persistent kernel's (128 x 256 x 64 with 3 stages is what reaches cuBLAS on a plain GEMM, see gpu-workflow.md);
-# persistent 2 (tiles.GATHER_FIRST): the rows copied into expert order first, A through a descriptor too.
+# persistent 2 (tiles.Persistent.GATHER_FIRST): the rows copied into expert order first, A through a descriptor too.
 CANDIDATES = {
     "gate_up": ((128, 64, 8, 4, 8, 0), (128, 64, 8, 3, 8, 1), (128, 64, 8, 4, 8, 1), (64, 64, 4, 4, 8, 1),
                 (128, 64, 4, 4, 8, 1), (64, 128, 4, 3, 8, 1), (128, 64, 8, 4, 8, 2), (128, 64, 4, 4, 8, 2),

@@ -297,6 +297,10 @@ def test_errors_name_their_argument():
         md.register_experts(None)
     with pytest.raises(ValueError, match="name"):
         md.register_experts("")
+    gate_up = torch.cat([w_gate, w_up], dim=1)
+    ids, weights = torch.randint(0, E, (T, TOP_K), device=DEVICE), torch.rand(T, TOP_K, device=DEVICE)
+    with pytest.raises(TypeError, match="tiles must be a MoeTiles"):
+        md.fused_experts(x, gate_up, w_down, ids, weights, tiles=[64, 64])
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused_naming_the_argument(monkeypatch):

@@ -15,7 +15,7 @@ from helpers import DEVICE, assert_close, capture_cuda_graph, needs_gpu
 from reference import fused_experts_ref
 
 import moe_dispatch as md
-from moe_dispatch import decode, moe, tiles
+from moe_dispatch import moe, tiles
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
@@ -276,7 +276,7 @@ def _simple_inputs(T, top_k=2, E=4, H=16, F=8, requires_grad=False):
     (33, None, "general"),  # N = 66: past it
     (3, GENERAL, "general"),  # a forced MoeTiles is the four-launch path even at decode sizes
     (33, DECODE, "decode"),  # a forced DecodeTiles runs past the table's limit ...
-    (decode.MAX_ASSIGNMENTS // 2 + 1, DECODE, "general"),  # ... but not past the kernel's
+    (tiles.MAX_DECODE_ASSIGNMENTS // 2 + 1, DECODE, "general"),  # ... but not past the kernel's
 ])
 def test_path_selection(T, tile_choice, path, monkeypatch):
     calls = _spy(monkeypatch)

@@ -22,12 +22,11 @@ from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref,
                        fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
 
 import moe_dispatch as md
-from moe_dispatch import decode, fp8_gemm, moe
+from moe_dispatch import decode, fp8_gemm, moe, planner
 from moe_dispatch import fp8 as fp8_module
 from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
-from moe_dispatch.fp8 import (FP8_DTYPES, WeightScale, choose_fp8_compute, dequantize_experts_fp8, fp8_max,
-                              quantize_experts_fp8)
+from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
@@ -188,13 +187,15 @@ AUTO_CASES = [
 
 @pytest.mark.parametrize("case", AUTO_CASES, ids=[c[0] for c in AUTO_CASES])
 def test_auto_takes_the_decode_path_at_decode_sizes(case, monkeypatch):
+    """The planner's plan of the call with float8 weights says whether the decode path runs it; "auto" then takes
+    "dequant" (the weights allowed w8a8 here: the refusal is stood in for)."""
     _, choice, T, forced, expected = case
-    monkeypatch.setattr(moe, "choose_fp8_compute", lambda choice, *args: choice if choice != "auto" else "w8a8")
     monkeypatch.setattr(md.tiles, "device_key", lambda device: "interpreter")  # its bucket boundary, on any device
-    q_gate_up, q_down, scales = _fp8_experts("block")
-    x = torch.randn(T, H, device=DEVICE).bfloat16()
-    chosen = moe._resolve_fp8_compute(choice, forced, x, TOP_K, q_gate_up, q_down,
-                                      (scales["w_gate_up_scale"], scales["w_down_scale"]), (16, 16), False)
+    monkeypatch.setattr(planner, "w8a8_refusal", lambda *args: None)
+    q_gate_up, q_down, _ = _fp8_experts("block")
+    plan = planner.plan_experts(torch.device(DEVICE), T, TOP_K, E, F, H, torch.bfloat16, forced=forced, fp8=True)
+    chosen = planner.choose_fp8_compute(choice, torch.device("cuda"), q_gate_up, q_down, ["block", "block"], (16, 16),
+                                        False, runs_decode=lambda: plan.path is planner.ExpertsPath.DECODE)
     assert chosen == expected
 
 
@@ -645,10 +646,10 @@ def test_choose_fp8_compute(case, monkeypatch):
     monkeypatch.setattr(fp8_module, "has_fp8_tensor_cores", lambda device: fp8_cores)
     args = (choice, torch.device("cuda"), _weights(dtype), _weights(dtype), schemes, block_shape, transposed)
     if expected in ("w8a8", "dequant"):
-        assert choose_fp8_compute(*args) == expected
+        assert planner.choose_fp8_compute(*args) == expected
     else:
         with pytest.raises(ValueError, match=expected):
-            choose_fp8_compute(*args)
+            planner.choose_fp8_compute(*args)
 
 
 def _fnuz():

@@ -15,7 +15,7 @@ from reference import fused_experts_ref
 import moe_dispatch as md
 from moe_dispatch import persistent_gemm
 from moe_dispatch.moe import _run_experts  # the seed layout's entry (fused_moe_forward routes first)
-from moe_dispatch.tiles import GATHER_FIRST, GemmTile, MoeTiles
+from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +79,10 @@ def _tiles(block_m, persistent):
                     GemmTile(32, 64, group_m=2, persistent=persistent))
 
 
-@pytest.mark.parametrize("persistent", [1, GATHER_FIRST], ids=["gathered-loads", "gather-first"])
+@pytest.mark.parametrize("persistent", [Persistent.ON, Persistent.GATHER_FIRST], ids=["gathered-loads", "gather-first"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_persistent_matches_reference_and_pointer_kernel(case, persistent, monkeypatch, poison_empty):
-    """GATHER_FIRST copies the rows into expert order first: GEMM1 then reads A through descriptors as GEMM2 does."""
+    """Persistent.GATHER_FIRST copies the rows into expert order first: GEMM1 then reads A through descriptors as GEMM2 does."""
     gen = torch.Generator().manual_seed(0)
     x, w_gate_up, w_down, ids, weights, kwargs = _problem(case, gen)
     F = case.F
@@ -93,7 +93,7 @@ def test_persistent_matches_reference_and_pointer_kernel(case, persistent, monke
         run = lambda tiles: md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
     spy = _Spy(monkeypatch)
     out = run(_tiles(case.block_m, persistent))
-    expected = [persistent != GATHER_FIRST, False]
+    expected = [persistent != Persistent.GATHER_FIRST, False]
     assert spy.calls == expected, "both GEMMs must run the persistent kernel (GEMM1 gathered unless gathered first)"
     ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs)
     assert_close(out, ref)
@@ -101,7 +101,7 @@ def test_persistent_matches_reference_and_pointer_kernel(case, persistent, monke
     assert_close(out, pointer)
 
 
-@pytest.mark.parametrize("persistent", [1, GATHER_FIRST], ids=["gathered-loads", "gather-first"])
+@pytest.mark.parametrize("persistent", [Persistent.ON, Persistent.GATHER_FIRST], ids=["gathered-loads", "gather-first"])
 def test_persistent_nan_row_stays_in_its_token(persistent, monkeypatch):
     """A NaN token row gives NaN in its own output row only, though descriptor tiles read rows of other tokens."""
     case = CASES[0]
@@ -110,7 +110,7 @@ def test_persistent_nan_row_stays_in_its_token(persistent, monkeypatch):
     x[5] = float("nan")
     spy = _Spy(monkeypatch)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, persistent))
-    assert spy.calls == [persistent != GATHER_FIRST, False]
+    assert spy.calls == [persistent != Persistent.GATHER_FIRST, False]
     assert torch.isnan(out[5]).all()
     others = torch.cat([out[:5], out[6:]])
     assert not torch.isnan(others).any()

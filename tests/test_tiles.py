@@ -49,7 +49,8 @@ def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
     x is quantized in its loads, below BLOCK_M 64; e4m3 from the quantization pass above) and two e4m3 weight tiles
     per stage, GEMM2 an e4m3 A tile and one weight tile."""
     from moe_dispatch.fp8 import WeightScale
-    from moe_dispatch.fp8_gemm import PREQUANTIZE_MIN_BLOCK_M, w8a8_tiles
+    from moe_dispatch.fp8_gemm import w8a8_tiles
+    from moe_dispatch.planner import PREQUANTIZE_MIN_BLOCK_M
 
     monkeypatch.setattr(tiles, "device_key", lambda device: name)
     table = tiles.load_table(name)
@@ -107,7 +108,7 @@ def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
     assert set(table.get("fp8", {}).get("decode", {})) <= {"buckets", "shapes"}
     for _, buckets in [*_decode_buckets(table), *_decode_buckets(table, fp8=True)]:
         limits = [b["max_assignments"] for b in buckets]
-        assert limits == sorted(limits) and all(0 < n <= decode.MAX_ASSIGNMENTS for n in limits), (name, limits)
+        assert limits == sorted(limits) and all(0 < n <= tiles.MAX_DECODE_ASSIGNMENTS for n in limits), (name, limits)
         for bucket in buckets:
             assert set(bucket) == DECODE_BUCKET_KEYS, (name, bucket)
             tiles.DecodeTiles.from_dict(bucket)

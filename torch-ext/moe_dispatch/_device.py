@@ -1,6 +1,6 @@
 """Device facts in one place: which backend runs the kernels and what it can do.
 
-FP8: `has_fp8_tensor_cores` and `fp8_dtype` are the facts `fp8.choose_fp8_compute` picks the FP8 path by.
+FP8: `has_fp8_tensor_cores` and `fp8_dtype` are the facts `planner.choose_fp8_compute` picks the FP8 path by.
 
 Everything vendor-specific is decided here or in the tile tables (configs/*.json); the kernels themselves are the same
 portable Triton source for NVIDIA, AMD and the CPU interpreter.

@@ -24,7 +24,7 @@ float8 weights (fp8.py) run here too, dequantized in the loads as grouped_gemm's
 codes; the activations stay in x's dtype): at a few tokens the GEMMs are weight-bound, so reading half the bytes is the
 whole gain and quantizing the activations would add work without saving any.
 
-The path applies to inference with at most MAX_ASSIGNMENTS assignments (the gate/up program compares
+The path applies to inference with at most MAX_DECODE_ASSIGNMENTS assignments (the gate/up program compares
 its id with every earlier one); `moe._fused_experts_op` chooses between it and the general path (tiles.py:
 `select_decode_tiles`, the `decode` entries of the tile tables). Weights are addressed through strides as in
 grouped_gemm.py, so every layout `fused_experts` takes (concatenated, interleaved, separate up, transposed) runs without
@@ -40,10 +40,9 @@ from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
 from .gemm_jit import ACTIVATIONS, add_bias, apply_activation, expert_tile_dot, scale_sums, weight_scale_ptrs
-from .tiles import DecodeTiles
+from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
-MAX_ASSIGNMENTS = 256  # largest N = T * top_k the gate/up kernel's [BLOCK_A] id comparison is sized for
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 
 
@@ -240,13 +239,13 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     x [T, H]; w_gate, w_up: the gate and up views [E, F, H] ([E, H, F] when `transposed`); w_down [E, H, F] ([E, F, H]
     transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. float8 weights come with their
     `gate_up_scale` / `down_scale` (fp8.WeightScale) and are dequantized in the loads (the dots run in x's dtype,
-    the activations are not quantized). Needs T * top_k <= MAX_ASSIGNMENTS.
+    the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_assignments = T * top_k
-    if num_assignments > MAX_ASSIGNMENTS:
-        raise ValueError(f"the decode path takes at most {MAX_ASSIGNMENTS} assignments, got T * top_k = "
+    if num_assignments > MAX_DECODE_ASSIGNMENTS:
+        raise ValueError(f"the decode path takes at most {MAX_DECODE_ASSIGNMENTS} assignments, got T * top_k = "
                          f"{num_assignments}")
     E = w_down.shape[0]
     F = w_down.shape[1] if transposed else w_down.shape[2]

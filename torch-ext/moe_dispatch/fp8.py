@@ -16,7 +16,7 @@ differ, even where their shapes agree, as at F = 96, b = 128):
   "merged"  2 * ceil(F/b) row blocks: gate's ceil(F/b), then up's, each over its own F rows (a checkpoint's separate
             gate and up scales stacked, as transformers merges them); concatenated gate/up rows only
 
-Two ways to compute with them (`fp8_compute`, chosen by `choose_fp8_compute` from device facts, `_device.py`):
+Two ways to compute with them (`fp8_compute`, chosen by planner.choose_fp8_compute from device facts, `_device.py`):
 
   "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (grouped_gemm.py, WEIGHT_SCALE) loads
              the fp8 weight tile, converts it to the activation dtype and runs the dot in that dtype with fp32
@@ -259,7 +259,7 @@ def k_block(block_shape, transposed) -> int:
     return block_shape[0] if transposed else block_shape[1]
 
 
-def _w8a8_refusal(device, weights, schemes, block_shape, transposed):
+def w8a8_refusal(device, weights, schemes, block_shape, transposed):
     """Why "w8a8" cannot run these weights on `device` (a sentence), or None when it can. The CPU (Triton's
     interpreter) runs it when asked, so the tests can check it; "auto" still takes "dequant" there."""
     for name, weight in weights.items():
@@ -276,22 +276,6 @@ def _w8a8_refusal(device, weights, schemes, block_shape, transposed):
     if device.type == "cuda" and not has_fp8_tensor_cores(device):
         return f"{device} has no FP8 tensor cores (NVIDIA compute capability >= 8.9 needed)"
     return None
-
-
-def choose_fp8_compute(fp8_compute, device, w_gate_up, w_down, schemes, block_shape, transposed) -> str:
-    """"w8a8" or "dequant" for `fp8_compute` ("auto", "w8a8" or "dequant") on these weights (host facts only).
-
-    `schemes` are the weights' scale schemes (None for a float weight). "auto" takes "w8a8" on devices with FP8
-    tensor cores when the weights allow it, else "dequant"; a forced "w8a8" that cannot run raises ValueError."""
-    check_choice("fp8_compute", fp8_compute, FP8_COMPUTE)
-    if fp8_compute == "dequant":
-        return "dequant"
-    why = _w8a8_refusal(device, {"w_gate_up": w_gate_up, "w_down": w_down}, schemes, block_shape, transposed)
-    if fp8_compute == "w8a8":
-        if why is not None:
-            raise ValueError(f"fp8_compute='w8a8' cannot run: {why}. Use fp8_compute='auto' or 'dequant'.")
-        return "w8a8"
-    return "w8a8" if why is None and device.type == "cuda" else "dequant"
 
 
 def check_input_scale(name, scale, weight_name, weight, num_experts):

@@ -1,12 +1,12 @@
 """w8a8 grouped GEMMs: float8 activations times float8 weights on FP8 tensor cores, fp32 sums (fp8.py: "w8a8").
 
-The experts path on this kernel (moe.py runs it when `fp8.choose_fp8_compute` says "w8a8")::
+The experts path on this kernel (moe.py runs it when `planner.choose_fp8_compute` says "w8a8")::
 
     x [T, H] bf16 / fp16 / fp32
       -> GEMM1  rows gathered as in grouped_gemm.py and quantized to e4m3 per token and G1 columns, one scale per
                 row and K step (amax / 448: dynamic, as DeepSeek-V3 does; or the static input scale): in GEMM1's
-                loads for decode-sized tiles (BLOCK_M < PREQUANTIZE_MIN_BLOCK_M), by `quantize_fp8_rows`, a pass
-                over x, for prefill tiles (see below); tl.dot(fp8, fp8) per K step, that partial sum times
+                loads for decode-sized tiles (BLOCK_M < planner.PREQUANTIZE_MIN_BLOCK_M), by `quantize_fp8_rows`, a
+                pass over x, for prefill tiles (see below); tl.dot(fp8, fp8) per K step, that partial sum times
                 a_scale[row] (and, block scales, the weight scale of the block the K step and the column lie in)
                 added to the fp32 accumulator; channel / tensor weight scales and static activation scales multiply
                 it once after the K loop.
@@ -47,20 +47,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import has_tma, is_interpreter
+from ._device import is_interpreter
 from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
 from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAMIC, OUT_FLOAT, OUT_STATIC,
                       block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
-from .fp8_persistent import persistent_w8a8_gemm, supports
+from .fp8_persistent import persistent_w8a8_gemm
 from .gemm_args import gemm_weights, routing_args, scale_args, tile_meta
 from .gemm_jit import gathered_rows, tile_rows, tile_setup
 from .pdl import wait_for_producer
+from .planner import GemmKernel, w8a8_gemm_kernel, w8a8_input
 from .tiles import GemmTile, MoeTiles
 from ._plan import launch
 
-# Tiles of at least this many rows (the tile tables' prefill buckets) read x quantized by `quantize_fp8_rows`.
-PREQUANTIZE_MIN_BLOCK_M = 64
 QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
 
 
@@ -264,7 +263,8 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
     unwritten.
 
     The kernel: `_persistent_w8a8_gemm_kernel` (fp8_persistent.py) when the tile asks for it (`tile.persistent`) and
-    `fp8_persistent.supports` the operands (float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor layouts); else
+    the operands allow it (planner.w8a8_gemm_kernel: float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor
+    layouts); else
     `_w8a8_gemm_kernel`. Both round alike (same K steps, scales and epilogue), so the choice changes speed only.
     """
     num_rows = info.num_assignments
@@ -313,12 +313,11 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
         BLOCK_K=tile.block_k,
         **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
-    if tile.persistent and not gather_a:
-        if supports(a, w, info, transposed=transposed):
-            del meta["GATHER_A"]
-            persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile,
-                                 meta)
-            return result
+    kernel = w8a8_gemm_kernel(a, w, tile, block_m=info.block_m, transposed=transposed, gather_a=gather_a)
+    if kernel is GemmKernel.PERSISTENT:
+        del meta["GATHER_A"]
+        persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile, meta)
+        return result
     grid = (info.max_tiles * cdiv(n_cols, tile.block_n),)
     launch(_w8a8_gemm_kernel, grid,
         a, a.stride(0), a.stride(1), a.shape[0],
@@ -346,10 +345,8 @@ def w8a8_gemm1(x, w_gate, w_up, info, tiles: MoeTiles, gate_up_scale: WeightScal
     persistent kernel reads A through a descriptor (`w8a8_gemm` still takes the pointer kernel, on the sorted rows, when
     the weights' layout does not allow descriptors)."""
     x_scale, gather_a = None, True
-    per_tensor = gate_up_input_scale is None or gate_up_input_scale.numel() == 1
-    if tiles.block_m >= PREQUANTIZE_MIN_BLOCK_M and per_tensor:
-        # Persistent tiles read A through descriptors, which cannot gather rows: the pass writes them sorted.
-        sorted_rows = bool(tiles.gate_up.persistent) and not transposed and has_tma(x.device)
+    prequantize, sorted_rows = w8a8_input(tiles, x.device, transposed=transposed, input_scale=gate_up_input_scale)
+    if prequantize:
         x, x_scale = quantize_fp8_rows(x, tiles.gate_up.block_k, gate_up_input_scale,
                                        info=info if sorted_rows else None)
         gather_a = not sorted_rows

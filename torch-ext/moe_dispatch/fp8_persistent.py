@@ -24,19 +24,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._device import has_tma
 from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
 from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .gemm_args import GemmWeights, routing_args, scale_args
 from .gemm_jit import tile_coords, tile_rows, tile_setup_at
 from .pdl import wait_for_producer
-from .persistent_gemm import num_programs, rows_fit_descriptor, weight_descriptors, weights_fit_descriptors
+from .persistent_gemm import num_programs, weight_descriptors
 from ._plan import launch
 
-# wgmma, the instruction this kernel exists for, works on 64-row slabs per warpgroup; smaller tiles (decode) keep the
-# pointer kernel, which the tables tune for them.
-MIN_BLOCK_M = 64
 
 
 @triton.jit
@@ -131,20 +127,11 @@ def _persistent_w8a8_gemm_kernel(
                           OUT_GROUP, ROUND_IN_FP32, BLOCK_M, BLOCK_N)
 
 
-def supports(a, w: GemmWeights, info, *, transposed):
-    """Whether `_persistent_w8a8_gemm_kernel` can run this GEMM: float8 A already in sorted order and readable as
-    descriptor tiles, weights [E, n, K] that descriptors can address (not `transposed`, K contiguous, 16-byte
-    aligned), a device with TMA (or the interpreter), and tiles of at least MIN_BLOCK_M rows."""
-    if transposed or a.dtype != W8A8_DTYPE or info.block_m < MIN_BLOCK_M or not has_tma(a.device):
-        return False
-    return rows_fit_descriptor(a) and weights_fit_descriptors(w)
-
-
 def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_scale_args, info, topk_weights, alpha,
                          limit, tile, meta):
-    """Launch `_persistent_w8a8_gemm_kernel` for `fp8_gemm.w8a8_gemm`, which checked `supports` and prepared the
-    scale arguments (a_scale_args: ptr, stride_e, stride_m; c_scale_args likewise) and the constexprs `meta`. Fills c
-    (and the output scales in c_scale_args)."""
+    """Launch `_persistent_w8a8_gemm_kernel` for `fp8_gemm.w8a8_gemm`, which runs it where planner.w8a8_gemm_kernel
+    chose it and prepared the scale arguments (a_scale_args: ptr, stride_e, stride_m; c_scale_args likewise) and the
+    constexprs `meta`. Fills c (and the output scales in c_scale_args)."""
     K = a.shape[1]
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])

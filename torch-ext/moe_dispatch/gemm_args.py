@@ -103,3 +103,38 @@ def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, top
                 MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m, BLOCK_N=tile.block_n,
                 GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
                 **pdl_options(info.tile_expert.device))
+
+
+# Tensor-descriptor facts (what TMA needs of a layout): planner.py decides with them, persistent_gemm.py builds the
+# descriptors.
+
+
+def aligned(t):
+    """Whether a tensor's base address is 16-byte aligned (what a descriptor's base needs)."""
+    return t.data_ptr() % 16 == 0
+
+
+def descriptor_rows(weight, n_cols):
+    """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see persistent_gemm.py's docstring) and rows per
+    expert;
+    None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
+    whole number of rows apart)."""
+    stride_e, stride_n, stride_k = weight.stride()
+    size = weight.element_size()
+    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not aligned(weight):
+        return None
+    rows_per_expert = stride_e // stride_n
+    return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
+
+
+def weights_fit_descriptors(w: GemmWeights):
+    """Whether the weights (and the up view of a gated GEMM) of a [E, n, K] GemmWeights can be read through
+    persistent_gemm.weight_descriptors."""
+    if w.weight.shape[0] == 0 or descriptor_rows(w.weight, w.n_cols) is None:
+        return False
+    return not w.gated or (aligned(w.weight_up) and w.weight_up.stride() == w.weight.stride())
+
+
+def rows_fit_descriptor(a):
+    """Whether [rows, K] A can be read as descriptor tiles: K contiguous, the row stride and base 16-byte aligned."""
+    return a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and aligned(a)

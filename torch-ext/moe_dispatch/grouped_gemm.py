@@ -45,7 +45,8 @@ from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, 
 from .gemm_jit import expert_tile_dot, tile_epilogue, tile_rows, tile_setup
 from .pdl import release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
-from .tiles import GATHER_FIRST, GemmTile, select_tiles
+from .planner import GemmKernel, expert_gemm_kernel
+from .tiles import GemmTile, select_tiles
 from ._plan import launch
 
 @triton.jit
@@ -126,18 +127,15 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     c = out if out is not None else torch.empty((num_rows, w.n_cols), device=a.device, dtype=a.dtype)
     if num_rows == 0 or w.n_cols == 0 or info.max_tiles == 0:
         return c
-    if tile.persistent:
-        supports, persistent_expert_gemm = persistent_gemm.supports, persistent_gemm.persistent_expert_gemm
-        if gather_a and tile.persistent == GATHER_FIRST and supports(a, w, transposed=transposed, gather_a=True,
-                                                                     weight_scale=weight_scale):
-            # A in sorted order first (one copy of N rows), so that its tiles too come through a descriptor
-            sorted_a = launch_gather(a, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), num_rows)
-            if supports(sorted_a, w, transposed=transposed, gather_a=False, weight_scale=weight_scale):
-                return persistent_expert_gemm(sorted_a, w, info, tile, c, gather_a=False, activation=activation,
-                                              topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
-        if supports(a, w, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale):
-            return persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
-                                          topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact)
+    kernel = expert_gemm_kernel(a, w, tile, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale)
+    if kernel is GemmKernel.PERSISTENT_SORTED:
+        # A in sorted order first (one copy of N rows), so that its tiles too come through a descriptor
+        a = launch_gather(a, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), num_rows)
+        gather_a = False
+    if kernel is not GemmKernel.POINTER:
+        return persistent_gemm.persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
+                                                      topk_weights=topk_weights, alpha=alpha, limit=limit,
+                                                      preact=preact)
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE

@@ -21,16 +21,17 @@ from ._library import call, custom_op
 from ._plan import PlanCache
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
-from .decode import MAX_ASSIGNMENTS, decode_experts
+from .decode import decode_experts
 from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
 from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
-                  check_gate_up_scale_layout, check_input_scale, choose_fp8_compute, gate_up_row_offset, infer_scheme,
+                  check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
                   input_scale_problems, is_fp8)
 from .fp8_gemm import w8a8_experts
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
-from .tiles import DecodeTiles, MoeTiles, select_decode_tiles, select_fp8_tiles, select_tiles, tiles_from_list
+from .planner import ExpertsPath, choose_fp8_compute, plan_experts
+from .tiles import DecodeTiles, MoeTiles, select_tiles, tiles_from_list
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -73,7 +74,7 @@ def _fused_experts_op(
 
     w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
     [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs; without save_preact they
-    are empty ([0]) and the decode path (decode.py) may run instead of the four launches (`_decode_tiles`).
+    are empty ([0]) and the decode path (decode.py) may run instead of the four launches (planner.plan_experts).
     `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
     float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
     inputs that need no gradient and save_preact False. `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py,
@@ -89,24 +90,19 @@ def _fused_experts_op(
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
     forced = tiles_from_list(tiles) if tiles is not None else None
     float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
-    w8a8 = not float_weights and fp8_compute == "w8a8"
-    decode_tiles = (_decode_tiles(forced, x, T, top_k, E, F, H, fp8=not float_weights)
-                    if not save_preact and not w8a8 else None)
+    plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=forced, save_preact=save_preact,
+                        fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8")
     gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
                                                transposed, w_gate_up_scale_layout)
-    if decode_tiles is not None:
-        out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, decode_tiles, transposed=transposed,
+    if plan.path is ExpertsPath.DECODE:
+        out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, plan.tiles, transposed=transposed,
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
                              alpha=alpha, limit=limit, gate_up_scale=gate_up_scale, down_scale=down_scale)
         return (out, *_no_backward_outputs(x))
-    if isinstance(forced, MoeTiles):
-        moe_tiles = forced
-    else:
-        moe_tiles = (select_fp8_tiles(x.device, T, top_k, E, F, H) if w8a8
-                     else select_tiles(x.device, T, top_k, E, F, H, x.dtype))
+    moe_tiles = plan.tiles
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
-    if w8a8:
+    if plan.path is ExpertsPath.W8A8:
         y = w8a8_experts(x, w_gate, w_up, w_down, info, moe_tiles, gate_up_scale, down_scale,
                          topk_weights=topk_weights, transposed=transposed, activation=activation, gate_bias=gate_bias,
                          up_bias=up_bias, down_bias=down_bias, alpha=alpha, limit=limit,
@@ -124,30 +120,18 @@ def _fused_experts_op(
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
 
 
-def _decode_tiles(forced, x, num_tokens, top_k, num_experts, ffn, hidden, *, fp8=False):
-    """Tiles of the decode path when this call takes it, else None (the caller has checked that no gradient will be
-    needed, and for float8 weights (`fp8`) that they are computed by dequantizing). It runs up to
-    decode.MAX_ASSIGNMENTS assignments when forced by a `DecodeTiles`, never when forced by a `MoeTiles`, and
-    otherwise where the device's table has a decode bucket (tiles.select_decode_tiles)."""
-    if num_tokens * top_k > MAX_ASSIGNMENTS or isinstance(forced, MoeTiles):
-        return None
-    if isinstance(forced, DecodeTiles):
-        return forced
-    return select_decode_tiles(x.device, num_tokens, top_k, num_experts, ffn, hidden, x.dtype, fp8=fp8)
+def _choose_fp8_compute(choice, tiles, x, top_k, w_gate_up, w_down, scales, block_shape, transposed):
+    """planner.choose_fp8_compute for this call: whether the decode path would run it with float8 weights comes
+    from the planner's plan of the call."""
+    T, H = x.shape
+    E, F = w_down.shape[0], _ffn_size(w_down, transposed)
 
+    def runs_decode():
+        plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=tiles, fp8=True)
+        return plan.path is ExpertsPath.DECODE
 
-def _resolve_fp8_compute(fp8_compute, tiles, x, top_k, w_gate_up, w_down, scales, block_shape, transposed):
-    """fp8.choose_fp8_compute, except that "auto" takes "dequant" where the decode path will run for float8 weights
-    (the device's fp8 decode bucket, or forced `DecodeTiles`): at a few tokens the GEMMs are weight-bound, the
-    weight-only path reads the same bytes as w8a8 without quantizing the activations, and it has two launches."""
-    chosen = choose_fp8_compute(fp8_compute, x.device, w_gate_up, w_down,
-                                [infer_scheme(s) for s in scales if s is not None], block_shape, transposed)
-    if fp8_compute == "auto" and chosen == "w8a8":
-        T, H = x.shape
-        decode = _decode_tiles(tiles, x, T, top_k, w_down.shape[0], _ffn_size(w_down, transposed), H, fp8=True)
-        if decode is not None:
-            return "dequant"
-    return chosen
+    return choose_fp8_compute(choice, x.device, w_gate_up, w_down, [infer_scheme(s) for s in scales if s is not None],
+                              block_shape, transposed, runs_decode=runs_decode)
 
 
 def _no_backward_outputs(x):
@@ -281,7 +265,7 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
     With float8 weights (forward only) every input is detached: the output carries no gradient (warned once).
-    `fp8_compute` is "w8a8" or "dequant" (resolved by `fp8.choose_fp8_compute`)."""
+    `fp8_compute` is "w8a8" or "dequant" (resolved by `planner.choose_fp8_compute`)."""
     inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
     fp8 = is_fp8(w_gate_up) or is_fp8(w_down)
     if fp8:
@@ -383,7 +367,7 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, a
     the deprecated v1.0 spelling of `validate`.
     `tiles` forces a tile configuration (tuning and tests): a `tiles.MoeTiles` the four-launch path (dispatch, two
     grouped GEMMs, combine), a `tiles.DecodeTiles` the two-launch decode path (decode.py) wherever that applies (no
-    gradient needed, fp8_compute not "w8a8", T * top_k <= decode.MAX_ASSIGNMENTS = 256; elsewhere the tables' tiles
+    gradient needed, fp8_compute not "w8a8", T * top_k <= tiles.MAX_DECODE_ASSIGNMENTS = 256; elsewhere the tables' tiles
     run); by default the device's tile table chooses. Returns out [..., H] in hidden_states' dtype.
 
     Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
@@ -451,9 +435,11 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
                                     w_gate_up_scale_layout=w_gate_up_scale_layout)
     validate = validate_option(validate, validate_ids, "fused_experts")
     check_ids_in_range("topk_ids", topk_ids, E, validate)
+    if tiles is not None and not isinstance(tiles, (MoeTiles, DecodeTiles)):
+        raise TypeError(f"tiles must be a MoeTiles, a DecodeTiles or None, got {type(tiles).__name__}")
     x = hidden_states.reshape(T, H)
-    fp8_compute = _resolve_fp8_compute(fp8_compute, tiles, x, topk_ids.shape[1], w_gate_up, w_down,
-                                       (w_gate_up_scale, w_down_scale), tuple(fp8_block_shape), transposed)
+    fp8_compute = _choose_fp8_compute(fp8_compute, tiles, x, topk_ids.shape[1], w_gate_up, w_down,
+                                      (w_gate_up_scale, w_down_scale), tuple(fp8_block_shape), transposed)
     for name, scale in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
         if scale is not None and reads_values(validate, scale):
             raise_problems(input_scale_problems(name, scale))

@@ -20,15 +20,14 @@ and requires what descriptors require: K contiguous (stride 1), the other stride
 rows_per_expert = stride_e / stride_n an integer; `expert_gemm` falls back to the pointer kernel otherwise.
 """
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._device import has_tma, num_sms
+from ._device import num_sms
 from ._host_math import cdiv
 from .pdl import wait_for_producer
-from .gemm_args import dot_options, GemmWeights, routing_args, tile_meta
+from .gemm_args import GemmWeights, descriptor_rows, dot_options, routing_args, tile_meta
 from .gemm_jit import tile_coords, tile_epilogue, tile_rows, tile_setup_at
 from ._plan import launch
 
@@ -106,36 +105,6 @@ def _persistent_grouped_gemm_kernel(
                           alpha, limit, TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT)
 
 
-def aligned(t):
-    """Whether a tensor's base address is 16-byte aligned (what a descriptor's base needs)."""
-    return t.data_ptr() % 16 == 0
-
-
-def descriptor_rows(weight, n_cols):
-    """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see the module docstring) and rows per expert;
-    None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
-    whole number of rows apart)."""
-    stride_e, stride_n, stride_k = weight.stride()
-    size = weight.element_size()
-    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not aligned(weight):
-        return None
-    rows_per_expert = stride_e // stride_n
-    return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
-
-
-def weights_fit_descriptors(w: GemmWeights):
-    """Whether the weights (and the up view of a gated GEMM) of a [E, n, K] GemmWeights can be read through
-    `weight_descriptors`."""
-    if w.weight.shape[0] == 0 or descriptor_rows(w.weight, w.n_cols) is None:
-        return False
-    return not w.gated or (aligned(w.weight_up) and w.weight_up.stride() == w.weight.stride())
-
-
-def rows_fit_descriptor(a):
-    """Whether [rows, K] A can be read as descriptor tiles: K contiguous, the row stride and base 16-byte aligned."""
-    return a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and aligned(a)
-
-
 def weight_descriptors(w: GemmWeights, K, tile):
     """(w_desc, w_up_desc, rows_per_expert): descriptors of [tile.block_n, tile.block_k] tiles over the weight and
     its up view (the weight's own again when not gated), checked by `weights_fit_descriptors`."""
@@ -152,19 +121,10 @@ def num_programs(device, num_tiles):
     return max(1, min(programs, num_tiles))
 
 
-def supports(a, w: GemmWeights, *, transposed, gather_a, weight_scale):
-    """Whether the persistent descriptor kernel can run this GEMM (else `expert_gemm` uses the pointer kernel)."""
-    if transposed or weight_scale is not None or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if not has_tma(a.device) or a.shape[1] == 0 or not weights_fit_descriptors(w):
-        return False
-    return gather_a or rows_fit_descriptor(a)
-
-
 def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activation, topk_weights, alpha, limit,
                            preact):
-    """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, already checked by
-    `supports`; w.weight is [E, n, K]). Returns c."""
+    """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, which runs it where
+    planner.expert_gemm_kernel chose it; w.weight is [E, n, K]). Returns c."""
     K = a.shape[1]
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
     a_desc = w_desc if gather_a else TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])

@@ -30,6 +30,7 @@ the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`
 """
 
 import dataclasses
+import enum
 import functools
 import json
 import logging
@@ -43,7 +44,17 @@ _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _log = logging.getLogger(__name__)
 
 
-GATHER_FIRST = 2  # GemmTile.persistent: rows copied into expert order, then the persistent kernel
+# The decode path's bound: the largest N = T * top_k its gate/up kernel's [BLOCK_A] id comparison is sized for.
+MAX_DECODE_ASSIGNMENTS = 256
+
+
+class Persistent(enum.IntEnum):
+    """`GemmTile.persistent` (the tables store the integer): which GEMM kernel a tile asks for, where the device and
+    the operands allow it (planner.py decides)."""
+
+    OFF = 0  # the pointer kernel (one program per output tile)
+    ON = 1  # the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on w8a8)
+    GATHER_FIRST = 2  # bf16/fp16 gate_up GEMM: the token rows copied into expert order, then the persistent kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,10 +78,11 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
-    # 1: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the w8a8 path, from
-    # block_m 64) where the device and layout allow it; GATHER_FIRST (bf16/fp16 gate_up GEMM): the same, after a copy
-    # of the token rows into expert order, so that A's tiles come through a descriptor too instead of gathered loads
-    persistent: int = 0
+    # Persistent.ON: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the
+    # w8a8 path, from block_m 64) where the device and layout allow it; Persistent.GATHER_FIRST (bf16/fp16 gate_up
+    # GEMM): the same, after a copy of the token rows into expert order, so that A's tiles come through a descriptor
+    # too instead of gathered loads
+    persistent: int = Persistent.OFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,5 +266,5 @@ def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_expe
         return MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
     buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
-    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128, persistent=0),
-                               down=dataclasses.replace(tiles.down, block_k=128, persistent=0))
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=128, persistent=Persistent.OFF),
+                               down=dataclasses.replace(tiles.down, block_k=128, persistent=Persistent.OFF))

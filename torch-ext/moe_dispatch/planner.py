@@ -1,0 +1,161 @@
+"""Which kernel runs: the one place that decides, from host facts only (shapes, dtypes, strides, the device, the
+tile tables), the path of an experts call and the kernel variant of each of its GEMMs. The launchers execute what it
+decides; it launches nothing and imports no launcher.
+
+  plan_experts         the experts call (moe.py): the decode path (decode.py: two launches, no dispatch), the
+                       grouped path (dispatch, grouped_gemm.expert_gemm twice, combine; float weights, or float8 on
+                       the dequant path) or the w8a8 path (fp8_gemm.w8a8_experts), with its tiles
+  choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
+  expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
+                       after a copy of the rows into expert order (Persistent.GATHER_FIRST tiles)
+  w8a8_gemm_kernel     one w8a8 GEMM: the pointer kernel or the persistent descriptor kernel (fp8_persistent.py)
+  w8a8_input           how GEMM1 of the w8a8 path gets its float8 input: quantized in the loads, or by a pass over x
+                       first (in token order, or gathered into expert order for the persistent kernel)
+
+Every decision reads only what a CUDA graph or torch.compile also knows: no device data.
+"""
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import torch
+
+from ._checks import check_choice
+from ._device import has_tma
+from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
+from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
+from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, select_decode_tiles,
+                    select_fp8_tiles, select_tiles)
+
+DESCRIPTOR_DTYPES = (torch.bfloat16, torch.float16)  # what the bf16 persistent kernel's dots take
+# wgmma, the instruction the FP8 persistent kernel exists for, works on 64-row slabs per warpgroup; smaller tiles
+# (decode) keep the pointer kernel, which the tables tune for them.
+W8A8_PERSISTENT_MIN_BLOCK_M = 64
+# From this BLOCK_M up (prefill tiles) a pass quantizes x once before GEMM1 of the w8a8 path; below it (decode) the
+# GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch.
+PREQUANTIZE_MIN_BLOCK_M = 64
+
+
+class ExpertsPath(enum.Enum):
+    """The path of one experts call."""
+
+    DECODE = "decode"  # decode.decode_experts: a few tokens, inference, no dispatch
+    GROUPED = "grouped"  # dispatch -> grouped_gemm.expert_gemm x 2 -> combine
+    W8A8 = "w8a8"  # dispatch -> fp8_gemm.w8a8_experts -> combine (float8 weights and activations)
+
+
+class GemmKernel(enum.Enum):
+    """The kernel variant of one grouped GEMM."""
+
+    POINTER = "pointer"  # one program per output tile, A's rows gathered in the loads where asked
+    PERSISTENT = "persistent"  # one program per SM walking the tiles, weights (and sorted A) through descriptors
+    PERSISTENT_SORTED = "persistent after sorting"  # A's rows copied into expert order first, then PERSISTENT
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsPlan:
+    """What `plan_experts` decided: the path and its tiles (DecodeTiles on the decode path, else MoeTiles)."""
+
+    path: ExpertsPath
+    tiles: MoeTiles | DecodeTiles
+
+
+def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
+                 dtype: torch.dtype, *, forced: MoeTiles | DecodeTiles | None = None, save_preact: bool = False,
+                 fp8: bool = False, w8a8: bool = False) -> ExpertsPlan:
+    """The path and tiles of one experts call (`fp8`: float8 weights; `w8a8`: on the w8a8 path, already resolved
+    by `fp8_compute`). The decode path takes inference calls (`save_preact` False, not w8a8) of at most
+    MAX_DECODE_ASSIGNMENTS assignments when forced by a DecodeTiles, never when forced by a MoeTiles, and otherwise
+    where the device's table has a decode bucket; every other call takes the forced MoeTiles or the table's.
+    Not cached: an eager call's plan is recorded with its launches and replayed (_plan.py), torch.compile traces it
+    once, and the tests may swap the tables underneath."""
+    if not save_preact and not w8a8:
+        decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8)
+        if decode is not None:
+            return ExpertsPlan(ExpertsPath.DECODE, decode)
+    if isinstance(forced, MoeTiles):
+        tiles = forced
+    elif w8a8:
+        tiles = select_fp8_tiles(device, num_tokens, top_k, num_experts, ffn, hidden)
+    else:
+        tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype)
+    return ExpertsPlan(ExpertsPath.W8A8 if w8a8 else ExpertsPath.GROUPED, tiles)
+
+
+def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8):
+    if num_tokens * top_k > MAX_DECODE_ASSIGNMENTS or isinstance(forced, MoeTiles):
+        return None
+    if isinstance(forced, DecodeTiles):
+        return forced
+    return select_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8=fp8)
+
+
+def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, schemes, block_shape, transposed, *,
+                       runs_decode: Callable[[], bool] = lambda: False) -> str:
+    """"w8a8" or "dequant" for `fused_experts`' `fp8_compute` `choice` ("auto", "w8a8" or "dequant") on these
+    weights (`schemes`: their scales' schemes, fp8.infer_scheme).
+
+    "auto" takes "w8a8" on devices with FP8 tensor cores when the weights allow it (fp8.w8a8_refusal), except where
+    the decode path will run (`runs_decode()`, asked only then: `plan_experts` of the call with float8 weights;
+    torch.compile traces this, and the tile tables are read from files only inside the operator): at a few
+    tokens the GEMMs are weight-bound, and the weight-only path reads the same bytes without quantizing the
+    activations, in two launches. A forced "w8a8" that cannot run raises ValueError saying why."""
+    check_choice("fp8_compute", choice, FP8_COMPUTE)
+    if choice == "dequant":
+        return "dequant"
+    why = w8a8_refusal(device, {"w_gate_up": w_gate_up, "w_down": w_down}, schemes, block_shape, transposed)
+    if choice == "w8a8":
+        if why is not None:
+            raise ValueError(f"fp8_compute='w8a8' cannot run: {why}. Use fp8_compute='auto' or 'dequant'.")
+        return "w8a8"
+    return "w8a8" if why is None and device.type == "cuda" and not runs_decode() else "dequant"
+
+
+def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -> bool:
+    """Whether the bf16 persistent descriptor kernel can run this GEMM: float weights in the [E, n, K] layout that
+    descriptors can read, TMA on the device, and A readable as descriptor tiles unless its rows are gathered."""
+    if transposed or weight_scale is not None or a.dtype not in DESCRIPTOR_DTYPES:
+        return False
+    if not has_tma(a.device) or a.shape[1] == 0 or not weights_fit_descriptors(w):
+        return False
+    return gather_a or rows_fit_descriptor(a)
+
+
+def expert_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, transposed, gather_a, weight_scale) -> GemmKernel:
+    """The kernel of grouped_gemm.expert_gemm for these operands: what the tile asks for (`tile.persistent`) where
+    the operands allow it, else the pointer kernel. A GATHER_FIRST tile on gathered rows sorts them first when the
+    sorted copy (a fresh [rows, K] buffer in a's dtype) fits a descriptor: K * itemsize a multiple of 16 bytes."""
+    if tile.persistent == Persistent.OFF:
+        return GemmKernel.POINTER
+    fits = dict(transposed=transposed, weight_scale=weight_scale)
+    if (gather_a and tile.persistent == Persistent.GATHER_FIRST and (a.shape[1] * a.element_size()) % 16 == 0
+            and _persistent_fits(a, w, gather_a=True, **fits)):
+        return GemmKernel.PERSISTENT_SORTED
+    if _persistent_fits(a, w, gather_a=gather_a, **fits):
+        return GemmKernel.PERSISTENT
+    return GemmKernel.POINTER
+
+
+def w8a8_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, block_m, transposed, gather_a) -> GemmKernel:
+    """The kernel of fp8_gemm.w8a8_gemm: the persistent descriptor kernel where the tile asks for it and it can run
+    (float8 A already in sorted order and readable as descriptor tiles, weights [E, n, K] that descriptors can
+    address, TMA, at least W8A8_PERSISTENT_MIN_BLOCK_M rows per tile), else the pointer kernel. Both round alike."""
+    if tile.persistent == Persistent.OFF or gather_a or transposed or a.dtype != W8A8_DTYPE:
+        return GemmKernel.POINTER
+    if block_m < W8A8_PERSISTENT_MIN_BLOCK_M or not has_tma(a.device):
+        return GemmKernel.POINTER
+    if rows_fit_descriptor(a) and weights_fit_descriptors(w):
+        return GemmKernel.PERSISTENT
+    return GemmKernel.POINTER
+
+
+def w8a8_input(tiles: MoeTiles, device, *, transposed, input_scale) -> tuple[bool, bool]:
+    """(prequantize, sorted_rows) for GEMM1 of the w8a8 path: whether a pass quantizes x before the GEMM (prefill
+    tiles, and a per-tensor or dynamic input scale: a per-expert static scale stays in the loads, since the pass does
+    not know the rows' experts), and whether that pass also gathers the rows into expert order (persistent tiles,
+    which read A through descriptors and so cannot gather; where descriptors exist: TMA, K-contiguous weights)."""
+    per_tensor = input_scale is None or input_scale.numel() == 1
+    if tiles.block_m < PREQUANTIZE_MIN_BLOCK_M or not per_tensor:
+        return False, False
+    return True, bool(tiles.gate_up.persistent) and not transposed and has_tma(device)
