@@ -94,11 +94,11 @@ class CompileOnly:
 @contextlib.contextmanager
 def as_h200():
     """The package's device facts as on an H200 (tile table, TMA, PDL, SMs, shared memory), for CPU tensors."""
-    from moe_dispatch import _device, decode, pdl, persistent_gemm, tiles
+    from moe_dispatch import _device, decode, pdl, persistent_gemm, planner, tiles
 
     patches = [(_device, "kernels_run_on", lambda device: True),  # CPU tensors, compiled for the GPU
                (tiles, "device_key", lambda device: H200["key"]),
-               (persistent_gemm, "has_tma", lambda device: True),
+               (planner, "has_tma", lambda device: True),  # the planner chooses the persistent kernels
                (persistent_gemm, "INTERPRETER_PROGRAMS", H200["sms"]),
                (pdl, "pdl_enabled", lambda device: True),
                (decode, "smem_per_program", lambda device: H200["smem_per_program"])]

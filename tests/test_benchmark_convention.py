@@ -176,4 +176,7 @@ def test_eager_baseline_matches_transformers():
     bench.setup_mixtral_decode()
     grouped = bench.baseline_experts(bench.topk_ids, bench.topk_weights)
     eager = benchmark_moe.eager_experts(bench.x, bench.w_gate_up, bench.w_down, bench.topk_ids, bench.topk_weights)
-    assert torch.allclose(grouped, eager, atol=1e-5, rtol=1e-4)
+    # fp32 on the CPU: equal to rounding; bf16 on a GPU: the two sum in other orders (one bf16 step at these values)
+    tight = grouped.dtype == torch.float32
+    assert torch.allclose(grouped, eager, atol=1e-5 if tight else 1e-2, rtol=1e-4 if tight else 1e-2), (
+        (grouped - eager).abs().max())

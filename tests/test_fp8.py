@@ -577,15 +577,20 @@ def test_gate_up_scale_layouts(case):
         assert relative_error(misread, reference) > 0.1
 
 
-def test_transformers_fp8_experts_pass_their_scale_layout():
+def test_transformers_fp8_experts_pass_their_scale_layout(monkeypatch):
     """transformers' FP8Experts: merged gate/up scales (what loading a checkpoint makes) where the counts of the two
     layouts agree (F = 96, b = 128) or where only merged has its count; fused where only fused has it (transformers
     quantizing the merged weight on load: F = 48, b = 32); the experts function runs them as the float64 experts on
-    the dequantized weights."""
+    the dequantized weights. The weight-only path on every device (on an FP8 GPU "auto" would take w8a8, whose
+    activation rounding is as large as a misread layout's error): the layout still comes from the integration."""
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     from transformers import MixtralConfig
 
     from moe_dispatch import transformers_experts
+
+    options_of = transformers_experts.fp8_experts_options
+    monkeypatch.setattr(transformers_experts, "fp8_experts_options",
+                        lambda experts: {**options_of(experts), "fp8_compute": "dequant"})
 
     class TinyFP8Experts(finegrained.FP8Experts):  # a subclass, so that nothing of FP8Experts itself is changed
         pass

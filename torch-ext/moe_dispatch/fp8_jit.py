@@ -20,7 +20,9 @@ OUT_STATIC = 2  # float8 with a static scale per expert
 
 MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
 E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN code (with its sign bit: 0xFF); e4m3fn has no inf
-NAN = tl.constexpr(float("nan"))
+# fp32 NaN as bits: a float NaN constexpr would not equal itself, which Triton's check that every jit function sees
+# one value of a global refuses when compiling for a GPU
+NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -52,7 +54,8 @@ def dot_operand(b, ROUND_IN_FP32: tl.constexpr):
     fp32, so the sums are those of the e4m3 dot)."""
     if ROUND_IN_FP32:
         codes = b.to(tl.uint8, bitcast=True)
-        return tl.where((codes & 0x7F) == E4M3_NAN, NAN, b.to(tl.float32))
+        nan = tl.full(b.shape, NAN_BITS, tl.uint32).to(tl.float32, bitcast=True)
+        return tl.where((codes & 0x7F) == E4M3_NAN, nan, b.to(tl.float32))
     else:
         return b
 
