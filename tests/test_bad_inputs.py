@@ -235,6 +235,28 @@ def test_nan_hidden_state_in_fused_experts_is_not_zeroed_by_a_zero_weight():
     assert_close(out[keep], fused_experts_ref(x, w_gate_up, w_down, ids, weights)[keep], torch.float32)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: NaN arithmetic
+@pytest.mark.parametrize("path", ["decode", "general", "backward"])
+def test_nan_hidden_state_passes_the_swiglu_clamps(path):
+    """GPT-OSS's clamped SwiGLU: a NaN gate or up value stays NaN through the clamps (min / max that drop NaN made
+    the token's row finite); +-inf are still clamped, as torch.clamp does. On the decode path, the general one
+    (forced MoeTiles), and the forward that saves pre-activations for a backward."""
+    x = torch.randn(T, H, device=DEVICE)
+    x[3, 1] = float("nan")
+    w_gate_up, w_down = torch.randn(E, 2 * F, H, device=DEVICE) * 0.1, torch.randn(E, H, F, device=DEVICE) * 0.1
+    ids, weights = _routed(), torch.rand(T, TOP_K, device=DEVICE)
+    options = dict(activation="swiglu_oai", interleaved=True)
+    if path == "general":
+        options["tiles"] = md.tiles.MoeTiles(16, md.tiles.GemmTile(16, 16), md.tiles.GemmTile(16, 16))
+    if path == "backward":
+        x.requires_grad_(True)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, **options)
+    assert out[3].isnan().all(), out[3]
+    keep = torch.arange(T, device=DEVICE) != 3
+    ref = fused_experts_ref(x.detach(), w_gate_up, w_down, ids, weights, activation="swiglu_oai", interleaved=True)
+    assert_close(out[keep].detach(), ref[keep], torch.float32)
+
+
 # Defect 3: int64 ids outside int32
 
 

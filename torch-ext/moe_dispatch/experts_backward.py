@@ -43,8 +43,9 @@ def _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
         b_silu = b_gate * b_sig
         return b_silu * b_up, b_up * b_sig * (1.0 + b_gate * (1.0 - b_sig)), b_silu
     else:
-        b_gate_c = tl.minimum(b_gate, limit)
-        b_up_c = tl.minimum(tl.maximum(b_up, -limit), limit)
+        b_gate_c = tl.minimum(b_gate, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN (apply_activation)
+        b_up_c = tl.minimum(tl.maximum(b_up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                            propagate_nan=tl.PropagateNan.ALL)
         b_sig = tl.sigmoid(alpha * b_gate_c)
         b_glu = b_gate_c * b_sig
         b_d_glu = b_sig + alpha * b_gate_c * b_sig * (1.0 - b_sig)

@@ -18,8 +18,11 @@ def apply_activation(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
     if ACTIVATION == 1:
         return b_gate * tl.sigmoid(b_gate) * b_up
     else:
-        b_gate = tl.minimum(b_gate, limit)
-        b_up = tl.minimum(tl.maximum(b_up, -limit), limit)
+        # NaN-propagating clamps (Triton's default min / max return the other operand): a NaN stays NaN, as in
+        # torch.clamp; +-inf are clamped
+        b_gate = tl.minimum(b_gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        b_up = tl.minimum(tl.maximum(b_up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                          propagate_nan=tl.PropagateNan.ALL)
         return (b_up + 1.0) * b_gate * tl.sigmoid(alpha * b_gate)
 
 
