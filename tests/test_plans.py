@@ -205,6 +205,22 @@ def test_foreign_ops_refuse_a_plan():
         cache.clear()
 
 
+def test_an_output_nothing_wrote_refuses_a_plan():
+    """A fresh output that no recorded launch or fill wrote (the launches ran through another loaded copy of the
+    package, whose operator this one shares) must not be replayed: the replay would return uninitialised memory."""
+    def unseen_writer(x):
+        out = torch.empty_like(x)
+        with torch.utils._python_dispatch._disable_current_modes():  # a write the recorder does not see
+            out.copy_(x)
+        return out
+
+    cache = _plan.PlanCache("test")
+    x = torch.arange(4.0, device=DEVICE)
+    for _ in range(3):
+        assert torch.equal(cache.run(unseen_writer, (x,), ()), x)
+    assert cache.last_reason is not None and "wrote the output" in cache.last_reason
+
+
 def test_disabled_plans_and_user_dispatch_modes_run_in_full():
     from torch.utils._python_dispatch import TorchDispatchMode
 

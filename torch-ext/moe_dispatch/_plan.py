@@ -305,6 +305,10 @@ def _make_plan(recorder, inputs, result):
         steps.append(_Launch(kernel, _grid3(grid), resolved, fills, names, compiled, launch_options))
     outputs = tuple(resolver.resolve(r) for r in results)
     launches = [step for step in steps if type(step) is _Launch]
+    if not steps and any(source.kind != _INPUT and r.numel() for source, r in zip(outputs, results)):
+        # nothing seen writes a fresh output: its launches went past this recorder (another copy of the package
+        # whose operators this one shares), and a replay would hand back uninitialised memory
+        raise NotReplayable("no launch or fill of this package wrote the output")
     fast = _knobs is not None and bool(launches) and all(step.launcher is not None for step in launches)
     separate = {source.index for source in outputs if source.kind in (_BUFFER, _BUFFER_AT)}
     separate |= {step.buffer for step in steps if type(step) is _Fill}
