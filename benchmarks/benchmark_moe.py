@@ -72,9 +72,9 @@ def transformers_experts_function():
     return ALL_EXPERTS_FUNCTIONS.get("grouped_mm"), _default_apply_gate
 
 
-class _TransformersExperts(torch.nn.Module):
+class TransformersExperts(torch.nn.Module):
     """What transformers' experts functions read from an experts module (the attributes its experts decorator sets),
-    holding the benchmark's weights: `[E, 2F, H]` gate then up, `[E, H, F]`, SiLU."""
+    holding the benchmark's weights: `[E, 2F, H]` gate then up, `[E, H, F]`, SiLU. scripts/bench_host.py uses it too."""
 
     def __init__(self, w_gate_up, w_down, apply_gate):
         super().__init__()
@@ -161,7 +161,7 @@ class _Layer:
         self._verified = None  # the output last checked against the float64 references
         if experts:
             function, apply_gate = transformers_experts_function()
-            self._experts_module = (_TransformersExperts(self.w_gate_up, self.w_down, apply_gate)
+            self._experts_module = (TransformersExperts(self.w_gate_up, self.w_down, apply_gate)
                                     if function is not None else None)
             self._experts_function = function
 

@@ -30,36 +30,19 @@ from pathlib import Path
 import torch
 
 import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
+from benchmark_moe import TransformersExperts  # the stand-in experts module the Hub benchmark uses
 from model_shapes import MODEL_SHAPES
 
 IMPLEMENTATIONS = ("plans", "no_plans", "transformers_fn", "batched_mm", "grouped_mm")
 BATCHED_MM_LIMIT = 8 << 30  # batched_mm copies one expert's weights per assignment; skip it past this many bytes
 
 
-class StubExperts(torch.nn.Module):
-    """What transformers' experts functions read from an experts module (the layout its decorator sets)."""
-
-    def __init__(self, prob):
-        super().__init__()
-        from transformers.integrations.moe import _default_apply_gate
-
-        shape = prob.shape
-        self.num_experts, self.hidden_dim, self.intermediate_dim = shape.num_experts, shape.hidden, shape.ffn
-        self.gate_up_proj = torch.nn.Parameter(prob.w_gate_up, requires_grad=False)
-        self.down_proj = torch.nn.Parameter(prob.w_down, requires_grad=False)
-        self.act_fn = torch.nn.SiLU()
-        self.has_gate, self.has_bias, self.is_transposed, self.is_concatenated = True, False, False, True
-        self.has_post_expert_norm = False
-        self._is_expert_parallel = False
-        self._apply_gate = _default_apply_gate.__get__(self)
-
-
 def implementations(md, prob, tokens, topk_ids, topk_weights):
     """{name: zero-argument callable} of one cell."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
     x = prob.x[:tokens]
-    module = StubExperts(prob)
+    module = TransformersExperts(prob.w_gate_up, prob.w_down, _default_apply_gate)
     plan_module = md._plan
 
     def fused(enabled):

@@ -14,7 +14,7 @@ import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
 import bench
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, needs_interpreter
+from helpers import DEVICE, TOLERANCE, assert_close, needs_interpreter
 from reference import W8A8_TOLERANCE
 from model_shapes import MODEL_SHAPES, shrunk
 
@@ -516,3 +516,22 @@ def test_ab_switch_sets_and_restores_both_kinds_of_switch(monkeypatch):
     assert dispatch.SINGLE_MAX == 0
     set_attr(None)
     assert dispatch.SINGLE_MAX == before
+
+
+@needs_interpreter
+def test_bench_host_implementations_agree():
+    """scripts/bench_host.py's cells on an interpreter-sized Mixtral layer: with and without plans, through the
+    transformers experts function (on the Hub benchmark's stand-in experts module) and transformers' own functions,
+    every implementation gives the same output."""
+    import bench_host
+
+    import moe_dispatch as md
+
+    shape, tokens = TINY["mixtral-8x7b"], 3
+    prob = bench.make_problem(shape, tokens, torch.float32, torch.device(DEVICE), seed=0)
+    topk_ids, topk_weights = bench.random_routing(tokens, shape.num_experts, shape.top_k, torch.device(DEVICE), seed=1)
+    fns = bench_host.implementations(md, prob, tokens, topk_ids, topk_weights)
+    assert {"plans", "no_plans", "transformers_fn", "grouped_mm"} <= set(fns)
+    expected = fns["no_plans"]()
+    for name, fn in fns.items():
+        assert_close(fn(), expected, torch.float32, what=name)
