@@ -491,6 +491,8 @@ def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
     ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
     options = dict(fp8_compute=case.fp8_compute, tiles=case.tiles, **scales)
     clean = md.fused_experts(x, q_gate_up, q_down, ids, weights, **options)
+    # both GEMMs of the recording call on the descriptor kernel (the next call may replay the plan: no launcher call)
+    assert len(persistent_launches) == (2 if case.tiles is PERSISTENT and has_tma(x.device) else 0)
     bad = x.clone()
     bad[2, 7] = float("nan")
     bad[5, 33] = float("inf")  # in the second K step of 32 columns
@@ -500,7 +502,6 @@ def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
     others = [t for t in range(T) if t not in (2, 5)]
     assert torch.isfinite(clean).all()
     assert torch.equal(out[others], clean[others])
-    assert len(persistent_launches) == (4 if case.tiles is PERSISTENT and has_tma(x.device) else 0)
 
 
 LAYOUT_FFN = 96  # not a multiple of the 128-row block: "fused" and "merged" scales have one shape, two meanings

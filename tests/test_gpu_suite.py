@@ -18,7 +18,9 @@ needs_bash = pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs b
 
 def suite(tmp_path, **env):
     out = tmp_path / "out"
-    full_env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "SUITE_WHEELS": "0", "SUITE_BINNED": "0",
+    # the knobs of an enclosing suite run (the GPU suite runs this file) must not reach the suite under test
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SUITE_", "PYTEST_", "BENCH_ARGS"))}
+    full_env = {**inherited, "OUT": str(out), "PYTHON": sys.executable, "SUITE_WHEELS": "0", "SUITE_BINNED": "0",
                 "SUITE_BENCH": "0", **env}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh")], cwd=ROOT, env=full_env,
                             capture_output=True, text=True, timeout=300)
