@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ._checks import check_finite_number, check_ids_in_range
 from .fp8 import is_fp8
 from .moe import check_experts_args, fused_experts
+from .transformers_experts import fused_experts_options
 
 
 class ExpertParallelStats(NamedTuple):
@@ -330,8 +331,6 @@ class ExpertParallelExperts(torch.nn.Module):
     def from_experts_module(cls, experts, group=None, **options):
         """This rank's shard of a transformers experts module (gate_up_proj, down_proj, biases, layout, activation
         read as `moe_dispatch_experts` reads them)."""
-        from .transformers_experts import fused_experts_options
-
         read = fused_experts_options(experts)
         gate_up_bias, down_bias = read.pop("gate_up_bias", None), read.pop("down_bias", None)
         return cls.from_experts(experts.gate_up_proj, experts.down_proj, group, gate_up_bias=gate_up_bias,

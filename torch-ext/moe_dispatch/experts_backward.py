@@ -31,7 +31,8 @@ from .combine import combine
 from .dispatch import segment_dispatch
 from .gemm_args import dot_options, same_strides, weight_strides
 from .gemm_jit import gathered_rows, tile_dot, tile_setup
-from .tiles import MoeTiles, WeightGradTile, select_tiles, select_weight_grad_tile
+from .planner import plan_backward
+from .tiles import MoeTiles, WeightGradTile
 from ._plan import launch
 
 
@@ -320,8 +321,8 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
                      tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None):
     """Fill `grads` from grad_out [T, H]. The weights are the gate/up views the forward read; `preact` [N, 2F] and
     the dispatch tensors are the forward's (see `moe.fused_experts`). `tiles` (the input-gradient GEMMs: gate_up's
-    for dA, down's for dX) and `weight_tile` force launch configurations (tuning, tests); by default the forward's
-    table and `select_weight_grad_tile`."""
+    for dA, down's for dX) and `weight_tile` force launch configurations (tuning, tests); by default
+    planner.plan_backward chooses."""
     T, H = x.shape
     E = w_down.shape[0]
     top_k = topk_ids.shape[1]
@@ -331,7 +332,8 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate, grads.w_up, grads.gate_bias, grads.up_bias))
     needs_act = grads.w_down is not None
     needs_partial = grads.topk_weights is not None
-    tiles = tiles or select_tiles(x.device, T, top_k, E, F, H, x.dtype)
+    plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
+    tiles, weight_tile = plan.tiles, plan.weight_tile
     info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
                                                 top_k=top_k), scatter_idx=scatter_idx)
     device = x.device
@@ -401,7 +403,6 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             )
         combine(rows, scatter_idx, T, top_k, out=grads.x)
 
-    weight_tile = weight_tile or select_weight_grad_tile(device, x.dtype)
     # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
     # A bias gradient alone runs the same loops against a one-column stand-in for the weight gradient.
     for d_w, d_bias, half in ((grads.w_gate, grads.gate_bias, 0), (grads.w_up, grads.up_bias, 1)):

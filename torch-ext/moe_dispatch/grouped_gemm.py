@@ -45,8 +45,8 @@ from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, 
 from .gemm_jit import expert_tile_dot, tile_epilogue, tile_rows, tile_setup
 from .pdl import release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
-from .planner import GemmKernel, expert_gemm_kernel
-from .tiles import GemmTile, select_tiles
+from .planner import GemmKernel, expert_gemm_kernel, plan_segments
+from .tiles import GemmTile
 from ._plan import launch
 
 @triton.jit
@@ -177,8 +177,7 @@ def check_segmented_rows(name, rows, expert_offsets, num_experts, validate=None,
 @custom_op("grouped_gemm")
 def _grouped_gemm_op(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     num_experts = weights.shape[0]
-    tiles = select_tiles(tokens.device, tokens.shape[0], 1, num_experts, weights.shape[1], tokens.shape[1],
-                         tokens.dtype)
+    tiles = plan_segments(tokens.device, tokens.shape[0], num_experts, weights.shape[1], tokens.shape[1], tokens.dtype)
     info = segment_dispatch(expert_offsets, tokens.shape[0], num_experts, tiles.block_m)
     out = torch.zeros((tokens.shape[0], weights.shape[1]), device=tokens.device, dtype=tokens.dtype)
     return expert_gemm(tokens, weights, info, tiles.down, out=out)

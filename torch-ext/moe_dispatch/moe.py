@@ -30,8 +30,8 @@ from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, che
 from .fp8_gemm import w8a8_experts
 from .grouped_gemm import check_segmented_rows, expert_gemm
 from .routing import check_router_args, route_with_grad
-from .planner import ExpertsPath, choose_fp8_compute, plan_experts
-from .tiles import DecodeTiles, MoeTiles, select_tiles, tiles_from_list
+from .planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
+from .tiles import DecodeTiles, MoeTiles, tiles_from_list
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -530,7 +530,7 @@ def _expert_ffn_op(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: to
     top_k_weights, row p is scaled by the weight of assignment sorted_idx[p]."""
     M, H = permuted_tokens.shape
     E, F, _ = w_gate.shape
-    tiles = select_tiles(permuted_tokens.device, M, 1, E, F, H, permuted_tokens.dtype)
+    tiles = plan_segments(permuted_tokens.device, M, E, F, H, permuted_tokens.dtype)
     info = segment_dispatch(expert_offsets, M, E, tiles.block_m, gather_idx=sorted_idx, top_k=top_k)
     intermediate = expert_gemm(permuted_tokens, w_gate, info, tiles.gate_up, weight_up=w_up, activation="silu")
     out = torch.zeros((M, H), device=permuted_tokens.device, dtype=permuted_tokens.dtype)

@@ -5,6 +5,9 @@ decides; it launches nothing and imports no launcher.
   plan_experts         the experts call (moe.py): the decode path (decode.py: two launches, no dispatch), the
                        grouped path (dispatch, grouped_gemm.expert_gemm twice, combine; float weights, or float8 on
                        the dequant path) or the w8a8 path (fp8_gemm.w8a8_experts), with its tiles
+  plan_backward        the tiles of the experts backward (experts_backward.py): its input-gradient GEMMs and its
+                       weight-gradient GEMMs
+  plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
                        after a copy of the rows into expert order (Persistent.GATHER_FIRST tiles)
@@ -25,8 +28,8 @@ from ._checks import check_choice
 from ._device import has_tma
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
-from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, select_decode_tiles,
-                    select_fp8_tiles, select_tiles)
+from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
+                    select_decode_tiles, select_fp8_tiles, select_tiles, select_weight_grad_tile)
 
 DESCRIPTOR_DTYPES = (torch.bfloat16, torch.float16)  # what the bf16 persistent kernel's dots take
 # wgmma, the instruction the FP8 persistent kernel exists for, works on 64-row slabs per warpgroup; smaller tiles
@@ -81,6 +84,36 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
     else:
         tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype)
     return ExpertsPlan(ExpertsPath.W8A8 if w8a8 else ExpertsPath.GROUPED, tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """What `plan_backward` decided: `tiles` for the input-gradient GEMMs (gate_up's tile for dA, the down tile for
+    dX, block_m for the segments) and `weight_tile` for the weight-gradient GEMMs."""
+
+    tiles: MoeTiles
+    weight_tile: WeightGradTile
+
+
+def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
+                  dtype: torch.dtype, *, tiles: MoeTiles | None = None,
+                  weight_tile: WeightGradTile | None = None) -> BackwardPlan:
+    """The tiles of one experts backward: the forced ones where given (tuning, tests), else the forward's table for
+    the input-gradient GEMMs (they stream the same operands as the forward's GEMMs, transposed) and the weight-
+    gradient tile of the device (tiles.select_weight_grad_tile)."""
+    if tiles is None:
+        tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype)
+    if weight_tile is None:
+        weight_tile = select_weight_grad_tile(device, dtype)
+    return BackwardPlan(tiles, weight_tile)
+
+
+def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, hidden: int,
+                  dtype: torch.dtype) -> MoeTiles:
+    """The tiles of the v1 functions that start from `rows` rows already in expert order (grouped_gemm.grouped_gemm,
+    moe.expert_ffn_triton, moe.fused_expert_ffn): the forward's table at one assignment per row; a single GEMM
+    takes the `down` tile (its output is not activated)."""
+    return select_tiles(device, rows, 1, num_experts, ffn, hidden, dtype)
 
 
 def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8):
