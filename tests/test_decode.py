@@ -154,8 +154,10 @@ def run(case, inputs, tile_choice):
     options = dict(activation=case.activation, interleaved=case.interleaved, transposed=case.transposed,
                    gate_up_bias=inputs.get("gate_up_bias"), down_bias=inputs.get("down_bias"), tiles=tile_choice)
     if case.separate_up:
+        spec = moe.ExpertsSpec(case.activation, case.interleaved, case.transposed, limit=case.limit)
         return moe._run_experts(inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"], inputs["topk_ids"],
-                                inputs["topk_weights"], limit=case.limit, **options)
+                                inputs["topk_weights"], inputs.get("gate_up_bias"), inputs.get("down_bias"),
+                                spec=spec, tiles=tile_choice)
     return md.fused_experts(inputs["x"], inputs["w_gate_up"], inputs["w_down"], inputs["topk_ids"],
                             inputs["topk_weights"], swiglu_limit=case.limit, validate=False, **options)
 

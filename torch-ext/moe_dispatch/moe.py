@@ -12,6 +12,9 @@ captured in a CUDA graph and replayed with new inputs, and torch.compile traces 
 implementations with symbolic token counts.
 """
 
+import dataclasses
+import inspect
+
 import torch
 
 from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
@@ -35,6 +38,46 @@ from .tiles import DecodeTiles, MoeTiles, tiles_from_list
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """How the experts compute, apart from their tensors, tiles and FP8 scales: the weights' layout and the
+    activation (see `fused_experts`). Crosses the operator boundary as five slots (`to_args`)."""
+
+    activation: str = "silu"  # EXPERT_ACTIVATIONS
+    interleaved: bool = False  # gate and up alternate along 2F (gate first); else gate rows, then up rows
+    transposed: bool = False  # [E, H, 2F] / [E, F, H] weights (GPT-OSS) instead of [E, 2F, H] / [E, H, F]
+    alpha: float = 1.702  # swiglu_oai: sigmoid(alpha * gate)
+    limit: float = 7.0  # swiglu_oai: the clamp of gate (above) and up (both sides)
+
+    def to_args(self) -> tuple:
+        return self.activation, self.interleaved, self.transposed, float(self.alpha), float(self.limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scales:
+    """The scales of float8 expert weights and how a call computes with them (fp8.py; the arguments of the same
+    names of `fused_experts`). `compute` is resolved ("w8a8" or "dequant", planner.choose_fp8_compute). Crosses the
+    operator boundary as seven slots (`to_args`)."""
+
+    w_gate_up_scale: torch.Tensor | None
+    w_down_scale: torch.Tensor | None
+    block_shape: tuple[int, int] = (128, 128)
+    gate_up_input_scale: torch.Tensor | None = None
+    down_input_scale: torch.Tensor | None = None
+    compute: str = "dequant"
+    gate_up_scale_layout: str = "fused"
+
+    def detached(self) -> "Fp8Scales":
+        """The same scales cut from autograd (the FP8 path is forward only)."""
+        cut = {f: getattr(self, f) for f in ("w_gate_up_scale", "w_down_scale", "gate_up_input_scale",
+                                            "down_input_scale")}
+        return dataclasses.replace(self, **{f: t.detach() if t is not None else None for f, t in cut.items()})
+
+    def to_args(self) -> tuple:
+        return (self.w_gate_up_scale, self.w_down_scale, list(self.block_shape), self.gate_up_input_scale,
+                self.down_input_scale, self.compute, self.gate_up_scale_layout)
 
 
 def _check_weight_dtype(name, weight, dtype):
@@ -61,8 +104,7 @@ def _ffn_size(w_down, transposed):
     return w_down.shape[1] if transposed else w_down.shape[2]
 
 
-@custom_op("fused_experts")
-def _fused_experts_op(
+def _fused_experts_impl(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
     interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None, save_preact: bool,
@@ -76,10 +118,11 @@ def _fused_experts_op(
     [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs; without save_preact they
     are empty ([0]) and the decode path (decode.py) may run instead of the four launches (planner.plan_experts).
     `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
-    float8 weights come with their fp32 scales (fp8.py; checked by `fused_experts`), forward only: the caller passes
-    inputs that need no gradient and save_preact False. `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py,
-    with the static input scales if any) or "dequant" (grouped_gemm.py); `w_gate_up_scale_layout` as in
-    `fused_experts`.
+    The slots are the flattening of `ExpertsSpec` (activation .. limit) and `Fp8Scales` (w_gate_up_scale ..
+    w_gate_up_scale_layout; `_experts_op_args` builds them). float8 weights come with their fp32 scales (fp8.py;
+    checked by `fused_experts`), forward only: the caller passes inputs that need no gradient and save_preact False.
+    `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py, with the static input scales if any) or "dequant"
+    (grouped_gemm.py).
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -92,8 +135,9 @@ def _fused_experts_op(
     float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
     plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=forced, save_preact=save_preact,
                         fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8")
-    gate_up_scale, down_scale = _weight_scales(w_gate_up_scale, w_down_scale, fp8_block_shape, F, interleaved,
-                                               transposed, w_gate_up_scale_layout)
+    fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE),
+                    gate_up_input_scale, down_input_scale, fp8_compute, w_gate_up_scale_layout)
+    gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed)
     if plan.path is ExpertsPath.DECODE:
         out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, plan.tiles, transposed=transposed,
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
@@ -120,6 +164,19 @@ def _fused_experts_op(
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
 
 
+_fused_experts_op = custom_op("fused_experts")(_fused_experts_impl)
+# The operator's slots in schema order, read once: the one place that knows where each input sits.
+_EXPERTS_SLOTS = tuple(inspect.signature(_fused_experts_impl).parameters)
+
+
+def _experts_op_args(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec: ExpertsSpec,
+                     tiles: MoeTiles | DecodeTiles | None, save_preact: bool, fp8: Fp8Scales | None) -> tuple:
+    """The experts operator's positional arguments (the one flattening of the call's objects); without `fp8` the
+    float8 slots keep their defaults."""
+    return (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, *spec.to_args(),
+            tiles.to_list() if tiles is not None else None, save_preact, *(fp8.to_args() if fp8 is not None else ()))
+
+
 def _choose_fp8_compute(choice, tiles, x, top_k, w_gate_up, w_down, scales, block_shape, transposed):
     """planner.choose_fp8_compute for this call: whether the decode path would run it with float8 weights comes
     from the planner's plan of the call."""
@@ -140,40 +197,41 @@ def _no_backward_outputs(x):
     return x.new_empty((0,)), torch.empty(0, **index), torch.empty(0, **index), torch.empty(0, **index)
 
 
-def _weight_scales(w_gate_up_scale, w_down_scale, block_shape, num_ffn, interleaved, transposed,
-                   gate_up_layout="fused"):
+def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed):
     """fp8.WeightScale of each GEMM (None for a float weight). The gate and up views of w_gate_up read the one scale
     tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated (+F
     rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset)."""
-    block_shape = tuple(block_shape) if block_shape is not None else DEFAULT_FP8_BLOCK_SHAPE
     gate_up = down = None
-    if w_gate_up_scale is not None:
-        scheme = infer_scheme(w_gate_up_scale)
-        up_row_offset = 1 if interleaved else gate_up_row_offset(num_ffn, scheme, block_shape, transposed=transposed,
-                                                                 layout=gate_up_layout)
-        gate_up = WeightScale.of(w_gate_up_scale, scheme, block_shape, transposed=transposed,
+    if fp8.w_gate_up_scale is not None:
+        scheme = infer_scheme(fp8.w_gate_up_scale)
+        up_row_offset = 1 if interleaved else gate_up_row_offset(num_ffn, scheme, fp8.block_shape,
+                                                                 transposed=transposed,
+                                                                 layout=fp8.gate_up_scale_layout)
+        gate_up = WeightScale.of(fp8.w_gate_up_scale, scheme, fp8.block_shape, transposed=transposed,
                                  row_step=2 if interleaved else 1, up_row_offset=up_row_offset)
-    if w_down_scale is not None:
-        down = WeightScale.of(w_down_scale, infer_scheme(w_down_scale), block_shape, transposed=transposed)
+    if fp8.w_down_scale is not None:
+        down = WeightScale.of(fp8.w_down_scale, infer_scheme(fp8.w_down_scale), fp8.block_shape,
+                              transposed=transposed)
     return gate_up, down
 
 
 @_fused_experts_op.register_fake
-def _(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved,
-      transposed, alpha, limit, tiles, save_preact, w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None,
-      gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant", w_gate_up_scale_layout="fused"):
+def _(*args, **kwargs):
+    a = dict(zip(_EXPERTS_SLOTS, args), **kwargs)
+    x, topk_ids, w_down = a["x"], a["topk_ids"], a["w_down"]
     T, H = x.shape
-    if not save_preact:
+    if not a["save_preact"]:
         return (x.new_empty((T, H)), *_no_backward_outputs(x))
     N = T * topk_ids.shape[1]
-    F = _ffn_size(w_down, transposed)
+    F = _ffn_size(w_down, a["transposed"])
     index = dict(dtype=torch.int32, device=x.device)
     return (x.new_empty((T, H)), x.new_empty((N, 2 * F)), torch.empty(w_down.shape[0] + 1, **index),
             torch.empty(N, **index), torch.empty(N, **index))
 
 
-# Gradient slots of `_fused_experts_backward_op` and the forward inputs they belong to.
+# Gradient slots of `_fused_experts_backward_op`: the experts operator's inputs that can have one.
 _GRAD_INPUTS = ("x", "w_gate_up", "w_up", "w_down", "topk_weights", "gate_up_bias", "down_bias")
+_GRAD_SLOTS = tuple(_EXPERTS_SLOTS.index(name) for name in _GRAD_INPUTS)
 
 
 @custom_op("fused_experts_backward")
@@ -228,60 +286,51 @@ def _(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias
     return _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
 
 
+_SAVED = ("x", "w_gate_up", "w_up", "w_down", "topk_ids", "topk_weights", "gate_up_bias", "down_bias")
+
+
 def _fused_experts_setup_context(ctx, inputs, output):
-    (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, activation, interleaved, transposed,
-     alpha, limit, _, save_preact, *_fp8) = inputs
+    a = dict(zip(_EXPERTS_SLOTS, inputs))
     _, preact, expert_offsets, gather_idx, scatter_idx = output
-    ctx.save_for_backward(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
-                          expert_offsets, gather_idx, scatter_idx)
-    ctx.options = (activation, interleaved, transposed, alpha, limit, save_preact)
+    ctx.save_for_backward(*(a[name] for name in _SAVED), preact, expert_offsets, gather_idx, scatter_idx)
+    ctx.spec = ExpertsSpec(a["activation"], a["interleaved"], a["transposed"], a["alpha"], a["limit"])
+    ctx.save_preact = a["save_preact"]
 
 
 def _fused_experts_backward(ctx, grad_out, *_):
-    (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact, expert_offsets, gather_idx,
-     scatter_idx) = ctx.saved_tensors
-    activation, interleaved, transposed, alpha, limit, save_preact = ctx.options
-    if not save_preact:
+    if not ctx.save_preact:
         raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
                            "cannot backward through it")
-    # Slots in _GRAD_INPUTS order; topk_ids (input 4) has no gradient.
-    needs = [bool(ctx.needs_input_grad[i]) for i in (0, 1, 2, 3, 5, 6, 7)]
-    grads = _fused_experts_backward_op(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias,
-                                       down_bias, preact, expert_offsets, gather_idx, scatter_idx, activation,
-                                       interleaved, transposed, alpha, limit, needs)
-    d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = (
-        g if need else None for g, need in zip(grads, needs))
-    return (d_x, d_w_gate_up, d_w_up, d_w_down, None, d_topk, d_gate_up_bias, d_down_bias) + (None,) * 14
+    needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_SLOTS]
+    grads = _fused_experts_backward_op(grad_out, *ctx.saved_tensors, *ctx.spec.to_args(), needs)
+    by_slot = {slot: g if need else None for slot, g, need in zip(_GRAD_SLOTS, grads, needs)}
+    return tuple(by_slot.get(slot) for slot in range(len(_EXPERTS_SLOTS)))  # None for every other input
 
 
 _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
 
 
 def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias=None, down_bias=None, *,
-                 activation="silu", interleaved=False, transposed=False, alpha=1.702, limit=7.0, tiles=None,
-                 w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE,
-                 gate_up_input_scale=None, down_input_scale=None, fp8_compute="dequant",
-                 w_gate_up_scale_layout="fused"):
+                 spec: ExpertsSpec = ExpertsSpec(), tiles: MoeTiles | DecodeTiles | None = None,
+                 fp8: Fp8Scales | None = None):
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
-    With float8 weights (forward only) every input is detached: the output carries no gradient (warned once).
-    `fp8_compute` is "w8a8" or "dequant" (resolved by `planner.choose_fp8_compute`)."""
+    With float8 weights (forward only; `fp8` their scales, its `compute` resolved by planner.choose_fp8_compute)
+    every input is detached: the output carries no gradient (warned once)."""
     inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
-    fp8 = is_fp8(w_gate_up) or is_fp8(w_down)
-    if fp8:
+    float8 = is_fp8(w_gate_up) or is_fp8(w_down)
+    if float8:
         warn_if_gradient_cut("fused_experts with float8 weights", hidden_states=x, topk_weights=topk_weights,
                              gate_up_bias=gate_up_bias, down_bias=down_bias)
         x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias = (
             t.detach() if t is not None else None for t in inputs)
-        w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale = (
-            s.detach() if s is not None else None
-            for s in (w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale))
-    save_preact = not fp8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    scales = (w_gate_up_scale, w_down_scale, list(fp8_block_shape), gate_up_input_scale, down_input_scale,
-              fp8_compute, w_gate_up_scale_layout) if fp8 else ()
-    return call(_fused_experts_op, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
-                activation, interleaved, transposed, float(alpha), float(limit),
-                tiles.to_list() if tiles is not None else None, save_preact, *scales)[0]
+        fp8 = (fp8 or Fp8Scales(None, None)).detached()
+    else:
+        fp8 = None
+    save_preact = not float8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    args = _experts_op_args(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec, tiles,
+                            save_preact, fp8)
+    return call(_fused_experts_op, *args)[0]
 
 
 def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
@@ -444,13 +493,11 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         if scale is not None and reads_values(validate, scale):
             raise_problems(input_scale_problems(name, scale))
 
-    out = _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
-                       activation=activation, interleaved=interleaved, transposed=transposed, alpha=swiglu_alpha,
-                       limit=swiglu_limit, tiles=tiles, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
-                       fp8_block_shape=fp8_block_shape, gate_up_input_scale=gate_up_input_scale,
-                       down_input_scale=down_input_scale, fp8_compute=fp8_compute,
-                       w_gate_up_scale_layout=w_gate_up_scale_layout)
-    return out
+    spec = ExpertsSpec(activation, interleaved, transposed, swiglu_alpha, swiglu_limit)
+    fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape), gate_up_input_scale, down_input_scale,
+                    fp8_compute, w_gate_up_scale_layout)
+    return _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec=spec,
+                        tiles=tiles, fp8=fp8)
 
 
 def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
