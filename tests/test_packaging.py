@@ -812,6 +812,25 @@ def _package_imports(source: str) -> set:
     return found
 
 
+def _jit_functions(source: str) -> set:
+    """Names of a module's top-level (or top-level `if`-nested) `@triton.jit` functions."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+            found.add(node.name)
+    return found
+
+
+def _imported_names(source: str, module: str) -> set:
+    """The names `source` imports from the package's module `module` (`from .module import a, b`)."""
+    import ast
+
+    return {alias.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+            and node.level == 1 and node.module == module for alias in node.names}
+
+
 def test_package_import_graph_has_no_cycle_and_the_kernels_floor_imports_nothing():
     """The package's modules import each other without a cycle, no module imports another inside a function to dodge
     one, and the `@triton.jit` floor (gemm_jit.py) imports nothing of the package."""
@@ -849,6 +868,17 @@ def test_package_import_graph_has_no_cycle_and_the_kernels_floor_imports_nothing
             stack.append(dep)
     launchers = {name for name in below | {"planner"} if re.search(r"\blaunch(_gather)?\(", sources[name])}
     assert not launchers, f"the planner reaches modules that launch kernels: {sorted(launchers)}"
+
+    # The kernels floor: modules whose `@triton.jit` helpers other modules import hold no launcher and import only
+    # the floor and host-side base modules (no stage, no launcher); every launcher lives beside its own kernels.
+    floor = {name for name, text in sources.items()
+             for user, used in ((u, _imported_names(sources[u], name)) for u in sources)
+             if used & _jit_functions(text)}
+    assert {"gemm_jit", "fp8_jit"} <= floor, floor
+    for name in floor:
+        assert not re.search(r"\blaunch\(", sources[name]), f"{name} holds shared jit code and launches kernels"
+        above = graph[name] - floor - {"_device", "_host_math"}
+        assert not above, f"the jit floor module {name} imports {sorted(above)}"
 
     # The tile choice has one home: only the planner asks the tables (tiles.py's select_* functions).
     choosers = {name for name, text in sources.items() if name not in ("planner", "tiles")
