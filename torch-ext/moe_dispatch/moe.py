@@ -14,6 +14,7 @@ implementations with symbolic token counts.
 
 import dataclasses
 import inspect
+from typing import Literal
 
 import torch
 
@@ -399,11 +400,17 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
     return T, H, E, F
 
 
-def fused_experts(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation="silu", gate_up_bias=None,
-                  down_bias=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                  validate=None, validate_ids=None, tiles: MoeTiles | DecodeTiles | None = None, w_gate_up_scale=None,
-                  w_down_scale=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, gate_up_input_scale=None,
-                  down_input_scale=None, fp8_compute="auto", w_gate_up_scale_layout="fused"):
+def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, *, activation: Literal["silu", "swiglu_oai"] = "silu",
+                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                  interleaved: bool = False, transposed: bool = False, swiglu_alpha: float = 1.702,
+                  swiglu_limit: float = 7.0, validate: bool | None = None, validate_ids: bool | None = None,
+                  tiles: MoeTiles | DecodeTiles | None = None, w_gate_up_scale: torch.Tensor | None = None,
+                  w_down_scale: torch.Tensor | None = None,
+                  fp8_block_shape: tuple[int, int] | list[int] = DEFAULT_FP8_BLOCK_SHAPE,
+                  gate_up_input_scale: torch.Tensor | None = None, down_input_scale: torch.Tensor | None = None,
+                  fp8_compute: Literal["auto", "w8a8", "dequant"] = "auto",
+                  w_gate_up_scale_layout: Literal["fused", "merged"] = "fused") -> torch.Tensor:
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -518,10 +525,13 @@ def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
     return F
 
 
-def fused_moe_forward(hidden_states, router_weight, w_gate, w_up, w_down, num_experts, top_k, gating="softmax", *,
-                      renormalize=None, router_bias=None, n_group=None, topk_group=None, e_score_correction_bias=None,
-                      routed_scaling_factor=1.0, capacity_factor=None,
-                      tiles: MoeTiles | DecodeTiles | None = None):
+def fused_moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor,
+                      w_up: torch.Tensor, w_down: torch.Tensor, num_experts: int, top_k: int,
+                      gating: Literal["softmax", "sigmoid"] = "softmax", *, renormalize: bool | None = None,
+                      router_bias: torch.Tensor | None = None, n_group: int | None = None,
+                      topk_group: int | None = None, e_score_correction_bias: torch.Tensor | None = None,
+                      routed_scaling_factor: float = 1.0, capacity_factor: float | None = None,
+                      tiles: MoeTiles | DecodeTiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Whole MoE layer (v1 API): route, then run the experts.
 
     hidden_states [..., H], router_weight [E, H], w_gate and w_up [E, F, H], w_down [E, H, F]. Routing semantics are
@@ -616,7 +626,8 @@ def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offset
     check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
-def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, *, validate=None):
+def expert_ffn_triton(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      expert_offsets: torch.Tensor, num_experts: int, *, validate: bool | None = None) -> torch.Tensor:
     """v1 API: per-expert SwiGLU FFN on rows already in expert order. Returns [M, H]; rows past expert_offsets[-1]
     are zero. `validate` as in grouped_gemm. Forward-only."""
     _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate)
@@ -624,8 +635,10 @@ def expert_ffn_triton(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num
     return call(_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, None, 1, None)
 
 
-def fused_expert_ffn(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, top_k_weights, sorted_idx,
-                     num_tokens, top_k, *, validate=None):
+def fused_expert_ffn(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                     expert_offsets: torch.Tensor, num_experts: int, top_k_weights: torch.Tensor,
+                     sorted_idx: torch.Tensor, num_tokens: int, top_k: int, *,
+                     validate: bool | None = None) -> torch.Tensor:
     """v1 API: expert FFN on permuted rows, then the weighted combine back to token order -> [num_tokens, H].
 
     sorted_idx[p] is the assignment id (t * top_k + j) of row p, as returned by permute_tokens (-1: no assignment).
