@@ -230,7 +230,8 @@ def _check_grad(grad, x, num_assignments, top_k):
     _check_num_tokens("grad", grad.shape[0], num_assignments, top_k)
 
 
-def binned_gather(x, indices, weights, bins, expert_capacity, top_k, *, validate=None):
+def binned_gather(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
+                  expert_capacity: int, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Capacity-limited gather: x [T, H] -> [E, C, H], each expert's first C assignments, unused slots zero.
 
     out[e, j] = x[a // top_k] * weights[a] with a = indices[start_e + j], for j < min(C, count_e); assignments at
@@ -249,7 +250,8 @@ def binned_gather(x, indices, weights, bins, expert_capacity, top_k, *, validate
     return out.view(num_experts, expert_capacity, hidden)
 
 
-def binned_scatter(x, indices, weights, bins, top_k, *, validate=None):
+def binned_scatter(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
+                   *, validate: bool | None = None) -> torch.Tensor:
     """Capacity-limited scatter: [E, C, H] -> [T, H], summing each token's top_k kept rows; dropped ones add zero.
 
     out[t] = sum_j x[e, i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e, kept when i < C =
@@ -267,7 +269,8 @@ def binned_scatter(x, indices, weights, bins, top_k, *, validate=None):
     return _scatter(x.reshape(-1, x.shape[2]), weights, indices, bins, None, layout, num_assignments // top_k)
 
 
-def binned_scatter_wgrad(x, grad, indices, bins, top_k, *, validate=None):
+def binned_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, top_k: int, *,
+                         validate: bool | None = None) -> torch.Tensor:
     """Gradient of `binned_scatter` with respect to its weights: [T * top_k] in x's dtype, 0 for dropped assignments.
 
     wgrad[a] = sum_h x[e, i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
@@ -284,7 +287,8 @@ def binned_scatter_wgrad(x, grad, indices, bins, top_k, *, validate=None):
     return _wgrad(x.reshape(-1, x.shape[2]), grad, indices, bins, None, layout)
 
 
-def gather(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
+def gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
+           bins: torch.Tensor, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Dropless gather: x [T, H] -> [N, H] in expert-sorted order, no padding, nothing dropped.
 
     out[p] = x[indices[p] // top_k] * weights[indices[p]]. `weights` may be None. Differentiable in x and weights.
@@ -298,7 +302,8 @@ def gather(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
     return _gather(x, weights, indices, None, None, layout, num_assignments)
 
 
-def scatter(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
+def scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
+            bins: torch.Tensor, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Dropless scatter: [N, H] in expert-sorted order -> [T, H], summing each token's top_k rows.
 
     out[t] = sum_j x[p(a)] * weights[a] over a = t * top_k + j, p(a) its sorted position, summed in order j in fp32.
@@ -315,7 +320,8 @@ def scatter(x, indices, bin_ids, weights, bins, top_k, *, validate=None):
     return _scatter(x, weights, indices, None, None, layout, num_assignments // top_k)
 
 
-def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, *, validate=None):
+def scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
+                  top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Gradient of `scatter` with respect to its weights: [T * top_k] in x's dtype.
 
     wgrad[a] = sum_h x[p(a), h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
@@ -331,7 +337,9 @@ def scatter_wgrad(x, grad, indices, bin_ids, bins, top_k, *, validate=None):
     return _wgrad(x, grad, indices, None, None, Layout(PLAIN.value, top_k))
 
 
-def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num_rows=None, validate=None):
+def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
+                  bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *, num_rows: int | None = None,
+                  validate: bool | None = None) -> torch.Tensor:
     """Block-padded gather: x [T, H] -> [R, H], expert e's rows starting at padded_bins[e - 1], padding zero.
 
     out[padded_start_e + j] = x[a // top_k] * weights[a] with a = indices[start_e + j]. R = num_rows when given (rows
@@ -354,7 +362,9 @@ def padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, num
     return _gather(x, weights, indices, bins, padded_bins, layout, num_rows)
 
 
-def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, validate=None):
+def padded_scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
+                   bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
+                   validate: bool | None = None) -> torch.Tensor:
     """Block-padded scatter: [R, H] -> [T, H], summing each token's top_k rows; padding rows are never read.
 
     out[t] = sum_j x[padded_start_e + i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e).
@@ -369,7 +379,9 @@ def padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, *, va
     return _scatter(x, weights, indices, bins, padded_bins, layout, num_assignments // top_k)
 
 
-def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, *, validate=None):
+def padded_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+                         bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
+                         validate: bool | None = None) -> torch.Tensor:
     """Gradient of `padded_scatter` with respect to its weights: [T * top_k] in x's dtype.
 
     wgrad[a] = sum_h x[padded_start_e + i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
@@ -386,7 +398,7 @@ def padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, *,
 _SORT_BITS = {torch.int16: 16, torch.int32: 32, torch.int64: 64}
 
 
-def sort(x, end_bit=None):
+def sort(x: torch.Tensor, end_bit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable sort of a 1-D integer tensor: (sorted values, permutation), both in x's dtype, like MegaBlocks' ops.sort.
 
     Only the low `end_bit` bits are keys (all bits when None), as in a radix sort over bits [0, end_bit); the values
@@ -404,7 +416,7 @@ def sort(x, end_bit=None):
     return x[permutation], permutation.to(x.dtype)
 
 
-def histogram(x, max_val):
+def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
     """int32 counts of each value in [0, max_val), like MegaBlocks' ops.histogram; out-of-range values are ignored.
 
     x is 1-D ([max_val] out) or 2-D (one histogram per row, [rows, max_val] out). Sync-free.
@@ -420,7 +432,7 @@ def histogram(x, max_val):
     return counts[..., :max_val].contiguous()
 
 
-def inclusive_cumsum(x, dim):
+def inclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Inclusive prefix sum along `dim` in x's own dtype (torch.cumsum would widen int32 to int64)."""
     check_tensor("x", x)
     if not isinstance(dim, int) or isinstance(dim, bool):
@@ -431,7 +443,7 @@ def inclusive_cumsum(x, dim):
     return torch.cumsum(x, dim, dtype=x.dtype)
 
 
-def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """MegaBlocks' expert capacity: C = int(capacity_factor * (top_k * num_tokens / num_experts)).
 
     C can be 0 (few tokens or a small factor); MegaBlocks' layer then falls back to the largest expert count, i.e.
@@ -445,7 +457,7 @@ def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
     return int(capacity_factor * tokens_per_expert)
 
 
-def capacity_keep_mask(topk_ids, num_experts, capacity):
+def capacity_keep_mask(topk_ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """bool [T, top_k]: which assignments fit in `capacity` slots per expert (MegaBlocks' dropping rule).
 
     Each expert keeps its earliest assignments in the order a = t * top_k + j (MegaBlocks sorts stably); ids outside
@@ -466,7 +478,7 @@ def capacity_keep_mask(topk_ids, num_experts, capacity):
     return keep.view(topk_ids.shape)
 
 
-def drop_over_capacity(topk_ids, num_experts, capacity_factor):
+def drop_over_capacity(topk_ids: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
     """topk_ids with the assignments MegaBlocks drops at `capacity_factor` replaced by num_experts ("no expert").
 
     C = expert_capacity(T, top_k, num_experts, capacity_factor); when C is 0 nothing is dropped (MegaBlocks' fallback

@@ -49,7 +49,8 @@ def _combine_kernel(
              b_acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_h[None, :])
 
 
-def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=None):
+def combine(y: torch.Tensor, row_idx: torch.Tensor, num_tokens: int, top_k: int, weights: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out [T, H] = sum over j of (weights[t, j] *) y[row_idx[t * top_k + j]]. y rows must have unit stride in H."""
     H = y.shape[1]
     if out is None:
@@ -69,7 +70,8 @@ def combine(y, row_idx, num_tokens, top_k, weights=None, out=None, out_dtype=Non
     return out
 
 
-def unpermute_tokens(expert_outputs, top_k_weights, restore_idx, num_tokens, top_k, *, validate=None):
+def unpermute_tokens(expert_outputs: torch.Tensor, top_k_weights: torch.Tensor, restore_idx: torch.Tensor,
+                     num_tokens: int, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """v1 API: out[t] = sum_j top_k_weights[t, j] * expert_outputs[restore_idx[t * top_k + j]] -> [T, H].
 
     expert_outputs [T*top_k, H] in expert order (as returned by permute_tokens and the grouped GEMMs), restore_idx

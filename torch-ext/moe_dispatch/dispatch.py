@@ -67,20 +67,20 @@ class DispatchInfo:
     tile_row_start: torch.Tensor
 
     @property
-    def num_assignments(self):
+    def num_assignments(self) -> int:
         return self.num_tokens * self.top_k
 
     @property
-    def max_tiles(self):
+    def max_tiles(self) -> int:
         return self.tile_expert.shape[0]
 
     @property
-    def expert_counts(self):
+    def expert_counts(self) -> torch.Tensor:
         """[E] assignments per expert (a device op, for callers and tests)."""
         return self.expert_offsets[1:] - self.expert_offsets[:-1]
 
 
-def max_tiles_bound(num_assignments, num_experts, block_m):
+def max_tiles_bound(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Most row tiles any routing of N assignments over E experts can need: each non-empty expert wastes < block_m rows."""
     return (num_assignments + min(num_experts, num_assignments) * (block_m - 1)) // block_m
 
@@ -295,7 +295,7 @@ def _assign_positions_kernel(
                     BLOCK_E, BLOCK_M, TILES_PER_CHUNK)
 
 
-def dispatch(topk_ids, num_experts, block_m):
+def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> DispatchInfo:
     """Sort the assignments of `topk_ids` [T, top_k] (int32/int64, any strides) by expert; see `DispatchInfo`."""
     T, top_k = topk_ids.shape
     N = T * top_k
@@ -343,7 +343,9 @@ def dispatch(topk_ids, num_experts, block_m):
     return info
 
 
-def permute_tokens(hidden_states, top_k_indices, num_experts, *, validate=None, validate_ids=None):
+def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num_experts: int, *,
+                   validate: bool | None = None,
+                   validate_ids: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert (v1 API).
 
     hidden_states [T, H], top_k_indices [T, top_k]. Returns (permuted_tokens [T*top_k, H], expert_offsets [E+1] int64,
@@ -391,7 +393,8 @@ def _segment_tile_map_kernel(
                     BLOCK_E, BLOCK_M, BLOCK_TILES)
 
 
-def segment_dispatch(expert_offsets, num_rows, num_experts, block_m, gather_idx=None, top_k=1):
+def segment_dispatch(expert_offsets: torch.Tensor, num_rows: int, num_experts: int, block_m: int,
+                     gather_idx: torch.Tensor | None = None, top_k: int = 1) -> DispatchInfo:
     """DispatchInfo for `num_rows` rows already sorted by expert (v1 functions that take `expert_offsets`).
 
     gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None). The offsets the

@@ -39,16 +39,19 @@ checkpoint's per-tensor or per-expert `input_scale`, x ≈ x_fp8 * input_scale) 
 
 import dataclasses
 import math
+from collections.abc import Callable, Collection, Sequence
+from typing import Literal
 
 import torch
 
 from ._checks import check_choice, check_tensor
 from ._device import has_fp8_tensor_cores, is_hip
+from .gemm_jit import WeightScaleCode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 SCHEMES = ("block", "channel", "tensor")
-# `WEIGHT_SCALE` constexpr of the grouped GEMMs: 0 is a float weight without scales.
-SCHEME_CODES = {"tensor": 1, "channel": 2, "block": 3}
+# The WEIGHT_SCALE code of each scheme (gemm_jit.WeightScaleCode; float weights have NONE).
+SCHEME_CODES = {"tensor": WeightScaleCode.TENSOR, "channel": WeightScaleCode.CHANNEL, "block": WeightScaleCode.BLOCK}
 FP8_COMPUTE = ("auto", "w8a8", "dequant")
 GATE_UP_SCALE_LAYOUTS = ("fused", "merged")  # `w_gate_up_scale_layout` (module docstring)
 W8A8_DTYPE = torch.float8_e4m3fn  # the operand type of NVIDIA's FP8 tensor cores (Triton's fp8e4nv)
@@ -56,18 +59,20 @@ W8A8_DTYPE = torch.float8_e4m3fn  # the operand type of NVIDIA's FP8 tensor core
 W8A8_MIN_GROUP = 32
 
 
-def is_fp8(tensor) -> bool:
+def is_fp8(tensor: object) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
 
 
-def check_block_shape(block_shape):
+def check_block_shape(block_shape: tuple[int, int] | list[int]) -> tuple[int, int]:
     if (not isinstance(block_shape, (tuple, list)) or len(block_shape) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_shape)):
         raise ValueError(f"fp8_block_shape must be two positive ints, got {block_shape!r}")
     return tuple(block_shape)
 
 
-def scale_shape(weight_shape, scheme, block_shape=(128, 128), *, n_axis=1, gate_up_layout="fused"):
+def scale_shape(weight_shape: Sequence[int], scheme: Literal["block", "channel", "tensor"],
+                block_shape: tuple[int, int] | list[int] = (128, 128), *, n_axis: Literal[1, 2] = 1,
+                gate_up_layout: Literal["fused", "merged"] = "fused") -> tuple[int, ...]:
     """Expected scale shape of an [E, d1, d2] weight under `scheme`; `n_axis` is the output (N) axis (1, or 2 for a
     transposed weight). `gate_up_layout` "merged": block scales of a gate/up weight (N = 2F) as two halves of
     ceil(F/b) blocks each (module docstring)."""
@@ -83,12 +88,15 @@ def scale_shape(weight_shape, scheme, block_shape=(128, 128), *, n_axis=1, gate_
     return (E,)
 
 
-def infer_scheme(scale) -> str:
+def infer_scheme(scale: torch.Tensor) -> Literal["block", "channel", "tensor", "unknown"]:
     """The scheme a scale's rank names: 3 block, 2 channel, 1 tensor."""
     return {3: "block", 2: "channel", 1: "tensor"}.get(scale.dim(), "unknown")
 
 
-def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1, gate_up_layout=None):
+def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor | None,
+                     block_shape: tuple[int, int] | list[int], *, n_axis: Literal[1, 2] = 1,
+                     gate_up_layout: Literal["fused", "merged"] | None = None
+                     ) -> Literal["block", "channel", "tensor"] | None:
     """A weight and its optional scale: float8 needs an fp32 scale of a matching shape, a float weight takes none.
     `gate_up_layout`: the `w_gate_up_scale_layout` of a gate/up weight's scale (None for other weights). Returns the
     scheme ("block", "channel", "tensor") or None for a float weight."""
@@ -120,7 +128,8 @@ def check_fp8_weight(name, weight, scale_name, scale, block_shape, *, n_axis=1, 
     return scheme
 
 
-def check_gate_up_scale_layout(layout, interleaved, scale):
+def check_gate_up_scale_layout(layout: Literal["fused", "merged"], interleaved: bool,
+                               scale: torch.Tensor | None) -> None:
     """`w_gate_up_scale_layout`: one of GATE_UP_SCALE_LAYOUTS; "merged" stacks the halves' own scales, which
     interleaved gate/up rows do not have."""
     check_choice("w_gate_up_scale_layout", layout, GATE_UP_SCALE_LAYOUTS)
@@ -130,7 +139,9 @@ def check_gate_up_scale_layout(layout, interleaved, scale):
                          "'fused')")
 
 
-def gate_up_row_offset(num_ffn, scheme, block_shape, *, transposed, layout):
+def gate_up_row_offset(num_ffn: int, scheme: Literal["block", "channel", "tensor"],
+                       block_shape: tuple[int, int] | list[int], *, transposed: bool,
+                       layout: Literal["fused", "merged"]) -> int:
     """The row of w_gate_up's scales where the up half (concatenated rows) starts, in the unsplit weight's row
     coordinates (WeightScale.up_row_offset): F; merged block scales, F rounded up to whole blocks of N, so that up's
     row j reads block ceil(F/b) + j // b."""
@@ -140,7 +151,7 @@ def gate_up_row_offset(num_ffn, scheme, block_shape, *, transposed, layout):
     return num_ffn
 
 
-def check_fp8_dtype_on_device(name, weight, device):
+def check_fp8_dtype_on_device(name: str, weight: torch.Tensor, device: torch.device) -> None:
     """float8_e4m3fnuz (AMD's format) on an NVIDIA GPU: Triton's NVIDIA backend has no such type (the H200 failed to
     compile the dequant loads), so it is refused naming the weight rather than failing in the compiler."""
     if weight.dtype == torch.float8_e4m3fnuz and device.type == "cuda" and not is_hip():
@@ -178,7 +189,7 @@ class WeightScale:
         return cls(scale, SCHEME_CODES[scheme], (scale.stride(0), 0, 0))
 
 
-def fp8_max(dtype) -> float:
+def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
@@ -212,7 +223,10 @@ def _expand_scale(scale, scheme, shape, block_shape, n_axis=1):
 
 
 @torch.no_grad()
-def quantize_experts_fp8(w, scheme="block", *, block_shape=(128, 128), dtype=torch.float8_e4m3fn, n_axis=1):
+def quantize_experts_fp8(w: torch.Tensor, scheme: Literal["block", "channel", "tensor"] = "block", *,
+                         block_shape: tuple[int, int] | list[int] = (128, 128),
+                         dtype: torch.dtype = torch.float8_e4m3fn,
+                         n_axis: Literal[1, 2] = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize expert weights w [E, d1, d2] (any float dtype) -> (w_fp8 of `dtype`, scale fp32) with w ≈ w_fp8 * scale.
 
     scheme "block": scale [E, ceil(d1/b1), ceil(d2/b2)] for block_shape (b1, b2) (the weight's trailing partial blocks
@@ -241,7 +255,10 @@ def quantize_experts_fp8(w, scheme="block", *, block_shape=(128, 128), dtype=tor
     return q.to(dtype), scale.contiguous()
 
 
-def dequantize_experts_fp8(w_fp8, scale, scheme=None, block_shape=(128, 128), *, dtype=torch.float32, n_axis=1):
+def dequantize_experts_fp8(w_fp8: torch.Tensor, scale: torch.Tensor,
+                           scheme: Literal["block", "channel", "tensor"] | None = None,
+                           block_shape: tuple[int, int] | list[int] = (128, 128), *, dtype: torch.dtype = torch.float32,
+                           n_axis: Literal[1, 2] = 1) -> torch.Tensor:
     """w_fp8 * scale (each element times the scale of its block, channel or expert) in `dtype`. `scheme` defaults to
     the one the scale's rank names; `n_axis` as in `quantize_experts_fp8`."""
     block_shape = check_block_shape(block_shape)
@@ -253,13 +270,14 @@ def dequantize_experts_fp8(w_fp8, scale, scheme=None, block_shape=(128, 128), *,
     return (w_fp8.to(torch.float32) * expanded).to(dtype)
 
 
-def k_block(block_shape, transposed) -> int:
+def k_block(block_shape: Sequence[int], transposed: bool) -> int:
     """The K side of a block shape: weights are stored [E, n, K] (block_shape[1]) or, transposed, [E, K, n]
     (block_shape[0])."""
     return block_shape[0] if transposed else block_shape[1]
 
 
-def w8a8_refusal(device, weights, schemes, block_shape, transposed):
+def w8a8_refusal(device: torch.device, weights: dict[str, torch.Tensor], schemes: Collection[str],
+                 block_shape: Sequence[int], transposed: bool) -> str | None:
     """Why "w8a8" cannot run these weights on `device` (a sentence), or None when it can. The CPU (Triton's
     interpreter) runs it when asked, so the tests can check it; "auto" still takes "dequant" there."""
     for name, weight in weights.items():
@@ -278,7 +296,8 @@ def w8a8_refusal(device, weights, schemes, block_shape, transposed):
     return None
 
 
-def check_input_scale(name, scale, weight_name, weight, num_experts):
+def check_input_scale(name: str, scale: torch.Tensor | None, weight_name: str, weight: torch.Tensor,
+                      num_experts: int) -> None:
     """A static activation scale: None, or fp32 of shape [] / [1] (per tensor) or [E] (per expert), given with a
     float8 weight."""
     if scale is None:
@@ -294,7 +313,7 @@ def check_input_scale(name, scale, weight_name, weight, num_experts):
                          f"[{num_experts}]), got shape {tuple(scale.shape)}")
 
 
-def input_scale_problems(name, scale):
+def input_scale_problems(name: str, scale: torch.Tensor) -> list[tuple[torch.Tensor, Callable[[], str]]]:
     """(flag, message) pairs for _checks.raise_problems: a static scale must be positive and finite."""
     return [(~(torch.isfinite(scale) & (scale > 0)).all(),
              lambda: f"{name} must be positive and finite, got {scale.flatten()[:8].tolist()}")]

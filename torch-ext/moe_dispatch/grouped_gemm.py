@@ -188,7 +188,8 @@ def _(tokens, weights, expert_offsets):
     return tokens.new_empty((tokens.shape[0], weights.shape[1]))
 
 
-def grouped_gemm(tokens, weights, expert_offsets, num_experts, *, validate=None):
+def grouped_gemm(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int, *,
+                 validate: bool | None = None) -> torch.Tensor:
     """v1 API: out[r] = tokens[r] @ weights[e].T for every row r of segment e. tokens [M, K], weights [E, N, K].
 
     `validate`: check expert_offsets' values (start at 0, non-decreasing, end <= M; ValueError otherwise); None checks

@@ -20,6 +20,8 @@ Semantics (kept from the v1 seed API, extended with DeepSeek-V3 routing):
             seed) by w / (sum(w) + eps) with eps 0 for softmax and 1e-6 for sigmoid; then times routed_scaling_factor.
 """
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -354,8 +356,11 @@ def route_with_grad(x, router_weight, top_k, gating="softmax", router_bias=None,
     return topk_ids, topk_weights, logits
 
 
-def moe_router(hidden_states, router_weight, top_k, gating="softmax", router_bias=None, *, renormalize=None,
-               n_group=None, topk_group=None, e_score_correction_bias=None, routed_scaling_factor=1.0):
+def moe_router(hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+               gating: Literal["softmax", "sigmoid"] = "softmax", router_bias: torch.Tensor | None = None, *,
+               renormalize: bool | None = None, n_group: int | None = None, topk_group: int | None = None,
+               e_score_correction_bias: torch.Tensor | None = None,
+               routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route tokens to experts.
 
     hidden_states [..., H], router_weight [E, H]. Returns (top_k_indices [T, top_k] int64, top_k_weights [T, top_k] in
