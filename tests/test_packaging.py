@@ -161,6 +161,7 @@ def test_build_toml_passes_the_kernels_parser():
     noarch = config["torch-noarch"]
     assert noarch["cuda_capabilities"] == ["8.0", "9.0"] and noarch["rocm_archs"] == ["gfx942"]
     assert "json" in noarch["pyext"]  # configs/*.json ship with the package
+    assert "typed" in noarch["pyext"]  # and the py.typed marker (PEP 561)
 
 
 def test_flake_is_in_the_builder_form():
@@ -220,7 +221,8 @@ DEV_VERSION = r"1\.0\.[01]\.dev0\+g{rev}(\.dirty)?"  # before the v1.0.0 tag exi
 def package_files() -> set[str]:
     src = ROOT / "torch-ext" / "moe_dispatch"
     return {p.relative_to(src).as_posix() for p in src.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json") and p.name not in GENERATED}
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json", ".typed")
+            and p.name not in GENERATED}
 
 
 def built_version(variant_dir: Path) -> str:
@@ -237,6 +239,7 @@ def test_build_writes_each_variant(build_run):
         files = {p.relative_to(vdir).as_posix() for p in vdir.rglob("*") if p.is_file()}
         assert files == package_files() | GENERATED, variant
         assert any(f.startswith("configs/") and f.endswith(".json") for f in files)
+        assert "py.typed" in files  # the package says it is typed (PEP 561), beside its __init__.py
         for rel in package_files():
             assert (vdir / rel).read_bytes() == (ROOT / "torch-ext" / "moe_dispatch" / rel).read_bytes()
         metadata = Metadata.read_from_file(vdir / "metadata.json")  # the loader's strict parser

@@ -45,7 +45,9 @@ Choices:
 - Not for torch.compile (the dropless split sizes are data-dependent; not tested in capacity mode).
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple, Self
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,7 @@ class _Plan(NamedTuple):
     stats: ExpertParallelStats
 
 
-def ep_capacity(num_tokens, top_k, world_size, capacity_factor):
+def ep_capacity(num_tokens: int, top_k: int, world_size: int, capacity_factor: float) -> int:
     """Rows per (source, destination) pair in capacity mode: C = int(capacity_factor * num_tokens * top_k / world_size)
     clamped to num_tokens (a source never has more rows for one destination); C = 0 means no dropping (C =
     num_tokens), as MegaBlocks falls back to the largest count."""
@@ -224,10 +226,14 @@ class _Combine(torch.autograd.Function):
                          ctx.world_size), None, None, None
 
 
-def ep_fused_experts(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights, group=None, *,
-                     capacity_factor=None, max_tokens_per_rank=None, activation="silu", gate_up_bias_local=None,
-                     down_bias_local=None, interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                     num_experts=None, validate=None, return_stats=False):
+def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                     capacity_factor: float | None = None, max_tokens_per_rank: int | None = None,
+                     activation: Literal["silu", "swiglu_oai"] = "silu", gate_up_bias_local: torch.Tensor | None = None,
+                     down_bias_local: torch.Tensor | None = None, interleaved: bool = False, transposed: bool = False,
+                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, num_experts: int | None = None,
+                     validate: bool | None = None,
+                     return_stats: bool = False) -> torch.Tensor | tuple[torch.Tensor, ExpertParallelStats]:
     """`fused_experts` with the experts sharded over the ranks of `group` (default: the default process group).
 
     Rank r holds experts [r * E_local, (r + 1) * E_local): w_gate_up_local / w_down_local / the biases are
@@ -299,8 +305,9 @@ class ExpertParallelExperts(torch.nn.Module):
     _OPTIONS = ("capacity_factor", "max_tokens_per_rank", "activation", "interleaved", "transposed", "swiglu_alpha",
                 "swiglu_limit", "num_experts", "validate")
 
-    def __init__(self, w_gate_up_local, w_down_local, group=None, *, gate_up_bias_local=None, down_bias_local=None,
-                 **options):
+    def __init__(self, w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor,
+                 group: dist.ProcessGroup | None = None, *, gate_up_bias_local: torch.Tensor | None = None,
+                 down_bias_local: torch.Tensor | None = None, **options: Any) -> None:
         super().__init__()
         unknown = sorted(set(options) - set(self._OPTIONS))
         if unknown:
@@ -313,7 +320,9 @@ class ExpertParallelExperts(torch.nn.Module):
         self.options = options
 
     @classmethod
-    def from_experts(cls, w_gate_up, w_down, group=None, *, gate_up_bias=None, down_bias=None, **options):
+    def from_experts(cls, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                     **options: Any) -> Self:
         """Keep this rank's rows [r * E_local, (r + 1) * E_local) of all-expert tensors (copies, E divisible by W)."""
         W, rank = _group_size_and_rank(group)
         E = w_gate_up.shape[0]
@@ -328,7 +337,8 @@ class ExpertParallelExperts(torch.nn.Module):
                    down_bias_local=shard(down_bias), num_experts=E, **options)
 
     @classmethod
-    def from_experts_module(cls, experts, group=None, **options):
+    def from_experts_module(cls, experts: torch.nn.Module, group: dist.ProcessGroup | None = None,
+                            **options: Any) -> Self:
         """This rank's shard of a transformers experts module (gate_up_proj, down_proj, biases, layout, activation
         read as `moe_dispatch_experts` reads them)."""
         read = fused_experts_options(experts)
@@ -336,7 +346,7 @@ class ExpertParallelExperts(torch.nn.Module):
         return cls.from_experts(experts.gate_up_proj, experts.down_proj, group, gate_up_bias=gate_up_bias,
                                 down_bias=down_bias, **read, **options)
 
-    def forward(self, hidden_states, topk_ids, topk_weights):
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return ep_fused_experts(hidden_states, self.w_gate_up_local, self.w_down_local, topk_ids, topk_weights,
                                 self.group, gate_up_bias_local=self.gate_up_bias_local,
                                 down_bias_local=self.down_bias_local, **self.options)

@@ -53,6 +53,7 @@ import functools
 import sys
 import types
 import weakref
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def _is_silu(act_fn) -> bool:
     )
 
 
-def fused_experts_options(experts: torch.nn.Module) -> dict:
+def fused_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     """The `fused_experts` keyword arguments that reproduce `experts`' forward; raises for what it cannot run.
 
     Reads the layout flags transformers' `use_experts_implementation` sets (`has_gate`, `has_bias`, `is_transposed`,
@@ -140,7 +141,7 @@ def fused_experts_options(experts: torch.nn.Module) -> dict:
     return options
 
 
-def fp8_experts_options(experts: torch.nn.Module) -> dict:
+def fp8_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     """`fused_experts` keyword arguments for transformers' `FP8Experts` (weights, scales, static activation scales,
     block shape, layout and gate); raises `NotImplementedError` for the variants it does not run (see the module
     doc)."""
