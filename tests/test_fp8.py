@@ -28,7 +28,7 @@ from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
-from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
+from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
@@ -148,7 +148,8 @@ DECODE = DecodeTiles(DecodeTile(32, 32, 4, 1), DecodeTile(16, 32, 4, 1))
 
 
 # (scheme, block shape): a K side of 24 has no power-of-two divisor >= 16, so the gate/up kernel scales each element
-# by its block (code 3) and the down GEMV steps 8 columns at a time; the block shape matters to block scales only
+# by its block (WeightScaleCode.BLOCK) and the down GEMV steps 8 columns at a time; the block shape matters to block
+# scales only
 DECODE_SCALES = [("block", (16, 16)), ("block", (16, 24)), ("channel", (16, 16)), ("tensor", (16, 16))]
 
 
@@ -439,7 +440,7 @@ def test_w8a8_no_tokens_and_sentinel_ids(T, poison_empty):
 
 
 PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
-PERSISTENT = MoeTiles(64, GemmTile(64, 32, persistent=1), GemmTile(32, 32, persistent=1))
+PERSISTENT = MoeTiles(64, GemmTile(64, 32, persistent=Persistent.ON), GemmTile(32, 32, persistent=Persistent.ON))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The persistent descriptor-fed w8a8 GEMM (fp8_persistent.py) against the model of its arithmetic, the dequantized
 float64 experts and the pointer kernel, and the gathering quantization pass that feeds it.
 
-Tiles are forced through `fused_experts(tiles=...)` with block_m 64 and `persistent=1` on both GEMMs; a spy records
+Tiles are forced through `fused_experts(tiles=...)` with block_m 64 and `Persistent.ON` on both GEMMs; a spy records
 which GEMMs ran the persistent kernel, so a silent fallback to the pointer kernel fails the test instead of passing it.
 The interpreter emulates descriptors, so the CPU suite runs the kernel the H200 runs at prefill; there it must also
 equal the pointer kernel bit for bit (same e4m3 operands, same K steps, same epilogue, and the interpreter's dots sum
@@ -23,7 +23,7 @@ from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_groups
-from moe_dispatch.tiles import GemmTile, MoeTiles
+from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 
@@ -120,10 +120,11 @@ def test_persistent_w8a8_matches_model_and_pointer_kernel(case, monkeypatch, poi
     gen = torch.Generator().manual_seed(0)
     x, ids, weights, q_gate_up, q_down, kwargs = _problem(case, gen)
     spy = _Spy(monkeypatch)
-    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(1), **kwargs)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(Persistent.ON),
+                           **kwargs)
     assert spy.calls == list(case.persistent_gemms)
     assert out.dtype == case.dtype
-    groups = w8a8_groups(_tiles(1), kwargs["w_gate_up_scale"], kwargs["w_down_scale"], case.block_shape)
+    groups = w8a8_groups(_tiles(Persistent.ON), kwargs["w_gate_up_scale"], kwargs["w_down_scale"], case.block_shape)
     model = fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=groups, **kwargs)
     exact_model = case.dtype == torch.float32
     assert_close(out, model, what="persistent w8a8 vs its model",
@@ -132,8 +133,9 @@ def test_persistent_w8a8_matches_model_and_pointer_kernel(case, monkeypatch, poi
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **weight_only),
                  what="persistent w8a8 vs dequantized weights", tolerance=W8A8_TOLERANCE)
 
-    pointer = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(0), **kwargs)
-    assert spy.calls == list(case.persistent_gemms), "persistent=0 must keep the pointer kernel"
+    pointer = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(Persistent.OFF),
+                               **kwargs)
+    assert spy.calls == list(case.persistent_gemms), "Persistent.OFF must keep the pointer kernel"
     if ON_GPU:
         assert_close(out, pointer, what="persistent vs pointer kernel",
                      tolerance=MODEL_TOLERANCE if exact_model else None)
@@ -158,12 +160,13 @@ def test_persistent_w8a8_falls_back_to_the_pointer_kernel(fallback, monkeypatch)
     else:
         block_m = 32
     spy = _Spy(monkeypatch)
-    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(1, block_m), **kwargs)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8",
+                           tiles=_tiles(Persistent.ON, block_m), **kwargs)
     assert spy.calls == []
-    pointer = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=_tiles(0, block_m),
-                               **kwargs)
+    pointer = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8",
+                               tiles=_tiles(Persistent.OFF, block_m), **kwargs)
     assert torch.equal(out, pointer)
-    groups = w8a8_groups(_tiles(1, block_m), kwargs["w_gate_up_scale"], kwargs["w_down_scale"],
+    groups = w8a8_groups(_tiles(Persistent.ON, block_m), kwargs["w_gate_up_scale"], kwargs["w_down_scale"],
                          kwargs["fp8_block_shape"], transposed=fallback == "transposed")
     assert_close(out, fused_experts_w8a8_ref(x, q_gate_up, q_down, ids, weights, groups=groups, **kwargs),
                  tolerance=MODEL_TOLERANCE)

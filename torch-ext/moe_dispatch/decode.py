@@ -39,7 +39,8 @@ from ._device import smem_per_program
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
-from .gemm_jit import ACTIVATIONS, add_bias, apply_activation, expert_tile_dot, scale_sums, weight_scale_ptrs
+from .gemm_jit import (SCALE_BLOCK_STEP, SCALE_NONE, Activation, add_bias, apply_activation, expert_tile_dot,
+                       scale_sums, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
@@ -131,7 +132,8 @@ def _decode_down_kernel(
     # down weights: per-expert [E, H, F] by strides
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, stride_bias_e, stride_bias_n,
-    # float8 weights: scales (WEIGHT_SCALE 0, 1, 2 or 4 of grouped_gemm's dequant codes)
+    # float8 weights: scales (WEIGHT_SCALE NONE, TENSOR, CHANNEL or BLOCK_STEP: block scales always step inside one
+    # block here)
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_block_n, scale_block_k,
     # routing: topk_ids, topk_weights [T, TOP_K], any strides; weights of any float dtype (applied in fp32)
     topk_ids_ptr, stride_ids_t, stride_ids_k,
@@ -180,7 +182,7 @@ def _decode_down_kernel(
                   + (k_begin + offs_k[None, :]) * stride_w_k)  # [BLOCK_N, BLOCK_K]
         # scales of the tile's rows (a view's column j reads scale row j: the down weight is never split)
         s_ptrs = scale_ptr
-        if WEIGHT_SCALE != 0:
+        if WEIGHT_SCALE != SCALE_NONE:
             s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, 1, 0,
                                           scale_block_n, WEIGHT_SCALE)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -192,7 +194,7 @@ def _decode_down_kernel(
                 b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
-            if WEIGHT_SCALE == 4:  # the K step lies inside one scale block: one scale per row
+            if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
                 b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n, other=0.0)
             b_y += b_step
             row_ptrs += BLOCK_K
@@ -288,9 +290,9 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             T, F, H, E,
             float(alpha), float(limit),
             TOP_K=top_k,
-            ACTIVATION=ACTIVATIONS[activation],
+            ACTIVATION=int(Activation.of(activation)),
             HAS_BIAS=gate_bias is not None,
-            WEIGHT_SCALE=scale_code,
+            WEIGHT_SCALE=int(scale_code),
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
             EVEN_K=H % block_k == 0,
@@ -319,7 +321,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         T, H, F, E, split_len,
         TOP_K=top_k,
         HAS_BIAS=down_bias is not None,
-        WEIGHT_SCALE=down_code,
+        WEIGHT_SCALE=int(down_code),
         EVEN_K=F % down_block_k == 0,
         SPLIT_K=split_k,
         BLOCK_N=down_tile.block_n,

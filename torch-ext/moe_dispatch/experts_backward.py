@@ -30,7 +30,7 @@ from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
 from .gemm_args import dot_options, same_strides, weight_strides
-from .gemm_jit import gathered_rows, tile_dot, tile_setup
+from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup
 from .planner import plan_backward
 from .tiles import MoeTiles, WeightGradTile
 from ._plan import launch
@@ -39,7 +39,7 @@ from ._plan import launch
 @triton.jit
 def _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
     """(act, d act / d gate, d act / d up) of fp32 pre-activations; clamps pass no gradient where they clamp."""
-    if ACTIVATION == 1:
+    if ACTIVATION == ACT_SILU:
         b_sig = tl.sigmoid(b_gate)
         b_silu = b_gate * b_sig
         return b_silu * b_up, b_up * b_sig * (1.0 + b_gate * (1.0 - b_sig)), b_silu
@@ -357,7 +357,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             T, N, F, H, E, info.max_tiles,
             float(alpha), float(limit),
             TOP_K=top_k,
-            ACTIVATION={"silu": 1, "swiglu_oai": 2}[activation],
+            ACTIVATION=int(Activation.of(activation)),
             STORE_D_PREACT=needs_d_preact,
             STORE_ACT=needs_act,
             STORE_PARTIAL=needs_partial,

@@ -169,7 +169,7 @@ class WeightScale:
     scales then divide by `block_n` / `block_k`. `strides` are (e, n, k) of the scale, n and k 0 where absent."""
 
     scale: torch.Tensor
-    code: int
+    code: WeightScaleCode  # SCHEME_CODES[scheme]
     strides: tuple
     block_n: int = 1
     block_k: int = 1

@@ -50,11 +50,11 @@ import triton.language as tl
 from ._device import is_interpreter
 from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .fp8_jit import (A_DYNAMIC, A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, OUT_DYNAMIC, OUT_FLOAT, OUT_STATIC,
-                      block_scale_offsets, quantize_rows, to_fp8, w8a8_epilogue, w8a8_tile_dot)
+from .fp8_jit import (A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, AQuant, QuantOut, block_scale_offsets, quantize_rows,
+                      to_fp8, w8a8_epilogue, w8a8_tile_dot)
 from .fp8_persistent import persistent_w8a8_gemm
 from .gemm_args import gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import gathered_rows, tile_rows, tile_setup
+from .gemm_jit import ACT_NONE, WeightScaleCode, gathered_rows, tile_rows, tile_setup
 from .pdl import wait_for_producer
 from .planner import GemmKernel, w8a8_gemm_kernel, w8a8_input
 from .tiles import GemmTile, MoeTiles
@@ -65,11 +65,11 @@ QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
 
 @triton.jit
 def _w8a8_gemm_kernel(
-    # A: [num_a_rows, K] float (A_QUANT 0, 1) or float8 (2, 3); GATHER_A: sorted position p reads row
-    # gather_idx[p] // TOP_K
+    # A: [num_a_rows, K] float (A_QUANT DYNAMIC, STATIC) or float8 (FP8_GROUPS, FP8_STATIC); GATHER_A: sorted position
+    # p reads row gather_idx[p] // TOP_K
     a_ptr, stride_a_m, stride_a_k, num_a_rows,
-    # activation scales: A_QUANT 1 / 3 a static scale per expert (stride_a_scale_e 0: one per tensor); A_QUANT 2
-    # [num_rows, cdiv(K, BLOCK_K)], one per row and K step
+    # activation scales: A_QUANT STATIC / FP8_STATIC a static scale per expert (stride_a_scale_e 0: one per tensor);
+    # FP8_GROUPS [num_rows, cdiv(K, BLOCK_K)], one per row and K step
     a_scale_ptr, stride_a_scale_e, stride_a_scale_m,
     # W: float8 per-expert weights [E, n_cols, K] by strides; up weights (gated) share the strides
     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
@@ -78,8 +78,8 @@ def _w8a8_gemm_kernel(
     # the up view) of the unsplit weight's scales
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
     scale_block_n, scale_block_k,
-    # C: [num_rows, n_cols] in sorted order; QUANT_OUT 1: float8 with c_scale [num_rows, cdiv(n_cols, OUT_GROUP)];
-    # QUANT_OUT 2: float8 with a static scale per expert at c_scale_ptr + e * stride_c_scale_e
+    # C: [num_rows, n_cols] in sorted order; QUANT_OUT DYNAMIC: float8 with c_scale [num_rows, cdiv(n_cols,
+    # OUT_GROUP)]; STATIC: float8 with a static scale per expert at c_scale_ptr + e * stride_c_scale_e
     c_ptr, stride_c_m, stride_c_n, num_rows,
     c_scale_ptr, stride_c_scale_e, stride_c_scale_m,
     # dispatch metadata
@@ -107,7 +107,7 @@ def _w8a8_gemm_kernel(
     PDL: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C (and, with
-    QUANT_OUT 1, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups)."""
+    QUANT_OUT DYNAMIC, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups)."""
     wait_for_producer(PDL)
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
@@ -118,12 +118,12 @@ def _w8a8_gemm_kernel(
                                              GATHER_A, MUL_ROUTED_WEIGHT)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    if A_QUANT == 2:
+    if A_QUANT == A_FP8_GROUPS:
         a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_a_scale_m  # [BLOCK_M]: each row's first group scale
     else:
         a_s_ptrs = a_ptr  # unused
     a_static = 1.0
-    if A_QUANT == 1 or A_QUANT == 3:
+    if A_QUANT == A_STATIC or A_QUANT == A_FP8_STATIC:
         a_static = tl.load(a_scale_ptr + expert * stride_a_scale_e)
 
     expert_base = expert.to(tl.int64) * stride_w_e
@@ -140,7 +140,7 @@ def _w8a8_gemm_kernel(
     b_acc, b_acc_up = w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptr + expert_base + w_offs,
                                     w_up_ptr + expert_base + w_offs, s_base, s_offs, s_up_offs, mask_m, mask_n, K,
                                     stride_a_k, stride_w_k, stride_scale_k, scale_block_k, fp8_max,
-                                    ACTIVATION != 0, A_QUANT, WEIGHT_SCALE, SCALE_UNIFORM, ROUND_IN_FP32, EVEN_K,
+                                    ACTIVATION != ACT_NONE, A_QUANT, WEIGHT_SCALE, SCALE_UNIFORM, ROUND_IN_FP32, EVEN_K,
                                     BLOCK_K)
     w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static, s_base,
                   stride_scale_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr, stride_bias_e,
@@ -208,7 +208,7 @@ def _group(tile_block_k, weight_scale: WeightScale):
     """The K step (= activation group) of a GEMM: the tile's BLOCK_K, cut to the weight's K block for block scales
     (both powers of two, so the smaller divides the larger)."""
     group = max(W8A8_MIN_GROUP, tile_block_k)
-    if weight_scale.code == 3:
+    if weight_scale.code == WeightScaleCode.BLOCK:
         group = min(group, weight_scale.block_k)
     return group
 
@@ -228,7 +228,7 @@ def _uniform_block_scale(ws: WeightScale, block_n, gated):
     """Whether every column tile of the view reads one block-scale row (gate and up views alike). Tile t reads rows
     t * span + offset + i * row_step (i < block_n, span = block_n * row_step) of the unsplit weight; with span
     dividing the scale's block, they stay in one block when offset mod span < row_step."""
-    if ws.code != 3:
+    if ws.code != WeightScaleCode.BLOCK:
         return False
     span = block_n * ws.row_step
     offsets = (0, ws.up_row_offset) if gated else (0,)
@@ -287,27 +287,27 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
         return result
 
     if a.dtype == W8A8_DTYPE:
-        a_quant = A_FP8_STATIC if a_static is not None else A_FP8_GROUPS
+        a_quant = AQuant.FP8_STATIC if a_static is not None else AQuant.FP8_GROUPS
     else:
-        a_quant = A_STATIC if a_static is not None else A_DYNAMIC
+        a_quant = AQuant.STATIC if a_static is not None else AQuant.DYNAMIC
     if a_static is not None:
         a_scale_args = (*_static_scale(a_static), 0)
-    elif a_quant == A_FP8_GROUPS:
+    elif a_quant == AQuant.FP8_GROUPS:
         a_scale_args = (a_scale, 0, a_scale.stride(0))
     else:
         a_scale_args = (None, 0, 0)
     if out_static is not None:
-        quant_out, c_scale_args = OUT_STATIC, (*_static_scale(out_static), 0)
+        quant_out, c_scale_args = QuantOut.STATIC, (*_static_scale(out_static), 0)
     elif out_group is not None:
-        quant_out, c_scale_args = OUT_DYNAMIC, (c_scale, 0, c_scale.stride(0))
+        quant_out, c_scale_args = QuantOut.DYNAMIC, (c_scale, 0, c_scale.stride(0))
     else:
-        quant_out, c_scale_args = OUT_FLOAT, (None, 0, 0)
+        quant_out, c_scale_args = QuantOut.FLOAT, (None, 0, 0)
     ws = weight_scale
     meta = dict(
-        A_QUANT=a_quant,
-        WEIGHT_SCALE=ws.code,
+        A_QUANT=int(a_quant),
+        WEIGHT_SCALE=int(ws.code),
         SCALE_UNIFORM=_uniform_block_scale(ws, tile.block_n, w.gated),
-        QUANT_OUT=quant_out,
+        QUANT_OUT=int(quant_out),
         OUT_GROUP=out_group or 1,
         ROUND_IN_FP32=is_interpreter(),
         BLOCK_K=tile.block_k,

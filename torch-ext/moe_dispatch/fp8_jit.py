@@ -1,22 +1,43 @@
 """The w8a8 kernels' shared jit pieces (fp8_gemm.py's pointer kernel and fp8_persistent.py's descriptor kernel):
 e4m3 rounding and quantization of tiles, the scaled per-K-step dot, block-scale addressing, the pointer K loop, and
 the epilogue after it. fp8_gemm.py's docstring describes the arithmetic they implement.
+
+Also the codes of the w8a8 kernels' own constexprs, A_QUANT (`AQuant`) and QUANT_OUT (`QuantOut`), with `tl.constexpr`
+aliases for jit code as gemm_jit.py has for ACTIVATION and WEIGHT_SCALE.
 """
+
+import enum
 
 import triton
 import triton.language as tl
 
-from .gemm_jit import activate_and_weight, add_bias, step_masks
+from .gemm_jit import (ACT_NONE, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight, add_bias,
+                       step_masks)
 
-# A_QUANT: how GEMM A tiles become float8
-A_DYNAMIC = 0  # float rows, one scale per row and K step computed in the loads (amax / fp8 max)
-A_STATIC = 1  # float rows, quantized with a static scale per expert
-A_FP8_GROUPS = 2  # float8 rows with a scale per row and K step (GEMM1's epilogue wrote them)
-A_FP8_STATIC = 3  # float8 rows with a static scale per expert
-# QUANT_OUT: how the output tile is stored
-OUT_FLOAT = 0  # in C's float dtype
-OUT_DYNAMIC = 1  # float8, one scale per row and OUT_GROUP columns
-OUT_STATIC = 2  # float8 with a static scale per expert
+
+class AQuant(enum.IntEnum):
+    """The A_QUANT constexpr: how the GEMM's A tiles become float8."""
+
+    DYNAMIC = 0  # float rows, one scale per row and K step computed in the loads (amax / fp8 max)
+    STATIC = 1  # float rows, quantized with a static scale per expert (or one per tensor)
+    FP8_GROUPS = 2  # float8 rows with a scale per row and K step (written by GEMM1's epilogue or the quantization pass)
+    FP8_STATIC = 3  # float8 rows with a static scale per expert (or one per tensor)
+
+
+class QuantOut(enum.IntEnum):
+    """The QUANT_OUT constexpr: how the GEMM stores its output tile."""
+
+    FLOAT = 0  # in C's float dtype
+    DYNAMIC = 1  # float8, one scale per row and OUT_GROUP columns (GEMM1 writing GEMM2's FP8_GROUPS input)
+    STATIC = 2  # float8 with a static scale per expert (or one per tensor)
+
+
+A_DYNAMIC = tl.constexpr(AQuant.DYNAMIC.value)
+A_STATIC = tl.constexpr(AQuant.STATIC.value)
+A_FP8_GROUPS = tl.constexpr(AQuant.FP8_GROUPS.value)
+A_FP8_STATIC = tl.constexpr(AQuant.FP8_STATIC.value)
+OUT_DYNAMIC = tl.constexpr(QuantOut.DYNAMIC.value)
+OUT_STATIC = tl.constexpr(QuantOut.STATIC.value)
 
 MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
 E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN code (with its sign bit: 0xFF); e4m3fn has no inf
@@ -109,7 +130,7 @@ def block_scale_offsets(pid_n, offs_n, row_step, row_offset, stride_n, block_n, 
 @triton.jit
 def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr):
     """This K step's block scale of the tile's columns: a scalar (UNIFORM), [1, BLOCK_N], or 1.0 for other schemes."""
-    if WEIGHT_SCALE != 3:
+    if WEIGHT_SCALE != SCALE_BLOCK:
         return 1.0
     elif UNIFORM:
         return tl.load(base + offs)
@@ -125,21 +146,21 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
     """The K loop: b_acc += A[rows, :K] @ W[:K, cols] on e4m3 operands (b_acc_up with the up weights when GATED).
 
     a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; a_s_ptrs [BLOCK_M] at each row's first
-    group scale (A_FP8_GROUPS); block scales (WEIGHT_SCALE 3) at s_base + s_offs / s_up_offs (`block_scale_offsets`)
-    for the K block at k = 0. Static scales (a_static, channel / tensor weight scales) are left for the caller to
-    apply after the loop.
+    group scale (A_QUANT FP8_GROUPS); block scales (WEIGHT_SCALE BLOCK) at s_base + s_offs / s_up_offs
+    (`block_scale_offsets`) for the K block at k = 0. Static scales (a_static, channel / tensor weight scales) are
+    left for the caller to apply after the loop.
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         # this K step's row scales [BLOCK_M] (dynamic activations) and column scales [BLOCK_N] (block weights)
-        if A_QUANT == 0:
+        if A_QUANT == A_DYNAMIC:
             b_a, b_a_s = quantize_rows(b_a.to(tl.float32), fp8_max, ROUND_IN_FP32)
-        elif A_QUANT == 1:
+        elif A_QUANT == A_STATIC:
             b_a = to_fp8(b_a.to(tl.float32) / a_static, fp8_max, ROUND_IN_FP32)
             b_a_s = 1.0
-        elif A_QUANT == 2:
+        elif A_QUANT == A_FP8_GROUPS:
             b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
         else:
             b_a_s = 1.0
@@ -147,14 +168,14 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
         b_w_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_offs, mask_n, WEIGHT_SCALE,
                                  SCALE_UNIFORM)
         b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K,
-                           ROUND_IN_FP32)
+        b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT == A_DYNAMIC or A_QUANT == A_FP8_GROUPS,
+                           WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
         if GATED:
             b_wu_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_up_offs, mask_n, WEIGHT_SCALE,
                                       SCALE_UNIFORM)
             b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
-            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT % 2 == 0, WEIGHT_SCALE == 3, BLOCK_K,
-                                  ROUND_IN_FP32)
+            b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT == A_DYNAMIC or A_QUANT == A_FP8_GROUPS,
+                                  WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += BLOCK_K * stride_w_k
@@ -173,13 +194,13 @@ def w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n
     """After the K loop of a w8a8 kernel (pointer or persistent, so both round alike): channel / tensor weight scales
     (s_base: the expert's scales) and the static activation scale a_static multiply the sums, then bias, activation,
     routing weight, and the masked store of the C tile in QUANT_OUT's form (rows outside mask_m never written)."""
-    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:  # per-tensor (stride_s_n = 0) or per-channel: after the loop
+    if WEIGHT_SCALE == SCALE_TENSOR or WEIGHT_SCALE == SCALE_CHANNEL:  # (stride_s_n = 0 per tensor) after the loop
         scale_rows = offs_n * scale_row_step
         b_acc *= tl.load(s_base + scale_rows * stride_s_n, mask=mask_n, other=0.0)[None, :]
-        if ACTIVATION != 0:
+        if ACTIVATION != ACT_NONE:
             b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_s_n, mask=mask_n,
                                 other=0.0)[None, :]
-    if A_QUANT == 1 or A_QUANT == 3:
+    if A_QUANT == A_STATIC or A_QUANT == A_FP8_STATIC:
         b_acc *= a_static
         b_acc_up *= a_static
 
@@ -191,14 +212,14 @@ def w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n
 
     mask_mn = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n
-    if QUANT_OUT == 1:
+    if QUANT_OUT == OUT_DYNAMIC:
         # Columns past n_cols hold zeros (their weights and biases were read as 0), so they never raise an amax.
         b_q, b_q_s = quantize_groups(b_acc, fp8_max, BLOCK_M, BLOCK_N, OUT_GROUP, ROUND_IN_FP32)
         tl.store(c_ptrs, b_q, mask=mask_mn)
         offs_g = pid_n * (BLOCK_N // OUT_GROUP) + tl.arange(0, BLOCK_N // OUT_GROUP)
         c_s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_c_scale_m + offs_g[None, :]
         tl.store(c_s_ptrs, b_q_s, mask=mask_m[:, None] & (offs_g < tl.cdiv(n_cols, OUT_GROUP))[None, :])
-    elif QUANT_OUT == 2:
+    elif QUANT_OUT == OUT_STATIC:
         c_static = tl.load(c_scale_ptr + expert * stride_c_scale_e)
         tl.store(c_ptrs, to_fp8(b_acc / c_static, fp8_max, ROUND_IN_FP32), mask=mask_mn)
     else:

@@ -26,9 +26,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
-from .fp8_jit import block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
+from .fp8_jit import A_FP8_GROUPS, A_FP8_STATIC, block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .gemm_args import GemmWeights, routing_args, scale_args
-from .gemm_jit import tile_coords, tile_rows, tile_setup_at
+from .gemm_jit import ACT_NONE, SCALE_BLOCK, tile_coords, tile_rows, tile_setup_at
 from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, weight_descriptors
 from ._plan import launch
@@ -37,8 +37,9 @@ from ._plan import launch
 
 @triton.jit
 def _persistent_w8a8_gemm_kernel(
-    # A: float8 rows in sorted order [num_a_rows, K] as [BLOCK_M, BLOCK_K] descriptor tiles; A_QUANT 2: scales
-    # [num_a_rows, cdiv(K, BLOCK_K)], one per row and K step; A_QUANT 3: a static scale per expert (stride_e 0: one)
+    # A: float8 rows in sorted order [num_a_rows, K] as [BLOCK_M, BLOCK_K] descriptor tiles; A_QUANT FP8_GROUPS:
+    # scales [num_a_rows, cdiv(K, BLOCK_K)], one per row and K step; FP8_STATIC: a static scale per expert (stride_e
+    # 0: one)
     a_desc, num_a_rows,
     a_scale_ptr, stride_a_scale_e, stride_a_scale_m,
     # weights: descriptors of [BLOCK_N, BLOCK_K] tiles, expert e's row j at descriptor row e * w_rows_per_expert + j
@@ -47,7 +48,8 @@ def _persistent_w8a8_gemm_kernel(
     # weight scales (fp8.WeightScale), as in `_w8a8_gemm_kernel`
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
     scale_block_n, scale_block_k,
-    # C: [num_rows, n_cols] in sorted order; QUANT_OUT 1 / 2: float8 with its scales, as in `_w8a8_gemm_kernel`
+    # C: [num_rows, n_cols] in sorted order; QUANT_OUT DYNAMIC / STATIC: float8 with its scales, as in
+    # `_w8a8_gemm_kernel`
     c_ptr, stride_c_m, stride_c_n, num_rows,
     c_scale_ptr, stride_c_scale_e, stride_c_scale_m,
     # dispatch metadata
@@ -87,9 +89,9 @@ def _persistent_w8a8_gemm_kernel(
             pid_m, _ = tile_coords(tile_id, n_cols, max_tiles, BLOCK_N, GROUP_M)
             row_start = tl.load(tile_row_start_ptr + pid_m)
             w_row = expert * w_rows_per_expert + pid_n * BLOCK_N
-            a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_a_scale_m  # [BLOCK_M]: A_QUANT 2's first group
+            a_s_ptrs = a_scale_ptr + a_rows.to(tl.int64) * stride_a_scale_m  # [BLOCK_M]: FP8_GROUPS' first group
             a_static = 1.0
-            if A_QUANT == 3:
+            if A_QUANT == A_FP8_STATIC:
                 a_static = tl.load(a_scale_ptr + expert * stride_a_scale_e)
             s_base = scale_ptr + expert.to(tl.int64) * stride_scale_e
             s_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, 0, stride_scale_n, scale_block_n,
@@ -100,7 +102,7 @@ def _persistent_w8a8_gemm_kernel(
             b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                if A_QUANT == 2:
+                if A_QUANT == A_FP8_GROUPS:
                     b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
                 else:
                     b_a_s = 1.0
@@ -108,13 +110,13 @@ def _persistent_w8a8_gemm_kernel(
                 s_step = s_base + (k0 // scale_block_k) * stride_scale_k
                 b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
                 b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
-                b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == 2, WEIGHT_SCALE == 3, BLOCK_K,
-                                   ROUND_IN_FP32)
-                if ACTIVATION != 0:
+                b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == A_FP8_GROUPS,
+                                   WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
+                if ACTIVATION != ACT_NONE:
                     b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
                     b_wu = w_up_desc.load([w_row, k0])
-                    b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == 2, WEIGHT_SCALE == 3,
-                                          BLOCK_K, ROUND_IN_FP32)
+                    b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == A_FP8_GROUPS,
+                                          WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
             # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
             # ~130 bytes of register spills (ptxas, sm_90).
             _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,

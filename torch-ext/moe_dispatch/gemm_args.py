@@ -8,11 +8,11 @@ import torch
 
 from ._device import dot_input_precision, dot_needs_fp32
 from .fp8 import WeightScale
-from .gemm_jit import ACTIVATIONS
+from .gemm_jit import Activation, WeightScaleCode
 from .pdl import pdl_options
 from .tiles import GemmTile
 
-NO_SCALE = WeightScale(None, 0, (0, 0, 0))  # float weights: WEIGHT_SCALE = 0, the scale arguments unused
+NO_SCALE = WeightScale(None, WeightScaleCode.NONE, (0, 0, 0))  # float weights: the scale arguments unused
 
 
 def weight_strides(weight, transposed):
@@ -64,7 +64,7 @@ class GemmWeights:
 def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) -> GemmWeights:
     """`GemmWeights` of [E, n, K] weights ([E, K, n] when `transposed`); views copied only when gate and up strides
     differ (see `same_strides`)."""
-    gated = ACTIVATIONS[activation] != 0
+    gated = Activation.of(activation) != Activation.NONE
     if gated:
         weight, weight_up = same_strides(weight, weight_up)
     if bias is not None and bias_up is not None:
@@ -76,11 +76,11 @@ def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) ->
 
 def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16):
     """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K: block scales whose K
-    side has a power-of-two divisor >= min_block_k take code 4 with BLOCK_K narrowed to divide it (K steps inside one
-    scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per stage, which
-    overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
-    if ws.code == 3 and (ws.block_k & -ws.block_k) >= min_block_k:
-        return 4, min(block_k, ws.block_k & -ws.block_k)
+    side has a power-of-two divisor >= min_block_k take WeightScaleCode.BLOCK_STEP with BLOCK_K narrowed to divide it
+    (K steps inside one scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per
+    stage, which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
+    if ws.code == WeightScaleCode.BLOCK and (ws.block_k & -ws.block_k) >= min_block_k:
+        return WeightScaleCode.BLOCK_STEP, min(block_k, ws.block_k & -ws.block_k)
     return ws.code, block_k
 
 
@@ -99,9 +99,9 @@ def routing_args(info, topk_weights):
 
 def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, topk_weights):
     """The constexprs and launch options every grouped-GEMM kernel shares (BLOCK_K is each launcher's own)."""
-    return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=ACTIVATIONS[activation], HAS_BIAS=w.bias is not None,
-                MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m, BLOCK_N=tile.block_n,
-                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=int(Activation.of(activation)),
+                HAS_BIAS=w.bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m,
+                BLOCK_N=tile.block_n, GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
                 **pdl_options(info.tile_expert.device))
 
 

@@ -4,18 +4,63 @@ row indices, the K loop with float or float8-dequantized weights (`tile_dot`, `e
 `weight_scale_ptrs`, `scale_sums`, `step_masks`), and the epilogue (`add_bias`, `apply_activation`,
 `activate_and_weight`, `tile_epilogue`). The kernels that use them: grouped_gemm.py, persistent_gemm.py, decode.py,
 experts_backward.py, fp8_gemm.py / fp8_jit.py / fp8_persistent.py. Index bounds: see grouped_gemm.py's module doc.
+
+Also the codes of the two constexprs every GEMM kernel branches on, ACTIVATION (`Activation`) and WEIGHT_SCALE
+(`WeightScaleCode`). Launchers pass `int(member)`; jit code compares with the `tl.constexpr` aliases below them (a
+kernel may read a module global only when it is a `tl.constexpr`: Triton's GPU compiler refuses an enum class).
 """
+
+import enum
 
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {"none": 0, "silu": 1, "swiglu_oai": 2}
-"""The ACTIVATION constexpr of each activation name: 0 none; 1 silu(gate) * up; 2 GPT-OSS clamped SwiGLU."""
+
+class Activation(enum.IntEnum):
+    """The ACTIVATION constexpr: what the epilogue makes of the sums. Gated members (all but NONE) load two weight
+    tiles per K step, gate columns and up columns, against the same A tile."""
+
+    NONE = 0  # the sums as they are, one weight (GEMM2, the v1 grouped GEMM)
+    SILU = 1  # silu(gate) * up
+    # GPT-OSS's clamped SwiGLU: (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at limit and up to
+    # [-limit, limit] first
+    SWIGLU_OAI = 2
+
+    @classmethod
+    def of(cls, name: str) -> "Activation":
+        """The member of an activation name: "none", "silu" or "swiglu_oai"."""
+        return cls[name.upper()]
+
+
+class WeightScaleCode(enum.IntEnum):
+    """The WEIGHT_SCALE constexpr: how a GEMM applies the fp32 scales of float8 weights (fp8.WeightScale.code; the
+    dequant path converts the weight tile to A's dtype for the dot, the w8a8 path (fp8_jit.py) dots e4m3 operands)."""
+
+    NONE = 0  # float weights: no scales, the scale arguments unused
+    TENSOR = 1  # one scale per expert (stride_scale_n 0): the fp32 sums times it once after the K loop
+    CHANNEL = 2  # one scale per output column: the fp32 sums times it once after the K loop
+    # one scale per (block_n, block_k) block of the weight: dequant path, each weight tile element times its block's
+    # scale in fp32 before the conversion (any tile against any block shape); w8a8, each K step's partial sum times
+    # the scale of the block its columns lie in (a K step never spans two blocks there)
+    BLOCK = 3
+    # dequant path and decode only (gemm_args.dequant_scale_code): BLOCK where each K step lies inside one scale
+    # block (BLOCK_K narrowed to divide the block's K side): one [BLOCK_N] scale vector per step, no [BLOCK_K,
+    # BLOCK_N] fp32 scale tile in shared memory
+    BLOCK_STEP = 4
+
+
+ACT_NONE = tl.constexpr(Activation.NONE.value)
+ACT_SILU = tl.constexpr(Activation.SILU.value)
+SCALE_NONE = tl.constexpr(WeightScaleCode.NONE.value)
+SCALE_TENSOR = tl.constexpr(WeightScaleCode.TENSOR.value)
+SCALE_CHANNEL = tl.constexpr(WeightScaleCode.CHANNEL.value)
+SCALE_BLOCK = tl.constexpr(WeightScaleCode.BLOCK.value)
+SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 
 
 @triton.jit
 def apply_activation(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 1:
+    if ACTIVATION == ACT_SILU:
         return b_gate * tl.sigmoid(b_gate) * b_up
     else:
         # NaN-propagating clamps (Triton's default min / max return the other operand): a NaN stays NaN, as in
@@ -75,16 +120,16 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
                      DOT_FP32: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile ready for the dot with A: fp8 tiles converted to A's dtype, block-scaled
     ones first multiplied by the scale of their block (s_ptrs [BLOCK_N]: each column's scale row at k = 0). With
-    WEIGHT_SCALE 4 the K step lies inside one scale block (BLOCK_K divides the block's K side): one [BLOCK_N] scale
-    vector per step; WEIGHT_SCALE 3 loads a scale per element (any block shape)."""
+    BLOCK_STEP the K step lies inside one scale block (BLOCK_K divides the block's K side): one [BLOCK_N] scale
+    vector per step; BLOCK loads a scale per element (any block shape)."""
     b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if WEIGHT_SCALE == 4:
+    if WEIGHT_SCALE == SCALE_BLOCK_STEP:
         b_s = tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)
         b_w = (b_w.to(tl.float32) * b_s[None, :]).to(a_ptrs.dtype.element_ty)
-    elif WEIGHT_SCALE == 3:
+    elif WEIGHT_SCALE == SCALE_BLOCK:
         b_s = tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask, other=0.0)
         b_w = (b_w.to(tl.float32) * b_s).to(a_ptrs.dtype.element_ty)
-    elif WEIGHT_SCALE != 0:
+    elif WEIGHT_SCALE != SCALE_NONE:
         b_w = b_w.to(a_ptrs.dtype.element_ty)
     if DOT_FP32:
         b_w = b_w.to(tl.float32)
@@ -95,12 +140,12 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
 def weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, scale_row_step, scale_up_row_offset,
                       scale_block_n, WEIGHT_SCALE: tl.constexpr):
     """(s_ptrs, s_up_ptrs) [BLOCK_N]: each column's scale row of the gate (and up) view at k = 0 for the dequant
-    path's WEIGHT_SCALE codes 1-4. Column j of a view is row j * scale_row_step (+ scale_up_row_offset) of the
-    unsplit weight; block scales divide it by scale_block_n. Callers with float weights (WEIGHT_SCALE 0, scale_ptr
+    path's WEIGHT_SCALE codes other than NONE. Column j of a view is row j * scale_row_step (+ scale_up_row_offset) of
+    the unsplit weight; block scales divide it by scale_block_n. Callers with float weights (NONE, scale_ptr
     None) pass scale_ptr on themselves: Triton 3.6 cannot return None from a jit function (its interpreter can)."""
     scale_rows = offs_n * scale_row_step  # [BLOCK_N] rows of the unsplit weight
     scale_up_rows = scale_rows + scale_up_row_offset
-    if WEIGHT_SCALE >= 3:
+    if WEIGHT_SCALE == SCALE_BLOCK or WEIGHT_SCALE == SCALE_BLOCK_STEP:
         scale_rows = scale_rows // scale_block_n
         scale_up_rows = scale_up_rows // scale_block_n
     s_ptrs = scale_ptr + expert.to(tl.int64) * stride_scale_e + scale_rows * stride_scale_n
@@ -110,9 +155,9 @@ def weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
 
 @triton.jit
 def scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
-    """Per-tensor (stride_scale_n = 0) and per-channel scales (WEIGHT_SCALE 1, 2) multiply the [.., BLOCK_N] sums
-    once after the K loop; other codes return them as they are."""
-    if WEIGHT_SCALE == 1 or WEIGHT_SCALE == 2:
+    """Per-tensor (stride_scale_n = 0) and per-channel scales (WEIGHT_SCALE TENSOR, CHANNEL) multiply the
+    [.., BLOCK_N] sums once after the K loop; other codes return them as they are."""
+    if WEIGHT_SCALE == SCALE_TENSOR or WEIGHT_SCALE == SCALE_CHANNEL:
         b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
         if GATED:
             b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
@@ -137,11 +182,11 @@ def step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K: tl.constexpr):
 def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
               GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_K: tl.constexpr, s_ptrs=None, s_up_ptrs=None, stride_s_k=0, scale_block_k=1,
-              WEIGHT_SCALE: tl.constexpr = 0):
+              WEIGHT_SCALE: tl.constexpr = SCALE_NONE):
     """The K loop: b_acc += A[rows, :K] @ W[:K, cols] (and b_acc_up with the up weights when GATED).
 
     a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; rows/columns outside the masks read 0.
-    Block-scaled fp8 weights (WEIGHT_SCALE 3) also take s_ptrs / s_up_ptrs, see `load_weight_tile`.
+    Block-scaled fp8 weights (WEIGHT_SCALE BLOCK or BLOCK_STEP) also take s_ptrs / s_up_ptrs, see `load_weight_tile`.
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
@@ -178,7 +223,7 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
     w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     s_ptrs = scale_ptr
     s_up_ptrs = scale_ptr
-    if WEIGHT_SCALE != 0:
+    if WEIGHT_SCALE != SCALE_NONE:
         s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
                                               scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
@@ -208,7 +253,7 @@ def add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, str
     """The accumulators plus the expert's bias row (and the up bias when gated)."""
     bias_offs = expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n
     b_acc += tl.load(bias_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION != 0:
+    if ACTIVATION != ACT_NONE:
         b_acc_up += tl.load(bias_up_ptr + bias_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     return b_acc, b_acc_up
 
@@ -217,7 +262,7 @@ def add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, str
 def activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
                         limit, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
     """act(gate, up) when gated, then each row times its assignment's routing weight when MUL_ROUTED_WEIGHT."""
-    if ACTIVATION != 0:
+    if ACTIVATION != ACT_NONE:
         b_acc = apply_activation(b_acc, b_acc_up, alpha, limit, ACTIVATION)
     if MUL_ROUTED_WEIGHT:
         b_topk = tl.load(topk_weights_ptr + (b_assignment // TOP_K).to(tl.int64) * stride_topk_t

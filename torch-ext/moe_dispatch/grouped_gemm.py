@@ -4,18 +4,19 @@ Each program owns a BLOCK_M x BLOCK_N output tile of one expert (tiles come from
 spans two experts, tiles past the real work exit at once). The forward kernel's variants are constexpr flags:
 
   GATHER_A           A row of sorted position p is x[gather_idx[p] // TOP_K]: the permutation happens in the loads
-  ACTIVATION         0 none; 1 silu(gate) * up; 2 GPT-OSS clamped SwiGLU. Gated variants load two weight tiles per
-                     K step (gate columns and up columns) against the same A tile and combine them in the epilogue
+  ACTIVATION         gemm_jit.Activation: NONE; SILU, silu(gate) * up; SWIGLU_OAI, GPT-OSS's clamped SwiGLU. Gated
+                     variants load two weight tiles per K step (gate columns and up columns) against the same A tile
+                     and combine them in the epilogue
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
   STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
-  WEIGHT_SCALE       float8 weights on the dequant path (see fp8.py; the w8a8 path is fp8_gemm.py): 0 none (float
-                     weights); 1 per-tensor and 2 per-channel scales, the fp8 tile converted to the activation dtype
-                     for the dot and the fp32 accumulator scaled after the K loop; 3 block scales, each tile element
-                     multiplied in fp32 by its block's scale before the conversion (any BLOCK_N / BLOCK_K against any
-                     block shape); 4 the same when each K step lies inside one scale block (the launcher narrows
-                     BLOCK_K to a divisor of the block's K side, >= 16): one scale per column per step, so no
-                     [BLOCK_K, BLOCK_N] fp32 scale tile takes shared memory
+  WEIGHT_SCALE       float8 weights on the dequant path (see fp8.py; the w8a8 path is fp8_gemm.py), a
+                     gemm_jit.WeightScaleCode: NONE (float weights); TENSOR and CHANNEL scales, the fp8 tile converted
+                     to the activation dtype for the dot and the fp32 accumulator scaled after the K loop; BLOCK
+                     scales, each tile element multiplied in fp32 by its block's scale before the conversion (any
+                     BLOCK_N / BLOCK_K against any block shape); BLOCK_STEP the same when each K step lies inside one
+                     scale block (the launcher narrows BLOCK_K to a divisor of the block's K side, >= 16): one scale
+                     per column per step, so no [BLOCK_K, BLOCK_N] fp32 scale tile takes shared memory
 
 The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
   _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue
@@ -42,7 +43,7 @@ from .dispatch import segment_dispatch
 from . import persistent_gemm
 from .fp8 import WeightScale
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import expert_tile_dot, tile_epilogue, tile_rows, tile_setup
+from .gemm_jit import ACT_NONE, expert_tile_dot, tile_epilogue, tile_rows, tile_setup
 from .pdl import release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 from .planner import GemmKernel, expert_gemm_kernel, plan_segments
@@ -56,7 +57,7 @@ def _grouped_gemm_kernel(
     # W: per-expert weights [E, n_cols, K] by strides; up weights (gated variants) share the strides
     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-    # fp8 weight scales (WEIGHT_SCALE != 0, see fp8.WeightScale): column j of the view reads row
+    # fp8 weight scales (WEIGHT_SCALE other than NONE, see fp8.WeightScale): column j of the view reads row
     # j * scale_row_step (+ scale_up_row_offset for the up view) of the unsplit weight's scales
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
     scale_block_n, scale_block_k,
@@ -102,7 +103,7 @@ def _grouped_gemm_kernel(
                                       w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
                                       scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
                                       scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                      ACTIVATION != 0, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+                                      ACTIVATION != ACT_NONE, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
     release_dependents(PDL)
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
@@ -149,7 +150,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         w.n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit),
         STORE_PREACT=preact is not None,
-        WEIGHT_SCALE=scale_code,
+        WEIGHT_SCALE=int(scale_code),
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
         EVEN_K=K % block_k == 0,

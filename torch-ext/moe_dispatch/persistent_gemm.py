@@ -28,7 +28,7 @@ from ._device import num_sms
 from ._host_math import cdiv
 from .pdl import wait_for_producer
 from .gemm_args import GemmWeights, descriptor_rows, dot_options, routing_args, tile_meta
-from .gemm_jit import tile_coords, tile_epilogue, tile_rows, tile_setup_at
+from .gemm_jit import ACT_NONE, tile_coords, tile_epilogue, tile_rows, tile_setup_at
 from ._plan import launch
 
 INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles
@@ -94,7 +94,7 @@ def _persistent_grouped_gemm_kernel(
                     b_a = b_a.to(tl.float32)
                     b_w = b_w.to(tl.float32)
                 b_acc = tl.dot(b_a, b_w.T, b_acc)
-                if ACTIVATION != 0:
+                if ACTIVATION != ACT_NONE:
                     b_wu = w_up_desc.load([w_row, k0])
                     if DOT_FP32:
                         b_wu = b_wu.to(tl.float32)
