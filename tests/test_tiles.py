@@ -1,4 +1,5 @@
-"""Tile tables: every shipped table parses and holds runtime data only, the tiles selected from it fit its device's
+"""Tile tables: every shipped table parses and holds runtime data only (provenance at its top level), names its GEMM
+kernels (`persistent`) as a table of the integer form selects alike, the tiles selected from it fit its device's
 shared memory in every dtype, and device names find their table."""
 
 import json
@@ -14,7 +15,9 @@ CONFIG_DIR = os.path.join(os.path.dirname(tiles.__file__), "configs")
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
 TABLES = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
-RUNTIME_KEYS = {"device", "measured", "note", "buckets", "shapes", "decode", "fp8"}  # a tuning run's log goes to docs/results/
+RUNTIME_KEYS = {"device", "measured", "note", "fp8_note", "buckets", "shapes", "decode", "fp8"}  # a tuning run's log
+# goes to docs/results/
+PROVENANCE_KEYS = {"measured", "note", "fp8_note"}  # top level only: no selection reads them
 # The w8a8 FP8 path runs on NVIDIA SM89+ only: shared memory per block of the devices each table with "fp8" serves
 # (default.json: H100 227 KB, L40S / SM89 99 KB).
 FP8_SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "default": 99 * 1024, "interpreter": None}
@@ -42,6 +45,107 @@ def test_table_parses_and_holds_runtime_data_only(name):
             tiles.MoeTiles.from_dict(bucket)
 
 
+def _gemm_entries(table):
+    """(section, GEMM, entry) of every GEMM entry of a table's bf16 and fp8 buckets (generic and per shape)."""
+    for section, part in (("bf16", table), ("fp8", table.get("fp8"))):
+        if part is not None:
+            for _, buckets in _buckets(part):
+                for bucket in buckets:
+                    for gemm in ("gate_up", "down"):
+                        yield section, gemm, bucket[gemm]
+
+
+def _with_integer_kernels(table):
+    """A copy of `table` in the form tables had before the names: each `persistent` as its member's integer."""
+    old = json.loads(json.dumps(table))
+    for _, _, entry in _gemm_entries(old):
+        if "persistent" in entry:
+            entry["persistent"] = int(tiles.Persistent.parse(entry["persistent"]))
+    return old
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_provenance_stays_at_the_top_and_kernels_are_named(name):
+    """Below the top level a table holds only what selection reads; each GEMM's `persistent` is a member's name."""
+    table = json.load(open(os.path.join(CONFIG_DIR, f"{name}.json")))
+
+    def below_top(node, path):
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
+            assert not (path and key in PROVENANCE_KEYS), (name, path, key)
+            below_top(child, path + [key])
+
+    below_top(table, [])
+    names = {member.name.lower() for member in tiles.Persistent}
+    for section, gemm, entry in _gemm_entries(table):
+        assert entry.get("persistent", "off") in names, (name, section, gemm, entry)
+
+
+# The H200 table's explicit kernel choices per (section, GEMM, member) when the integers became names: a conversion
+# that lost or changed one changes a count.
+H200_KERNELS = {("bf16", "gate_up", "on"): 13, ("bf16", "gate_up", "off"): 4, ("bf16", "down", "on"): 8,
+                ("bf16", "down", "off"): 7, ("fp8", "gate_up", "on"): 1, ("fp8", "gate_up", "off"): 6,
+                ("fp8", "down", "on"): 1, ("fp8", "down", "off"): 6}
+
+
+def test_h200_kernel_choices_kept_their_values():
+    counts = {}
+    for section, gemm, entry in _gemm_entries(tiles.load_table("NVIDIA_H200")):
+        if "persistent" in entry:
+            key = (section, gemm, entry["persistent"])
+            counts[key] = counts.get(key, 0) + 1
+    assert counts == H200_KERNELS
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_a_table_with_integer_kernels_selects_the_same_tiles(name, monkeypatch):
+    """Tuned tables written before the names (`persistent` 0 / 1 / 2) still load: every bucket, bf16 and fp8, selects
+    tiles equal to the named table's, each `persistent` a Persistent member either way."""
+    named = tiles.load_table(name)
+    old = _with_integer_kernels(named)
+    monkeypatch.setattr(tiles, "device_key", lambda device: name)
+    for section, select in (("bf16", tiles.select_tiles), ("fp8", tiles.select_fp8_tiles)):
+        part = named if section == "bf16" else named.get("fp8", named)
+        for shape, buckets in _buckets(part):
+            E, F, H = shape or (8, 256, 512)
+            for bucket in buckets:
+                T = min(bucket["max_rows_per_expert"], 1 << 20) * E
+                chosen = []
+                for table in (named, old):
+                    monkeypatch.setattr(tiles, "load_table", lambda key, table=table: table)
+                    chosen.append(select(torch.device("cpu"), T, 1, E, F, H))
+                assert chosen[0] == chosen[1], (name, section, shape, bucket)
+                for tile in chosen:
+                    assert type(tile.gate_up.persistent) is tiles.Persistent, (name, section, shape, bucket)
+                    assert type(tile.down.persistent) is tiles.Persistent, (name, section, shape, bucket)
+
+
+@pytest.mark.parametrize("value,expected", [("on", tiles.Persistent.ON), ("Off", tiles.Persistent.OFF),
+                                            ("GATHER_FIRST", tiles.Persistent.GATHER_FIRST), (0, tiles.Persistent.OFF),
+                                            (2, tiles.Persistent.GATHER_FIRST)])
+def test_persistent_reads_names_and_integers(value, expected):
+    assert tiles.Persistent.parse(value) is expected
+    tile = tiles.GemmTile.from_dict({"block_n": 64, "block_k": 32, "persistent": value})
+    assert tile.persistent is expected
+
+
+@pytest.mark.parametrize("value", ["persistent", "gather first", 3, -1, True, None, 1.0])
+def test_persistent_refuses_other_values(value):
+    """A misspelt or out-of-range kernel in a hand-edited table fails at load, naming what is accepted."""
+    with pytest.raises(ValueError, match="'off', 'on', 'gather_first'"):
+        tiles.MoeTiles.from_dict({"block_m": 16, "gate_up": {"block_n": 64, "block_k": 32, "persistent": value},
+                                  "down": {"block_n": 64, "block_k": 32}})
+
+
+def test_tiles_write_the_named_form_and_read_it_back():
+    """What a tuner writes (`to_dict`, through json) names the kernel and loads back as the same tiles."""
+    chosen = tiles.MoeTiles(64, tiles.GemmTile(128, 64, 8, 4, 8, tiles.Persistent.GATHER_FIRST),
+                            tiles.GemmTile(256, 64, 8, 3, 8, 1))
+    written = json.loads(json.dumps(chosen.to_dict()))
+    assert (written["gate_up"]["persistent"], written["down"]["persistent"]) == ("gather_first", "on")
+    assert tiles.MoeTiles.from_dict(written) == chosen
+
+
 @pytest.mark.parametrize("name", [n for n in TABLES if "fp8" in tiles.load_table(n)])
 def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
     """The "fp8" buckets parse, already meet the w8a8 constraints (BLOCK_K a power of two >= 32, GEMM1's BLOCK_N a
@@ -54,7 +158,7 @@ def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
 
     monkeypatch.setattr(tiles, "device_key", lambda device: name)
     table = tiles.load_table(name)
-    assert set(table["fp8"]) <= {"note", "buckets", "shapes", "decode"}
+    assert set(table["fp8"]) <= {"buckets", "shapes", "decode"}
     channel = WeightScale.of(torch.ones(8, 256), "channel", (128, 128), transposed=False)
     limit = FP8_SMEM_LIMIT[name]
     for bucket in table["fp8"]["buckets"]:

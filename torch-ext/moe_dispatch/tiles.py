@@ -3,18 +3,20 @@
 `configs/<device_key>.json` (see `_device.device_key`) holds, per device, a list of buckets keyed by the expected number
 of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,F,H"`::
 
-    {"device": "NVIDIA_H200", "measured": true,
+    {"device": "NVIDIA_H200", "measured": true, "note": "how and where it was measured", "fp8_note": "...",
      "buckets": [{"max_rows_per_expert": 16, "block_m": 16,
                   "gate_up": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 1},
-                  "down":    {...}}, ...],
+                  "down":    {..., "persistent": "on"}}, ...],
      "shapes": {"8,14336,4096": [<buckets>]}}
 
-The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). The
-w8a8 FP8 path (fp8_gemm.py) reads its own buckets, `"fp8": {"buckets": [...], "shapes": {...}}`, in the same form
-(BLOCK_K there is the activation group; `fp8_gemm.w8a8_tiles` applies the path's constraints); a table without them
-lends the FP8 path its bf16 buckets with BLOCK_K 128. A table
-also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown devices fall back to
-`configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
+The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A GEMM's
+optional `persistent` names a `Persistent` member in lower case ("off", the default; "on"; "gather_first"); the
+integers 0, 1, 2 of older tables load too. Provenance ("measured", "note", "fp8_note") stays at the top level, which
+no selection reads. The w8a8 FP8 path (fp8_gemm.py) reads its own buckets,
+`"fp8": {"buckets": [...], "shapes": {...}}`, in the same form (BLOCK_K there is the activation group;
+`fp8_gemm.w8a8_tiles` applies the path's constraints); a table without them lends the FP8 path its bf16 buckets with
+BLOCK_K 128. A table also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown
+devices fall back to `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
 
 An optional `decode` entry turns on the two-launch decode path (decode.py) for small problems, keyed by the number of
 assignments N = T * top_k, optionally per model shape::
@@ -49,12 +51,23 @@ MAX_DECODE_ASSIGNMENTS = 256
 
 
 class Persistent(enum.IntEnum):
-    """`GemmTile.persistent` (the tables store the integer): which GEMM kernel a tile asks for, where the device and
-    the operands allow it (planner.py decides)."""
+    """`GemmTile.persistent`: which GEMM kernel a tile asks for, where the device and the operands allow it
+    (planner.py decides). Tables name the member in lower case (`parse`)."""
 
     OFF = 0  # the pointer kernel (one program per output tile)
     ON = 1  # the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on w8a8)
     GATHER_FIRST = 2  # bf16/fp16 gate_up GEMM: the token rows copied into expert order, then the persistent kernel
+
+    @classmethod
+    def parse(cls, value) -> "Persistent":
+        """A table's `persistent`: a member's name in any case ("on"), or its integer (tables written before the
+        names). Anything else raises ValueError naming the accepted values."""
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        if isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
+            return cls(value)
+        names = ", ".join(repr(member.name.lower()) for member in cls)
+        raise ValueError(f"a tile's persistent must be one of {names} (or 0-{len(cls) - 1}), got {value!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,8 +94,19 @@ class GemmTile:
     # Persistent.ON: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the
     # w8a8 path, from block_m 64) where the device and layout allow it; Persistent.GATHER_FIRST (bf16/fp16 gate_up
     # GEMM): the same, after a copy of the token rows into expert order, so that A's tiles come through a descriptor
-    # too instead of gathered loads
-    persistent: int = Persistent.OFF
+    # too instead of gathered loads. A plain int after `from_list` (equal to its member)
+    persistent: Persistent = Persistent.OFF
+
+    @classmethod
+    def from_dict(cls, entry):
+        """A GEMM's tile from its table entry (`persistent` through `Persistent.parse`)."""
+        if "persistent" not in entry:
+            return cls(**entry)
+        return cls(**{**entry, "persistent": Persistent.parse(entry["persistent"])})
+
+    def to_dict(self):
+        """The table entry: the fields by name, `persistent` by its member's name."""
+        return {**dataclasses.asdict(self), "persistent": Persistent(self.persistent).name.lower()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +121,13 @@ class MoeTiles:
     def from_dict(cls, entry):
         return cls(
             block_m=int(entry["block_m"]),
-            gate_up=GemmTile(**entry["gate_up"]),
-            down=GemmTile(**entry["down"]),
+            gate_up=GemmTile.from_dict(entry["gate_up"]),
+            down=GemmTile.from_dict(entry["down"]),
         )
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        """The table form of the tiles (a bucket without its `max_rows_per_expert`)."""
+        return {"block_m": self.block_m, "gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
 
     def to_list(self) -> list[int]:
         """Flat ints (block_m, then each GEMM's fields in order): the form custom operators take."""
