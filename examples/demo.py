@@ -1,4 +1,10 @@
-"""One fused MoE forward against the float64 reference, with its time. See scripts/demo."""
+"""One fused MoE forward against the float64 reference, with its time.
+
+    bash scripts/demo                       # its launcher: the project's .venv, the PYTHONPATH below
+    PYTHONPATH=torch-ext:benchmarks python3 examples/demo.py --model deepseek-v3 --tokens 32
+
+With a GPU: the model's real layer in bf16. Without: its routing on a shrunk layer through the Triton interpreter.
+"""
 
 import argparse
 import os
@@ -11,9 +17,9 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import moe_dispatch as md  # noqa: E402  (scripts/_env.sh puts torch-ext/ and benchmarks/ on PYTHONPATH)
+import moe_dispatch as md  # noqa: E402  (torch-ext/ and benchmarks/ on PYTHONPATH: scripts/_env.sh)
 from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
-from reference import fused_moe_forward_ref  # noqa: E402
+from moe_dispatch.reference import fused_moe_forward_ref  # noqa: E402
 
 
 def main():

@@ -1,8 +1,8 @@
 """Expert parallelism with torchrun: each rank holds E / W experts, tokens travel by all-to-all.
 
-    GPUs (NCCL, one GPU per rank):  PYTHONPATH=torch-ext torchrun --nproc-per-node 2 scripts/ep_example.py
+    GPUs (NCCL, one GPU per rank):  PYTHONPATH=torch-ext torchrun --nproc-per-node 2 examples/ep_example.py
     CPU (gloo, Triton interpreter): PYTHONPATH=torch-ext TRITON_INTERPRET=1 torchrun --nproc-per-node 2 \\
-                                        scripts/ep_example.py                      (tiny sizes, ~10 s)
+                                        examples/ep_example.py                      (tiny sizes, ~10 s)
 
 Every rank builds the same all-expert weights from one seed (as if loaded from one checkpoint), keeps its shard in an
 `ExpertParallelExperts` layer, routes its own tokens (a different T per rank) with `moe_router`, runs the layer

@@ -1,4 +1,4 @@
-"""Bandwidth of the MegaBlocks-style routing copies on a GPU, against the device-to-device copy ceiling (issue 6).
+"""Bandwidth of the MegaBlocks-style routing copies on a GPU, against the device-to-device copy ceiling.
 
     scripts/bench_binned                      # T=16384, H=4096, top_k=2, E=8, bf16, capacity factor 1.0
     scripts/bench_binned --sweep              # also time every candidate tile (to retune copy_config)
@@ -8,8 +8,8 @@ Bytes per op are one row per assignment moved, as the op is defined: a gather re
 assignment and writes the whole buffer (unused capacity and padding included, they are written as zeros); a scatter
 reads every kept buffer row and writes [T, H]; wgrad reads every kept buffer row and its token's gradient row. Index
 and weight traffic (a few hundred KiB) is left out. Achieved bytes/s is compared with the copy ceiling (bytes read
-plus bytes written per second by `dst.copy_(src)`, scripts/_bench_ceilings.py); the issue's target is >= 80%.
-Each output is checked once against the float64 reference (benchmarks/reference.py) before it is timed, and a plain
+plus bytes written per second by `dst.copy_(src)`, harness.measure_copy_bandwidth); the target is >= 80%.
+Each output is checked once against the float64 reference (moe_dispatch.reference) before it is timed, and a plain
 torch indexing implementation of the same op is timed beside it for scale.
 """
 
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 # Imported by name: scripts/ (this folder), benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh).
-import reference  # benchmarks/reference.py: the float64 references and the tolerance table
-from _bench_ceilings import measure_copy_bandwidth
-from moe_dispatch import row_copies, binned
-from reference import TOLERANCE
-TARGET = 0.80  # fraction of the copy ceiling (issue 6)
+from harness import measure_copy_bandwidth
+from moe_dispatch import binned, reference, row_copies  # reference: the float64 references and the tolerance table
+from moe_dispatch.reference import TOLERANCE
+
+TARGET = 0.80  # fraction of the copy ceiling
 SWEEP = [  # (block_rows, block_h, num_warps) candidates for --sweep
     (1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 2048, 8), (8, 512, 4), (16, 256, 4), (4, 1024, 8),
     (8, 1024, 8), (2, 4096, 8),

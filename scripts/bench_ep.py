@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Expert-parallel benchmark (issue 14): one MoE layer's experts split over the GPUs of one host, NCCL.
+"""Expert-parallel benchmark: one MoE layer's experts split over the GPUs of one host, NCCL.
 
-    PYTHONPATH=scripts:benchmarks:torch-ext torchrun --nproc-per-node 2 scripts/bench_ep.py --out ep-results/
-    ... scripts/bench_ep.py --models deepseek-v3 --tokens 1,1024 --iters 20
+    scripts/bench_ep --out ep-results/                       # its launcher: torchrun, one rank per GPU
+    scripts/bench_ep --models deepseek-v3 --tokens 1,1024 --iters 20
+    MOE_DISPATCH_RANKS=2 scripts/bench_ep --cpu-smoke        # the plumbing on a CPU (gloo, interpreter)
 
 For each model (benchmarks/model_shapes.py) and T tokens per rank, with random distinct top-k ids (balanced in
 expectation), bf16, it times on every rank and reports the slowest rank (max over ranks of the per-rank median):
@@ -40,7 +41,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402  (benchmarks/ on PYTHONPATH)
-from reference import TOLERANCE, relative_error  # noqa: E402
+from moe_dispatch.reference import TOLERANCE, relative_error  # noqa: E402
 
 import moe_dispatch as md  # noqa: E402
 from moe_dispatch import expert_parallel as ep  # noqa: E402  (the stages, timed one by one)

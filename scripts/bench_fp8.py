@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 experts benchmark (issue 13): moe_dispatch's FP8 path beside its bf16 path, transformers' FP8 experts and the
+"""FP8 experts benchmark: moe_dispatch's FP8 path beside its bf16 path, transformers' FP8 experts and the
 FP8 ceilings, all measured in one run.
 
 Per model (benchmarks/model_shapes.py) and token count T (random routing, k distinct experts per token, fp32
@@ -23,11 +23,11 @@ error against the float64 experts on the dequantized fp8 weights (fp8, hf_fp8: r
 path quantizes activations, the bf16 tolerance on the dequant path) or on the bf16 weights (bf16: the bf16
 tolerance).
 
-Targets (issue 13), marked per cell:
+Targets, marked per cell:
   decode, T <= 16    fp8 time (graph_flushed) <= 1.15 x (fp8 weight bytes + scale bytes of the experts hit) / R + 10 us
   prefill, T >= 4096 fp8 throughput >= 1.5 x bf16 throughput of the same cell (plain times)
   every cell         fp8 faster than hf_fp8 (same timing mode), when hf_fp8 ran
-Ceilings measured at the start: R (read bandwidth, scripts/_bench_ceilings.py), P_bf16 (torch.matmul, n^3), P_fp8
+Ceilings measured at the start: R (read bandwidth, harness.measure_read_bandwidth), P_bf16 (torch.matmul, n^3), P_fp8
 (torch._scaled_mm on e4m3 operands, n^3, rowwise and tensorwise scales).
 
 Writes OUT/bench_fp8.json and OUT/bench_fp8.md after every model (a run cut short keeps what it measured) and prints the
@@ -50,28 +50,24 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the CPU runs kernels interpreted
-
-import bench  # noqa: E402  (scripts/bench.py: package loading, routing, timers, row sampling)
-import reference  # noqa: E402
-from _bench_ceilings import measure_matmul_rate, measure_read_bandwidth  # noqa: E402
-from model_shapes import MODEL_SHAPES, shrunk  # noqa: E402
-from reference import TOLERANCE, W8A8_TOLERANCE  # noqa: E402
+import harness  # first (scripts/harness.py): without a GPU it turns on Triton's interpreter before triton imports
+from harness import fmt, fp8_reference, make_fp8_problem, measure_matmul_rate, measure_read_bandwidth
+from model_shapes import MODEL_SHAPES, shrunk
+from moe_dispatch import reference
+from moe_dispatch.reference import TOLERANCE, W8A8_TOLERANCE
 
 TOKENS = (1, 4, 16, 128, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 4, 40)
-# the issue's three models first, so a run cut by the deadline keeps them
+# the three models the FP8 targets were set on first, so a run cut by the deadline keeps them
 MODEL_ORDER = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b", "qwen2-57b-a14b", "mixtral-8x22b")
 IMPLS = ("fp8", "bf16", "hf_fp8")
-BLOCK = (128, 128)
+BLOCK = harness.FP8_BLOCK
 DTYPE = torch.bfloat16
 DECODE_MAX_T = 16
 PREFILL_MIN_T = 4096
 READ_SLACK = 1.15
 LAUNCH_ALLOWANCE_US = 10.0
 PREFILL_SPEEDUP = 1.5
-QUANTIZE_CHUNK = 8  # experts generated and quantized at a time (DeepSeek-V3's fp32 temporaries stay ~2 GB)
 
 
 def parse_args(argv):
@@ -124,7 +120,7 @@ class Timer:
 
     def __init__(self, warmup_ms, rep_ms, device):
         self.warmup_ms, self.rep_ms, self.cuda = warmup_ms, rep_ms, device.type == "cuda"
-        self.wall = None if self.cuda else bench.WallTimer()
+        self.wall = None if self.cuda else harness.WallTimer()
 
     def plain(self, fn):
         if not self.cuda:
@@ -139,7 +135,7 @@ class Timer:
         return do_bench_cudagraph(fn, rep=self.rep_ms, return_mode="median")
 
     def graph_flushed(self, fn):
-        return bench.EventTimer(self.warmup_ms, self.rep_ms).graph(fn)
+        return harness.EventTimer(self.warmup_ms, self.rep_ms).graph(fn)
 
 
 def measure(record, timer, fn, *, check, graph_flushed):
@@ -152,7 +148,7 @@ def measure(record, timer, fn, *, check, graph_flushed):
         del output
         record["plain_us"] = timer.plain(fn) * 1e3
     except Exception as exc:
-        record["error"] = bench.error_text(exc)
+        record["error"] = harness.error_text(exc)
         return
     if not timer.cuda:
         return
@@ -161,7 +157,7 @@ def measure(record, timer, fn, *, check, graph_flushed):
         try:
             record[key] = method(fn) * 1e3
         except Exception as exc:
-            record[key.replace("_us", "_error")] = bench.error_text(exc)
+            record[key.replace("_us", "_error")] = harness.error_text(exc)
             torch.cuda.synchronize()
 
 
@@ -183,7 +179,7 @@ def measure_fp8_matmul(timer, device, size):
             ms = timer.plain(lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=DTYPE))
             out[f"fp8_matmul_{name}_flops_per_s"] = 2 * size**3 / (ms * 1e-3)
         except Exception as exc:
-            out[f"fp8_matmul_{name}_error"] = bench.error_text(exc)
+            out[f"fp8_matmul_{name}_error"] = harness.error_text(exc)
     return out
 
 
@@ -209,7 +205,7 @@ def load_transformers_fp8(device):
 
         finegrained_fp8.load_finegrained_fp8_kernel()
     except Exception as exc:
-        return None, (f"{bench.error_text(exc)} (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}; stage "
+        return None, (f"{harness.error_text(exc)} (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}; stage "
                       "kernels-community/finegrained-fp8 in the HF cache or map it with LOCAL_KERNELS)")
     return finegrained_fp8, None
 
@@ -234,47 +230,6 @@ def transformers_experts(finegrained, q_gate_up, q_down, scales):
 # one model
 
 
-@dataclasses.dataclass
-class Problem:
-    shape: object
-    x: torch.Tensor  # [T_max, H] bf16
-    w_gate_up: torch.Tensor  # [E, 2F, H] bf16
-    w_down: torch.Tensor  # [E, H, F] bf16
-    q_gate_up: torch.Tensor  # float8_e4m3fn
-    q_down: torch.Tensor
-    scales: dict  # w_gate_up_scale, w_down_scale, fp8_block_shape
-
-
-def _random_quantized(E, d1, d2, device, gen, quantize):
-    """bf16 weights randn * 0.02 and their block quantization, QUANTIZE_CHUNK experts at a time."""
-    w = torch.empty(E, d1, d2, device=device, dtype=DTYPE)
-    q = torch.empty(E, d1, d2, device=device, dtype=torch.float8_e4m3fn)
-    scales = []
-    for start in range(0, E, QUANTIZE_CHUNK):
-        part = slice(start, min(E, start + QUANTIZE_CHUNK))
-        w[part].normal_(0.0, 0.02, generator=gen)
-        q[part], scale = quantize(w[part], "block", block_shape=BLOCK)
-        scales.append(scale)
-    return w, q, torch.cat(scales)
-
-
-def make_problem(shape, max_tokens, device, seed, kernel):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    E, H, F = shape.num_experts, shape.hidden, shape.ffn
-    x = torch.empty(max_tokens, H, device=device, dtype=DTYPE).normal_(0.0, 1.0, generator=gen)
-    w_gate_up, q_gate_up, s_gate_up = _random_quantized(E, 2 * F, H, device, gen, kernel.quantize_experts_fp8)
-    w_down, q_down, s_down = _random_quantized(E, H, F, device, gen, kernel.quantize_experts_fp8)
-    return Problem(shape, x, w_gate_up, w_down, q_gate_up, q_down,
-                   dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, fp8_block_shape=BLOCK))
-
-
-def fp8_reference(prob, x, ids, weights, rows):
-    """float64 experts on the dequantized fp8 weights at the sampled `rows` (what the fp8 outputs are held to; also
-    scripts/sweep_fp8.py's check)."""
-    return reference.fused_experts_fp8_ref(x[rows], prob.q_gate_up, prob.q_down, ids[rows], weights[rows],
-                                           experts_per_chunk=16, **prob.scales)
-
-
 def fp8_weight_bytes(shape, experts_hit):
     """FP8 weight bytes + fp32 block-scale bytes of the experts hit (what a decode step must read)."""
     H, F = shape.hidden, shape.ffn
@@ -293,8 +248,8 @@ def bench_cell(prob, T, args, timer, kernel, hf_forward, ceilings):
     shape, device = prob.shape, prob.x.device
     seed = args.seed * 1000003 + T
     x = prob.x[:T]
-    ids, weights = bench.random_routing(T, shape.num_experts, shape.top_k, device, seed)
-    rows = bench.check_rows(T, args.check_rows, device, seed)
+    ids, weights = harness.random_routing(T, shape.num_experts, shape.top_k, device, seed)
+    rows = harness.check_rows(T, args.check_rows, device, seed)
     hit = int(torch.unique(ids).numel())
     decode = T <= DECODE_MAX_T
     records = {}
@@ -336,7 +291,7 @@ def bench_cell(prob, T, args, timer, kernel, hf_forward, ceilings):
 
 
 def judge(records, shape, T, hit, ceilings):
-    """Bytes, FLOPs, rates and the issue's targets on the fp8 record; every record gets its rates."""
+    """Bytes, FLOPs, rates and the targets on the fp8 record; every record gets its rates."""
     flops = 2 * T * shape.top_k * 3 * shape.hidden * shape.ffn
     weight_bytes = fp8_weight_bytes(shape, hit)
     for record in records.values():
@@ -372,7 +327,7 @@ def judge(records, shape, T, hit, ceilings):
 def bench_model(shape, args, timer, kernel, hf_module, ceilings, started):
     device = torch.device(args.device)
     cells = []
-    prob = make_problem(shape, max(args.tokens), device, args.seed, kernel)
+    prob = make_fp8_problem(shape, max(args.tokens), device, args.seed, kernel)
     hf_forward = transformers_experts(hf_module, prob.q_gate_up, prob.q_down, prob.scales) if hf_module else None
     for T in args.tokens:
         if args.deadline_s and time.monotonic() - started > args.deadline_s:
@@ -380,7 +335,7 @@ def bench_model(shape, args, timer, kernel, hf_module, ceilings, started):
             continue
         cells.extend(bench_cell(prob, T, args, timer, kernel, hf_forward, ceilings))
     del prob, hf_forward
-    bench.free_memory(device)
+    harness.free_memory(device)
     return cells
 
 
@@ -410,14 +365,14 @@ def write_markdown(results, path):
     meta, ceil = results["meta"], results["ceilings"]
     tflops = {k: ceil.get(f"fp8_matmul_{k}_flops_per_s") for k in ("rowwise", "tensorwise")}
     lines = [
-        "# moe-dispatch FP8 experts benchmark (issue 13)", "",
+        "# moe-dispatch FP8 experts benchmark", "",
         f"{meta['device']} · torch {meta['torch']} · triton {meta['triton']} · "
         f"transformers {meta['transformers']} · {meta['date']} · commit {meta['commit']} · "
         f"fp8_compute={meta['fp8_compute']}", "",
         "| read R | bf16 matmul P | fp8 _scaled_mm rowwise | fp8 _scaled_mm tensorwise |", "| --- | --- | --- | --- |",
         f"| {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s | {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s | "
-        f"{bench.fmt(tflops['rowwise'] and tflops['rowwise'] / 1e12, '.0f')} TFLOP/s | "
-        f"{bench.fmt(tflops['tensorwise'] and tflops['tensorwise'] / 1e12, '.0f')} TFLOP/s |", "",
+        f"{fmt(tflops['rowwise'] and tflops['rowwise'] / 1e12, '.0f')} TFLOP/s | "
+        f"{fmt(tflops['tensorwise'] and tflops['tensorwise'] / 1e12, '.0f')} TFLOP/s |", "",
         f"transformers FP8 experts (grouped_mm): {meta['hf_fp8']}", "",
         "Times in us, median. plain: do_bench, L2 flushed; graph: do_bench_cudagraph, repeated calls, no flush; "
         "gflush: one-call graph replays with the L2 flushed (decode cells). Target: decode (T <= 16) fp8 gflush <= "
@@ -430,12 +385,12 @@ def write_markdown(results, path):
     for model, T, impls in _rows(results):
         f, b, h = impls.get("fp8", {}), impls.get("bf16", {}), impls.get("hf_fp8", {})
         lines.append(
-            f"| {model} | {T} | {f.get('experts_hit', '-')} | {bench.fmt(f.get('plain_us'))} | {bench.fmt(f.get('graph_us'))} | "
-            f"{bench.fmt(f.get('graph_flushed_us'))} | {bench.fmt(f.get('tflop_per_s'), '.0f')} | {bench.fmt(b.get('plain_us'))} | "
-            f"{bench.fmt(b.get('graph_us'))} | {bench.fmt(b.get('graph_flushed_us'))} | {bench.fmt(f.get('vs_bf16'), '.2f')} | "
-            f"{bench.fmt(h.get('plain_us'))} | {bench.fmt(h.get('graph_us'))} | {bench.fmt(f.get('vs_hf'), '.2f')} | "
-            f"{bench.fmt(f.get('target_us'))} | {bench.fmt(f.get('rel_err'), '.1e')} | {bench.fmt(b.get('rel_err'), '.1e')} | "
-            f"{bench.fmt(h.get('rel_err'), '.1e')} | {_met(f)} |")
+            f"| {model} | {T} | {f.get('experts_hit', '-')} | {fmt(f.get('plain_us'))} | {fmt(f.get('graph_us'))} | "
+            f"{fmt(f.get('graph_flushed_us'))} | {fmt(f.get('tflop_per_s'), '.0f')} | {fmt(b.get('plain_us'))} | "
+            f"{fmt(b.get('graph_us'))} | {fmt(b.get('graph_flushed_us'))} | {fmt(f.get('vs_bf16'), '.2f')} | "
+            f"{fmt(h.get('plain_us'))} | {fmt(h.get('graph_us'))} | {fmt(f.get('vs_hf'), '.2f')} | "
+            f"{fmt(f.get('target_us'))} | {fmt(f.get('rel_err'), '.1e')} | {fmt(b.get('rel_err'), '.1e')} | "
+            f"{fmt(h.get('rel_err'), '.1e')} | {_met(f)} |")
     Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -443,7 +398,7 @@ def short_table(results):
     ceil = results["ceilings"]
     rowwise = ceil.get("fp8_matmul_rowwise_flops_per_s")
     lines = [f"R {ceil['read_bytes_per_s'] / 1e12:.2f} TB/s · P bf16 {ceil['matmul_flops_per_s'] / 1e12:.0f} · "
-             f"P fp8 {bench.fmt(rowwise and rowwise / 1e12, '.0f')} TFLOP/s · {results['meta']['device']} · "
+             f"P fp8 {fmt(rowwise and rowwise / 1e12, '.0f')} TFLOP/s · {results['meta']['device']} · "
              f"hf_fp8: {'ran' if results['meta']['hf_fp8'] == 'loaded' else 'not run'}",
              f"{'model':<15}{'T':>6} {'fp8_us':>9} {'bf16_us':>9} {'xbf16':>6} {'hf_us':>9} {'xhf':>5} "
              f"{'tgt_us':>8} {'err':>7} target"]
@@ -455,16 +410,16 @@ def short_table(results):
         hf_us = judged_time(h, ("graph_flushed_us", "plain_us"))[0]
         misses += f.get("met") is False
         errors += bool(f.get("error")) or f.get("ok") is False or b.get("ok") is False
-        lines.append(f"{model[:15]:<15}{T:>6} {bench.fmt(fp8_us):>9} {bench.fmt(bf16_us):>9} {bench.fmt(f.get('vs_bf16'), '.2f'):>6} "
-                     f"{bench.fmt(hf_us):>9} {bench.fmt(f.get('vs_hf'), '.2f'):>5} {bench.fmt(f.get('target_us')):>8} "
-                     f"{bench.fmt(f.get('rel_err'), '.1e'):>7} {_met(f)}")
+        lines.append(f"{model[:15]:<15}{T:>6} {fmt(fp8_us):>9} {fmt(bf16_us):>9} {fmt(f.get('vs_bf16'), '.2f'):>6} "
+                     f"{fmt(hf_us):>9} {fmt(f.get('vs_hf'), '.2f'):>5} {fmt(f.get('target_us')):>8} "
+                     f"{fmt(f.get('rel_err'), '.1e'):>7} {_met(f)}")
     lines.append(f"targets missed: {misses}; cells with errors or failed checks: {errors}; times: gflush for T <= 16, "
                  "else plain")
     return "\n".join(lines)
 
 
 def write_outputs(results, out_dir):
-    bench.write_results(results, out_dir, "bench_fp8", write_markdown)
+    harness.write_results(results, out_dir, "bench_fp8", write_markdown)
     return short_table(results)
 
 
@@ -473,9 +428,9 @@ def main(argv=None, *, kernel=None):
     args = parse_args(argv)
     if not args.allow_download and not args.cpu_smoke:  # (the smoke run never loads transformers' kernel)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / huggingface_hub read it
-    device = bench.benchmark_device(args.device, "--cpu-smoke")
+    device = harness.benchmark_device(args.device, "--cpu-smoke")
     torch.manual_seed(args.seed)
-    kernel = kernel if kernel is not None else bench.load_kernel(args.kernel_dir)
+    kernel = kernel if kernel is not None else harness.load_kernel(args.kernel_dir)
     timer = Timer(args.warmup_ms, args.rep_ms, device)
     shapes = {name: shrunk(MODEL_SHAPES[name]) if args.cpu_smoke else MODEL_SHAPES[name] for name in args.models}
     hf_module, args.hf_why = (load_transformers_fp8(device) if "hf_fp8" in args.impls else (None, "not asked"))
@@ -492,9 +447,9 @@ def main(argv=None, *, kernel=None):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers_version,
-            "python": platform.python_version(), "commit": bench._git_commit(),
+            "python": platform.python_version(), "commit": harness.git_commit(),
             "package": f"{getattr(kernel, '__name__', '?')} {getattr(kernel, '__version__', '?')}",
-            "argv": [bench._portable_path(a) for a in (sys.argv[1:] if argv is None else argv)],
+            "argv": [harness.portable_path(a) for a in (sys.argv[1:] if argv is None else argv)],
             "fp8_compute": args.fp8_compute, "block_shape": list(BLOCK), "hf_fp8": args.hf_why or "loaded",
             "tolerance": {"w8a8": W8A8_TOLERANCE, "bf16": TOLERANCE[DTYPE]},
             "targets": {"read_slack": READ_SLACK, "launch_allowance_us": LAUNCH_ALLOWANCE_US,

@@ -4,11 +4,11 @@ the transformers experts interface (`moe_dispatch_experts`), and transformers' o
 experts functions, for the six models of MODEL_SHAPES at T = 1, 4, 16, 128, in one run.
 
 Per (model, T, implementation), under torch.no_grad as `generate` runs:
-  host_us      host time per call, calls issued back to back after a sync (bench.host_time: few enough calls that the
-               launch queue never fills, so this is the host's enqueue time)
+  host_us      host time per call, calls issued back to back after a sync (harness.host_time: few enough calls that
+               the launch queue never fills, so this is the host's enqueue time)
   idle_us      host time of one call issued to an idle GPU (sync, then the call), median of several
   latency_us   from that call's start to the end of its GPU work (the whole call, seen from an idle GPU)
-  gpu_us       the sum of the call's kernel times (bench.kernel_times, torch.profiler)
+  gpu_us       the sum of the call's kernel times (harness.kernel_times, torch.profiler)
 The implementations are measured in alternating rounds (`--rounds`), medians reported, so clock drift hits all alike.
 
 `--profile MODEL:T` adds a cProfile of 1000 calls of `fused_experts` with plans off and on (top functions by own
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import bench  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
+import harness  # scripts/, benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh)
 from benchmark_moe import TransformersExperts  # the stand-in experts module the Hub benchmark uses
 from model_shapes import MODEL_SHAPES
 
@@ -90,13 +90,13 @@ def measure_cell(fns, rounds):
     for r in range(rounds):
         names = list(fns) if r % 2 == 0 else list(reversed(fns))
         for name in names:
-            samples[name]["host_us"].append(bench.host_time(fns[name]))
+            samples[name]["host_us"].append(harness.host_time(fns[name]))
             idle, latency = idle_times(fns[name])
             samples[name]["idle_us"].append(idle)
             samples[name]["latency_us"].append(latency)
     record = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
     for name, fn in fns.items():
-        record[name]["gpu_us"] = sum(bench.kernel_times(fn).values())
+        record[name]["gpu_us"] = sum(harness.kernel_times(fn).values())
     return record
 
 
@@ -112,7 +112,7 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
     for enabled in (False, True):
         md._plan.ENABLED = enabled
         out.write(f"\n=== cProfile, {calls} calls, plans {'on' if enabled else 'off'} ===\n")
-        out.write(bench.cprofile_text(call, calls))
+        out.write(harness.cprofile_text(call, calls))
     md._plan.ENABLED = True
     cache = md.moe._FUSED_EXPERTS_PLANS
     plans = [p for p in cache._plans.values() if p is not None]
@@ -181,9 +181,9 @@ def main(argv=None):
     with torch.no_grad():
         for name in args.models.split(","):
             shape = MODEL_SHAPES[name]
-            prob = bench.make_problem(shape, max(tokens_list), torch.bfloat16, device, seed=0)
+            prob = harness.make_problem(shape, max(tokens_list), torch.bfloat16, device, seed=0)
             for tokens in tokens_list:
-                topk_ids, topk_weights = bench.random_routing(tokens, shape.num_experts, shape.top_k, device, seed=1)
+                topk_ids, topk_weights = harness.random_routing(tokens, shape.num_experts, shape.top_k, device, seed=1)
                 fns = implementations(md, prob, tokens, topk_ids, topk_weights)
                 record = measure_cell(fns, args.rounds)
                 results["cells"].append({"model": name, "T": tokens, **record})

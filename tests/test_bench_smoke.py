@@ -1,22 +1,31 @@
-"""Smoke test of the benchmark harness (scripts/bench.py): plumbing only, no speed assertions.
+"""The tools of scripts/ on the CPU: plumbing and decisions, no speed assertions.
 
-Tiny shapes (model_shapes.shrunk), a counting stub in place of the timer, a torch stand-in for the package in the
-plumbing test and the real package in one small end-to-end cell. Checks that every cell is produced, the accounting
-follows issue 4's formulas, the JSON / Markdown / summary outputs have their structure, and the correctness checks
-would catch a wrong kernel.
+- The forward benchmark (scripts/bench.py on the harness, scripts/harness.py): tiny shapes (model_shapes.shrunk), a
+  counting stub in place of the timer, a torch stand-in for the package in the plumbing test and the real package in
+  one small end-to-end cell. Every cell is produced, the accounting follows the targets' formulas, the JSON /
+  Markdown / summary outputs have their structure, and the correctness checks catch a wrong kernel.
+- The tuner (scripts/tune.py), one interpreter-sized run per path with a stub timer of known costs: the table it
+  writes gives each measured T the tiles the run chose (read back through the package's own tile selection), a
+  candidate off the reference is rejected however fast, and the table's choice is kept when nothing beats it; plus the
+  decode entry's and the fp8 buckets' rules on made-up records.
+- The FP8 benchmark, the host-time benchmark's implementations, the harness's GPU-state reader and paired orders, the
+  launchers of the GPU-only tools (`--help`), and the GPU suite's failure log.
 """
 
+import dataclasses
 import json
 import os
+import subprocess
 from pathlib import Path
 
-import _bench_ceilings  # scripts/ is on sys.path (conftest.py)
-import bench
+import bench  # scripts/ is on pytest.ini's pythonpath
+import harness
 import pytest
 import torch
+import tune
 from helpers import DEVICE, TOLERANCE, assert_close, needs_interpreter
-from reference import W8A8_TOLERANCE
 from model_shapes import MODEL_SHAPES, shrunk
+from moe_dispatch.reference import W8A8_TOLERANCE
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {name: shrunk(shape) for name, shape in MODEL_SHAPES.items()}
@@ -45,7 +54,7 @@ class TorchKernel:
         self.broken = broken
 
     def fused_experts(self, x, w_gate_up, w_down, topk_ids, topk_weights):
-        out = bench.eager_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
+        out = harness.eager_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
         return out * 1.5 if self.broken else out
 
     def fused_moe_forward(self, x, router_weight, w_gate, w_up, w_down, num_experts, top_k, gating="softmax", *,
@@ -53,7 +62,7 @@ class TorchKernel:
                           e_score_correction_bias=None, routed_scaling_factor=1.0):
         shape = next(s for s in TINY.values() if s.num_experts == num_experts and s.top_k == top_k
                      and s.gating == gating and s.n_group == n_group)
-        ids, weights = bench.torch_route(shape, x, router_weight, router_bias, e_score_correction_bias)
+        ids, weights = harness.torch_route(shape, x, router_weight, router_bias, e_score_correction_bias)
         w_gate_up = torch.cat([w_gate, w_up], dim=1)
         out = self.fused_experts(x, w_gate_up, w_down, ids, weights)
         return out, ids, weights.to(x.dtype)
@@ -72,7 +81,7 @@ def test_parse_quick_and_defaults():
     assert bench.parse_args(["--tokens", "3,7", "--paths", "fused_experts"]).paths == ("fused_experts",)
 
 
-def test_accounting_follows_issue_4():
+def test_accounting_follows_the_targets():
     shape = MODEL_SHAPES["mixtral-8x7b"]
     ceilings = {"read_bytes_per_s": 4e12, "matmul_flops_per_s": 800e12}
     acct = bench.accounting(shape, 1, 2, 2, "fused_experts", ceilings)
@@ -95,7 +104,7 @@ def test_bench_plumbing(tmp_path, capsys):
 
     ceilings = results["ceilings"]
     assert ceilings["read_bytes_per_s"] > 0 and ceilings["matmul_flops_per_s"] > 0
-    assert len(ceilings["read_configs"]) == len(_bench_ceilings.READ_CONFIGS)
+    assert len(ceilings["read_configs"]) == len(harness.READ_CONFIGS)
 
     cells = results["cells"]
     ours = [c for c in cells if c["impl"] == "moe_dispatch" and c["dtype"] == "bfloat16"]
@@ -151,120 +160,12 @@ def test_deadline_skips_cells(tmp_path):
 
 def test_real_package_one_cell(tmp_path):
     """The package itself through the harness: one tiny cell per path, checked against the float32 computation."""
-    kernel = bench.load_kernel()  # the package must import and expose both entry points: a failure here is a bug
+    kernel = harness.load_kernel()  # the package must import and expose both entry points: a failure here is a bug
     argv = _common(tmp_path, "qwen3-30b-a3b", "5") + ["--no-baselines", "--fp16-spot", "none"]
     results = bench.main(argv, timer=CountingTimer(), kernel=kernel, shapes=TINY)
     for c in results["cells"]:
         assert "error" not in c, c
         assert c["ok"], c
-
-
-def test_tune_writes_a_loadable_table(tmp_path):
-    """scripts/tune on tiny shapes: the table it writes parses with the package's own tile classes."""
-    import tune
-
-    kernel = bench.load_kernel()
-    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
-    out = tmp_path / "table.json"
-    argv = ["--device", DEVICE, "--models", "mixtral-8x7b", "--tokens", "2,8", "--max-candidates", "1",
-            "--out", str(out)]
-    tune.main(argv, timer=CountingTimer(), kernel=kernel, shapes=TINY)
-    table = json.loads(out.read_text())
-    assert table["measured"] is True and table["buckets"]
-    shape = TINY["mixtral-8x7b"]
-    shape_key = f"{shape.num_experts},{shape.ffn},{shape.hidden}"
-    buckets = table["shapes"][shape_key]
-    assert [b["max_rows_per_expert"] for b in buckets][:2] == [1, 2]
-    for bucket in buckets + table["buckets"]:
-        assert set(bucket) == {"max_rows_per_expert", "block_m", "gate_up", "down"}  # runtime data only
-        tiles.MoeTiles.from_dict(bucket)
-    history = json.loads((tmp_path / f"tuning-{table['device']}.json").read_text())  # the run's log, beside --out
-    (run,) = history["runs"]
-    assert [(b["shape"], b["max_rows_per_expert"]) for b in run["buckets"]] == [(shape_key, 1), (shape_key, 2)]
-    assert all(set(b["measured_us"]) == {str(t) for t in b["tuned_tokens"]} for b in run["buckets"])
-
-
-def test_results_name_no_machine_paths(tmp_path):
-    argv = _common(tmp_path, "mixtral-8x7b", "1") + ["--no-baselines", "--fp16-spot", "none"]
-    results = bench.main(argv, timer=CountingTimer(), kernel=TorchKernel(), shapes=TINY)
-    text = json.dumps(results["meta"])
-    assert str(tmp_path) not in text and str(ROOT) not in text
-
-
-@pytest.mark.parametrize("launcher", ["bench_train", "tune_backward"])
-def test_gpu_only_scripts_start(launcher):
-    """The GPU-only training benchmark and backward tuner import and parse their arguments on any machine (their
-    measurements need a GPU: docs/performance.md, "Training")."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run(["bash", str(root / "scripts" / launcher), "--help"], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and "--models" in run.stdout, run.stderr[-2000:]
-
-
-@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_sweep_decode_smoke(tmp_path, fp8):
-    """scripts/sweep_decode.py --cpu-smoke on one tiny model: the outputs are written, every candidate's output was
-    checked, and the table it writes holds the entry where the package reads it (the "fp8" section with --fp8)."""
-    import sweep_decode
-
-    kernel = bench.load_kernel()
-    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["DecodeTiles"])
-    argv = ["--cpu-smoke", "--models", "gpt-oss-120b", "--tokens", "1,2", "--candidates", "2", "--out",
-            str(tmp_path)] + (["--fp8"] if fp8 else [])
-    results = sweep_decode.main(argv, kernel=kernel)
-    tolerance = W8A8_TOLERANCE if fp8 else TOLERANCE[torch.bfloat16]
-    for cell in results["cells"]:
-        assert cell["general"]["rel_err"] <= tolerance, cell
-        assert len(cell["decode"]["gate_up"]) == len(cell["decode"]["down"]) == 2
-        assert cell["best"]["rel_err"] <= tolerance, cell
-    assert str(tmp_path) not in json.dumps(results["meta"])
-    data = json.loads((tmp_path / "sweep_decode.json").read_text())
-    assert [c["tokens"] for c in data["cells"]] == [1, 2]
-    assert "| gpt-oss-120b | 2 | 8 |" in (tmp_path / "sweep_decode.md").read_text()
-    written = json.loads((tmp_path / "decode_entry.json").read_text())
-    entry = written["fp8"]["decode"] if fp8 else written["decode"]
-    table = json.loads((tmp_path / "interpreter.json").read_text())
-    assert (table["fp8"]["decode"] if fp8 else table["decode"]) == entry
-    assert table["buckets"] == tiles.load_table("interpreter")["buckets"]
-    assert table["decode" if fp8 else "fp8"] == tiles.load_table("interpreter")["decode" if fp8 else "fp8"]
-    for bucket in entry["buckets"] + [b for buckets in entry["shapes"].values() for b in buckets]:
-        tiles.DecodeTiles.from_dict(bucket)
-
-
-def _sweep_record(model, shape, tokens, top_k, decode_us, general_us, tiles=(32, 64)):
-    """A measured cell as sweep_decode writes it, with a decode sweep of two candidates per kernel."""
-    gate_up = {"block_n": tiles[0], "block_k": 128, "num_warps": 4, "num_stages": 3}
-    down = {"block_n": tiles[1], "block_k": 128, "num_warps": 4, "num_stages": 3}
-    sweep = [{"tile": f"{tiles[0]}/128/4/3", "graph_us": decode_us}, {"tile": "other", "graph_us": 2 * decode_us}]
-    return {"model": model, "shape": shape, "tokens": tokens, "assignments": tokens * top_k,
-            "general": {"graph_us": general_us}, "decode": {"gate_up": sweep, "down": sweep},
-            "best": {"tiles": {"gate_up": gate_up, "down": down}, "graph_us": decode_us}}
-
-
-def test_sweep_decode_entry_rules():
-    """Per shape: buckets up to the last T of an unbroken run of decode wins, equal neighbours merged; a shape that
-    never wins opts out with []; the generic limit is the smallest shape limit (0: no generic bucket)."""
-    import sweep_decode
-
-    kernel = bench.load_kernel()
-    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["DecodeTile"])
-    cands = [tiles.DecodeTile(32, 128, 4, 3), tiles.DecodeTile(64, 128, 4, 3)]
-    cells = [_sweep_record("a", "8,64,32", 1, 2, 5.0, 9.0), _sweep_record("a", "8,64,32", 2, 2, 6.0, 9.0),
-             _sweep_record("a", "8,64,32", 4, 2, 7.0, 9.0, tiles=(64, 64)),
-             _sweep_record("a", "8,64,32", 8, 2, 10.0, 9.0), _sweep_record("a", "8,64,32", 16, 2, 5.0, 9.0),
-             _sweep_record("b", "16,32,32", 1, 4, 5.0, 9.0), _sweep_record("b", "16,32,32", 2, 4, 5.0, 9.0)]
-    entry = sweep_decode.build_entry(cells, cands, cands)
-    assert [b["max_assignments"] for b in entry["shapes"]["8,64,32"]] == [4, 8]  # T = 1, 2 merged; T = 8 loses
-    assert [b["max_assignments"] for b in entry["shapes"]["16,32,32"]] == [8]
-    (generic,) = entry["buckets"]
-    assert generic["max_assignments"] == 8 and generic["gate_up"]["block_n"] == 32
-    never = sweep_decode.build_entry(cells + [_sweep_record("c", "4,8,8", 1, 1, 9.0, 5.0)], cands, cands)
-    assert never["shapes"]["4,8,8"] == [] and never["buckets"] == []
-# --------------------------------------------------------------------------------------------------------------------
-# scripts/bench_fp8.py (issue 13)
 
 
 @needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
@@ -291,7 +192,7 @@ def test_bench_fp8_cpu_smoke(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("targets missed:")
 
 
-def test_bench_fp8_targets_follow_issue_13():
+def test_bench_fp8_targets():
     """Decode: 1.15 x (fp8 weights + block scales of the experts hit) / R + 10 us on the flushed-graph time;
     prefill: 1.5x the bf16 throughput; faster than transformers' path compared in the same timing mode."""
     import bench_fp8
@@ -315,94 +216,196 @@ def test_bench_fp8_targets_follow_issue_13():
                                            ceilings)[0]
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# scripts/sweep_fp8.py and the table patching it shares with scripts/sweep_prefill.py
+def test_results_name_no_machine_paths(tmp_path):
+    argv = _common(tmp_path, "mixtral-8x7b", "1") + ["--no-baselines", "--fp16-spot", "none"]
+    results = bench.main(argv, timer=CountingTimer(), kernel=TorchKernel(), shapes=TINY)
+    text = json.dumps(results["meta"])
+    assert str(tmp_path) not in text and str(ROOT) not in text
 
 
-class FallingTimer:
-    """Each measurement a tenth faster than the one before, so the last candidate a cell measures wins it: the
-    winners and the table writing get exercised without a GPU."""
-
-    def __init__(self):
-        self.ms = 1.0
-
-    def hot(self, fn):
-        self.ms *= 0.9
-        return self.ms
-
-    graph = plain = hot
+@pytest.mark.parametrize("launcher", ["tune", "bench_train", "bench_ep"])
+def test_launchers_start(launcher):
+    """The launchers of tools without a CPU run of their own here (the training and expert-parallel benchmarks need
+    GPUs; bench_ep starts through torchrun) import their script and parse its arguments on any machine; the tuner's
+    launcher says its paths."""
+    run = subprocess.run(["bash", str(ROOT / "scripts" / launcher), "--help"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "MOE_DISPATCH_RANKS": "1"})
+    assert run.returncode == 0 and "--models" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    if launcher == "tune":
+        assert "--path {general,decode,fp8,backward}" in run.stdout
 
 
-@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
-def test_sweep_fp8_smoke(tmp_path):
-    """scripts/sweep_fp8.py --cpu-smoke on one tiny model: every stage ran and every candidate's output passed the
-    w8a8 check, the winners are the last measured, and the table it writes gives each measured T its winner through
-    the fp8 buckets (the bf16 ones untouched)."""
-    import sweep_fp8
-    import sweep_prefill
-    from reference import W8A8_TOLERANCE
+class RecordingKernel:
+    """The package, with the tiles and token count of its last fused_experts call recorded; outputs of the tiles
+    `spoil(tiles)` picks come back scaled by 1.5 (a candidate that compiles and runs but computes the wrong thing)."""
 
-    kernel = bench.load_kernel()
-    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
-    argv = ["--cpu-smoke", "--models", "mixtral-8x7b", "--max-candidates", "3", "--out", str(tmp_path)]
-    results = sweep_fp8.main(argv, kernel=kernel, timer=FallingTimer())
-    cells = results["cells"]
-    assert [(c["tokens"], c["rows_per_expert"], c["metric"]) for c in cells] == [(1, 1, "flushed_us"),
-                                                                                 (40, 10, "hot_us")]
-    for c in cells:
-        assert {e["stage"] for e in c["tried"]} == {"table", "block_m", "gate_up", "down"}, c
-        assert all("error" not in e and e["rel_err"] <= W8A8_TOLERANCE for e in c["tried"]), c["tried"]
-        assert c["best"] is c["tried"][-1] and c["gain"] > 0.03
-    assert any(e["tiles"]["block_m"] == 64 for e in cells[0]["tried"])  # the prequantized-x path ran too
-    assert str(tmp_path) not in json.dumps(results["meta"])
-    assert "| mixtral-8x7b | 40 | 10 | hot |" in (tmp_path / "sweep.md").read_text()
-    assert len(json.loads((tmp_path / "sweep.json").read_text())["cells"]) == 2
+    def __init__(self, package, spoil=lambda tiles: False):
+        self.package, self.spoil, self.last = package, spoil, None
+        self.__name__ = package.__name__
 
-    shipped = tiles.load_table("interpreter")
-    table = json.loads((tmp_path / "interpreter.json").read_text())
+    def __getattr__(self, name):
+        return getattr(self.package, name)
+
+    def fused_experts(self, x, *args, tiles=None, **kwargs):
+        self.last = (x.shape[0], tiles)
+        out = self.package.fused_experts(x, *args, tiles=tiles, **kwargs)
+        return out * 1.5 if self.spoil(tiles) else out
+
+
+class CostTimer:
+    """The tuner's timer with known costs: runs the call, then 1 ms for the first tiles it saw at a T (the table's
+    choice, always timed first) and `others` ms for any other; without a recording kernel (the backward) 1 ms for
+    every call, without running it (the tuner ran it once for its check)."""
+
+    def __init__(self, kernel=None, others=0.5):
+        self.kernel, self.others, self.first = kernel, others, {}
+
+    def time(self, fn, select):
+        assert select in tune.SELECTS
+        if self.kernel is None:
+            return 1.0
+        fn()
+        tokens, tiles = self.kernel.last
+        return 1.0 if self.first.setdefault(tokens, tiles) == tiles else self.others
+
+
+def _tune(tmp_path, path, models, tokens, timer, kernel, shapes=TINY):
+    argv = ["--path", path, "--cpu-smoke", "--models", models, "--tokens", tokens, "--max-candidates", "1",
+            "--finalists", "1", "--pairs", "1", "--out", str(tmp_path / "table.json")]
+    table = tune.main(argv, timer=timer, kernel=kernel, shapes=shapes)
+    (run,) = json.loads((tmp_path / "tuning-interpreter.json").read_text())["runs"]  # the log, beside --out
+    assert run["path"] == path and str(tmp_path) not in json.dumps(run["argv"])
+    if table is not None:
+        assert json.loads((tmp_path / "table.json").read_text()) == json.loads(json.dumps(table))
+    return table, run["units"]
+
+
+def _read_back(monkeypatch, tiles, table):
+    """The package's tile selection reading `table` as the device's table."""
+    monkeypatch.setattr(tiles, "load_table", lambda key: table)
+
+
+@needs_interpreter  # the kernels run on CPU tensors
+def test_tune_general_path(tmp_path, monkeypatch):
+    """The general path on a tiny Mixtral at T = 2 and 8 (two buckets): the spoilt gate_up candidate is rejected by
+    the float64 check although its time would win, the down candidate (faster than the table's tiles) wins, and the
+    table gives each T the chosen tiles through tiles.select_tiles; tune's layout keeps runtime data only."""
+    package = harness.load_kernel()
+    tiles = package.tiles
+    # the first gate_up candidate of BLOCK_M 16 (tune.GENERAL_TILES), never the interpreter table's
+    kernel = RecordingKernel(package,
+                             spoil=lambda t: t is not None and (t.gate_up.block_n, t.gate_up.block_k) == (32, 128))
+    table, units = _tune(tmp_path, "general", "mixtral-8x7b", "2,8", CostTimer(kernel), kernel)
+    shape = TINY["mixtral-8x7b"]
+    assert [u["max_rows_per_expert"] for u in units] == [1, 2]
+    _read_back(monkeypatch, tiles, table)
+    for unit in units:
+        spoilt = [t for t in unit["tried"] if t["stage"] == "gate_up"]
+        assert spoilt and all(t["error"].startswith("ValueError: rel err") for t in spoilt), unit["tried"]
+        assert unit["changed"] and unit["gain"] == pytest.approx(1.0) and unit["best"] != unit["table"]
+        assert all(t["rel_err"] <= TOLERANCE[torch.bfloat16] for t in unit["tried"] if "error" not in t)
+        (t,) = unit["tokens"]
+        chosen = tiles.select_tiles(torch.device(DEVICE), t, shape.top_k, shape.num_experts, shape.ffn, shape.hidden)
+        assert chosen == tiles.MoeTiles.from_dict(unit["best"])
+    assert table["measured"] is True and table["device"] == "interpreter"
+    for bucket in table["shapes"][tune.shape_key(shape)] + table["buckets"]:
+        assert set(bucket) == {"max_rows_per_expert", "block_m", "gate_up", "down"}
+
+
+@needs_interpreter
+def test_tune_decode_path(tmp_path, monkeypatch):
+    """The decode path on a tiny GPT-OSS at T = 1, 2: the decode tiles beat the general path's (by the stub's
+    costs), so the table's decode entry gives both T the chosen tiles through tiles.select_decode_tiles, and the
+    generic bucket covers the shape's limit."""
+    package = harness.load_kernel()
+    kernel = RecordingKernel(package)
+    table, units = _tune(tmp_path, "decode", "gpt-oss-120b", "1,2", CostTimer(kernel), kernel)
+    shape = TINY["gpt-oss-120b"]
+    assert [u["assignments"] for u in units] == [shape.top_k, 2 * shape.top_k]
+    assert all(u["changed"] and "block_m" in u["table"] and "block_m" not in u["best"] for u in units)
+    assert table["decode"]["buckets"][0]["max_assignments"] == 2 * shape.top_k
+    assert table["fp8"] == package.tiles.load_table("interpreter")["fp8"]  # the float8 entry untouched
+    _read_back(monkeypatch, package.tiles, table)
+    for unit in units:
+        (t,) = unit["tokens"]
+        chosen = package.tiles.select_decode_tiles(torch.device(DEVICE), t, shape.top_k, shape.num_experts, shape.ffn,
+                                                   shape.hidden)
+        assert chosen == package.tiles.DecodeTiles.from_dict(unit["best"])
+
+
+@needs_interpreter
+def test_tune_fp8_path(tmp_path, monkeypatch):
+    """The w8a8 path on a tiny Mixtral at T = 1 and 40: every candidate passed the w8a8 check, and the "fp8"
+    buckets (split at each measured rows per expert) give each T its winner through tiles.select_fp8_tiles, the bf16
+    buckets untouched."""
+    package = harness.load_kernel()
+    kernel = RecordingKernel(package)
+    table, units = _tune(tmp_path, "fp8", "mixtral-8x7b", "1,40", CostTimer(kernel), kernel)
+    shape = TINY["mixtral-8x7b"]
+    shipped = package.tiles.load_table("interpreter")
     assert {k: v for k, v in table.items() if k != "fp8"} == {k: v for k, v in shipped.items() if k != "fp8"}
-    assert table["fp8"]["buckets"] == shipped["fp8"]["buckets"]
-    buckets = table["fp8"]["shapes"][cells[0]["shape"]]
-    for c in cells:
-        chosen = buckets[sweep_prefill.bucket_index(buckets, c["rows_per_expert"])]
-        assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(c["best_tiles"])
+    _read_back(monkeypatch, package.tiles, table)
+    for unit in units:
+        assert unit["changed"] and all(t["rel_err"] <= W8A8_TOLERANCE for t in unit["tried"]), unit["tried"]
+        (t,) = unit["tokens"]
+        chosen = package.tiles.select_fp8_tiles(torch.device(DEVICE), t, shape.top_k, shape.num_experts, shape.ffn,
+                                                shape.hidden)
+        assert chosen == package.tiles.MoeTiles.from_dict(unit["winner"])
 
 
-@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
-def test_sweep_prefill_smoke(tmp_path):
-    """scripts/sweep_prefill.py --cpu-smoke: every candidate passed the float64 check, the sweep's winner is the last
-    one measured, the confirmation timed table and winner alternately (the falling timer makes the winner's later
-    times faster, so the confirmed gain is positive but below the sweep's), and the table it writes gives the cell's
-    bucket the winner's tiles."""
-    import sweep_prefill
+@needs_interpreter
+def test_tune_backward_path(tmp_path):
+    """The backward path on Qwen3's routing at E = 8, H = 64, F = 32 (the interpreter's weight-gradient tile is small:
+    many programs) and T = 4, every candidate as fast as the default: each candidate's gradients matched the
+    default's, no table is written and the default is kept (nothing beat it)."""
+    package = harness.load_kernel()
+    small = {"qwen3-30b-a3b": shrunk(MODEL_SHAPES["qwen3-30b-a3b"], hidden=64, ffn=32, num_experts=8)}
+    table, units = _tune(tmp_path, "backward", "qwen3-30b-a3b", "4", CostTimer(), package, shapes=small)
+    assert table is None and not (tmp_path / "table.json").exists()
+    (unit,) = units
+    assert {t["stage"] for t in unit["tried"]} == {"table", "weight_tile", "gemm_tiles"}
+    assert all("error" not in t and t["rel_err"] <= TOLERANCE[torch.bfloat16] for t in unit["tried"]), unit["tried"]
+    assert not unit["changed"] and unit["best"] == unit["table"] and unit["gain"] == pytest.approx(0.0)
+    package.tiles.WeightGradTile(**unit["best"]["weight_tile"])
 
-    kernel = bench.load_kernel()
-    tiles = __import__(kernel.__name__ + ".tiles", fromlist=["MoeTiles"])
-    cells = sweep_prefill.main(["--cpu-smoke", "--out", str(tmp_path)], timer=FallingTimer())
-    (cell,) = cells
-    assert (cell["model"], cell["tokens"], cell["select"]) == ("mixtral-8x7b", 40, "kernels")
-    assert len(cell["tried"]) == 1 + 2 + 2  # the table's tiles, two gate_up and two down candidates
-    assert all("error" not in e and e["rel_err"] <= 0.02 for e in cell["tried"]), cell["tried"]
-    assert tiles.MoeTiles.from_dict(cell["best_tiles"]) == tiles.MoeTiles.from_dict(cell["tried"][-1]["tiles"])
-    assert len(cell["confirm"]["table"]) == len(cell["confirm"]["best"]) == 2
-    assert all(b < t for t, b in zip(cell["confirm"]["table"], cell["confirm"]["best"]))
-    assert 0 < cell["gain"] < cell["sweep_gain"]
-    assert "confirmed" in (tmp_path / "sweep.md").read_text()
-    table = json.loads((tmp_path / "interpreter.json").read_text())
-    buckets = table["shapes"][cell["shape"]]
-    chosen = buckets[sweep_prefill.bucket_index(buckets, cell["rows_per_expert"])]
-    assert tiles.MoeTiles.from_dict(chosen) == tiles.MoeTiles.from_dict(cell["best_tiles"])
+
+def _decode_record(shape, tokens, top_k, decode_us, general_us, tiles=(32, 64)):
+    """A decode unit as the tuner records it: a gate_up stage of two candidates (the first the given tiles), and the
+    chosen tiles where the decode path won."""
+    tiles_module = harness.load_kernel().tiles
+    first = tiles_module.DecodeTiles(tiles_module.DecodeTile(tiles[0], 128, 4, 3),
+                                     tiles_module.DecodeTile(tiles[1], 128, 4, 3))
+    other = dataclasses.replace(first, gate_up=tiles_module.DecodeTile(128, 128, 4, 3))
+    stage = [tune.Trial(candidate, "gate_up", {"gate_up", "down"}, {tokens: ms})
+             for candidate, ms in ((first, decode_us), (other, 2 * decode_us))]
+    return {"shape": shape, "tokens": [tokens], "assignments": tokens * top_k, "changed": decode_us < general_us,
+            "best": first.to_dict(), "_trials": stage}
+
+
+def test_decode_entry_rules():
+    """Per shape: buckets up to the last T of an unbroken run of decode wins, equal neighbours merged; a shape that
+    never wins opts out with []; the generic limit is the smallest shape limit (0: no generic bucket)."""
+    records = [_decode_record("8,64,32", 1, 2, 5.0, 9.0), _decode_record("8,64,32", 2, 2, 6.0, 9.0),
+               _decode_record("8,64,32", 4, 2, 7.0, 9.0, tiles=(64, 64)),
+               _decode_record("8,64,32", 8, 2, 10.0, 9.0), _decode_record("8,64,32", 16, 2, 5.0, 9.0),
+               _decode_record("16,32,32", 1, 4, 5.0, 9.0), _decode_record("16,32,32", 2, 4, 5.0, 9.0)]
+    entry = tune.DecodePath.entry(records)
+    assert [b["max_assignments"] for b in entry["shapes"]["8,64,32"]] == [4, 8]  # T = 1, 2 merged; T = 8 loses
+    assert [b["max_assignments"] for b in entry["shapes"]["16,32,32"]] == [8]
+    (generic,) = entry["buckets"]
+    assert generic["max_assignments"] == 8 and generic["gate_up"]["block_n"] == 32
+    never = tune.DecodePath.entry(records + [_decode_record("4,8,8", 1, 1, 9.0, 5.0)])
+    assert never["shapes"]["4,8,8"] == [] and never["buckets"] == []
 
 
 def _winner(rows, gain, tiles, shape="8,64,32"):
-    return {"model": "m", "shape": shape, "tokens": rows, "rows_per_expert": rows, "gain": gain, "best_tiles": tiles}
+    return {"shape": shape, "rows_per_expert": rows, "gain": gain, "best_tiles": tiles}
 
 
-def test_sweep_table_patching():
-    """patched_table: a winner takes its whole bucket (largest gain first) in the bf16 buckets; with split, in the fp8
-    buckets (lent from the bf16 ones with BLOCK_K 128 when the table has none), every measured rows per expert is a
-    boundary and cells without a gain keep their tiles; equal neighbours merge."""
-    import sweep_prefill
+def test_fp8_table_patching():
+    """patched_table: in the fp8 buckets (lent from the bf16 ones with BLOCK_K 128 when the table has none), every
+    measured rows per expert of a shape with a winner is a boundary, cells without a gain keep their tiles, equal
+    neighbours merge; the bf16 buckets stay; no winner, no per-shape list."""
 
     def tiles(block_m, block_k=64):
         gemm = {"block_n": 64, "block_k": block_k, "num_warps": 4, "num_stages": 3, "group_m": 8}
@@ -410,28 +413,24 @@ def test_sweep_table_patching():
 
     old, a, b = tiles(16), tiles(32), tiles(64)
     table = {"buckets": [{"max_rows_per_expert": 16, **old}, {"max_rows_per_expert": 10**9, **old}]}
-    cells = [_winner(1, 0.01, a), _winner(4, 0.1, a), _winner(8, 0.2, b),
-             {"model": "m", "shape": "8,64,32", "tokens": 99, "skipped": "budget"}]
-    plain = sweep_prefill.patched_table(table, cells, 0.03)
-    assert plain["shapes"]["8,64,32"] == [{"max_rows_per_expert": 16, **b}, {"max_rows_per_expert": 10**9, **old}]
-    assert plain["buckets"] == table["buckets"] and "fp8" not in plain
-    split = sweep_prefill.patched_table(table, cells, 0.03, fp8=True, split=True)
+    cells = [_winner(1, 0.01, a), _winner(4, 0.1, a), _winner(8, 0.2, b)]
+    split = tune.patched_table(table, cells, 0.03)
     lent = tiles(16, block_k=128)
     assert split["fp8"]["buckets"] == [{"max_rows_per_expert": 16, **lent}, {"max_rows_per_expert": 10**9, **lent}]
     assert [(bucket["max_rows_per_expert"], bucket["block_m"]) for bucket in split["fp8"]["shapes"]["8,64,32"]] == [
         (1, 16), (4, 32), (8, 64), (10**9, 16)]
     assert split["buckets"] == table["buckets"] and "shapes" not in split
-    assert sweep_prefill.patched_table(table, cells[:1], 0.03, fp8=True, split=True)["fp8"].get("shapes") is None
+    assert tune.patched_table(table, cells[:1], 0.03)["fp8"].get("shapes") is None
 
 
 def test_gpu_state_is_optional(monkeypatch):
     """The GPU state next to each timing: nothing on the CPU, the NVML readings on a GPU (stood in for), and nothing
     when they cannot be read: a benchmark never fails for want of the bindings."""
-    assert bench.gpu_state(torch.device("cpu")) == {}
+    assert harness.gpu_state(torch.device("cpu")) == {}
     monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1980)
     monkeypatch.setattr(torch.cuda, "temperature", lambda device: 41)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 650000)
-    assert bench.gpu_state(torch.device("cuda")) == {"sm_mhz": 1980, "temp_c": 41, "power_w": 650.0}
+    assert harness.gpu_state(torch.device("cuda")) == {"sm_mhz": 1980, "temp_c": 41, "power_w": 650.0}
 
     def missing(device):
         raise ModuleNotFoundError("pynvml")
@@ -441,8 +440,8 @@ def test_gpu_state_is_optional(monkeypatch):
     def no_nvidia_smi(*args, **kwargs):
         raise FileNotFoundError("nvidia-smi")
 
-    monkeypatch.setattr(bench.subprocess, "run", no_nvidia_smi)  # the fallback reader, present on a GPU machine
-    assert bench.gpu_state(torch.device("cuda")) == {}
+    monkeypatch.setattr(harness.subprocess, "run", no_nvidia_smi)  # the fallback reader, present on a GPU machine
+    assert harness.gpu_state(torch.device("cuda")) == {}
 
 
 def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
@@ -468,54 +467,14 @@ def test_failures_are_logged_as_they_happen(tmp_path, monkeypatch):
 
 
 def test_paired_orders_alternate():
-    """Paired A/B (bench.paired_graph_times): each variant once per pair, the order reversed every other pair, and
+    """Paired A/B (harness.paired_graph_times): each variant once per pair, the order reversed every other pair, and
     ratios are medians of per-pair ratios against the base (a drift that moves both sides of a pair cancels)."""
-    orders = bench.alternating_orders(["a", "b", "c"], 4)
+    orders = harness.alternating_orders(["a", "b", "c"], 4)
     assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
     drifting = {"base": [100.0, 120.0, 140.0], "new": [98.0, 117.6, 137.2]}  # 2% faster in every pair
-    ratios = bench.median_ratios(drifting, "base")
+    ratios = harness.median_ratios(drifting, "base")
     assert ratios["base"] == 1.0
     assert abs(ratios["new"] - 0.98) < 1e-12
-
-
-def test_kernel_resources_compiles_what_a_call_launches(tmp_path):
-    """scripts/kernel_resources.py in a process without the interpreter: the two decode kernels of Qwen3 T = 4 on an
-    H200 are caught at launch, compiled for sm_90 and measured (registers, shared memory within the H200's limit)."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(str(root / d) for d in ("scripts", "benchmarks", "torch-ext"))
-    run = subprocess.run([sys.executable, str(root / "scripts" / "kernel_resources.py"), "--cells", "qwen3-30b-a3b:4",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    records = json.loads((tmp_path / "resources.json").read_text())
-    assert [r["kernel"] for r in records] == ["_decode_gate_up_kernel", "_decode_down_kernel"]
-    for record in records:
-        assert 0 < record["registers"] <= 255 and record["sass_instructions"] > 0
-        assert 0 <= record["shared"] <= 232448
-
-
-def test_ab_switch_sets_and_restores_both_kinds_of_switch(monkeypatch):
-    """scripts/ab_switch.py's --switch: an environment variable takes the string, a module attribute the Python
-    literal; setting None puts back what was there."""
-    import ab_switch
-    from moe_dispatch import dispatch
-
-    monkeypatch.delenv("MOE_DISPATCH_PDL", raising=False)
-    set_env, values = ab_switch.switch_setter("MOE_DISPATCH_PDL=1,0")
-    assert values == ["1", "0"]
-    set_env("0")
-    assert os.environ["MOE_DISPATCH_PDL"] == "0"
-    set_env(None)
-    assert "MOE_DISPATCH_PDL" not in os.environ
-    before = dispatch.SINGLE_MAX
-    set_attr, values = ab_switch.switch_setter("moe_dispatch.dispatch:SINGLE_MAX=1024,0")
-    set_attr(values[1])
-    assert dispatch.SINGLE_MAX == 0
-    set_attr(None)
-    assert dispatch.SINGLE_MAX == before
 
 
 @needs_interpreter
@@ -528,8 +487,9 @@ def test_bench_host_implementations_agree():
     import moe_dispatch as md
 
     shape, tokens = TINY["mixtral-8x7b"], 3
-    prob = bench.make_problem(shape, tokens, torch.float32, torch.device(DEVICE), seed=0)
-    topk_ids, topk_weights = bench.random_routing(tokens, shape.num_experts, shape.top_k, torch.device(DEVICE), seed=1)
+    prob = harness.make_problem(shape, tokens, torch.float32, torch.device(DEVICE), seed=0)
+    topk_ids, topk_weights = harness.random_routing(tokens, shape.num_experts, shape.top_k, torch.device(DEVICE),
+                                                    seed=1)
     fns = bench_host.implementations(md, prob, tokens, topk_ids, topk_weights)
     assert {"plans", "no_plans", "transformers_fn", "grouped_mm"} <= set(fns)
     expected = fns["no_plans"]()
