@@ -28,7 +28,7 @@ assignments N = T * top_k, optionally per model shape::
 
 The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
 the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`, in the same form.
-`scripts/sweep_decode.py` measures the entries.
+`scripts/tune --path decode` measures the entries.
 """
 
 import dataclasses
@@ -201,7 +201,7 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype) -> WeightG
     """Tile of `_expert_weight_grad_kernel` (a fixed choice per backend until it is tuned like the forward's)."""
     if device.type != "cuda":
         return WeightGradTile(32, 32, 16)  # the interpreter: few, small programs
-    # H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune_backward.py, docs/performance.md): 128 x 128 x 32 with 4 warps
+    # H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward, docs/performance.md): 128 x 128 x 32 with 4 warps
     # and 4 stages was the best of 7 candidates (the whole backward 13.9 ms vs 14.3 ms for 128 x 128 x 64, 8 warps).
     # fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of LDS holds two stages.
     wide = torch.empty((), dtype=dtype).element_size() <= 2
