@@ -201,8 +201,9 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype) -> WeightG
     """Tile of `_expert_weight_grad_kernel` (a fixed choice per backend until it is tuned like the forward's)."""
     if device.type != "cuda":
         return WeightGradTile(32, 32, 16)  # the interpreter: few, small programs
-    # H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward, docs/performance.md): 128 x 128 x 32 with 4 warps
-    # and 4 stages was the best of 7 candidates (the whole backward 13.9 ms vs 14.3 ms for 128 x 128 x 64, 8 warps).
+    # H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward, docs/performance.md): 128 x 128 x 32 with 4
+    # warps and 4 stages was the best of 7 candidates (the whole backward 13.9 ms vs 14.3 ms for 128 x 128 x 64 with 8
+    # warps).
     # fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of LDS holds two stages.
     wide = torch.empty((), dtype=dtype).element_size() <= 2
     return WeightGradTile(128, 128, 32 if wide else 16, num_warps=4, num_stages=2 if is_hip() else 4)
