@@ -157,7 +157,8 @@ def parse_args(argv):
     p.add_argument("--select", default=None, choices=SELECTS,
                    help="the timing that ranks candidates: plain (do_bench, L2 flushed, plain launches), flushed "
                         "(one-call CUDA-graph replays after an L2 flush), hot (do_bench_cudagraph: repeated calls, no "
-                        "flush) or kernels (the profiler's sum of kernel times); default: the path's")
+                        "flush) or kernels (the profiler's sum of kernel times); default: the path's (general and "
+                        "backward plain, decode hot, fp8 flushed up to T = 16 and hot above)")
     p.add_argument("--warmup-ms", type=float, default=5.0)
     p.add_argument("--rep-ms", type=float, default=25.0, help="timing window of each measurement")
     p.add_argument("--check-rows", type=int, default=128, help="rows checked per T (all up to this T)")
