@@ -20,18 +20,15 @@ with group-limited top-k) in plain torch. Speedup = baseline time / kernel time.
 router, then the experts on the kernel's routing, so the two outputs compare where a bf16 near-tie picks another
 expert. verify_* returns the baseline's output for the runner's check, torch.allclose(out, baseline, atol=1e-2).
 
-Verification against the float64 references of reference.py (the ones the tests use), once per output, in the
-first verify_* call (the runner's warmup calls, so outside the timed one unless --warmup 0): the output with
-reference.assert_close (the TOLERANCE table, norm-wise; it raises naming the worst element) and the routing with
-reference.routing_agreement. Inputs are scaled so outputs are O(0.1), where the runner's atol is below the tolerance.
+Verification against the float64 references the loaded kernel ships (`kernel.reference`, i.e.
+moe_dispatch.reference, the ones the tests use), once per output, in the first verify_* call (the runner's warmup
+calls, so outside the timed one unless --warmup 0): the output with reference.assert_close (the TOLERANCE table,
+norm-wise; it raises naming the worst element) and the routing with reference.routing_agreement. Inputs are scaled so
+outputs are O(0.1), where the runner's atol is below the tolerance.
 
 Quick mode for CPUs: MOE_DISPATCH_BENCH_QUICK=1 keeps one small workload per class (3 in all, T = 2 on the CPU), for
 a plumbing run in seconds: `MOE_DISPATCH_BENCH_QUICK=1 TRITON_INTERPRET=1 kernels benchmark . --iterations 3
 --warmup 1`.
-
-The runner executes this file by path (module "benchmark_module") with neither a package nor this folder on
-sys.path, so its two helper modules are loaded by path from beside it (`_beside`); where benchmarks/ is on sys.path
-(tests, scripts) that gives the very modules `import reference` gives.
 """
 
 import importlib.util
@@ -44,18 +41,18 @@ import torch.nn.functional as F
 from kernels.benchmark import Benchmark
 
 
-def _beside(name):
-    """benchmarks/<name>.py as module `name` (the one already imported under that name, if any)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+def _model_shapes():
+    """benchmarks/model_shapes.py, the module already imported under that name (tests, scripts) if there is one."""
+    if "model_shapes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("model_shapes", Path(__file__).with_name("model_shapes.py"))
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        sys.modules["model_shapes"] = module
         spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules["model_shapes"]
 
 
-reference = _beside("reference")
-model_shapes = _beside("model_shapes")
+# `kernels benchmark` execs this file by path, nothing of the repository on sys.path: the shapes load from beside it.
+model_shapes = _model_shapes()
 
 ON_GPU_TOKENS = {"decode": 16, "prefill": 1024}  # T per workload kind on a GPU; the CPU runs T = 5 and 12
 ON_CPU_TOKENS = {"decode": 5, "prefill": 12}
@@ -182,12 +179,18 @@ class _Layer:
             check()
             self._verified = self.out
 
+    @property
+    def reference(self):
+        """The float64 references the kernel under test ships (moe_dispatch.reference)."""
+        return self.kernel.reference
+
     def checked(self, out, ref, what):
-        reference.assert_close(out, ref, self.dtype, what)
+        self.reference.assert_close(out, ref, self.dtype, what)
         return ref.to(out.dtype)
 
     def check_routing(self, ids, weights):
         """The kernel's experts agree with the float64 router's; where they do, so do the weights."""
+        reference = self.reference
         ref_ids, ref_weights, ref_logits = reference.moe_router_ref(
             self.x, self.router_weight, self.shape.top_k, self.shape.gating, **self.router_kwargs)
         agreement = reference.routing_agreement(ids, ref_ids)
@@ -211,7 +214,8 @@ class FusedExperts(_Layer, Benchmark):
 
     def verify(self):
         def check():
-            ref = reference.fused_experts_ref(self.x, self.w_gate_up, self.w_down, self.topk_ids, self.topk_weights)
+            ref = self.reference.fused_experts_ref(self.x, self.w_gate_up, self.w_down, self.topk_ids,
+                                                   self.topk_weights)
             self.checked(self.out, ref, "fused_experts")
 
         self.verify_once(check)
@@ -237,7 +241,8 @@ class FusedMoeForward(_Layer, Benchmark):
         kernel's routing."""
         def check():
             self.check_routing(self.ids, self.weights)
-            ref = reference.experts_ref(self.x, self.w_gate, self.w_up, self.w_down, self.ids, self.weights.float())
+            ref = self.reference.experts_ref(self.x, self.w_gate, self.w_up, self.w_down, self.ids,
+                                             self.weights.float())
             self.checked(self.out, ref, "fused_moe_forward")
 
         self.verify_once(check)

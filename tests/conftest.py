@@ -1,4 +1,4 @@
-"""Test set-up: the package from torch-ext, and Triton's interpreter whenever there is no GPU."""
+"""Test set-up: the package (torch-ext/, on pytest.ini's pythonpath), Triton's interpreter whenever there is no GPU."""
 
 import os
 import sys
@@ -13,15 +13,9 @@ if not torch.cuda.is_available():
 # which pytest-xdist's workers must (scripts/test runs them); each test is seeded again from its id (_seed below).
 torch.manual_seed(0)
 
-# The one place that edits sys.path: the package (torch-ext/), the float64 references and model shapes shared with the
-# benchmarks (benchmarks/), the benchmark and release tooling under test (scripts/), and the test helpers (tests/).
-# Everything is then imported by name; scripts/_env.sh sets the same folders as PYTHONPATH for the scripts.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _folder in ("torch-ext", "benchmarks", "scripts", "tests"):
-    sys.path.insert(0, os.path.join(ROOT, _folder))
 
 import pytest  # noqa: E402
-from helpers import poison_empty  # noqa: E402,F401  (a fixture every test can ask for)
 
 
 def _strict_interpreter_launches():
@@ -79,6 +73,9 @@ def _load_from_hub_build():
 
 
 LOADED_FROM = _load_from_hub_build() if os.environ.get("MOE_DISPATCH_FROM") == "hub" else "moe_dispatch from torch-ext"
+
+# After LOADED_FROM: helpers imports moe_dispatch.reference, under MOE_DISPATCH_FROM=hub the loaded build's.
+from helpers import poison_empty  # noqa: E402,F401  (a fixture every test can ask for)
 
 
 def pytest_report_header(config):

@@ -1,15 +1,16 @@
 """Shared test helpers: the device, the tolerance table and comparison, and the poisoned allocator.
 
-Import them by name (`from helpers import DEVICE, TOLERANCE, assert_close`); tests/ and benchmarks/ are on sys.path
-through conftest.py. The tolerance table and `assert_close` live beside the float64 references they judge against
-(benchmarks/reference.py), because the Hub benchmark that ships benchmarks/ verifies with them too.
+Import them by name (`from helpers import DEVICE, TOLERANCE, assert_close`; pytest.ini puts tests/ on the path). The
+tolerance table and `assert_close` live beside the float64 references they judge against (moe_dispatch.reference),
+because the Hub benchmark verifies the kernel it loads with the ones that kernel ships.
 """
 
 import os
 
 import pytest
 import torch
-from reference import TOLERANCE, assert_close, relative_error
+
+from moe_dispatch.reference import TOLERANCE, assert_close, relative_error
 
 __all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights",
            "needs_gpu", "needs_interpreter", "poison_empty", "relative_error"]

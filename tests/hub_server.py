@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from _hub_release import git_blob_id  # scripts/ is on sys.path (conftest.py, or the client's PYTHONPATH)
+from _hub_release import git_blob_id  # scripts/ is on pytest.ini's pythonpath, or the client's PYTHONPATH
 
 REPO_TYPES = {"kernels": "kernel", "models": "model", "datasets": "dataset", "spaces": "space"}
 SHA_PATTERN = re.compile(r"[0-9a-f]{40}")

@@ -1,4 +1,4 @@
-"""Gradients of fused_experts, fused_moe_forward and moe_router against float64 autograd of tests/reference.py.
+"""Gradients of fused_experts, fused_moe_forward and moe_router against float64 autograd of moe_dispatch.reference.
 
 The reference of a gradient is `torch.autograd.grad` through the float64 reference forward (which is written from the
 documented semantics, not from the kernels), so each case checks the backward kernels against an independent
@@ -11,9 +11,9 @@ import pytest
 import torch
 from cases import GRAD_CASES
 from helpers import DEVICE, TOLERANCE, assert_close
-from reference import fused_experts_ref, fused_moe_forward_ref, moe_router_ref
 
 import moe_dispatch as md
+from moe_dispatch.reference import fused_experts_ref, fused_moe_forward_ref, moe_router_ref
 
 # Gradients go through one more rounding of the half-precision intermediates than the forward (the saved
 # pre-activations, d_preact and the activations are stored in the input dtype), hence twice the forward's bound.

@@ -19,10 +19,11 @@ import pytest
 import torch
 from conftest import ROOT
 from helpers import DEVICE, ON_GPU, assert_close, make_weights
-from reference import fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref, unpermute_tokens_ref
 
 import moe_dispatch as md
 from moe_dispatch import _checks
+from moe_dispatch.reference import (fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
+                                    unpermute_tokens_ref)
 
 T, E, TOP_K, H, F = 6, 4, 2, 16, 8
 

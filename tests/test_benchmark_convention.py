@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -120,19 +121,34 @@ def test_kernels_benchmark_command_on_the_local_layout(hub_layout, tmp_path):
 
 
 class _WrongExperts:
-    """moe_dispatch with fused_experts off by 10% (past bf16's 2% tolerance on a GPU, float32's 1e-4 on the CPU): the
-    verification must refuse it."""
+    """moe_dispatch with fused_experts, or the fused_experts_ref it ships, off by 10% (past bf16's 2% tolerance on a
+    GPU, float32's 1e-4 on the CPU): the verification, which takes its references from the kernel it benchmarks, must
+    refuse either."""
+
+    def __init__(self, wrong):
+        self.wrong = wrong
 
     def fused_experts(self, *args, **kwargs):
         import moe_dispatch
 
-        return moe_dispatch.fused_experts(*args, **kwargs) * 1.1
+        out = moe_dispatch.fused_experts(*args, **kwargs)
+        return out * 1.1 if self.wrong == "kernel" else out
+
+    @property
+    def reference(self):
+        from moe_dispatch import reference
+
+        if self.wrong == "kernel":
+            return reference
+        return types.SimpleNamespace(assert_close=reference.assert_close,
+                                     fused_experts_ref=lambda *args: reference.fused_experts_ref(*args) * 1.1)
 
 
-def test_verification_catches_a_wrong_kernel(monkeypatch):
+@pytest.mark.parametrize("wrong", ["kernel", "shipped_reference"])
+def test_verification_catches_a_wrong_kernel(monkeypatch, wrong):
     monkeypatch.setattr(benchmark_moe, "QUICK", QUICK)
     bench = benchmark_moe.FusedExperts()
-    bench.kernel, bench.device = _WrongExperts(), DEVICE
+    bench.kernel, bench.device = _WrongExperts(wrong), DEVICE
     torch.manual_seed(0)
     bench.setup_mixtral_decode()
     bench.benchmark_mixtral_decode()

@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-import reference as ref
 from helpers import DEVICE, assert_close, needs_gpu
+from moe_dispatch import reference as ref
 from moe_dispatch import row_copies, binned
 
 

@@ -12,11 +12,11 @@ import dataclasses
 import pytest
 import torch
 from helpers import DEVICE, assert_close, capture_cuda_graph, needs_gpu
-from reference import fused_experts_ref
 
 import moe_dispatch as md
 from moe_dispatch import moe, tiles
 from moe_dispatch.fp8 import quantize_experts_fp8
+from moe_dispatch.reference import fused_experts_ref
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
 # Small tiles: several column tiles and K steps at these sizes (the interpreter ignores warps and stages).

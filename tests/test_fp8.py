@@ -18,8 +18,6 @@ import dataclasses
 import pytest
 import torch
 from helpers import DEVICE, assert_close
-from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
-                       fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
 
 import moe_dispatch as md
 from moe_dispatch import decode, fp8_gemm, moe, planner
@@ -28,6 +26,8 @@ from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
+from moe_dispatch.reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
+                                    fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here

@@ -14,8 +14,6 @@ import dataclasses
 import pytest
 import torch
 from helpers import DEVICE, ON_GPU, assert_close
-from reference import (W8A8_TOLERANCE, w8a8_model_tolerance, fused_experts_fp8_ref, fused_experts_w8a8_ref,
-                       quantize_fp8_groups_ref)
 
 import moe_dispatch as md
 from moe_dispatch import fp8_gemm
@@ -23,6 +21,8 @@ from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_groups
+from moe_dispatch.reference import (W8A8_TOLERANCE, w8a8_model_tolerance, fused_experts_fp8_ref, fused_experts_w8a8_ref,
+                                    quantize_fp8_groups_ref)
 from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here

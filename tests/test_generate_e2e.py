@@ -10,7 +10,7 @@ gradients of moe_dispatch equal grouped_mm's at fp32. No speed assertions (inter
 
 import json
 
-import generate_e2e  # benchmarks/ is on sys.path (conftest.py)
+import generate_e2e  # benchmarks/ is on pytest.ini's pythonpath
 import pytest
 import torch
 from helpers import needs_interpreter

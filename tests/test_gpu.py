@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import assert_close, capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
-from reference import (ROUTING_AGREEMENT_MIN, experts_ref, fused_experts_ref, fused_moe_forward_ref,
-                       routing_agreement)
 
 import moe_dispatch as md
+from moe_dispatch.reference import (ROUTING_AGREEMENT_MIN, experts_ref, fused_experts_ref, fused_moe_forward_ref,
+                                    routing_agreement)
 
 pytestmark = needs_gpu
 DTYPE = torch.bfloat16

@@ -5,9 +5,9 @@ import pytest
 import torch
 from helpers import capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
-from reference import fused_experts_ref
 
 import moe_dispatch as md
+from moe_dispatch.reference import fused_experts_ref
 
 pytestmark = needs_gpu
 DTYPE = torch.bfloat16

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import capture_cuda_graph
 from model_shapes import MODEL_SHAPES
-from reference import assert_close
 
 import moe_dispatch as md
+from moe_dispatch.reference import assert_close
 
 WORLD_SIZE = 2
 DTYPE = torch.bfloat16

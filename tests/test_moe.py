@@ -4,13 +4,13 @@ import pytest
 import torch
 from cases import FORWARD_CASES, Case
 from helpers import DEVICE, ON_GPU, assert_close, make_weights
-from reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fused_expert_ffn_ref, fused_experts_ref,
-                       fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref, permute_tokens_ref,
-                       unpermute_tokens_ref)
 
 import moe_dispatch as md
 from moe_dispatch import dispatch as dispatch_module
 from moe_dispatch.dispatch import SINGLE_MAX, dispatch
+from moe_dispatch.reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fused_expert_ffn_ref,
+                                    fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
+                                    permute_tokens_ref, unpermute_tokens_ref)
 
 
 def make_inputs(case: Case, device=DEVICE):

@@ -30,12 +30,12 @@ import torch
 from packaging.version import Version
 
 from hub_server import HubServer
-from reference import fused_moe_forward_ref
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the client processes import by name: test_packaging and hub_server (tests/), the float64 references
-# (benchmarks/) and _hub_release (scripts/), the folders conftest.py puts on sys.path here.
-CLIENT_PATH = [str(ROOT / folder) for folder in ("tests", "benchmarks", "scripts")]
+# What the client processes import by name: test_packaging and hub_server (tests/) and _hub_release (scripts/), two of
+# the folders pytest.ini puts on sys.path here. Not torch-ext/: a client has only the kernels it loads, and checks
+# each against the float64 references that kernel ships (check_forward).
+CLIENT_PATH = [str(ROOT / folder) for folder in ("tests", "scripts")]
 REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in build.toml only
 TOKEN = "hf_test_token"
 VARIANTS = ("torch-cpu", "torch-cuda", "torch-rocm")
@@ -58,7 +58,8 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "release-test", "GIT_AUTHOR_EMAIL": "release-test@
 # -- helpers (also imported by the client processes of the end-to-end tests) ------------------------------------------
 
 def check_forward(module) -> None:
-    """One small forward through the loaded kernel (T=4, H=32, F=32, E=4, top_k=2) against the float64 reference."""
+    """One small forward through the loaded kernel (T=4, H=32, F=32, E=4, top_k=2) against the float64 reference the
+    kernel ships (`module.reference`, bound by name on the loaded package)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     T, H, F, E, top_k = 4, 32, 32, 4, 2
@@ -68,7 +69,7 @@ def check_forward(module) -> None:
     w_down = torch.randn(E, H, F, generator=gen) * 0.2
     args = [t.to(device) for t in (x, router, w_gate, w_up, w_down)]
     out, ids, weights = module.fused_moe_forward(*args, E, top_k)
-    ref_out, ref_ids, ref_weights = fused_moe_forward_ref(*args, E, top_k)
+    ref_out, ref_ids, ref_weights = module.reference.fused_moe_forward_ref(*args, E, top_k)
     assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
     tol = 1e-5 if device == "cpu" else 5e-3  # fp32 on the interpreter is near exact; tf32 dots on a GPU are not
     rel_w = ((weights.double() - ref_weights).norm() / ref_weights.norm()).item()
@@ -129,7 +130,7 @@ def run_python(code: str, env: dict[str, str]) -> dict:
 
 
 def hub_release():
-    """scripts/_hub_release.py (scripts/ is on sys.path through conftest.py)."""
+    """scripts/_hub_release.py (scripts/ is on pytest.ini's pythonpath)."""
     import _hub_release
 
     return _hub_release
@@ -309,6 +310,44 @@ def test_compatibility_package_exports_the_variant(built):
         assert module.__version__ == built_version(built / variant)
         assert module.__all__ and all(hasattr(module, name) for name in module.__all__)
         check_forward(module)
+
+
+REFERENCE_ALONE = """
+import importlib.util, json, sys
+
+sys.modules["triton"] = None  # `import triton` now raises: a module that needs it cannot load
+import torch
+spec = importlib.util.spec_from_file_location("reference_alone", sys.argv[1])  # no parent package either
+reference = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference)
+x, router = torch.randn(3, 8), torch.randn(4, 8)
+ids, weights, logits = reference.moe_router_ref(x, router, 2)
+print(json.dumps({"loaded": sorted(n for n, m in sys.modules.items() if m is not None
+                            and n.split(".")[0] in ("triton", "moe_dispatch")),
+                  "ids": list(ids.shape), "dtype": str(weights.dtype)}))
+"""
+
+
+def test_reference_ships_and_launches_nothing_on_import(built):
+    """moe_dispatch.reference, the float64 references the tests, the scripts and the Hub benchmark check kernels
+    against, ships in every variant and imports torch only: it loads on its own with triton unimportable and no
+    package around it, so importing it compiles and launches no kernel."""
+    source = ROOT / "torch-ext" / "moe_dispatch" / "reference.py"
+    assert "reference.py" in package_files()
+    for variant in VARIANTS:
+        assert (built / variant / "reference.py").read_bytes() == source.read_bytes(), variant
+    import ast
+
+    tree = ast.parse(source.read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported == {"torch"}, imported
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", REFERENCE_ALONE, str(built / "torch-cpu" / "reference.py")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"loaded": [], "ids": [3, 2], "dtype": "torch.float64"}, report
 
 
 def test_source_version_is_pep440_with_a_changelog_entry():

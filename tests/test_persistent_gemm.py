@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 from helpers import DEVICE, ON_GPU, assert_close
-from reference import fused_experts_ref
 
 import moe_dispatch as md
 from moe_dispatch import persistent_gemm
 from moe_dispatch.moe import _run_experts  # the seed layout's entry (fused_moe_forward routes first)
+from moe_dispatch.reference import fused_experts_ref
 from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
 
 

@@ -8,11 +8,11 @@ a GPU they go through Triton's compiled launcher, the path eager users take.
 import pytest
 import torch
 from helpers import DEVICE, assert_close, make_weights
-from reference import fused_experts_ref, fused_moe_forward_ref
 
 import moe_dispatch as md
 from moe_dispatch import _plan
 from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
+from moe_dispatch.reference import fused_experts_ref, fused_moe_forward_ref
 from moe_dispatch.tiles import select_tiles
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_dispatch  # from torch-ext (conftest.py)
+import moe_dispatch  # from torch-ext (pytest.ini's pythonpath)
+from moe_dispatch.reference import W8A8_TOLERANCE
 from helpers import DEVICE, assert_close, needs_gpu
-from reference import W8A8_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
@@ -733,7 +733,7 @@ def test_fp8_experts_static_activation_scales(count_kernel_calls):
     w8a8 arithmetic with those scales; through the interface (dequant on the CPU, static scales unused) the logits
     equal transformers' eager experts on the dequantized weights. On a GPU with FP8 tensor cores the interface's
     "auto" takes w8a8 (the module docstring): there the e4m3 activations put the logits about 2% from that model."""
-    from reference import fused_experts_w8a8_ref
+    from moe_dispatch.reference import fused_experts_w8a8_ref
 
     model, reference = _fp8_experts_model(quant_block=(32, 32), activation_scheme="static")
     experts = moe_blocks(model, MODELS[MODEL_IDS.index("mixtral")])[0].experts

@@ -15,6 +15,8 @@ per expert hit, then down + weighted sum per token); the tile tables choose (til
 fp8.py holds the FP8 weight formats (quantizer, checks, the choice of compute path); the grouped GEMMs dequantize
 fp8 weights in their loads, and fp8_gemm.py runs e4m3 activations x e4m3 weights on FP8 tensor cores (w8a8).
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
+reference.py holds the float64 `<stage>_ref` reference of every public function and the tolerance table (plain
+torch, launches nothing): `moe_dispatch.reference`, what the tests and the Hub benchmark check a kernel against.
 _plan.py is the eager host path: a call is recorded once per input signature and then replayed through Triton's
 compiled launcher (every launch site goes through `_plan.launch`).
 
@@ -44,7 +46,7 @@ from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
 from .routing import moe_router
 # bound by name: hub-loaded packages need explicit attributes
-from . import expert_parallel, fp8, layers, transformers_experts
+from . import expert_parallel, fp8, layers, reference, transformers_experts
 from .transformers_experts import moe_dispatch_experts, register_experts
 
 from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)

@@ -1,7 +1,10 @@
 """Float64 references for every public function, written from the documented semantics (not from the kernels).
 
-Used by the tests and by the benchmark's correctness check. Inputs are upcast to float64 on their own device (so a GPU
-can run the reference at real model sizes); outputs are float64 (floats) or int64 (indices) on that device.
+`moe_dispatch.reference`: shipped with the package, so the tests, the scripts and the Hub benchmark (which verifies
+the kernel it loads with the references that kernel ships) import the same `<stage>_ref` functions and tolerance
+table by name. Plain torch, nothing else: importing it compiles and launches no kernel. Inputs are upcast to float64
+on their own device (so a GPU can run the reference at real model sizes); outputs are float64 (floats) or int64
+(indices) on that device.
 """
 
 import torch
@@ -305,7 +308,7 @@ def ep_capacity_keep_ref(topk_ids, experts_per_rank, world_size, capacity):
     return torch.tensor(keep, dtype=torch.bool, device=topk_ids.device).view(topk_ids.shape)
 
 # Agreement with the references: one tolerance table and one comparison for every test and benchmark (the tests
-# import them through tests/helpers.py; scripts/bench*.py and benchmarks/benchmark_moe.py from here).
+# import them through tests/helpers.py; scripts/ and the Hub benchmark from here).
 #
 # TOLERANCE bounds the norm-wise relative error ||out - ref|| / ||ref|| by the dtype of the inputs. It is sized for
 # the op with the most roundings, the MoE forward: the [T*k, F] intermediate, the weighted [T*k, H] expert rows and
