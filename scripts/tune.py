@@ -679,7 +679,8 @@ def bucket_index(buckets, rows):
 
 
 def bucket_tiles(bucket):
-    return {k: v for k, v in bucket.items() if k != "max_rows_per_expert"}
+    """A bucket's tiles: the entry without its bound (max_rows_per_expert, or the decode entry's max_assignments)."""
+    return {k: v for k, v in bucket.items() if k not in ("max_rows_per_expert", "max_assignments")}
 
 
 def patched_table(table, cells, min_gain):
@@ -819,7 +820,7 @@ class DecodePath:
                 if not record["changed"]:
                     break  # the general path wins (or was not measured) from here on
                 bucket = {"max_assignments": record["assignments"], **record["best"]}
-                if buckets and bucket_tiles_decode(buckets[-1]) == record["best"]:
+                if buckets and bucket_tiles(buckets[-1]) == record["best"]:
                     buckets[-1] = bucket  # same tiles as the bucket below: one bucket covers both
                 else:
                     buckets.append(bucket)
@@ -851,10 +852,6 @@ class DecodePath:
                     logs.setdefault(tile, []).append(math.log(next(iter(t.ms.values())) / fastest))
         scores = {tile: sum(v) / len(v) for tile, v in logs.items() if tile not in failed}
         return min(scores, key=scores.get) if scores else None
-
-
-def bucket_tiles_decode(bucket):
-    return {k: v for k, v in bucket.items() if k != "max_assignments"}
 
 
 @dataclasses.dataclass(frozen=True)
