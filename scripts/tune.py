@@ -184,6 +184,8 @@ def parse_args(argv):
         args.device, args.shrunk = "cpu", True
         args.max_candidates = args.max_candidates or SMOKE_CANDIDATES
         args.pairs = min(args.pairs, SMOKE_PAIRS)
+    if args.cpu_smoke and args.out is None:
+        p.error("--cpu-smoke needs --out (a plumbing run must not rewrite the package's interpreter table)")
     if args.fp8 and args.path != "decode":
         p.error("--fp8 is the decode path's (the fp8 path always runs float8 weights)")
     args.models = args.models or spec.models
