@@ -5,7 +5,7 @@ part). Every rank builds the same global problem from the case's seed (all ranks
 `ep_fused_experts` on its own tokens with its shard of the experts, then forward and backward of the single-process
 `fused_experts` with all experts on all tokens, and compares its slice: the output rows of its tokens and the
 gradients of its hidden_states, its topk_weights and its rows of every expert weight and bias. Capacity cases
-compare with the single-process run on ids masked by `ep_capacity_keep_ref` (benchmarks/reference.py, the rule
+compare with the single-process run on ids masked by `ep_capacity_keep_ref` (moe_dispatch.reference, the rule
 written out in Python), and their drop statistics exactly. A rank collects its failures and raises them together
 at the end, so mp.spawn fails with every message. The in-process tests cover one rank, the plan's integers, the
 capacity formula and bad inputs.
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import assert_close, needs_interpreter
-from reference import capacity_keep_mask_ref, ep_capacity_keep_ref
 
 import moe_dispatch as md
 from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _plan, ep_capacity,
                                           ep_fused_experts)
+from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref
 
 H, F, E_LOCAL = 16, 8, 2
 
@@ -341,11 +341,11 @@ def test_layer_from_all_experts_on_one_rank():
 
 @needs_interpreter
 def test_torchrun_example_runs_on_cpu():
-    """scripts/ep_example.py as the README runs it on a CPU: torchrun, 2 ranks, gloo, Triton's interpreter."""
+    """examples/ep_example.py as the README runs it on a CPU: torchrun, 2 ranks, gloo, Triton's interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.join(root, "torch-ext"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), "scripts/ep_example.py"],
+                          "--master-port", str(_free_port()), "examples/ep_example.py"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
