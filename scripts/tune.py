@@ -454,7 +454,21 @@ def tune_unit(run, spec, unit, prob, base_table):
 # The paths.
 
 
-class GeneralPath:
+class TunerPath:
+    """What every path shares: a candidate runs as it is, and every stage may start from any candidate."""
+
+    @staticmethod
+    def as_run(run, prob, tiles):
+        """What the path runs for `tiles` (the same tiles, unless a path normalises them)."""
+        return tiles
+
+    @staticmethod
+    def held(tiles):
+        """Whether a stage may start from `tiles`."""
+        return True
+
+
+class GeneralPath(TunerPath):
     """The four-launch forward's GEMM tiles, per bucket of rows per expert (see the module doc)."""
 
     name = "general"
@@ -495,14 +509,6 @@ class GeneralPath:
         shape = unit.shape
         return run.tiles.select_tiles(run.device, max(unit.tokens), shape.top_k, shape.num_experts, shape.ffn,
                                       shape.hidden, prob.dtype)
-
-    @staticmethod
-    def as_run(run, prob, tiles):
-        return tiles
-
-    @staticmethod
-    def held(tiles):
-        return True
 
     @staticmethod
     def block_m_candidates(rows):
@@ -573,7 +579,7 @@ def merge_bucket(buckets, entry):
     return sorted(kept + [entry], key=lambda b: b["max_rows_per_expert"])
 
 
-class Fp8Path:
+class Fp8Path(TunerPath):
     """The w8a8 path's tiles (fp8_gemm.py) per (model, T), on block-scaled float8 weights (see the module doc)."""
 
     name = "fp8"
@@ -625,10 +631,6 @@ class Fp8Path:
                                                          transposed=False)
                        for name in ("w_gate_up_scale", "w_down_scale"))
         return run.modules["fp8_gemm"].w8a8_tiles(tiles, *scales)
-
-    @staticmethod
-    def held(tiles):
-        return True
 
     @staticmethod
     def block_m_candidates(rows):
@@ -722,7 +724,7 @@ def patched_table(table, cells, min_gain):
     return table
 
 
-class DecodePath:
+class DecodePath(TunerPath):
     """The decode path's tiles (decode.py) per (model, T) against the general path (see the module doc)."""
 
     name = "decode"
@@ -773,10 +775,6 @@ class DecodePath:
             return run.tiles.select_fp8_tiles(run.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden)
         return run.tiles.select_tiles(run.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden,
                                       prob.x.dtype)
-
-    @staticmethod
-    def as_run(run, prob, tiles):
-        return tiles
 
     @staticmethod
     def held(tiles):
@@ -864,7 +862,7 @@ class BackwardTiles:
     weight: object
 
 
-class BackwardPath:
+class BackwardPath(TunerPath):
     """The experts backward's tiles per (model, T), the whole backward timed (see the module doc)."""
 
     name = "backward"
@@ -935,14 +933,6 @@ class BackwardPath:
         plan = run.modules["planner"].plan_backward(run.device, unit.tokens[0], shape.top_k, shape.num_experts,
                                                     shape.ffn, shape.hidden, prob.dtype)
         return BackwardTiles(plan.tiles, plan.weight_tile)
-
-    @staticmethod
-    def as_run(run, prob, tiles):
-        return tiles
-
-    @staticmethod
-    def held(tiles):
-        return True
 
     @staticmethod
     def stages(run, unit, prob, base_table, baseline):
