@@ -5,7 +5,7 @@ expert FFN size F, plus how the model routes (so `fused_moe_forward` can be call
 `shrunk(shape)` keeps everything that changes control flow (top_k, gating, groups, "H or F not a multiple of 128")
 and shrinks the sizes to what the Triton interpreter runs in seconds.
 
-The benchmark's targets (issue 4) differ by model: `matmul_fraction` is the share of the measured dense bf16 matmul
+The benchmark's targets differ by model: `matmul_fraction` is the share of the measured dense bf16 matmul
 rate a prefill cell must reach.
 """
 

@@ -1,4 +1,4 @@
-"""Bad and odd inputs (issue 10): no input crashes the process, writes outside an output or returns a quiet lie.
+"""Bad and odd inputs: no input crashes the process, writes outside an output or returns a quiet lie.
 
 Each test names the defect it guards:
   1 caller indices (sorted_idx, restore_idx, expert_offsets, indices, bins) are bounded in the kernels, and invalid
@@ -58,7 +58,8 @@ def test_fused_expert_ffn_rejects_bad_sorted_idx():
 @pytest.mark.skipif(ON_GPU, reason="CPU tensors run the kernels only through the interpreter; on a GPU the "
                                    "validate=True tests below cover the same checks")
 def test_cpu_index_tensors_are_checked_by_default():
-    """The issue's repro on CPU tensors, validate left at None: a ValueError, not a crash (checks are free there)."""
+    """Bad index tensors on CPU tensors, validate left at None: a ValueError naming each, not a crash (checks are free
+    there)."""
     x = torch.randn(T, H)
     permuted, offsets, sorted_idx, restore_idx = md.permute_tokens(x, torch.stack([torch.randperm(E)[:TOP_K]
                                                                                   for _ in range(T)]), E)
@@ -135,7 +136,8 @@ print("returned", tuple(out.shape))
 
 
 def test_fused_expert_ffn_unvalidated_sorted_idx_does_not_crash():
-    """The issue's segfault, with validation off: must return, not kill the process (run in a child process)."""
+    """A sorted_idx entry of 2**40 with validation off: the kernels bound it, so the call returns instead of faulting
+    (run in a child process, so a crash fails the test rather than killing pytest)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "torch-ext"))
     if not ON_GPU:  # on a GPU machine the repro runs on the GPU (an unbounded index there is an illegal access)
         env["TRITON_INTERPRET"] = "1"

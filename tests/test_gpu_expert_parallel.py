@@ -1,11 +1,10 @@
-"""Expert parallelism on 2 GPUs with NCCL (issue 14's GPU suite): real model sizes in bf16, CUDA-graph capture of the
-capacity mode. Skipped unless torch sees at least two GPUs; the CPU suite (tests/test_expert_parallel.py, gloo)
-checks the same semantics at tiny sizes.
+"""Expert parallelism on 2 GPUs with NCCL: real model sizes in bf16, CUDA-graph capture of the capacity mode. Skipped
+unless torch sees at least two GPUs; the CPU suite (tests/test_expert_parallel.py, gloo) checks the same semantics at
+tiny sizes. docs/performance.md's "Expert parallelism" section records its run on two H200s.
 
-Ran on two H200s (NV18, NCCL 2.28) on 2026-12-01: 4 passed in 66 s. Each test spawns two ranks (one
-GPU each); both build the same all-expert problem from one seed, run `ep_fused_experts` with their half of the
-experts, and compare with `fused_experts` holding all experts on one GPU (the single-GPU reference fits on an H200:
-DeepSeek-V3's 256 routed experts are 22.5 GB in bf16).
+Each test spawns two ranks (one GPU each); both build the same all-expert problem from one seed, run
+`ep_fused_experts` with their half of the experts, and compare with `fused_experts` holding all experts on one GPU
+(the single-GPU reference fits on an H200: DeepSeek-V3's 256 routed experts are 22.5 GB in bf16).
 """
 
 import datetime

@@ -2,8 +2,8 @@
 the dequant path forced as on an SM80 or MI300X), static activation scales, CUDA-graph capture, and transformers' own
 FP8 experts path where its Hub kernel loads. Skipped without a GPU; the w8a8 cases also without FP8 tensor cores.
 
-NOT RUN YET: written in a session without a GPU (tests/test_fp8.py checks the same paths through the interpreter at
-tiny sizes). The first H200 run should report here and in docs/performance.md's FP8 section.
+tests/test_fp8.py checks the same paths through the interpreter at tiny sizes. This file runs in the GPU suite
+(scripts/gpu_suite.sh; docs/performance.md's "GPU test suite" section has its latest H200 run).
 
 Each w8a8 output is held twice, as on the CPU: to the float64 model of its own arithmetic (reference.
 fused_experts_w8a8_ref, the bf16 tolerance: what remains is bf16 rounding of y and out, and the rare intermediate
