@@ -381,7 +381,8 @@ def write_markdown(results, path):
     ]
     cells = results["cells"]
     models = list(dict.fromkeys(c["model"] for c in cells))
-    lines += ["", "## Summary (the layout of docs/performance.md's current table)", ""] + summary_table(results)
+    lines += ["", "## Summary: both paths per model and T, time over the floor, target met, speedup over grouped_mm",
+              ""] + summary_table(results)
     lines += ["", "## fused_experts: hot, flushed, kernel and host times (medians)", ""] + hot_table(results)
     header = ("| T | path | dtype | hit | plain | graph | hot | floor | target | time/floor | TB/s | TFLOP/s | "
               "grouped_mm | vs gmm | vLLM | eager | rel err | target met |")

@@ -23,8 +23,10 @@ Writes OUT/ep.json and OUT/ep.md on rank 0 and prints the table. The output is c
 all experts at one T per model (the all-expert weights are built on every rank from one seed; when they do not fit
 next to the shard, that check and one_gpu are skipped and said so).
 
-First run on two H200s on 2026-12-01 (docs/performance.md, "Expert parallelism"). It imports on the CPU; launched with
-torchrun there, it runs the plumbing through gloo and Triton's interpreter at shrunk sizes (--cpu-smoke).
+It measures what expert parallelism costs and buys on one host: each stage of the exchange against the bare
+all-to-all and NVLink ceiling, and the whole call against one GPU holding every expert (docs/performance.md, "Expert
+parallelism", has the H200 figures). It imports on the CPU; launched with torchrun there, it runs the plumbing through
+gloo and Triton's interpreter at shrunk sizes (--cpu-smoke).
 """
 
 import argparse

@@ -34,8 +34,8 @@ Writes OUT/bench_fp8.json and OUT/bench_fp8.md after every model (a run cut shor
 short table last. --deadline-s stops starting new cells (skipped cells are listed).
 
     scripts/bench_fp8 --out results/fp8                      # all six models, T = 1, 4, 16, 128, 1024, 4096, 16384
-    scripts/bench_fp8 --models mixtral-8x7b,deepseek-v3 --tokens 1,4096 --out /tmp/fp8
-    scripts/bench_fp8 --cpu-smoke --out /tmp/fp8-smoke        # the plumbing on the CPU (interpreter, shrunk shapes)
+    scripts/bench_fp8 --models mixtral-8x7b,deepseek-v3 --tokens 1,4096 --out fp8-out
+    scripts/bench_fp8 --cpu-smoke --out fp8-smoke             # the plumbing on the CPU (interpreter, shrunk shapes)
 """
 
 import argparse

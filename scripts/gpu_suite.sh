@@ -11,7 +11,8 @@
 #
 # Environment knobs (none needed):
 #   OUT                     output folder (default ./gpu-out)
-#   SUITE_WHEELS=0          do not install the carried wheels of .whl/ (into /tmp/site, put first on PYTHONPATH)
+#   SUITE_WHEELS=0          do not install the carried wheels of .whl/ (into ${TMPDIR:-/tmp}/moe-dispatch-site, put
+#                           first on PYTHONPATH)
 #   SUITE_TESTS=0           skip pytest. SUITE_TEST_PATHS: what pytest runs (default tests); PYTEST_ARGS: extra
 #                           arguments; PYTEST_BUDGET_S: a time limit for each pytest process (default none)
 #   SUITE_PYTEST_GROUPS=N   run the test files as N concurrent pytest processes (each file to the group with the fewest
@@ -93,11 +94,12 @@ record "environment" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $("$python" -V 2>&1) a
 
 if [ "${SUITE_WHEELS:-1}" != "0" ] && compgen -G ".whl/*.whl" > /dev/null; then
   say "installing carried wheels"
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  site="${TMPDIR:-/tmp}/moe-dispatch-site"  # outside the checkout and $OUT: neither is meant to hold installed packages
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     .whl/*.whl 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
-  record "carried wheels" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $(ls .whl/*.whl | wc -l) into /tmp/site" || echo FAILED)"
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  record "carried wheels" "$rc" "$( [ "$rc" = 0 ] && echo "ok: $(ls .whl/*.whl | wc -l) into $site" || echo FAILED)"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 if [ "${SUITE_TESTS:-1}" != "0" ]; then
