@@ -447,8 +447,8 @@ def test_expert_parallel_sentinels_contribute_nothing():
 
 @pytest.mark.parametrize("case_id", ["mixtral", "gpt_oss"])
 def test_expert_parallel_layer_replaces_an_experts_module(case_id):
-    """README's swap `block.experts = ExpertParallelExperts.from_experts_module(block.experts, group)`, here on one
-    rank (no process group): same forward signature and result as the eager experts module, layout and activation
+    """docs/usage.md's swap `block.experts = ExpertParallelExperts.from_experts_module(block.experts, group)`, here on
+    one rank (no process group): same forward signature and result as the eager experts module, layout and activation
     read as the experts function reads them (GPT-OSS: transposed, interleaved, biases, clamped SwiGLU)."""
     _, experts = _tiny_experts(case_id)
     layer = moe_dispatch.ExpertParallelExperts.from_experts_module(experts)

@@ -254,7 +254,7 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     for name, weight in (("w_gate_up_local", w_gate_up_local), ("w_down_local", w_down_local)):
         if is_fp8(weight):
             raise TypeError(f"{name} is {weight.dtype}: ep_fused_experts takes float weights only for now (float8 "
-                            f"experts run through fused_experts on one GPU, see the README's FP8 section)")
+                            "experts run through fused_experts on one GPU, see docs/usage.md, 'FP8 expert weights')")
     T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
                                           activation=activation, gate_up_bias=gate_up_bias_local,
                                           down_bias=down_bias_local, transposed=transposed, suffix="_local")

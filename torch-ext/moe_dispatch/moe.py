@@ -430,12 +430,12 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
     gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
 
-    FP8 expert weights (v1.x addition, forward only; see fp8.py and the README's FP8 section): w_gate_up and/or w_down
-    in float8_e4m3fn / float8_e4m3fnuz with fp32 scales `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 * scale),
-    the scheme read from the scale's shape: [E, ceil(d1/b1), ceil(d2/b2)] block scales over the weight as stored
-    ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for w_down);
-    [E] per tensor. hidden_states and the output stay bf16/fp16/fp32. The output carries no gradient (a warning says
-    so once when an input requires grad).
+    FP8 expert weights (v1.x addition, forward only; see fp8.py and docs/usage.md, "FP8 expert weights"): w_gate_up
+    and/or w_down in float8_e4m3fn / float8_e4m3fnuz with fp32 scales `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 *
+    scale), the scheme read from the scale's shape: [E, ceil(d1/b1), ceil(d2/b2)] block scales over the weight as
+    stored ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for
+    w_down); [E] per tensor. hidden_states and the output stay bf16/fp16/fp32. The output carries no gradient (a
+    warning says so once when an input requires grad).
     `w_gate_up_scale_layout` says how w_gate_up_scale's block scales cover the 2F rows (the layouts differ where F is
     not a multiple of the block's N side b, and are never guessed from shapes): "fused" (default) ceil(2F/b) blocks over
     the rows as stored; "merged" gate's ceil(F/b) blocks, then up's, each over its own F rows (a checkpoint's separate
