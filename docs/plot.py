@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Draw the performance figure of the README and docs/performance.md from the results files, as SVG.
 
-    python3 docs/plot.py            # writes docs/results/h200-forward-v6.svg
+    python3 docs/plot.py            # writes docs/results/h200-forward-v12.svg
     python3 docs/plot.py --check    # exit status 1 when that file is not what the data gives (tests/test_docs.py)
 
-The figure: bf16 `fused_experts` on one H200, one panel per model shape, time over the floor max(bytes / R,
-FLOPs / P) against T. From one benchmark run (h200-bench-v6.json, whose R and P give the floor): moe_dispatch's hot
-time and its kernel time, and transformers' grouped_mm pipeline; beside them vLLM's fused_moe_kernel, reference
-figures from another H200 (vllm-h200-reference.json). "Hot" is CUDA-graph replays of repeated calls with no L2 flush,
-the one method the vLLM figures have; "kernel time" is the profiler's sum of kernel times over plain launches, which
-does not see the clock drop that sustained hot replays cause at prefill. Standard library only, and deterministic:
-the same data gives the same bytes.
+The figure: bf16 `fused_experts` on one H200 beside vLLM's Triton MoE kernel, measured in the same run by the
+same-run peer harness (h200-peers-bf16-v12.json), one panel per model shape, time over the floor max(bytes / R,
+FLOPs / P) against T, with the R and P that run measured. Four series: moe_dispatch's `fused_experts`, vLLM's
+fused_moe_kernel (its two GEMM launches only), vLLM's whole forward (those GEMMs, its activation and the sum of each
+token's k rows; the token alignment stays outside) and transformers' grouped_mm path. Every time is a CUDA-graph
+replay of unrolled calls with no L2 flush, the paths alternating round by round. Standard library only, and
+deterministic: the same data gives the same bytes.
 """
 
 import argparse
@@ -20,23 +20,22 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BENCH = RESULTS / "h200-bench-v6.json"
-VLLM = RESULTS / "vllm-h200-reference.json"
-OUT = RESULTS / "h200-forward-v6.svg"
+PEERS = RESULTS / "h200-peers-bf16-v12.json"
+OUT = RESULTS / "h200-forward-v12.svg"
 
 MODELS = [  # (key in the results, panel title)
     ("mixtral-8x7b", "Mixtral-8x7B (E 8, top_k 2)"),
     ("mixtral-8x22b", "Mixtral-8x22B (E 8, top_k 2)"),
-    ("qwen2-57b-a14b", "Qwen2-57B-A14B (E 64, top_k 8)"),
-    ("qwen3-30b-a3b", "Qwen3-30B-A3B (E 128, top_k 8)"),
+    ("qwen2-57b", "Qwen2-57B-A14B (E 64, top_k 8)"),
+    ("qwen3-30b", "Qwen3-30B-A3B (E 128, top_k 8)"),
     ("deepseek-v3", "DeepSeek-V3 routed (E 256, top_k 8)"),
     ("gpt-oss-120b", "GPT-OSS-120B-like (E 128, top_k 4)"),
 ]
-SERIES = [  # (name in the legend, colour, dash pattern, marker), in the order load() returns them
-    ("moe_dispatch, hot", "#1f5fa8", "", "circle"),
-    ("moe_dispatch, kernel time", "#7fb2e5", "", "ring"),
-    ("vLLM fused_moe_kernel (reference figures, another H200)", "#c0392b", "6 3", "square"),
-    ("transformers grouped_mm pipeline (same run)", "#6b6b6b", "2 3", "triangle"),
+SERIES = [  # (key in a cell's results, name in the legend, colour, dash pattern, marker), in the order load() returns
+    ("project_fe", "moe_dispatch fused_experts", "#1f5fa8", "", "circle"),
+    ("vllm_gemm", "vLLM fused_moe_kernel, its two GEMMs", "#c0392b", "6 3", "square"),
+    ("vllm_full", "vLLM whole forward (GEMMs, silu*up, sum over k)", "#e59866", "3 2", "ring"),
+    ("grouped_mm", "transformers grouped_mm path", "#6b6b6b", "2 3", "triangle"),
 ]
 Y_MIN, Y_MAX = 0.8, 7.0  # time / floor, log scale
 Y_TICKS = (1, 1.5, 2, 3, 4, 6)
@@ -48,34 +47,19 @@ GAP_X, GAP_Y = 38, 52  # between panels
 FONT = 'font-family="DejaVu Sans, Arial, sans-serif"'
 
 
-def load(bench_path=BENCH, vllm_path=VLLM):
-    """{model: (tokens, [ours hot / floor], [ours kernel time / floor], [vLLM / floor], [grouped_mm hot / floor])},
+def load(peers_path=PEERS):
+    """{model: (tokens, [fused_experts / floor], [vLLM GEMMs / floor], [vLLM whole / floor], [grouped_mm / floor])},
     the run's meta and its ceilings."""
-    with open(bench_path) as f:
-        bench = json.load(f)
-    with open(vllm_path) as f:
-        vllm = json.load(f)
-    tokens = vllm["tokens"]
-
-    def cell(impl, model, t):
-        for c in bench["cells"]:
-            if (c["impl"], c["path"], c["model"], c["tokens"], c.get("routing"), c.get("dtype")) == \
-                    (impl, "fused_experts", model, t, "balanced", "bfloat16"):
-                return c
-        raise KeyError(f"{bench_path.name} has no {impl} cell for {model} at T = {t}")
-
+    with open(peers_path) as f:
+        run = json.load(f)
     data = {}
     for model, _ in MODELS:
-        ours, kernels, peer, gmm = [], [], [], []
-        for t, vllm_us in zip(tokens, vllm["fused_experts_us"][model]):
-            mine = cell("moe_dispatch", model, t)
-            floor = mine["floor_us"]
-            ours.append(mine["hot_us"] / floor)
-            kernels.append(mine["kernel_us"] / floor)
-            peer.append(vllm_us / floor)
-            gmm.append(cell("grouped_mm", model, t)["hot_us"] / floor)
-        data[model] = (tokens, ours, kernels, peer, gmm)
-    return data, bench["meta"], bench["ceilings"]
+        cells = sorted((c for c in run["cells"] if c["model"] == model), key=lambda c: c["T"])
+        if not cells:
+            raise KeyError(f"{peers_path.name} has no cell for {model}")
+        series = [[c["results"][key]["us"] / c["floor_us"] for c in cells] for key, *_ in SERIES]
+        data[model] = ([c["T"] for c in cells], *series)
+    return data, run["meta"], run["ceilings"]
 
 
 def _fmt(v):
@@ -106,14 +90,14 @@ def render(data, meta, ceilings):
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
         f'viewBox="0 0 {WIDTH} {HEIGHT}">',
         f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-        f'<text x="{LEFT}" y="26" {FONT} font-size="16" font-weight="bold">bf16 fused_experts on one NVIDIA H200: '
-        'time over the floor (lower is better)</text>',
+        f'<text x="{LEFT}" y="26" {FONT} font-size="16" font-weight="bold">bf16 fused_experts beside vLLM on one '
+        'NVIDIA H200, same run: time over the floor (lower is better)</text>',
         f'<text x="{LEFT}" y="46" {FONT} font-size="11.5" fill="#333">floor = max(bytes / R, FLOPs / P); '
         f'R {ceilings["read_bytes_per_s"] / 1e12:.2f} TB/s, P {ceilings["matmul_flops_per_s"] / 1e12:.0f} TFLOP/s '
-        f'measured in the run (commit {meta["commit"]}, {meta["date"][:10]}, triton {meta["triton"]}); balanced '
-        'random routing</text>',
-        f'<text x="{LEFT}" y="62" {FONT} font-size="11.5" fill="#333">hot: CUDA graph of repeated calls, no L2 '
-        'flush (the method of the vLLM figures); kernel time: the profiler\'s sum, plain launches</text>',
+        f'measured in the run (commit {meta["project_commit"][:7]}, {meta["started"][:10]}, triton {meta["triton"]}, '
+        f'{meta["vllm"].split(" (")[0]}); balanced random routing</text>',
+        f'<text x="{LEFT}" y="62" {FONT} font-size="11.5" fill="#333">every path: CUDA-graph replays of unrolled '
+        'calls, no L2 flush, the paths alternating round by round; vLLM: the best of its tuned table and a sweep</text>',
     ]
     for index, (model, title) in enumerate(MODELS):
         tokens, *series = data[model]
@@ -142,7 +126,7 @@ def render(data, meta, ceilings):
         for i, t in enumerate(tokens):
             out.append(f'<text x="{_fmt(px(i))}" y="{_fmt(y0 + panel_h + 14)}" {FONT} font-size="10.5" '
                        f'text-anchor="middle">{_label_t(t)}</text>')
-        for (name, colour, dash, marker), values in zip(SERIES, series):
+        for (_, name, colour, dash, marker), values in zip(SERIES, series):
             points = " ".join(f"{_fmt(px(i))},{_fmt(py(v))}" for i, v in enumerate(values))
             dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
             out.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="1.6"{dash_attr}/>')
@@ -150,7 +134,7 @@ def render(data, meta, ceilings):
         if index // COLS == ROWS - 1:
             out.append(f'<text x="{_fmt(x0 + panel_w / 2)}" y="{_fmt(y0 + panel_h + 30)}" {FONT} font-size="11" '
                        'text-anchor="middle">tokens T</text>')
-    for number, (name, colour, dash, marker) in enumerate(SERIES):
+    for number, (_, name, colour, dash, marker) in enumerate(SERIES):
         x = LEFT + (number % 2) * 430
         legend_y = HEIGHT - 40 + (number // 2) * 20
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
@@ -171,7 +155,7 @@ def main(argv=None):
     if args.check:
         current = args.out.read_text() if args.out.is_file() else None
         if current != svg:
-            print(f"{args.out} is not what {BENCH.name} and {VLLM.name} give: run python3 docs/plot.py",
+            print(f"{args.out} is not what {PEERS.name} gives: run python3 docs/plot.py",
                   file=sys.stderr)
             return 1
         return 0

@@ -88,13 +88,14 @@ def test_figure_is_what_its_data_gives():
     tokens, ours, *rest = data[model]
     moved = dict(data, **{model: (tokens, [ours[0] * 1.5, *ours[1:]], *rest)})
     assert plot.render(moved, meta, ceilings) != svg
-    # Every plotted cell exists in the run: its bf16, balanced fused_experts rows for both implementations.
-    bench = json.loads(plot.BENCH.read_text())
+    # Every plotted point is a cell of the run: its time over its floor, for each of the four paths.
+    run = json.loads(plot.PEERS.read_text())
     for model, _ in plot.MODELS:
-        assert len(data[model][0]) == len(data[model][1]) == 7
-        rows = [c for c in bench["cells"] if c["model"] == model and c["path"] == "fused_experts"
-                and c.get("routing") == "balanced" and c.get("dtype") == "bfloat16"]
-        assert {c["impl"] for c in rows} >= {"moe_dispatch", "grouped_mm"}
+        tokens, *series = data[model]
+        assert len(tokens) == 7 and all(len(values) == 7 for values in series)
+        cells = {c["T"]: c for c in run["cells"] if c["model"] == model}
+        for (key, *_), values in zip(plot.SERIES, series):
+            assert values == [cells[t]["results"][key]["us"] / cells[t]["floor_us"] for t in tokens], (model, key)
 
 
 _BLOCK = re.compile(r"(?:^<!--\s*needs:\s*(?P<needs>[^>]*?)\s*-->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```$", re.M | re.S)
