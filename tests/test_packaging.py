@@ -16,6 +16,7 @@ depend on whether this checkout is clean. On a CPU-only machine the loader accep
 pointing `get_local_kernel` / `LOCAL_KERNELS` at the variant directory itself.
 """
 
+import importlib
 import json
 import os
 import re
@@ -515,8 +516,8 @@ def releases(hub, tmp_path_factory):
         import huggingface_hub
 
         pytest.skip(f"scripts/publish refuses huggingface_hub {huggingface_hub.__version__} (needs >= 2.4)")
-    try:
-        import kernels.cli  # noqa: F401  (imports sigstore eagerly; the GPU image lacks its `cryptography`)
+    try:  # the `kernels` command must import: it imports sigstore eagerly, whose `cryptography` some images lack
+        importlib.import_module("kernels.cli")
     except ImportError as e:
         pytest.skip(f"the kernels command does not import here: {e}")
     base = tmp_path_factory.mktemp("releases")
@@ -939,8 +940,11 @@ def test_python_minimum_is_stated_everywhere_and_checked():
     assert f"Python >= {text}" in (ROOT / "README.md").read_text()
     assert f'min_python="{text}"' in (ROOT / "scripts" / "setup-env").read_text()
     assert sys.version_info >= minimum
-    for path in [*ROOT.glob("torch-ext/moe_dispatch/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py"),
-                 *ROOT.glob("tests/*.py"), *(ROOT / "scripts" / name for name in ("build", "publish", "release"))]:
+    sources = [*ROOT.glob("torch-ext/moe_dispatch/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py"),
+               *ROOT.glob("examples/*.py"), *ROOT.glob("tests/*.py"),
+               *(ROOT / "scripts" / name for name in ("build", "publish", "release"))]
+    assert ROOT / "examples" / "ep_example.py" in sources  # the globs found the folders
+    for path in sources:
         ast.parse(path.read_text(), filename=str(path), feature_version=minimum)
     # What an older interpreter sees: the check at the top of _hub_release (which scripts/build imports) exits first.
     source = (ROOT / "scripts" / "_hub_release.py").read_text()
