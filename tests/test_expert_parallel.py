@@ -23,12 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import assert_close, needs_interpreter
+from helpers import DEVICE, assert_close, needs_interpreter
 
 import moe_dispatch as md
-from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _plan, ep_capacity,
-                                          ep_fused_experts)
-from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref
+from moe_dispatch.ep_plan import count_rows
+from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _plan, _plan_from_counts,
+                                          ep_capacity, ep_fused_experts)
+from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref, ep_plan_ref
 
 H, F, E_LOCAL = 16, 8, 2
 
@@ -278,7 +279,7 @@ def test_one_rank_falls_back_to_fused_experts():
 
 def test_plan_dedups_rows_and_pads_capacity_slots():
     """Capacity-mode plan (no communication) for W = 3, E_local = 2, C = 2, integers exact."""
-    ids = torch.tensor([[0, 1], [2, 5], [5, 4], [1, 0], [3, 9]])  # 9 is outside [0, 6): no rank
+    ids = torch.tensor([[0, 1], [2, 5], [5, 4], [1, 0], [3, 9]], device=DEVICE)  # 9 is outside [0, 6): no rank
     plan = _plan(ids, 3, 2, 2, None)
     # rank 0: tokens 0, 3 (each once, though both have two experts there); rank 1: tokens 1, 4; rank 2: 1, 2
     assert plan.slot_token.tolist() == [0, 3, 1, 4, 1, 2]
@@ -289,6 +290,121 @@ def test_plan_dedups_rows_and_pads_capacity_slots():
     plan = _plan(ids, 3, 2, 1, None)  # C = 1: the earliest token per destination
     assert plan.slot_token.tolist() == [0, 1, 1] and plan.stats.dropped_rows.tolist() == [1, 1, 1]
     assert plan.token_slots.tolist() == [[0, 1, 3, 3, 3], [3, 2, 3, 3, 3]]  # token 1: ranks 1 and 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCase:
+    id: str
+    why: str
+    world_size: int
+    experts_per_rank: int
+    top_k: int
+    tokens: int
+    capacity: int | None = None  # None: dropless
+    routing: str = "random"  # "random": distinct ids in [0, E); "outside": some ids < 0 or >= E; "one-rank": all on 0
+
+
+# ep_plan.py chunks tokens by 16 under the interpreter: T = 33 is three chunks, the last one partial.
+PLAN_CASES = [
+    PlanCase("w1-dropless", "one rank: every pair on rank 0, slots in token order", 1, 3, 2, 7),
+    PlanCase("w1-capacity", "one rank, C = 3 < T: the tail dropped, no padding", 1, 2, 1, 7, capacity=3),
+    PlanCase("w2-dropless-k1", "top_k = 1: one destination per token, R = 1", 2, 1, 1, 7),
+    PlanCase("w2-dropless-chunks", "T = 33: the running position carries over three chunks", 2, 3, 2, 33),
+    PlanCase("w3-k4-dropless", "top_k = 4 > W = 3: R = W, dedup of several experts per rank", 3, 2, 4, 33),
+    PlanCase("w3-capacity-c1", "C = 1: only the earliest token per destination, the rest dropped", 3, 2, 2, 7,
+             capacity=1),
+    PlanCase("w3-capacity-mid", "C = 5 between: drops on some ranks, padding on others", 3, 2, 2, 33, capacity=5),
+    PlanCase("w5-capacity-ct", "C = T: nothing dropped, every segment padded past its rows", 5, 1, 2, 7, capacity=7),
+    PlanCase("w5-k4-chunks", "W = 5 (not a power of two), k = 4, three chunks", 5, 3, 4, 33),
+    PlanCase("outside-dropless", "negative and too-large ids are on no rank", 3, 2, 2, 33, routing="outside"),
+    PlanCase("outside-capacity", "ids outside [0, E) neither count towards C nor take a slot", 2, 3, 4, 33,
+             capacity=6, routing="outside"),
+    PlanCase("one-rank-capacity", "all tokens on rank 0: it drops past C, the others are all padding", 3, 2, 2, 33,
+             capacity=4, routing="one-rank"),
+    PlanCase("one-rank-dropless", "all tokens on rank 0: the others get no slot", 5, 2, 2, 7, routing="one-rank"),
+    PlanCase("empty-dropless", "T = 0: no launch, empty outputs", 3, 2, 2, 0),
+    PlanCase("empty-capacity", "T = 0 with C > 0 (max_tokens_per_rank): every slot padding", 2, 2, 2, 0,
+             capacity=3),
+    PlanCase("single-token", "T = 1 over five ranks", 5, 1, 4, 1, capacity=1),
+]
+
+
+def _plan_ids(case):
+    g = torch.Generator().manual_seed(sum(map(ord, case.id)))
+    E = case.world_size * case.experts_per_rank
+    T, k = case.tokens, case.top_k
+    if case.routing == "one-rank":
+        return torch.randint(0, case.experts_per_rank, (T, k), generator=g)
+    if case.routing == "outside":
+        return torch.randint(-3, E + 3, (T, k), generator=g)  # repeats too: a token may name an expert twice
+    return torch.rand(T, max(E, k), generator=g).argsort(dim=1)[:, :k] % E  # k > E repeats ids
+
+
+def _received_counts(case):
+    """What a counts exchange could return: any W non-negative counts (they only size the receive side)."""
+    return torch.arange(case.world_size, dtype=torch.int64) * 3 % 5
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda case: case.id)
+def test_plan_kernels_match_reference(case, poison_empty):
+    """ep_plan.py's kernels give exactly the reference plan: every field and the stats, integers equal (outputs
+    start poisoned, so an element no kernel writes shows)."""
+    ids = _plan_ids(case).to(DEVICE)
+    W, E_local = case.world_size, case.experts_per_rank
+    recv = None
+    if case.capacity is None:
+        counts = count_rows(ids, W, E_local)
+        recv = _received_counts(case).to(DEVICE)
+        counts[W:] = recv  # as if exchanged
+        plan = _plan_from_counts(ids, W, E_local, None, counts)
+    else:
+        plan = _plan(ids, W, E_local, case.capacity, None)
+    ref = ep_plan_ref(ids, W, E_local, case.capacity, recv_counts=recv)
+    for name in ("slot_token", "slot_local_ids", "token_slots"):
+        got, want = getattr(plan, name), ref[name]
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
+    for name in ("wanted_rows", "dropped_rows"):
+        got, want = getattr(plan.stats, name), ref[name]
+        assert got.dtype == torch.int64 and torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
+    for name in ("send_sizes", "recv_sizes", "num_recv", "padded"):
+        assert getattr(plan, name) == ref[name], name
+
+
+def test_plan_reference_on_a_worked_example():
+    """The reference's own integers on a small case, so the kernels are not checked against a wrong model."""
+    ids = torch.tensor([[0, 1], [2, 5], [5, 4], [1, 0], [3, -1]])  # -1: no rank
+    ref = ep_plan_ref(ids, 3, 2, None, recv_counts=torch.tensor([1, 0, 4]))
+    assert ref["slot_token"].tolist() == [0, 3, 1, 4, 1, 2] and ref["send_sizes"] == [2, 2, 2]
+    assert ref["recv_sizes"] == [1, 0, 4] and ref["num_recv"] == 5 and not ref["padded"]
+    assert ref["token_slots"].tolist() == [[0, 2, 5, 1, 3], [6, 4, 6, 6, 6]]
+    ref = ep_plan_ref(ids, 3, 2, 3)  # C = 3: one unused slot per destination
+    assert ref["slot_token"].tolist() == [0, 3, 5, 1, 4, 5, 1, 2, 5]
+    assert ref["slot_local_ids"][2].tolist() == [2, 2] and ref["dropped_rows"].tolist() == [0, 0, 0]
+
+
+def test_capacity_plan_reads_nothing_on_the_host(monkeypatch):
+    """Capacity mode: no device-to-host read (no tolist, item, bool or int of a tensor); dropless: exactly one."""
+    reads = []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    ids = torch.tensor([[0, 1], [2, 5], [5, 4], [1, 0], [3, 9]], device=DEVICE)
+    counts = count_rows(ids, 3, 2)
+    counts[3:] = torch.tensor([1, 2, 3], device=DEVICE)
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    plan = _plan(ids, 3, 2, 2, None)
+    assert reads == [], f"capacity mode read {reads} on the host"
+    _plan_from_counts(ids, 3, 2, None, counts)
+    assert reads == ["tolist"], f"dropless mode should read the split sizes once, read {reads}"
+    monkeypatch.undo()
+    assert plan.slot_token.tolist() == [0, 3, 1, 4, 1, 2]
 
 
 def test_capacity_formula():

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_finite_number, check_ids_in_range
+from .ep_plan import count_rows, route_rows
 from .fp8 import is_fp8
 from .moe import check_experts_args, fused_experts
 from .transformers_experts import fused_experts_options
@@ -132,51 +133,34 @@ def _sum_token_slots(slot_rows, token_slots, dtype):
 
 
 def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
-    """Routing -> `_Plan`. capacity None: dropless (exchanges counts, one host read); else C rows per destination."""
-    T, top_k = topk_ids.shape
-    device = topk_ids.device
-    W = world_size
-    first_expert = torch.arange(W, device=device) * experts_per_rank  # [W]
-    local_ids = topk_ids.long().unsqueeze(0) - first_expert.view(W, 1, 1)  # [W, T, k]
-    on_rank = (local_ids >= 0) & (local_ids < experts_per_rank)  # ids outside [0, E) are on no rank
-    pair_local_ids = torch.where(on_rank, local_ids, experts_per_rank).to(torch.int32)  # [W, T, k]
-    wanted = on_rank.any(dim=2)  # [W, T]: pair (destination d, token t) needs a row
-    position = torch.cumsum(wanted, dim=1) - 1  # [W, T] row of t among d's rows, token order
-    wanted_rows = wanted.sum(dim=1)  # [W]
+    """Routing -> `_Plan` on the device (ep_plan.py's kernels). capacity None: dropless (counts the rows, exchanges
+    the counts, one host read); else C rows per destination, no host read and no collective."""
+    counts = None
     if capacity is None:
-        kept = wanted
-        send_counts = wanted_rows
-        recv_counts = _exchange(send_counts, None, None, W, group, W)
+        counts = count_rows(topk_ids, world_size, experts_per_rank)  # [2W]: send counts, then the received ones
+        if world_size == 1:
+            counts[1:].copy_(counts[:1])
+        else:
+            dist.all_to_all_single(counts[world_size:], counts[:world_size], group=group)
+    return _plan_from_counts(topk_ids, world_size, experts_per_rank, capacity, counts)
+
+
+def _plan_from_counts(topk_ids, world_size, experts_per_rank, capacity, counts):
+    """`_plan` after the counts exchange: `counts` int64 [2W] (rows sent to, then received from, each rank) in
+    dropless mode, None in capacity mode. Launches ep_plan.py's route and token-slot kernels (none when T = 0)."""
+    W = world_size
+    if capacity is None:
         # The one device-to-host read of dropless mode: split sizes must be host ints for all_to_all_single.
-        sizes = torch.cat([send_counts, recv_counts]).tolist()
+        sizes = counts.tolist()
         send_sizes, recv_sizes = sizes[:W], sizes[W:]
         num_slots, num_recv = sum(send_sizes), sum(recv_sizes)
-        slot_base = torch.cumsum(send_counts, 0) - send_counts  # [W] exclusive
     else:
-        kept = wanted & (position < capacity)  # earliest C tokens per destination
-        send_counts = wanted_rows.clamp(max=capacity)
         send_sizes = recv_sizes = None
         num_slots = num_recv = W * capacity
-        slot_base = torch.arange(W, device=device) * capacity
-    num_pairs = W * T
-    pair_index = torch.arange(num_pairs, device=device)
-    # Kept pairs take their slot; the others a private place past num_slots, so every scatter index is unique.
-    pair_slot = torch.where(kept, slot_base.view(W, 1) + position, num_slots + pair_index.view(W, T))  # [W, T]
-    slot_pair = torch.full((num_slots + num_pairs,), num_pairs, device=device, dtype=torch.int64)
-    slot_pair.scatter_(0, pair_slot.reshape(-1), pair_index)
-    slot_pair = slot_pair[:num_slots]  # [n_slots] pair in slot s (num_pairs: padding)
-    pair_token = torch.arange(T, device=device).repeat(W)  # [W * T]
-    slot_token = _with_zero_row(pair_token).index_select(0, slot_pair)
-    slot_token = torch.where(slot_pair < num_pairs, slot_token, T)
-    padding_ids = torch.full((1, top_k), experts_per_rank, device=device, dtype=torch.int32)
-    slot_local_ids = torch.cat([pair_local_ids.reshape(num_pairs, top_k), padding_ids]).index_select(0, slot_pair)
-    # Each token's kept slots in rank order: a stable sort moves kept destinations first, ascending.
-    R = min(top_k, W)
-    order = torch.sort(torch.where(kept, 0, 1), dim=0, stable=True).indices[:R]  # [R, T] destination ranks
-    token_slots = torch.where(kept.gather(0, order), pair_slot.gather(0, order), num_slots)
-    stats = ExpertParallelStats(wanted_rows, wanted_rows - send_counts)
+    slot_token, slot_local_ids, token_slots, stats = route_rows(topk_ids, W, experts_per_rank, capacity, counts,
+                                                                num_slots)
     return _Plan(slot_token, slot_local_ids, token_slots, send_sizes, recv_sizes, num_recv, capacity is not None,
-                 stats)
+                 ExpertParallelStats(stats[0], stats[1]))
 
 
 class _Dispatch(torch.autograd.Function):

@@ -307,6 +307,57 @@ def ep_capacity_keep_ref(topk_ids, experts_per_rank, world_size, capacity):
         keep.append([0 <= e < experts_per_rank * world_size and e // experts_per_rank in taken for e in token_ids])
     return torch.tensor(keep, dtype=torch.bool, device=topk_ids.device).view(topk_ids.shape)
 
+
+def ep_plan_ref(topk_ids, world_size, experts_per_rank, capacity, recv_counts=None):
+    """expert_parallel's routing plan for one source rank, in torch ops: a dict of `_Plan`'s fields (slot_token,
+    slot_local_ids, token_slots, send_sizes, recv_sizes, num_recv, padded) and the stats (wanted_rows, dropped_rows).
+
+    Rank d holds experts [d * experts_per_rank, (d + 1) * experts_per_rank); ids outside [0, E) are on no rank. Pair
+    (d, t) is wanted when one of token t's ids is on d; d's rows are its wanted tokens in token order. `capacity`
+    None: dropless, every wanted pair kept, `recv_counts` (int64 [W], what the counts exchange would return) gives
+    the receive sizes; else C: each destination keeps its earliest C tokens and has exactly C slots, unused ones
+    padding (slot_token T, ids experts_per_rank). Slots are grouped by destination; token_slots[c, t] is the slot of
+    t's c-th kept destination in rank order (n_slots: none), c < min(top_k, W)."""
+    T, top_k = topk_ids.shape
+    W, device = world_size, topk_ids.device
+    first_expert = torch.arange(W, device=device) * experts_per_rank  # [W]
+    local_ids = topk_ids.long().unsqueeze(0) - first_expert.view(W, 1, 1)  # [W, T, k]
+    on_rank = (local_ids >= 0) & (local_ids < experts_per_rank)
+    pair_local_ids = torch.where(on_rank, local_ids, experts_per_rank).to(torch.int32)  # [W, T, k]
+    wanted = on_rank.any(dim=2)  # [W, T]
+    position = torch.cumsum(wanted, dim=1) - 1  # [W, T] row of t among d's rows
+    wanted_rows = wanted.sum(dim=1)  # [W]
+    if capacity is None:
+        kept = wanted
+        send_counts = wanted_rows
+        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+        num_slots, num_recv = sum(send_sizes), sum(recv_sizes)
+        slot_base = torch.cumsum(send_counts, 0) - send_counts  # [W] exclusive
+    else:
+        kept = wanted & (position < capacity)
+        send_counts = wanted_rows.clamp(max=capacity)
+        send_sizes = recv_sizes = None
+        num_slots = num_recv = W * capacity
+        slot_base = torch.arange(W, device=device) * capacity
+    num_pairs = W * T
+    pair_index = torch.arange(num_pairs, device=device)
+    # Kept pairs take their slot, the others a private place past num_slots (every scatter index unique).
+    pair_slot = torch.where(kept, slot_base.view(W, 1) + position, num_slots + pair_index.view(W, T))  # [W, T]
+    slot_pair = torch.full((num_slots + num_pairs,), num_pairs, device=device, dtype=torch.int64)
+    slot_pair.scatter_(0, pair_slot.reshape(-1), pair_index)
+    slot_pair = slot_pair[:num_slots]  # [n_slots] pair in slot s (num_pairs: padding)
+    pair_token = torch.cat([torch.arange(T, device=device).repeat(W), torch.tensor([T], device=device)])
+    slot_token = pair_token.index_select(0, slot_pair)
+    padding_ids = torch.full((1, top_k), experts_per_rank, device=device, dtype=torch.int32)
+    slot_local_ids = torch.cat([pair_local_ids.reshape(num_pairs, top_k), padding_ids]).index_select(0, slot_pair)
+    # Each token's kept slots in rank order: a stable sort moves kept destinations first, ascending.
+    order = torch.sort(torch.where(kept, 0, 1), dim=0, stable=True).indices[:min(top_k, W)]  # [R, T]
+    token_slots = torch.where(kept.gather(0, order), pair_slot.gather(0, order), num_slots)
+    return dict(slot_token=slot_token, slot_local_ids=slot_local_ids, token_slots=token_slots, send_sizes=send_sizes,
+                recv_sizes=recv_sizes, num_recv=num_recv, padded=capacity is not None, wanted_rows=wanted_rows,
+                dropped_rows=wanted_rows - send_counts)
+
+
 # Agreement with the references: one tolerance table and one comparison for every test and benchmark (the tests
 # import them through tests/helpers.py; scripts/ and the Hub benchmark from here).
 #
