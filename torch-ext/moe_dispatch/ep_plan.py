@@ -84,6 +84,7 @@ def _route_rows_kernel(
         slot_base = tl.sum(b_counts.to(tl.int64), axis=0)  # exclusive prefix of the send counts
     else:
         slot_base = d.to(tl.int64) * capacity
+    first_pair = d.to(tl.int64) * T  # pair_slot row d
     offs_j = tl.arange(0, BLOCK_K)
     position = tl.zeros((), dtype=tl.int64)  # wanted pairs of d among the tokens before this chunk
     for t0 in range(0, T, BLOCK_T):
@@ -97,7 +98,7 @@ def _route_rows_kernel(
             b_kept = b_kept & (b_position < capacity)  # the earliest C tokens per destination
         b_slot = slot_base + b_position
         b_kept = b_kept & (b_slot >= 0) & (b_slot < num_slots)  # bounds every slot written (counts are the caller's)
-        tl.store(pair_slot_ptr + d * T + offs_t, tl.where(b_kept, b_slot, num_slots), mask=mask_t)
+        tl.store(pair_slot_ptr + first_pair + offs_t, tl.where(b_kept, b_slot, num_slots), mask=mask_t)
         tl.store(slot_token_ptr + b_slot, offs_t, mask=b_kept)
         b_ids = tl.where(b_on, b_local, experts_per_rank).to(tl.int32)  # [BLOCK_T, BLOCK_K]
         tl.store(slot_local_ids_ptr + b_slot[:, None] * TOP_K + offs_j[None, :], b_ids,
@@ -130,8 +131,9 @@ def _token_slots_kernel(
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     b_count = tl.zeros((BLOCK_T,), dtype=tl.int64)  # kept slots of each token so far
-    for d in range(0, world_size):
-        b_slot = tl.load(pair_slot_ptr + d * T + offs_t, mask=mask_t, other=num_slots)
+    for _ in range(0, world_size):
+        b_slot = tl.load(pair_slot_ptr + offs_t, mask=mask_t, other=num_slots)  # row d of pair_slot, d ascending
+        pair_slot_ptr += T
         b_kept = (b_slot >= 0) & (b_slot < num_slots)
         tl.store(token_slots_ptr + b_count * T + offs_t, b_slot, mask=b_kept & (b_count < NUM_RANKS_PER_TOKEN))
         b_count += b_kept.to(tl.int64)

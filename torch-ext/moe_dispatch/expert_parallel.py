@@ -4,7 +4,8 @@ Rank r of the group (W ranks) holds experts [r * E_local, (r + 1) * E_local), so
 global ids. Every rank runs the same steps on its own tokens (T may differ per rank in dropless mode)::
 
     hidden_states [T, H], topk_ids / topk_weights [T, k] (global ids)
-      -> plan        (device) pair (destination d, token t) wanted when one of t's k experts lives on d;
+      -> plan        (device, ep_plan.py's kernels: 2 launches, 3 in dropless mode) pair (destination d,
+                     token t) wanted when one of t's k experts lives on d;
                      rows per destination in token order, the slot of each kept pair       -> slot_token [n_slots]
                      dropless: counts exchanged (all_to_all_single of [W] int64), ONE host read of the split sizes
                      capacity: C rows per (source, destination), pairs past C dropped; no host read at all
@@ -19,7 +20,7 @@ Choices:
 - **Dedup**: a token with several experts on one rank sends one row to that rank, not one per expert; the receiving
   `fused_experts` sees the row with up to k valid local ids, exactly like a single-GPU call.
 - **Dropless** (default): the only device-to-host read is `.tolist()` on the [2W] send/receive counts right after the
-  counts all-to-all (`_plan`); it waits for the routing and that exchange, costs one sync per call (tens of
+  counts all-to-all (`_plan_from_counts`); it waits for the routing and that exchange, costs one sync per call (tens of
   microseconds of idle GPU at small T) and makes the split sizes host ints, as `all_to_all_single` needs.
   T may differ per rank, including T = 0.
 - **Capacity** (`capacity_factor`): C = `ep_capacity(T_max, top_k, W, capacity_factor)` =
