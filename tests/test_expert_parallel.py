@@ -8,7 +8,7 @@ gradients of its hidden_states, its topk_weights and its rows of every expert we
 compare with the single-process run on ids masked by `ep_capacity_keep_ref` (moe_dispatch.reference, the rule
 written out in Python), and their drop statistics exactly. A rank collects its failures and raises them together
 at the end, so mp.spawn fails with every message. The in-process tests cover one rank, the plan's integers, the
-capacity formula and bad inputs.
+packed exchange buffer, the number of collectives, the capacity formula and bad inputs.
 """
 
 import dataclasses
@@ -27,8 +27,9 @@ from helpers import DEVICE, assert_close, needs_interpreter
 
 import moe_dispatch as md
 from moe_dispatch.ep_plan import count_rows
-from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _plan, _plan_from_counts,
-                                          ep_capacity, ep_fused_experts)
+from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _Dispatch, _new_packed,
+                                          _packing, _plan, _plan_from_counts, _token_rows, _unpack, ep_capacity,
+                                          ep_fused_experts)
 from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref, ep_plan_ref
 
 H, F, E_LOCAL = 16, 8, 2
@@ -405,6 +406,80 @@ def test_capacity_plan_reads_nothing_on_the_host(monkeypatch):
     assert reads == ["tolist"], f"dropless mode should read the split sizes once, read {reads}"
     monkeypatch.undo()
     assert plan.slot_token.tolist() == [0, 3, 1, 4, 1, 2]
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("padded", [False, True], ids=["dropless", "capacity"])
+def test_packed_rows_round_trip(weights_dtype, padded):
+    """Rows, weights and ids gathered straight into one packed byte buffer, moved as whole byte rows (as an
+    all-to-all moves them) and read back through `_unpack`: bit-equal, every field 16-byte aligned. H = 7 fp16 x
+    (14 bytes) and k = 3 leave padding after every field."""
+    g = torch.Generator().manual_seed(7)
+    T, H, k = 5, 7, 3
+    x = torch.randn(T, H, generator=g).to(DEVICE, torch.float16)
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64).to(DEVICE, weights_dtype)
+    slot_token = torch.tensor([3, 0, 0, 4, 1] + ([T, 2] if padded else [2]), device=DEVICE)  # T: unused slot
+    slot_ids = torch.randint(0, 9, (slot_token.shape[0], k), generator=g, dtype=torch.int32).to(DEVICE)
+    packing = _packing((H, torch.float16), (k, weights_dtype), (k, torch.int32))
+    assert all(offset % 16 == 0 for offset in packing.offsets) and packing.row_bytes % 16 == 0
+    assert packing.offsets[1] == 16 and packing.row_bytes == 16 + 16 * (1 + (k * weights_dtype.itemsize > 16)) + 16
+    send, views = _new_packed(packing, slot_token.shape[0], DEVICE)
+    pointers = [v.data_ptr() for v in views]
+    _token_rows(x, slot_token, padded, out=views[0])
+    _token_rows(weights, slot_token, padded, out=views[1])
+    views[2].copy_(slot_ids)
+    assert [v.data_ptr() for v in views] == pointers, "a gather reallocated its packed view"
+    order = torch.tensor([6, 2, 0, 5, 1, 4, 3][:slot_token.shape[0]] if padded else [5, 2, 0, 1, 4, 3],
+                         device=DEVICE)
+    received = send[order].clone()
+    rows, got_weights, ids = _unpack(received, packing)
+    zero = torch.zeros(1, H, dtype=x.dtype, device=DEVICE), torch.zeros(1, k, dtype=weights_dtype, device=DEVICE)
+    want_rows = torch.cat([x, zero[0]])[slot_token][order]
+    want_weights = torch.cat([weights, zero[1]])[slot_token][order]
+    for name, got, want in (("rows", rows, want_rows), ("weights", got_weights, want_weights),
+                            ("ids", ids, slot_ids[order])):
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
+        assert got.untyped_storage().data_ptr() == received.untyped_storage().data_ptr(), f"{name} is a copy"
+        assert got.data_ptr() % 16 == 0 and got.stride() == (packing.row_bytes // got.element_size(), 1), name
+
+
+def test_dispatch_is_one_exchange_per_direction(monkeypatch):
+    """_Dispatch over two ranks with a loopback all_to_all_single (every rank receives what it sent): ONE collective
+    in the forward, ONE in the backward; the received fields are the gathered rows, and the gradients the per-token
+    sums (two slots per token at most: exact in fp32)."""
+    calls = []
+
+    def loopback(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        calls.append((input.dtype, tuple(input.shape)))
+        assert output_split_sizes == input_split_sizes and output.shape == input.shape
+        output.copy_(input)
+
+    W, E_local, T, k = 2, 2, 7, 3
+    g = torch.Generator().manual_seed(11)
+    ids = torch.rand(T, W * E_local, generator=g).argsort(dim=1)[:, :k]
+    ids[2] = W * E_local  # a token on no rank: no slot, a zero gradient
+    ids = ids.to(DEVICE)
+    counts = count_rows(ids, W, E_local)
+    counts[W:] = counts[:W]
+    plan = _plan_from_counts(ids, W, E_local, None, counts)
+    x = torch.randn(T, H, generator=g).to(DEVICE).requires_grad_()
+    weights = torch.rand(T, k, generator=g).to(DEVICE).requires_grad_()
+    monkeypatch.setattr(dist, "all_to_all_single", loopback)
+    rows, got_weights, local_ids = _Dispatch.apply(x, weights, plan, None, W)
+    assert len(calls) == 1 and calls[0][0] == torch.uint8, f"forward collectives: {calls}"
+    assert torch.equal(rows, x[plan.slot_token]) and torch.equal(got_weights, weights[plan.slot_token])
+    assert torch.equal(local_ids, plan.slot_local_ids) and not local_ids.requires_grad
+    storages = {t.untyped_storage().data_ptr() for t in (rows, got_weights, local_ids)}
+    assert len(storages) == 1, "the received fields should be views of one buffer"
+    grad_rows = torch.randn(rows.shape, generator=g).to(DEVICE)
+    grad_weights = torch.randn(got_weights.shape, generator=g).to(DEVICE)
+    ((rows * grad_rows).sum() + (got_weights * grad_weights).sum()).backward()
+    assert len(calls) == 2 and calls[1][0] == torch.uint8, f"collectives after the backward: {calls}"
+    monkeypatch.undo()
+    want_x = torch.zeros_like(x).index_add_(0, plan.slot_token, grad_rows)
+    want_weights = torch.zeros_like(weights).index_add_(0, plan.slot_token, grad_weights)
+    assert torch.equal(x.grad, want_x) and torch.equal(weights.grad, want_weights)
+    assert not x.grad[2].any() and (plan.slot_token != 2).all()
 
 
 def test_capacity_formula():

@@ -10,7 +10,10 @@ global ids. Every rank runs the same steps on its own tokens (T may differ per r
                      dropless: counts exchanged (all_to_all_single of [W] int64), ONE host read of the split sizes
                      capacity: C rows per (source, destination), pairs past C dropped; no host read at all
       -> dispatch    gather each kept (token, d) row ONCE, with t's k routing weights and its k local ids on d
-                     (slots whose expert lives elsewhere: sentinel E_local) -> all_to_all_single   -> [n_recv, H]
+                     (slots whose expert lives elsewhere: sentinel E_local), straight into one packed byte row per
+                     slot (`_packing`: x row | k weights | k int32 ids, each field at a 16-byte offset)
+                     -> ONE all_to_all_single of [n_slots, B] uint8 -> [n_recv, B]; rows [n_recv, H], weights and
+                     ids [n_recv, k] are strided views of it (`_unpack`, no copy)
       -> experts     fused_experts(validate=False) on the received rows with the local weights: per received row,
                      the weighted sum of that token's experts on this rank (sentinels contribute nothing)
       -> combine     all_to_all_single back (the reverse splits), then each token sums its per-rank partials in
@@ -19,6 +22,11 @@ global ids. Every rank runs the same steps on its own tokens (T may differ per r
 Choices:
 - **Dedup**: a token with several experts on one rank sends one row to that rank, not one per expert; the receiving
   `fused_experts` sees the row with up to k valid local ids, exactly like a single-GPU call.
+- **One packed exchange per direction**: every collective pays a fixed latency (NCCL's and the host's), so the
+  rows, weights and ids travel as one [n, B] uint8 buffer rather than three tensors. Field offsets and B are multiples
+  of 16 bytes, so `.view(dtype)` of a field's columns is legal for every weight dtype (the offset and the row stride
+  divisible by the element size) and Triton sees 16-byte aligned pointers; `fused_experts` reads the received views
+  through their strides. Padding bytes between fields are sent uninitialised and never read.
 - **Dropless** (default): the only device-to-host read is `.tolist()` on the [2W] send/receive counts right after the
   counts all-to-all (`_plan_from_counts`); it waits for the routing and that exchange, costs one sync per call (tens of
   microseconds of idle GPU at small T) and makes the split sizes host ints, as `all_to_all_single` needs.
@@ -35,7 +43,9 @@ Choices:
 - **Gradients** (hidden_states, local weights and biases, topk_weights): the dispatch and the combine are each one
   autograd node around `torch.distributed.all_to_all_single` whose backward is the reverse exchange (the all-to-all
   is its own transpose) followed by the same fixed-order per-token sum, so the backward is deterministic too and
-  every rank runs its backward collectives in the same order (rows, then weights). The local experts use
+  every rank runs its backward collectives in the same order. The dispatch's backward packs the row and weight
+  gradients like the forward (one exchange; this costs one copy of the [n_recv, H] row gradients into the packed
+  buffer, which the separate exchanges did not). The local experts use
   `fused_experts`' registered Triton backward. Autograd must reach the EP nodes on every rank (the backward
   exchanges are collectives): requires_grad must agree across ranks, and every rank calls backward.
   `torch.distributed.nn.functional.all_to_all_single` would give the same exchange, but as one node per tensor,
@@ -117,10 +127,46 @@ def _with_zero_row(rows):
     return torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
 
 
-def _token_rows(rows, slot_token, padded):
+def _token_rows(rows, slot_token, padded, out=None):
     """rows [T, C] -> [n_slots, C], slot s holding the row of token slot_token[s]; `padded` (capacity mode): T
-    marks an unused slot, a zero row."""
-    return (_with_zero_row(rows) if padded else rows).index_select(0, slot_token)
+    marks an unused slot, a zero row. `out` (a [n_slots, C] view of a packed buffer, any row stride) receives the
+    gather in place, without an intermediate tensor."""
+    return torch.index_select(_with_zero_row(rows) if padded else rows, 0, slot_token, out=out)
+
+
+_FIELD_ALIGN = 16  # bytes: a multiple of every element size, and the alignment Triton specializes pointers on
+
+
+class _Packing(NamedTuple):
+    """Byte layout of the rows of one packed exchange: field i holds widths[i] elements of dtypes[i] at byte
+    offsets[i] of each row of row_bytes bytes; offsets and row_bytes are multiples of `_FIELD_ALIGN`."""
+
+    widths: tuple
+    dtypes: tuple
+    offsets: tuple
+    row_bytes: int
+
+
+def _packing(*fields):
+    """fields (width, dtype), in order -> `_Packing`, each field padded to the next multiple of 16 bytes."""
+    offsets, end = [], 0
+    for width, dtype in fields:
+        offsets.append(end)
+        end += -(-width * dtype.itemsize // _FIELD_ALIGN) * _FIELD_ALIGN
+    widths, dtypes = zip(*fields)
+    return _Packing(widths, dtypes, tuple(offsets), end)
+
+
+def _unpack(buffer, packing):
+    """buffer [n, row_bytes] uint8 -> one view [n, width] of its dtype per field, sharing the buffer's memory."""
+    return tuple(buffer[:, offset:offset + width * dtype.itemsize].view(dtype)
+                 for width, dtype, offset in zip(packing.widths, packing.dtypes, packing.offsets))
+
+
+def _new_packed(packing, num_rows, device):
+    """An uninitialised [num_rows, row_bytes] uint8 buffer and its field views (`_unpack`), to be filled in place."""
+    buffer = torch.empty((num_rows, packing.row_bytes), dtype=torch.uint8, device=device)
+    return buffer, _unpack(buffer, packing)
 
 
 def _sum_token_slots(slot_rows, token_slots, dtype):
@@ -165,31 +211,39 @@ def _plan_from_counts(topk_ids, world_size, experts_per_rank, capacity, counts):
 
 
 class _Dispatch(torch.autograd.Function):
-    """(x [T, H], topk_weights [T, k]) -> received (rows [n_recv, H], weights [n_recv, k], local ids [n_recv, k])."""
+    """(x [T, H], topk_weights [T, k]) -> received (rows [n_recv, H], weights [n_recv, k], local ids [n_recv, k]),
+    strided views of one received byte buffer: one all_to_all_single forward, one backward."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, plan, group, world_size):
         ctx.plan, ctx.group, ctx.world_size = plan, group, world_size
-        ctx.x_dtype, ctx.weights_dtype = x.dtype, topk_weights.dtype
-        args = (plan.recv_sizes, plan.send_sizes, plan.num_recv, group, world_size)
-        rows = _exchange(_token_rows(x, plan.slot_token, plan.padded), *args)
-        weights = _exchange(_token_rows(topk_weights, plan.slot_token, plan.padded), *args)
-        ids = _exchange(plan.slot_local_ids, *args)
+        H, k = x.shape[1], topk_weights.shape[1]
+        packing = _packing((H, x.dtype), (k, topk_weights.dtype), (k, plan.slot_local_ids.dtype))
+        ctx.grad_packing = _packing((H, x.dtype), (k, topk_weights.dtype))
+        send, (rows, weights, ids) = _new_packed(packing, plan.slot_token.shape[0], x.device)
+        _token_rows(x, plan.slot_token, plan.padded, out=rows)
+        _token_rows(topk_weights, plan.slot_token, plan.padded, out=weights)
+        ids.copy_(plan.slot_local_ids)
+        received = _exchange(send, plan.recv_sizes, plan.send_sizes, plan.num_recv, group, world_size)
+        rows, weights, ids = _unpack(received, packing)
         ctx.mark_non_differentiable(ids)
         return rows, weights, ids
 
     @staticmethod
     def backward(ctx, grad_rows, grad_weights, _):
         plan = ctx.plan
-        # The reverse exchange, always both tensors in this order, so every rank runs the same collectives.
-        args = (plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], ctx.group, ctx.world_size)
-        grad_rows = _exchange(grad_rows, *args, zero_row=True)
-        grad_weights = _exchange(grad_weights, *args, zero_row=True)
+        # The reverse exchange of both gradients packed together, so every rank runs the same one collective.
+        send, views = _new_packed(ctx.grad_packing, grad_rows.shape[0], grad_rows.device)
+        for view, grad in zip(views, (grad_rows, grad_weights)):
+            view.copy_(grad)
+        received = _exchange(send, plan.send_sizes, plan.recv_sizes, plan.slot_token.shape[0], ctx.group,
+                             ctx.world_size, zero_row=True)
+        grad_rows, grad_weights = _unpack(received, ctx.grad_packing)
         grad_x = grad_topk = None
         if ctx.needs_input_grad[0]:
-            grad_x = _sum_token_slots(grad_rows, plan.token_slots, ctx.x_dtype)
+            grad_x = _sum_token_slots(grad_rows, plan.token_slots, grad_rows.dtype)
         if ctx.needs_input_grad[1]:
-            grad_topk = _sum_token_slots(grad_weights, plan.token_slots, ctx.weights_dtype)
+            grad_topk = _sum_token_slots(grad_weights, plan.token_slots, grad_weights.dtype)
         return grad_x, grad_topk, None, None, None
 
 
