@@ -99,10 +99,23 @@ def make_release_repo(path: Path) -> Path:
         elif src.exists():
             (path / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, path / rel)
+    _as_before_the_first_release(path)
     git(path, "init", "-q", "-b", "main")
     git(path, "add", "-A")
     git(path, "commit", "-q", "-m", "release tree")
     return path
+
+
+def _as_before_the_first_release(path: Path) -> None:
+    """The release tests start from the tree as it was before its first release, whatever this checkout has released
+    since: CHANGELOG.md's entries above 1.0.0 dropped, 1.0.0's undated, the package's version 1.0.0."""
+    changelog = path / "CHANGELOG.md"
+    text = changelog.read_text()
+    header, first = text.split("\n## [", 1)[0], text[text.index("\n## [1.0.0]"):]
+    first = re.sub(r"^## \[1\.0\.0\] - .*$", "## [1.0.0] - unreleased", first, count=1, flags=re.M)
+    changelog.write_text(header + "\n" + first)
+    version_file = path / "torch-ext" / "moe_dispatch" / "_version.py"
+    version_file.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "1.0.0"', version_file.read_text()))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
