@@ -455,7 +455,25 @@ def tune_unit(run, spec, unit, prob, base_table):
 
 
 class TunerPath:
-    """What every path shares: a candidate runs as it is, and every stage may start from any candidate."""
+    """What every path shares unless it says otherwise: a winner must gain 2%, one model's tensors at a time (models
+    outside, T inside), plain timing, a candidate runs as it is, and every stage may start from any candidate."""
+
+    min_gain = 0.02
+    tokens_first = False  # models outside: one model's tensors at a time
+
+    @staticmethod
+    def select(num_tokens):
+        """The timing mode (harness) of a cell of `num_tokens` tokens."""
+        return "plain"
+
+    @staticmethod
+    def cell(run, prob, num_tokens):
+        """(x, ids, weights, seed) of a cell: the problem's first `num_tokens` rows and their random routing, seeded by
+        the run's seed and T, so every candidate of a cell sees the same tokens."""
+        seed = run.args.seed * 1000003 + num_tokens
+        shape = prob.shape
+        ids, weights = harness.random_routing(num_tokens, shape.num_experts, shape.top_k, run.device, seed)
+        return prob.x[:num_tokens], ids, weights, seed
 
     @staticmethod
     def as_run(run, prob, tiles):
@@ -473,13 +491,7 @@ class GeneralPath(TunerPath):
 
     name = "general"
     models, tokens, smoke_tokens = "all", harness.ALL_TOKENS, (2, 8)
-    min_gain = 0.02
-    tokens_first = False  # models outside: one model's tensors at a time
     key_name = "max_rows_per_expert"
-
-    @staticmethod
-    def select(num_tokens):
-        return "plain"
 
     @staticmethod
     def units(run, shape, tokens):
@@ -494,10 +506,8 @@ class GeneralPath(TunerPath):
 
     @staticmethod
     def case(run, prob, num_tokens):
-        shape, seed = prob.shape, run.args.seed * 1000003 + num_tokens
-        ids, weights = harness.random_routing(num_tokens, shape.num_experts, shape.top_k, run.device, seed)
+        x, ids, weights, seed = TunerPath.cell(run, prob, num_tokens)
         rows = harness.check_rows(num_tokens, run.args.check_rows, run.device, seed)
-        x = prob.x[:num_tokens]
         ref = reference.fused_experts_ref(x[rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
         return Case(num_tokens,
                     lambda tiles: lambda: run.kernel.fused_experts(x, prob.w_gate_up, prob.w_down, ids, weights,
@@ -606,10 +616,8 @@ class Fp8Path(TunerPath):
 
     @staticmethod
     def case(run, prob, num_tokens):
-        shape, seed = prob.shape, run.args.seed * 1000003 + num_tokens
-        ids, weights = harness.random_routing(num_tokens, shape.num_experts, shape.top_k, run.device, seed)
+        x, ids, weights, seed = TunerPath.cell(run, prob, num_tokens)
         rows = harness.check_rows(num_tokens, run.args.check_rows, run.device, seed)
-        x = prob.x[:num_tokens]
         ref = harness.fp8_reference(prob, x, ids, weights, rows)
         return Case(num_tokens,
                     lambda tiles: lambda: run.kernel.fused_experts(x, prob.q_gate_up, prob.q_down, ids, weights,
@@ -750,9 +758,7 @@ class DecodePath(TunerPath):
 
     @staticmethod
     def case(run, prob, num_tokens):
-        shape, x = prob.shape, prob.x[:num_tokens]
-        ids, weights = harness.random_routing(num_tokens, shape.num_experts, shape.top_k, run.device,
-                                              run.args.seed * 1000003 + num_tokens)
+        x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
         if run.args.fp8:
             operands = dict(w_gate_up=prob.q_gate_up, w_down=prob.q_down, **prob.scales)
             ref = reference.fused_experts_fp8_ref(x, prob.q_gate_up, prob.q_down, ids, weights, experts_per_chunk=16,
@@ -867,13 +873,7 @@ class BackwardPath(TunerPath):
 
     name = "backward"
     models, tokens, smoke_tokens = "mixtral-8x7b,qwen3-30b-a3b", (4096,), (8,)
-    min_gain = 0.02
-    tokens_first = False
     key_name = "T"
-
-    @staticmethod
-    def select(num_tokens):
-        return "plain"
 
     @staticmethod
     def units(run, shape, tokens):
@@ -889,9 +889,7 @@ class BackwardPath(TunerPath):
         moe = importlib.import_module(kernel.__name__ + ".moe")
         backward = importlib.import_module(kernel.__name__ + ".experts_backward")
         F = shape.ffn
-        x = prob.x[:num_tokens]
-        ids, weights = harness.random_routing(num_tokens, shape.num_experts, shape.top_k, device,
-                                              run.args.seed * 1000003 + num_tokens)
+        x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
         _, preact, offsets, gather_idx, scatter_idx = moe._fused_experts_impl(
             x=x, w_gate_up=prob.w_gate_up, w_up=None, w_down=prob.w_down, topk_ids=ids, topk_weights=weights,
             gate_up_bias=None, down_bias=None, activation="silu", interleaved=False, transposed=False, alpha=1.702,
