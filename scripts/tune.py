@@ -99,12 +99,14 @@ GENERAL_PERSISTENT = {
 # accumulators of 128 x 128 (they spill at BLOCK_M 128). --persistent adds ON copies from BLOCK_M 64.
 FP8_TILES = {
     "gate_up": {
-        "small": ((64, 128, 4, 4, 8), (32, 128, 4, 4, 8), (128, 128, 4, 3, 8), (64, 64, 4, 4, 8), (64, 128, 8, 3, 8)),
+        "small": ((64, 128, 4, 4, 8), (32, 128, 4, 4, 8), (128, 128, 4, 3, 8), (64, 64, 4, 4, 8), (64, 128, 8, 3, 8),
+                  (64, 128, 4, 5, 8), (128, 128, 4, 4, 8)),
         "mid": ((64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 64, 4, 4, 8), (64, 128, 8, 4, 8), (64, 64, 4, 3, 8)),
         "large": ((64, 128, 8, 4, 8), (64, 128, 8, 3, 8), (64, 64, 8, 4, 8), (128, 64, 8, 3, 8), (64, 128, 4, 4, 8)),
     },
     "down": {
-        "small": ((64, 64, 4, 4, 8), (64, 128, 4, 4, 8), (128, 64, 4, 4, 8), (128, 128, 4, 3, 8)),
+        "small": ((64, 64, 4, 4, 8), (64, 128, 4, 4, 8), (128, 64, 4, 4, 8), (128, 128, 4, 3, 8), (64, 128, 4, 5, 8),
+                  (128, 128, 4, 4, 8)),
         "mid": ((128, 64, 4, 4, 8), (128, 128, 4, 3, 8), (256, 64, 8, 3, 8), (64, 128, 4, 4, 8), (128, 64, 8, 4, 8)),
         "large": ((128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8), (256, 128, 8, 3, 8), (128, 64, 8, 3, 8)),
     },
@@ -643,7 +645,8 @@ class Fp8Path(TunerPath):
     @staticmethod
     def block_m_candidates(rows):
         """BLOCK_M the rows per expert fill (a power of two in 16..128), half and twice that, and 64: the smallest tile
-        sm_90 runs on wgmma (below it the fp8 dots take mma.sync with the operands converted to fp16)."""
+        sm_90 runs on wgmma unswapped (below it the pointer kernel swaps its operands where BLOCK_N >= 64, else the
+        fp8 dots take mma.sync with the operands converted to fp16: planner.w8a8_gemm_kernel)."""
         fill = min(128, max(16, 1 << (rows - 1).bit_length()))
         return sorted({m for m in (fill // 2, fill, 2 * fill, 64) if 16 <= m <= 128})
 

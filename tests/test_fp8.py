@@ -24,6 +24,7 @@ from moe_dispatch import decode, fp8_gemm, moe, planner
 from moe_dispatch import fp8 as fp8_module
 from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
+from moe_dispatch.gemm_args import gemm_weights
 from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
@@ -358,6 +359,66 @@ def test_w8a8_prefill_tiles(mode, poison_empty):
         assert_close(out, decode, what="prefill vs decode tiles", tolerance=MODEL_TOLERANCE)
 
 
+# 16 rows by 64 columns in both GEMMs (F = 64 gated columns, H = 72: a partial K step in GEMM1, a partial column
+# tile in GEMM2): on Hopper, and in the interpreter, both sum the transposed tile W^T A^T (planner.w8a8_gemm_kernel)
+SWAPPED = MoeTiles(16, GemmTile(64, 32), GemmTile(64, 32))
+SWAPPED_FFN, SWAPPED_HIDDEN = 64, 72
+
+
+def _swap_flags(monkeypatch):
+    """The SWAP_AB of every w8a8 pointer launch from here on, in order."""
+    flags = []
+    launch = fp8_gemm.launch
+    monkeypatch.setattr(fp8_gemm, "launch",
+                        lambda kernel, grid, *a, **k: flags.append(k.get("SWAP_AB")) or launch(kernel, grid, *a, **k))
+    return flags
+
+
+@pytest.mark.parametrize("mode", STATIC_MODES)
+@pytest.mark.parametrize("scheme,block_shape", [("block", (16, 32)), ("block", (64, 32)), ("channel", (16, 32)),
+                                                ("tensor", (16, 32))],
+                         ids=["block-per-column", "block-uniform", "channel", "tensor"])
+def test_w8a8_swapped_small_tiles(scheme, block_shape, mode, poison_empty, monkeypatch):
+    """Small tiles with the operands swapped: against the model of the arithmetic, and equal to the same tiles
+    unswapped (mma.sync's form, has_wgmma False) within the bound the model is held to. Block
+    scales of 16 rows give each of a tile's 64 columns its own scale (the [BLOCK_N, 1] form of load_block_scale);
+    64-row blocks one scale per tile (its scalar form). Concatenated weights only: interleaved views read the same
+    tiles through strides, and transposed weights never swap (FP8 wgmma wants K-major operands)."""
+    q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=block_shape, ffn=SWAPPED_FFN, hidden=SWAPPED_HIDDEN)
+    x = torch.randn(T, SWAPPED_HIDDEN, device=DEVICE)
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    scales.update(_static_scales(mode, x))
+    flags = _swap_flags(monkeypatch)
+    swapped = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=SWAPPED, **scales)
+    if planner.has_wgmma(x.device):
+        assert flags[-2:] == [True, True]
+    _check_w8a8(swapped, x, q_gate_up, q_down, ids, weights, scales, {})
+    monkeypatch.setattr(planner, "has_wgmma", lambda device: False)
+    md._plan.clear()
+    plain = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=SWAPPED, **scales)
+    assert flags[-2:] == [False, False]
+    # the same products in the same K steps, summed in another order inside each dot (here too: numpy's matmul of
+    # the transposed tiles)
+    assert_close(swapped, plain, what="swapped vs plain small tiles", tolerance=MODEL_TOLERANCE)
+
+
+def test_w8a8_swap_is_chosen_for_small_tiles_only(monkeypatch):
+    """Where the planner swaps: fewer than 64 rows, at least 64 columns, K-contiguous weights, a wgmma device."""
+    a = torch.empty(4, 64, device=DEVICE, dtype=torch.float8_e4m3fn)
+    w = gemm_weights(torch.empty(2, 64, 64, device=DEVICE, dtype=torch.float8_e4m3fn), None, None, None,
+                         transposed=False, activation="none")
+    monkeypatch.setattr(planner, "has_wgmma", lambda device: True)
+    kernel = lambda block_m, block_n, transposed=False: planner.w8a8_gemm_kernel(  # noqa: E731
+        a, w, GemmTile(block_n, 32), block_m=block_m, transposed=transposed, gather_a=True)
+    assert kernel(16, 64) is planner.GemmKernel.POINTER_SWAPPED
+    assert kernel(32, 128) is planner.GemmKernel.POINTER_SWAPPED
+    assert kernel(64, 64) is planner.GemmKernel.POINTER  # wgmma's own 64-row slab
+    assert kernel(16, 32) is planner.GemmKernel.POINTER  # 32 weight columns would not fill it either
+    assert kernel(16, 64, transposed=True) is planner.GemmKernel.POINTER
+    monkeypatch.setattr(planner, "has_wgmma", lambda device: False)
+    assert kernel(16, 64) is planner.GemmKernel.POINTER
+
+
 def test_w8a8_static_scale_saturates_like_the_model():
     """A static scale too small for the data: values beyond 448 * scale saturate (clamp), as in the model."""
     q_gate_up, q_down, scales = _fp8_experts("channel")
@@ -459,6 +520,8 @@ NON_FINITE_CASES = [
     NonFiniteCase("w8a8-block", "dynamic scales per token and K step, quantized in GEMM1's loads; the intermediate "
                   "quantized per group in GEMM1's epilogue"),
     NonFiniteCase("w8a8-block-prefill", "x quantized by the pass over its rows first", tiles=PREFILL),
+    NonFiniteCase("w8a8-block-swapped", "small tiles summing W^T A^T (the row scales along the accumulator's columns)",
+                  tiles=SWAPPED, hidden=SWAPPED_HIDDEN, ffn=SWAPPED_FFN),
     NonFiniteCase("w8a8-block-persistent", "the pass gathers the rows; both GEMMs on the descriptor kernel (H = 64, "
                   "F = 32: weight rows of whole 16 bytes)", tiles=PERSISTENT, hidden=64, ffn=32),
     NonFiniteCase("w8a8-tensor-static-tensor", "per-tensor static input scales: no scale to carry a NaN, the e4m3 "

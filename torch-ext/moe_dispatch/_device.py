@@ -80,6 +80,16 @@ def has_tma(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def has_wgmma(device: torch.device) -> bool:
+    """Hopper's warpgroup MMA (wgmma), what Triton compiles a dot to on compute capability 9.x when the tile has at
+    least 64 rows per warpgroup (below that, the older mma.sync, whose FP8 form converts the operands to fp16 first).
+    The interpreter says True, so the CPU suite runs the layouts chosen for it (the swapped small-tile w8a8 dots)."""
+    if device.type != "cuda":
+        return is_interpreter()
+    return is_cuda() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
     (MI300X has FP8 matrix cores, in e4m3fnuz; the w8a8 path is not built for them) and on the interpreter.

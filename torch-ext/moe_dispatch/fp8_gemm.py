@@ -104,10 +104,13 @@ def _w8a8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C (and, with
-    QUANT_OUT DYNAMIC, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups)."""
+    QUANT_OUT DYNAMIC, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups). SWAP_AB (planner.w8a8_gemm_kernel:
+    tiles of fewer than 64 rows on Hopper) sums the transposed tile W^T A^T on the 64-row side of the FP8 MMA and
+    transposes it back for the epilogue (fp8_jit.scaled_dot)."""
     wait_for_producer(PDL)
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
@@ -135,13 +138,19 @@ def _w8a8_gemm_kernel(
                                  BLOCK_N)
     s_up_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, scale_up_row_offset, stride_scale_n,
                                     scale_block_n, SCALE_UNIFORM, BLOCK_N)
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        b_acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_acc_up = b_acc
     b_acc, b_acc_up = w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptr + expert_base + w_offs,
                                     w_up_ptr + expert_base + w_offs, s_base, s_offs, s_up_offs, mask_m, mask_n, K,
                                     stride_a_k, stride_w_k, stride_scale_k, scale_block_k, fp8_max,
                                     ACTIVATION != ACT_NONE, A_QUANT, WEIGHT_SCALE, SCALE_UNIFORM, ROUND_IN_FP32, EVEN_K,
-                                    BLOCK_K)
+                                    BLOCK_K, SWAP_AB)
+    if SWAP_AB:
+        b_acc = tl.trans(b_acc)
+        b_acc_up = tl.trans(b_acc_up)
     w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, b_assignment, a_static, s_base,
                   stride_scale_n, scale_row_step, scale_up_row_offset, bias_ptr, bias_up_ptr, stride_bias_e,
                   stride_bias_n, c_ptr, stride_c_m, stride_c_n, c_scale_ptr, stride_c_scale_e, stride_c_scale_m, n_cols,
@@ -264,8 +273,8 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
 
     The kernel: `_persistent_w8a8_gemm_kernel` (fp8_persistent.py) when the tile asks for it (`tile.persistent`) and
     the operands allow it (planner.w8a8_gemm_kernel: float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor
-    layouts); else
-    `_w8a8_gemm_kernel`. Both round alike (same K steps, scales and epilogue), so the choice changes speed only.
+    layouts); else `_w8a8_gemm_kernel`, with its operands swapped (SWAP_AB) for tiles of fewer than 64 rows on
+    Hopper. All round alike (same K steps, scales and epilogue), so the choice changes speed only.
     """
     num_rows = info.num_assignments
     K = a.shape[1]
@@ -314,7 +323,9 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
         **tile_meta(info, tile, gather_a=gather_a, activation=activation, w=w, topk_weights=topk_weights),
     )
     kernel = w8a8_gemm_kernel(a, w, tile, block_m=info.block_m, transposed=transposed, gather_a=gather_a)
+    meta["SWAP_AB"] = kernel is GemmKernel.POINTER_SWAPPED
     if kernel is GemmKernel.PERSISTENT:
+        del meta["SWAP_AB"]
         del meta["GATHER_A"]
         persistent_w8a8_gemm(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile, meta)
         return result

@@ -100,20 +100,43 @@ def quantize_groups(b, fp8_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GR
 
 
 @triton.jit
+def row_scales(b_a_s, SWAP_AB: tl.constexpr):
+    """The per-row activation scales b_a_s [BLOCK_M] broadcast over the accumulator: [BLOCK_M, 1], or [1, BLOCK_M]
+    when the accumulator is transposed (SWAP_AB)."""
+    if SWAP_AB:
+        return b_a_s[None, :]
+    else:
+        return b_a_s[:, None]
+
+
+@triton.jit
 def scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr,
-               BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+               BLOCK_K: tl.constexpr, ROUND_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr):
     """b_acc + (b_a @ b_w) times this K step's scales: b_a_s [BLOCK_M] per row, b_w_s a scalar or [1, BLOCK_N].
     Without scales the dot accumulates in place, its fp8 sums promoted to fp32 every BLOCK_K products. A NaN operand
-    (`to_fp8`'s NaN and inf) makes its row or column NaN (`dot_operand` under the interpreter)."""
+    (`to_fp8`'s NaN and inf) makes its row or column NaN (`dot_operand` under the interpreter).
+
+    SWAP_AB: b_acc is the transposed tile [BLOCK_N, BLOCK_M], summed as b_w^T @ b_a^T, and b_w_s a scalar or
+    [BLOCK_N, 1] (`load_block_scale`'s SWAP_AB form). For tiles of fewer than 64 rows: the weights' columns then fill
+    the 64-row side of the Hopper FP8 MMA (wgmma), the few token rows its narrow side (8 to 256 wide), where unswapped
+    such a tile runs on the older mma.sync with its fp8 operands converted to fp16. Both operands stay K-major (the
+    transposes are views of the loaded tiles), as FP8 wgmma requires; the sums are the same products in the same K
+    steps."""
     b_a, b_w = dot_operand(b_a, ROUND_IN_FP32), dot_operand(b_w, ROUND_IN_FP32)
-    if ROW_SCALE and COLUMN_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * (b_a_s[:, None] * b_w_s)
-    elif ROW_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * b_a_s[:, None]
-    elif COLUMN_SCALE:
-        return b_acc + tl.dot(b_a, b_w) * b_w_s
+    if SWAP_AB:
+        lhs = tl.trans(b_w)
+        rhs = tl.trans(b_a)
     else:
-        return tl.dot(b_a, b_w, b_acc, max_num_imprecise_acc=BLOCK_K)
+        lhs = b_a
+        rhs = b_w
+    if ROW_SCALE and COLUMN_SCALE:
+        return b_acc + tl.dot(lhs, rhs) * (row_scales(b_a_s, SWAP_AB) * b_w_s)
+    elif ROW_SCALE:
+        return b_acc + tl.dot(lhs, rhs) * row_scales(b_a_s, SWAP_AB)
+    elif COLUMN_SCALE:
+        return b_acc + tl.dot(lhs, rhs) * b_w_s
+    else:
+        return tl.dot(lhs, rhs, b_acc, max_num_imprecise_acc=BLOCK_K)
 
 
 @triton.jit
@@ -128,12 +151,16 @@ def block_scale_offsets(pid_n, offs_n, row_step, row_offset, stride_n, block_n, 
 
 
 @triton.jit
-def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr):
-    """This K step's block scale of the tile's columns: a scalar (UNIFORM), [1, BLOCK_N], or 1.0 for other schemes."""
+def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr,
+                     SWAP_AB: tl.constexpr):
+    """This K step's block scale of the tile's columns: a scalar (UNIFORM), [1, BLOCK_N] ([BLOCK_N, 1] for the
+    transposed accumulator of SWAP_AB), or 1.0 for other schemes."""
     if WEIGHT_SCALE != SCALE_BLOCK:
         return 1.0
     elif UNIFORM:
         return tl.load(base + offs)
+    elif SWAP_AB:
+        return tl.load(base + offs, mask=mask_n, other=0.0)[:, None]
     else:
         return tl.load(base + offs, mask=mask_n, other=0.0)[None, :]
 
@@ -142,8 +169,10 @@ def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl
 def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs, s_base, s_offs, s_up_offs,
                   mask_m, mask_n, K, stride_a_k, stride_w_k, stride_s_k, scale_block_k, fp8_max,
                   GATED: tl.constexpr, A_QUANT: tl.constexpr, WEIGHT_SCALE: tl.constexpr, SCALE_UNIFORM: tl.constexpr,
-                  ROUND_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] on e4m3 operands (b_acc_up with the up weights when GATED).
+                  ROUND_IN_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SWAP_AB: tl.constexpr):
+    """The K loop: b_acc += A[rows, :K] @ W[:K, cols] on e4m3 operands (b_acc_up with the up weights when GATED);
+    with SWAP_AB the accumulators are the transposed tiles [BLOCK_N, BLOCK_M] (`scaled_dot`).
 
     a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; a_s_ptrs [BLOCK_M] at each row's first
     group scale (A_QUANT FP8_GROUPS); block scales (WEIGHT_SCALE BLOCK) at s_base + s_offs / s_up_offs
@@ -166,16 +195,16 @@ def w8a8_tile_dot(b_acc, b_acc_up, a_ptrs, a_s_ptrs, a_static, w_ptrs, w_up_ptrs
             b_a_s = 1.0
         # the K step lies inside one weight block: BLOCK_K divides scale_block_k
         b_w_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_offs, mask_n, WEIGHT_SCALE,
-                                 SCALE_UNIFORM)
+                                 SCALE_UNIFORM, SWAP_AB)
         b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         b_acc = scaled_dot(b_acc, b_a, b_w, b_a_s, b_w_s, A_QUANT == A_DYNAMIC or A_QUANT == A_FP8_GROUPS,
-                           WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
+                           WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, SWAP_AB)
         if GATED:
             b_wu_s = load_block_scale(s_base + (k0 // scale_block_k) * stride_s_k, s_up_offs, mask_n, WEIGHT_SCALE,
-                                      SCALE_UNIFORM)
+                                      SCALE_UNIFORM, SWAP_AB)
             b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
             b_acc_up = scaled_dot(b_acc_up, b_a, b_wu, b_a_s, b_wu_s, A_QUANT == A_DYNAMIC or A_QUANT == A_FP8_GROUPS,
-                                  WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
+                                  WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, SWAP_AB)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += BLOCK_K * stride_w_k

@@ -108,15 +108,15 @@ def _persistent_w8a8_gemm_kernel(
                     b_a_s = 1.0
                 # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
                 s_step = s_base + (k0 // scale_block_k) * stride_scale_k
-                b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
+                b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
                 b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
                 b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == A_FP8_GROUPS,
-                                   WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
+                                   WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
                 if ACTIVATION != ACT_NONE:
-                    b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM)
+                    b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
                     b_wu = w_up_desc.load([w_row, k0])
                     b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == A_FP8_GROUPS,
-                                          WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32)
+                                          WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
             # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
             # ~130 bytes of register spills (ptxas, sm_90).
             _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,

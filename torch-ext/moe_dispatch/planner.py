@@ -11,7 +11,8 @@ decides; it launches nothing and imports no launcher.
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
                        after a copy of the rows into expert order (Persistent.GATHER_FIRST tiles)
-  w8a8_gemm_kernel     one w8a8 GEMM: the pointer kernel or the persistent descriptor kernel (fp8_persistent.py)
+  w8a8_gemm_kernel     one w8a8 GEMM: the pointer kernel (its operands swapped for small tiles on Hopper) or the
+                       persistent descriptor kernel (fp8_persistent.py)
   w8a8_input           how GEMM1 of the w8a8 path gets its float8 input: quantized in the loads, or by a pass over x
                        first (in token order, or gathered into expert order for the persistent kernel)
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ._checks import check_choice
-from ._device import has_tma
+from ._device import has_tma, has_wgmma
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
@@ -35,6 +36,9 @@ DESCRIPTOR_DTYPES = (torch.bfloat16, torch.float16)  # what the bf16 persistent 
 # wgmma, the instruction the FP8 persistent kernel exists for, works on 64-row slabs per warpgroup; smaller tiles
 # (decode) keep the pointer kernel, which the tables tune for them.
 W8A8_PERSISTENT_MIN_BLOCK_M = 64
+# The same slab: a w8a8 pointer tile of fewer rows swaps its operands (W^T A^T, fp8_jit.scaled_dot) on Hopper when its
+# BLOCK_N fills at least one such slab; the few rows become the MMA's narrow side.
+W8A8_SWAP_MIN_BLOCK_N = 64
 # From this BLOCK_M up (prefill tiles) a pass quantizes x once before GEMM1 of the w8a8 path; below it (decode) the
 # GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch.
 PREQUANTIZE_MIN_BLOCK_M = 64
@@ -52,6 +56,7 @@ class GemmKernel(enum.Enum):
     """The kernel variant of one grouped GEMM."""
 
     POINTER = "pointer"  # one program per output tile, A's rows gathered in the loads where asked
+    POINTER_SWAPPED = "pointer, operands swapped"  # w8a8 only: the same, summing the transposed tile W^T A^T
     PERSISTENT = "persistent"  # one program per SM walking the tiles, weights (and sorted A) through descriptors
     PERSISTENT_SORTED = "persistent after sorting"  # A's rows copied into expert order first, then PERSISTENT
 
@@ -173,10 +178,17 @@ def expert_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, transposed, gather_
 def w8a8_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, block_m, transposed, gather_a) -> GemmKernel:
     """The kernel of fp8_gemm.w8a8_gemm: the persistent descriptor kernel where the tile asks for it and it can run
     (float8 A already in sorted order and readable as descriptor tiles, weights [E, n, K] that descriptors can
-    address, TMA, at least W8A8_PERSISTENT_MIN_BLOCK_M rows per tile), else the pointer kernel. Both round alike."""
+    address, TMA, at least W8A8_PERSISTENT_MIN_BLOCK_M rows per tile); else the pointer kernel, with its operands
+    swapped where a tile of fewer rows would leave Hopper's FP8 MMA (wgmma, 64-row slabs) for mma.sync: fewer than
+    W8A8_PERSISTENT_MIN_BLOCK_M rows, at least W8A8_SWAP_MIN_BLOCK_N columns, K-contiguous weights (FP8 wgmma reads
+    both operands K-major). All round alike."""
+    if block_m < W8A8_PERSISTENT_MIN_BLOCK_M:
+        if has_wgmma(a.device) and not transposed and tile.block_n >= W8A8_SWAP_MIN_BLOCK_N:
+            return GemmKernel.POINTER_SWAPPED
+        return GemmKernel.POINTER
     if tile.persistent == Persistent.OFF or gather_a or transposed or a.dtype != W8A8_DTYPE:
         return GemmKernel.POINTER
-    if block_m < W8A8_PERSISTENT_MIN_BLOCK_M or not has_tma(a.device):
+    if not has_tma(a.device):
         return GemmKernel.POINTER
     if rows_fit_descriptor(a) and weights_fit_descriptors(w):
         return GemmKernel.PERSISTENT
