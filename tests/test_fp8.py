@@ -27,7 +27,7 @@ from moe_dispatch.dispatch import dispatch
 from moe_dispatch.gemm_args import gemm_weights
 from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
-from moe_dispatch.reference import (W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
+from moe_dispatch.reference import (TOLERANCE, W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
                                     fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
 
@@ -320,7 +320,9 @@ def test_w8a8_half_precision_and_default_block(act_dtype, mode):
     scales.update(_static_scales(mode, x))
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", **scales)
     assert out.dtype == act_dtype
-    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {}, model_tolerance=None)
+    # the dtype's bound, or the GPU's looser one where wgmma's sums move a few e4m3 roundings (MODEL_TOLERANCE)
+    _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, {},
+                model_tolerance=max(TOLERANCE[act_dtype], MODEL_TOLERANCE))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["concatenated", "interleaved"])

@@ -5,8 +5,9 @@ The experts path on this kernel (moe.py runs it when `planner.choose_fp8_compute
     x [T, H] bf16 / fp16 / fp32
       -> GEMM1  rows gathered as in grouped_gemm.py and quantized to e4m3 per token and G1 columns, one scale per
                 row and K step (amax / 448: dynamic, as DeepSeek-V3 does; or the static input scale): in GEMM1's
-                loads for decode-sized tiles (BLOCK_M < planner.PREQUANTIZE_MIN_BLOCK_M), by `quantize_fp8_rows`, a
-                pass over x, for prefill tiles (see below); tl.dot(fp8, fp8) per K step, that partial sum times
+                loads for decode-sized tiles (BLOCK_M < planner.PREQUANTIZE_MIN_BLOCK_M) that do not swap their
+                operands, by `quantize_fp8_rows`, a pass over x, for prefill tiles and swapped ones (see below and
+                planner.w8a8_input); tl.dot(fp8, fp8) per K step, that partial sum times
                 a_scale[row] (and, block scales, the weight scale of the block the K step and the column lie in)
                 added to the fp32 accumulator; channel / tensor weight scales and static activation scales multiply
                 it once after the K loop.

@@ -40,7 +40,8 @@ W8A8_PERSISTENT_MIN_BLOCK_M = 64
 # BLOCK_N fills at least one such slab; the few rows become the MMA's narrow side.
 W8A8_SWAP_MIN_BLOCK_N = 64
 # From this BLOCK_M up (prefill tiles) a pass quantizes x once before GEMM1 of the w8a8 path; below it (decode) the
-# GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch.
+# GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch, unless its tiles swap
+# their operands (`w8a8_input`).
 PREQUANTIZE_MIN_BLOCK_M = 64
 
 
@@ -183,9 +184,7 @@ def w8a8_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, block_m, transposed, 
     W8A8_PERSISTENT_MIN_BLOCK_M rows, at least W8A8_SWAP_MIN_BLOCK_N columns, K-contiguous weights (FP8 wgmma reads
     both operands K-major). All round alike."""
     if block_m < W8A8_PERSISTENT_MIN_BLOCK_M:
-        if has_wgmma(a.device) and not transposed and tile.block_n >= W8A8_SWAP_MIN_BLOCK_N:
-            return GemmKernel.POINTER_SWAPPED
-        return GemmKernel.POINTER
+        return GemmKernel.POINTER_SWAPPED if _w8a8_swaps(tile, a.device, transposed) else GemmKernel.POINTER
     if tile.persistent == Persistent.OFF or gather_a or transposed or a.dtype != W8A8_DTYPE:
         return GemmKernel.POINTER
     if not has_tma(a.device):
@@ -195,12 +194,22 @@ def w8a8_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, block_m, transposed, 
     return GemmKernel.POINTER
 
 
+def _w8a8_swaps(tile: GemmTile, device, transposed) -> bool:
+    """Whether a w8a8 pointer tile of fewer than W8A8_PERSISTENT_MIN_BLOCK_M rows swaps its operands."""
+    return has_wgmma(device) and not transposed and tile.block_n >= W8A8_SWAP_MIN_BLOCK_N
+
+
 def w8a8_input(tiles: MoeTiles, device, *, transposed, input_scale) -> tuple[bool, bool]:
     """(prequantize, sorted_rows) for GEMM1 of the w8a8 path: whether a pass quantizes x before the GEMM (prefill
-    tiles, and a per-tensor or dynamic input scale: a per-expert static scale stays in the loads, since the pass does
-    not know the rows' experts), and whether that pass also gathers the rows into expert order (persistent tiles,
+    tiles, and small tiles that swap their operands, whose A must reach the MMA from shared memory: quantized in the
+    loads it would make a round trip through registers every K step, where read as float8 it streams in with the
+    weights; and a per-tensor or dynamic input scale: a per-expert static scale stays in the loads, since the pass
+    does not know the rows' experts), and whether that pass also gathers the rows into expert order (persistent tiles,
     which read A through descriptors and so cannot gather; where descriptors exist: TMA, K-contiguous weights)."""
     per_tensor = input_scale is None or input_scale.numel() == 1
-    if tiles.block_m < PREQUANTIZE_MIN_BLOCK_M or not per_tensor:
+    small = tiles.block_m < PREQUANTIZE_MIN_BLOCK_M
+    if not per_tensor or (small and not _w8a8_swaps(tiles.gate_up, device, transposed)):
         return False, False
+    if small:
+        return True, False
     return True, bool(tiles.gate_up.persistent) and not transposed and has_tma(device)

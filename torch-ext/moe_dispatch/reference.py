@@ -496,12 +496,14 @@ W8A8_TOLERANCE = 0.08
 # unless an intermediate value lies within that of an e4m3 rounding boundary (one element one step off: ~1e-2 on its
 # row); measured 5e-8 to 1.2e-7 over tests/test_fp8.py's cases.
 W8A8_MODEL_TOLERANCE = 1e-5
-# On a GPU the bound is looser: Hopper's FP8 wgmma (tiles of BLOCK_M >= 64) keeps fewer bits than fp32 in each K
-# step's sum, so kernel and model round a few intermediate values to neighbouring e4m3 values (1/16 relative each, on
-# a tiny F a visible share of a row); the H200 measured 2e-4 to 3.8e-3 RMS on tests/test_fp8_persistent.py's cases
-# (BLOCK_M 16 tiles, mma.sync on fp16-converted operands with fp32 sums, stayed within 1e-5). Still 8x tighter than
-# W8A8_TOLERANCE.
-W8A8_MODEL_TOLERANCE_GPU = 1e-2
+# On a GPU the bound is looser: Hopper's FP8 wgmma keeps fewer bits than fp32 in each K step's sum, so kernel and
+# model round a few intermediate values to neighbouring e4m3 values (1/16 relative each, on a tiny F a visible share
+# of a row). wgmma runs tiles of BLOCK_M >= 64 and, operands swapped, the smaller ones (planner.w8a8_gemm_kernel; only
+# tiles that stay on mma.sync, on fp16-converted operands with fp32 sums, stay within 1e-5). The H200 measured 2e-4
+# to 3.8e-3 RMS on tests/test_fp8_persistent.py's cases and 1.05e-2 on F = 80 with fp16 activations and per-expert
+# static scales (test_w8a8_half_precision_and_default_block, swapped tiles). Still 4x tighter than W8A8_TOLERANCE; the
+# error against the dequantized weights is unchanged (4.2-4.5e-2 at real sizes, as vLLM's FP8 kernel).
+W8A8_MODEL_TOLERANCE_GPU = 2e-2
 
 
 def w8a8_model_tolerance(device):
