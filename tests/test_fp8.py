@@ -394,7 +394,9 @@ def test_w8a8_swapped_small_tiles(scheme, block_shape, mode, poison_empty, monke
     swapped = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=SWAPPED, **scales)
     if planner.has_wgmma(x.device):
         assert flags[-2:] == [True, True]
-    _check_w8a8(swapped, x, q_gate_up, q_down, ids, weights, scales, {})
+    # the K steps of these tiles, not the table's (channel and tensor scales take the tile's BLOCK_K as the group)
+    groups = w8a8_groups(SWAPPED, scales["w_gate_up_scale"], scales["w_down_scale"], block_shape)
+    _check_w8a8(swapped, x, q_gate_up, q_down, ids, weights, scales, {}, groups=groups)
     monkeypatch.setattr(planner, "has_wgmma", lambda device: False)
     md._plan.clear()
     plain = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=SWAPPED, **scales)
