@@ -21,6 +21,7 @@ from helpers import DEVICE
 
 import moe_dispatch as md
 from moe_dispatch import _plan
+from moe_dispatch._device import has_wgmma
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.gemm_jit import ACT_SILU, Activation
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
@@ -115,6 +116,7 @@ def _experts(E, H, F, gen):
 
 
 E, H, F, TOP_K = 4, 32, 32, 2
+SWAPS = has_wgmma(torch.device(DEVICE))  # planner.w8a8_gemm_kernel swaps 16-row tiles of 64 columns
 GENERAL = MoeTiles(16, GemmTile(32, 32), GemmTile(32, 32))  # forced: at 3 tokens the table takes the decode path
 # (id, fused_experts options, float8 block scales, {kernel: {constexpr: expected code}}, why)
 CASES = [
@@ -132,9 +134,12 @@ CASES = [
     ("fp8-decode-channel", dict(fp8_compute="dequant", tiles=DecodeTiles(DecodeTile(32, 32), DecodeTile(32, 32))),
      "channel", {"_decode_gate_up_kernel": {"WEIGHT_SCALE": 2, "ACTIVATION": 1}, "_decode_down_kernel": {}},
      "the two-launch decode path with per-channel scales"),
-    ("fp8-w8a8-block", dict(fp8_compute="w8a8"), (32, 32),
-     {"_w8a8_gemm_kernel": {"A_QUANT": 0, "WEIGHT_SCALE": 3, "QUANT_OUT": 1}},
+    ("fp8-w8a8-block", dict(fp8_compute="w8a8", tiles=GENERAL), (32, 32),
+     {"_w8a8_gemm_kernel": {"A_QUANT": 0, "WEIGHT_SCALE": 3, "QUANT_OUT": 1, "SWAP_AB": False}},
      "the w8a8 pointer kernel: dynamic activations in GEMM1's loads, its epilogue quantizing GEMM2's input"),
+    ("fp8-w8a8-swapped", dict(fp8_compute="w8a8", tiles=MoeTiles(16, GemmTile(64, 32), GemmTile(64, 32))), (32, 32),
+     {"_w8a8_gemm_kernel": {"A_QUANT": 2 if SWAPS else 0, "WEIGHT_SCALE": 3, "QUANT_OUT": 1, "SWAP_AB": SWAPS}},
+     "small tiles swapping their operands where wgmma runs (the interpreter says it does): x quantized by the pass"),
 ]
 
 
