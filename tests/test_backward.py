@@ -119,6 +119,40 @@ def test_backward_is_deterministic():
         assert torch.equal(first[name], second[name]), name
 
 
+def _reuse_spy(monkeypatch):
+    """The reuse_preact of every experts backward from here on."""
+    from moe_dispatch import moe
+
+    seen = []
+    backward = moe.experts_backward
+    monkeypatch.setattr(moe, "experts_backward",
+                        lambda *a, reuse_preact=False, **k: seen.append(reuse_preact) or backward(
+                            *a, reuse_preact=reuse_preact, **k))
+    return seen
+
+
+def test_backward_writes_d_preact_over_preact_only_when_the_graph_is_freed(monkeypatch):
+    """A plain backward writes the pre-activations' gradient over the saved pre-activations (one [N, 2F] buffer
+    fewer); one that keeps the graph (retain_graph) runs the operator, which only reads them, so a second backward
+    over the same graph is still right. All three give the same bits."""
+    case = GRAD_CASES[7]
+    inputs, ids, options = _experts_inputs(case)
+    grad_out = torch.randn(case.T, case.H).to(DEVICE, case.dtype)
+    seen = _reuse_spy(monkeypatch)
+    _, reused = _run_experts(inputs, ids, options, grad_out)
+    assert seen == [True]
+    out = md.fused_experts(inputs["hidden_states"], inputs["w_gate_up"], inputs["w_down"], ids,
+                           inputs["topk_weights"], gate_up_bias=inputs.get("gate_up_bias"),
+                           down_bias=inputs.get("down_bias"), validate=False, **options)
+    leaves = list(inputs.values())
+    kept = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+    again = torch.autograd.grad(out, leaves, grad_out)
+    assert seen == [True, False, True]
+    for name, first, second in zip(inputs, kept, again):
+        assert torch.equal(first, reused[name]), name
+        assert torch.equal(second, reused[name]), name
+
+
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # fp32 inputs: the kernels have no float64 path
 def test_gradcheck_hidden_states_and_weights():
     """torch.autograd.gradcheck by finite differences (fp32 kernels, so loose tolerances; few inputs for speed)."""

@@ -17,7 +17,9 @@ Backward from dout [T, H], in launch order:
 Every output element is written by one program that sums in a fixed order, so two backward passes are bit-identical.
 What is saved for backward: x, the weights and topk_weights (already alive), the dispatch (expert_offsets, gather_idx,
 scatter_idx: int32 [E + 1] and 2 x [N]) and the pre-activations [N, 2F] in the activations' dtype. Saving them costs
-N * 2F elements and saves recomputing the gate/up GEMM (a third of the forward's FLOPs) in the backward.
+N * 2F elements and saves recomputing the gate/up GEMM (a third of the forward's FLOPs) in the backward. An eager
+backward that frees the graph after it writes d_preact over them (moe._may_reuse_preact): the backward's transients
+are then the activated rows [N, F] and dX's rows [N, H], not another [N, 2F].
 """
 
 import dataclasses
@@ -318,11 +320,14 @@ class ExpertsGrads:
 
 def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
                      gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, alpha, limit,
-                     tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None):
+                     tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None,
+                     reuse_preact: bool = False):
     """Fill `grads` from grad_out [T, H]. The weights are the gate/up views the forward read; `preact` [N, 2F] and
     the dispatch tensors are the forward's (see `moe.fused_experts`). `tiles` (the input-gradient GEMMs: gate_up's
     for dA, down's for dX) and `weight_tile` force launch configurations (tuning, tests); by default
-    planner.plan_backward chooses."""
+    planner.plan_backward chooses. `reuse_preact`: d_preact is written over `preact` (same shape and dtype; each
+    program of `_down_grad_kernel` reads the elements of its own tile before it writes them, and nothing reads
+    preact after that kernel), which saves one [N, 2F] buffer; the caller must never read `preact` again."""
     T, H = x.shape
     E = w_down.shape[0]
     top_k = topk_ids.shape[1]
@@ -338,7 +343,11 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
                                                 top_k=top_k), scatter_idx=scatter_idx)
     device = x.device
 
-    d_preact = torch.empty((N, 2 * F), device=device, dtype=x.dtype) if needs_d_preact else None
+    reuse_preact = reuse_preact and preact.dtype == x.dtype and preact.is_contiguous()
+    if needs_d_preact:
+        d_preact = preact if reuse_preact else torch.empty((N, 2 * F), device=device, dtype=x.dtype)
+    else:
+        d_preact = None
     act = torch.empty((N, F), device=device, dtype=x.dtype) if needs_act else None
     tile = tiles.gate_up
     n_partials = cdiv(F, tile.block_n)

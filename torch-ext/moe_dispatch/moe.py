@@ -21,7 +21,7 @@ import torch
 from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
                       check_same_device, check_tensor, check_token_weights, index_map_problems, raise_problems,
                       reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
-from ._library import call, custom_op
+from ._library import call, custom_op, needs_operator
 from ._plan import PlanCache
 from .binned import drop_over_capacity, expert_capacity
 from .combine import combine
@@ -243,7 +243,18 @@ def _fused_experts_backward_op(
     scatter_idx: torch.Tensor, activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
     needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere."""
+    """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere. The
+    operator reads `preact` only (`_experts_grads` with reuse_preact=False)."""
+    return _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
+                          expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit,
+                          needs, reuse_preact=False)
+
+
+def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
+                   expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs, *,
+                   reuse_preact):
+    """The backward operator's work; `reuse_preact` lets the backward write d_preact over `preact`
+    (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`)."""
     F = _ffn_size(w_down, transposed)
     axis = 2 if transposed else 1
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
@@ -264,7 +275,7 @@ def _fused_experts_backward_op(
         ExpertsGrads(x=d_x if needs[0] else None, w_gate=d_w_gate, w_up=d_w_up_view,
                      w_down=d_w_down if needs[3] else None, topk_weights=d_topk if needs[4] else None,
                      gate_bias=d_gate_bias, up_bias=d_up_bias, down_bias=d_down_bias if needs[6] else None),
-        activation=activation, transposed=transposed, alpha=alpha, limit=limit)
+        activation=activation, transposed=transposed, alpha=alpha, limit=limit, reuse_preact=reuse_preact)
     return grads
 
 
@@ -303,9 +314,26 @@ def _fused_experts_backward(ctx, grad_out, *_):
         raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
                            "cannot backward through it")
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_SLOTS]
-    grads = _fused_experts_backward_op(grad_out, *ctx.saved_tensors, *ctx.spec.to_args(), needs)
+    args = (grad_out, *ctx.saved_tensors, *ctx.spec.to_args(), needs)
+    if getattr(ctx, "preact_private", False) and _may_reuse_preact(args):
+        grads = _experts_grads(*args, reuse_preact=True)
+    else:
+        grads = _fused_experts_backward_op(*args)
     by_slot = {slot: g if need else None for slot, g, need in zip(_GRAD_SLOTS, grads, needs)}
     return tuple(by_slot.get(slot) for slot in range(len(_EXPERTS_SLOTS)))  # None for every other input
+
+
+def _may_reuse_preact(args) -> bool:
+    """Whether this backward may write the pre-activations' gradient over the saved pre-activations (one [N, 2F]
+    buffer fewer at the backward's peak): only where nothing can read them again, i.e. a call of `fused_experts`,
+    which hands the operator's `preact` output to no one (`_mark_preact_private`), run eagerly (not traced by
+    torch.compile), on plain tensors (the operator would be needed otherwise), with a backward that frees the graph
+    after it (no retain_graph, no create_graph: autograd then drops the saved tensors). Anywhere else the backward
+    operator runs, which only reads them."""
+    if torch.compiler.is_compiling() or needs_operator(args):
+        return False
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and not keep_graph()
 
 
 _fused_experts_op.register_autograd(_fused_experts_backward, setup_context=_fused_experts_setup_context)
@@ -331,7 +359,20 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
     save_preact = not float8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     args = _experts_op_args(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec, tiles,
                             save_preact, fp8)
-    return call(_fused_experts_op, *args)[0]
+    out = call(_fused_experts_op, *args)[0]
+    if save_preact and not torch.compiler.is_compiling():
+        _mark_preact_private(out)
+    return out
+
+
+def _mark_preact_private(out):
+    """Tell the backward of the operator call that made `out` that its saved pre-activations belong to this call
+    alone (the caller gets `out` only), so that it may write over them (`_may_reuse_preact`). The mark sits on the
+    autograd node, which for an operator with a registered autograd is the context its backward receives; a node of
+    any other kind is left unmarked (the backward then only reads them)."""
+    node = out.grad_fn
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        node.preact_private = True
 
 
 def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, activation, gate_up_bias,
