@@ -27,7 +27,7 @@ from model_shapes import MODEL_SHAPES
 
 import moe_dispatch as md
 
-MODELS = ("mixtral-8x7b", "qwen2-57b-a14b", "qwen3-30b-a3b", "deepseek-v3")
+MODELS = ("mixtral-8x7b", "qwen2-57b-a14b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")
 DTYPE = torch.bfloat16
 
 

@@ -123,7 +123,8 @@ DECODE_TILES = {
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).
 BACKWARD_WEIGHT_TILES = ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
-                         (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 2))
+                         (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (128, 256, 32, 8, 4),
+                         (256, 128, 32, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4))
 BACKWARD_GEMM_TILES = ((128, (64, 64, 4, 4, 8), (256, 64, 8, 3, 8)), (128, (128, 64, 4, 4, 8), (256, 64, 8, 3, 8)),
                        (128, (64, 128, 4, 3, 8), (256, 64, 8, 3, 8)), (64, (128, 64, 4, 4, 8), (128, 64, 4, 4, 8)))
 

@@ -7,12 +7,19 @@ Backward from dout [T, H], in launch order:
 
   _down_grad_kernel         g = dout_t @ W_down[e] (a grouped GEMM over the tile map, rows gathered by token); its
                             epilogue recomputes act from preact and writes d_preact = w * g * act'(h) [N, 2F],
-                            w * act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
+                            act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
   _topk_weights_grad_kernel dw_a = sum of those column-tile partials in tile order (+ dout_t . b_down[e])
   _gate_up_grad_kernel      dx rows = d_gate @ W_gate[e] + d_up @ W_up[e] [N, H]; combine.combine sums each token's
                             rows in assignment order -> dx [T, H]
-  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = dout[token]^T (w * act),
+  row_copies._gather_kernel x[token] in sorted order, later w * dout[token], into one [N, H] buffer (dX's rows, free
+                            again after the combine)
+  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = (w * dout[token])^T act,
                             the bias gradients as the same loops' column sums (d b_down weighted by w)
+
+The weight-gradient GEMMs reduce over an expert's rows, so a row gather would sit inside their reduction loop: an
+index load that feeds the next step's addresses, which leaves Triton's software pipeliner (3.6 - 3.9, sm90) two
+buffers and a full wait per step. Sorted copies of the two gathered operands (2 x N x H elements read and written,
+about 1% of those GEMMs' time at Mixtral-8x7B's shapes) give them plain strided loads pipelined num_stages deep.
 
 Every output element is written by one program that sums in a fixed order, so two backward passes are bit-identical.
 What is saved for backward: x, the weights and topk_weights (already alive), the dispatch (expert_offsets, gather_idx,
@@ -34,6 +41,7 @@ from .dispatch import segment_dispatch
 from .gemm_args import dot_options, same_strides, weight_strides
 from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup
 from .planner import plan_backward
+from .row_copies import PLAIN, Layout, launch_gather
 from .tiles import MoeTiles, WeightGradTile
 from ._plan import launch
 
@@ -63,7 +71,7 @@ def _down_grad_kernel(
     grad_out_ptr, stride_grad_t, stride_grad_h,
     # W_down as [E, F, H] by strides (n = F, K = H)
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
-    # preact [N, 2F] from the forward; d_preact [N, 2F]; w * act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
+    # preact [N, 2F] from the forward; d_preact [N, 2F]; act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
     preact_ptr, stride_preact_m,
     d_preact_ptr, stride_d_preact_m,
     act_ptr, stride_act_m,
@@ -113,9 +121,8 @@ def _down_grad_kernel(
                                                                                 axis=1), mask=mask_m)
     b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
                      mask=mask_m, other=0.0).to(tl.float32)
-    if STORE_ACT:  # weighted: dW_down[e] = sum_p dout_t^T (w act_p)
-        b_act_weighted = (b_act * b_topk[:, None]).to(act_ptr.dtype.element_ty)
-        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act_weighted, mask=mask_mn)
+    if STORE_ACT:  # dW_down[e] = sum_p (w dout_t)^T act_p: the routing weight is in the sorted copy of dout
+        tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act.to(act_ptr.dtype.element_ty), mask=mask_mn)
     if STORE_D_PREACT:
         b_d_act = b_acc * b_topk[:, None]
         d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
@@ -392,8 +399,11 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             TOP_K=top_k, HAS_DOWN_BIAS=down_bias is not None, BLOCK_A=64, BLOCK_H=64,
         )
 
-    if grads.x is not None:
+    needs_w_gate_up = grads.w_gate is not None or grads.w_up is not None
+    rows = None  # [N, H]: dX's rows, then the sorted operand copies of the weight gradients
+    if grads.x is not None or needs_w_gate_up or grads.w_down is not None:
         rows = torch.empty((N, H), device=device, dtype=x.dtype)
+    if grads.x is not None:
         tile = tiles.down
         if N and H and info.max_tiles:
             w_gate_v, w_up_v = same_strides(w_gate, w_up)
@@ -413,20 +423,25 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         combine(rows, scatter_idx, T, top_k, out=grads.x)
 
     # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
-    # A bias gradient alone runs the same loops against a one-column stand-in for the weight gradient.
+    # A bias gradient without its weight's runs the gathered loop against a one-column stand-in for the weight's.
+    layout = Layout(PLAIN.value, top_k)
+    if needs_w_gate_up:
+        x_rows = launch_gather(x.contiguous(), info.gather_idx, None, None, None, layout, N, out=rows)
     for d_w, d_bias, half in ((grads.w_gate, grads.gate_bias, 0), (grads.w_up, grads.up_bias, 1)):
         if d_w is None and d_bias is None:
             continue
         if d_w is not None:
-            out, right = (d_w.transpose(1, 2) if transposed else d_w), x
+            out, right, gather_right = (d_w.transpose(1, 2) if transposed else d_w), x_rows, False
         else:
-            out, right = torch.empty((E, F, 1), device=device, dtype=torch.float32), x[:, :1]
+            out, right, gather_right = torch.empty((E, F, 1), device=device, dtype=torch.float32), x[:, :1], True
         _weight_grad(d_preact[:, half * F:(half + 1) * F], right, out, d_bias, info, topk_weights, weight_tile,
-                     gather_right=True)
-    if grads.w_down is not None or grads.down_bias is not None:
-        if grads.w_down is not None:
-            out, right, gather_right = (grads.w_down.transpose(1, 2) if transposed else grads.w_down), act, False
-        else:
-            out, right, gather_right = torch.empty((E, H, 1), device=device, dtype=torch.float32), grad_out[:, :1], True
-        _weight_grad(grad_out, right, out, grads.down_bias, info, topk_weights, weight_tile, gather_left=True,
-                     gather_right=gather_right, weight_bias=True)
+                     gather_right=gather_right)
+    if grads.w_down is not None:
+        dout_rows = launch_gather(grad_out.contiguous(), info.gather_idx, topk_weights.contiguous(), None, None,
+                                  layout, N, out=rows)  # w * dout[token] in sorted order
+        _weight_grad(dout_rows, act, grads.w_down.transpose(1, 2) if transposed else grads.w_down, grads.down_bias,
+                     info, topk_weights, weight_tile)
+    elif grads.down_bias is not None:
+        _weight_grad(grad_out, grad_out[:, :1], torch.empty((E, H, 1), device=device, dtype=torch.float32),
+                     grads.down_bias, info, topk_weights, weight_tile, gather_left=True, gather_right=True,
+                     weight_bias=True)

@@ -219,11 +219,13 @@ def _acc_dtype(*tensors):
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
-def launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows):
-    """buffer[n_rows, H] from x[T, H]: every row written (the routed token row, scaled, or zeros)."""
+def launch_gather(x, indices, weights, bins, padded_bins, layout, n_rows, *, out=None):
+    """buffer[n_rows, H] from x[T, H] (contiguous): every row written (the routed token row, scaled, or zeros); into
+    `out` (contiguous [n_rows, H], x's dtype) when given."""
     hidden = x.shape[1]
     num_assignments = indices.shape[0]
-    out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((n_rows, hidden), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     if num_assignments == 0:
