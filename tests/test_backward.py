@@ -255,3 +255,50 @@ def test_capacity_drops_get_no_gradient():
     ref_grads = torch.autograd.grad(ref.sum(), leaves)
     for name, grad, ref_grad in zip(("x", "w_gate", "w_up", "w_down"), grads, ref_grads):
         assert_grad_close(grad, ref_grad, torch.float32, f"d {name}")
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_weight_grad_kernels_against_float64(persistent):
+    """The weight-gradient GEMM out[e] = left_e^T right_e over each expert's sorted rows (and the bias gradient as its
+    column sums), both kernels: experts with no rows, with fewer rows than block_p and with a partial last block;
+    out contiguous with n_i a multiple of block_i (the descriptor store) and not (masked stores), and a transposed
+    view. Poisoned outputs: every element must be written."""
+    from moe_dispatch.dispatch import segment_dispatch
+    from moe_dispatch.experts_backward import _weight_grad
+    from moe_dispatch.tiles import WeightGradTile
+
+    tile = WeightGradTile(16, 16, 8, persistent=persistent)
+    generator = torch.Generator().manual_seed(5)
+    counts = [0, 5, 8, 21, 0]  # block_p 8: none, fewer, one whole block, two whole blocks and a partial one
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    N, E = sum(counts), len(counts)
+    info = segment_dispatch(offsets, N, E, 16)
+    weights = torch.rand(N, 1, generator=generator).to(DEVICE)
+    for n_i, n_j, transposed in ((32, 24, False), (20, 16, False), (16, 40, True)):
+        left = torch.randn(N, n_i, generator=generator).to(DEVICE, torch.bfloat16)
+        right = torch.randn(N, n_j, generator=generator).to(DEVICE, torch.bfloat16)
+        ref = torch.stack([left[a:b].double().T @ right[a:b].double() for a, b in zip(offsets[:-1], offsets[1:])])
+        base = torch.full((E, n_j, n_i) if transposed else (E, n_i, n_j), float("nan"), device=DEVICE,
+                          dtype=torch.bfloat16)
+        out = base.transpose(1, 2) if transposed else base
+        bias = torch.full((E, n_i), float("nan"), device=DEVICE, dtype=torch.float32)
+        _weight_grad(left, right, out, bias, info, weights, tile)
+        assert_close(out, ref, torch.bfloat16, f"dW {n_i}x{n_j} transposed={transposed}")
+        bias_ref = torch.stack([left[a:b].double().sum(0) for a, b in zip(offsets[:-1], offsets[1:])])
+        assert_close(bias, bias_ref, torch.float32, "bias gradient")
+
+
+def test_weight_grad_kernel_choice():
+    """The persistent kernel runs where the tile asks for it and the operands fit descriptors; else the pointer one."""
+    from moe_dispatch._device import has_tma
+    from moe_dispatch.planner import weight_grad_kernel
+    from moe_dispatch.tiles import WeightGradTile
+
+    left, right = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16)
+    out = torch.zeros(2, 16, 24, dtype=torch.bfloat16)
+    on, off = WeightGradTile(16, 16, 8, persistent=True), WeightGradTile(16, 16, 8)
+    assert weight_grad_kernel(left, right, out, on) == has_tma(left.device)  # the interpreter emulates TMA
+    assert not weight_grad_kernel(left, right, out, off)
+    assert not weight_grad_kernel(torch.zeros(8, 17, dtype=torch.bfloat16)[:, :16], right, out, on)  # row stride
+    assert not weight_grad_kernel(left, right[:, ::2], out, on)  # column stride
+    assert not weight_grad_kernel(left[:0], right[:0], out, on)  # no rows

@@ -34,13 +34,16 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
 from .gemm_args import dot_options, same_strides, weight_strides
 from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup
-from .planner import plan_backward
+from .gemm_args import rows_fit_descriptor
+from .persistent_gemm import num_programs
+from .planner import plan_backward, weight_grad_kernel
 from .row_copies import PLAIN, Layout, launch_gather
 from .tiles import MoeTiles, WeightGradTile
 from ._plan import launch
@@ -242,6 +245,82 @@ def _expert_weight_grad_kernel(
 
 
 @triton.jit
+def _persistent_weight_grad_kernel(
+    # left [rows, n_i] and right [rows, n_j] in sorted order: descriptors of [BLOCK_P, BLOCK_I] / [BLOCK_P, BLOCK_J]
+    # tiles for an expert's whole blocks of rows, the pointers (column stride 1) for its last, partial block
+    left_desc, right_desc, left_ptr, stride_left_m, right_ptr, stride_right_m,
+    # out [E, n_i, n_j] by strides, or a descriptor of [BLOCK_I, BLOCK_J] tiles over it as [E * n_i, n_j] with OUT_DESC
+    out_ptr, out_desc, stride_out_e, stride_out_i, stride_out_j,
+    bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
+    expert_offsets_ptr,
+    n_i, n_j, E,
+    HAS_BIAS_GRAD: tl.constexpr,
+    OUT_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: (NUM_PROGRAMS,). `_expert_weight_grad_kernel`'s sums for operands already in sorted order (no gather),
+    over the same blocks of rows in the same order; program q computes tiles q, q + NUM_PROGRAMS, ... of the
+    E * cdiv(n_i, BLOCK_I) * cdiv(n_j, BLOCK_J) tiles (expert-major, then i, then j: consecutive programs share the
+    left block and walk one expert's right rows). A descriptor load never reaches the next expert's rows: only whole
+    blocks inside [row_start, row_end) go through descriptors, the last partial block through masked loads."""
+    num_i = tl.cdiv(n_i, BLOCK_I)
+    num_j = tl.cdiv(n_j, BLOCK_J)
+    num_tiles = E * num_i * num_j
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        expert = tile_id // (num_i * num_j)
+        pid_i = (tile_id % (num_i * num_j)) // num_j
+        pid_j = tile_id % num_j
+        row_start = tl.load(expert_offsets_ptr + expert)
+        row_end = tl.load(expert_offsets_ptr + expert + 1)
+        i0 = pid_i * BLOCK_I
+        j0 = pid_j * BLOCK_J
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        mask_i = offs_i < n_i
+        mask_j = offs_j < n_j
+        b_acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+        b_bias_acc = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        whole_end = row_start + ((row_end - row_start) // BLOCK_P) * BLOCK_P
+        for p0 in range(row_start, whole_end, BLOCK_P):
+            b_left = left_desc.load([p0, i0])  # [BLOCK_P, BLOCK_I]
+            b_right = right_desc.load([p0, j0])  # [BLOCK_P, BLOCK_J]
+            if HAS_BIAS_GRAD:
+                b_bias_acc += tl.sum(b_left.to(tl.float32), axis=0)
+            if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
+                b_left = b_left.to(tl.float32)
+                b_right = b_right.to(tl.float32)
+            b_acc = tl.dot(b_left.T, b_right, b_acc, input_precision=DOT_PRECISION)
+        if whole_end < row_end:
+            offs_p = whole_end + tl.arange(0, BLOCK_P)
+            mask_p = offs_p < row_end
+            b_left_t = tl.load(left_ptr + offs_i[:, None] + offs_p[None, :].to(tl.int64) * stride_left_m,
+                               mask=mask_i[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_I, BLOCK_P]
+            b_right = tl.load(right_ptr + offs_p[:, None].to(tl.int64) * stride_right_m + offs_j[None, :],
+                              mask=mask_p[:, None] & mask_j[None, :], other=0.0)
+            if HAS_BIAS_GRAD:
+                b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
+            if DOT_FP32:
+                b_left_t = b_left_t.to(tl.float32)
+                b_right = b_right.to(tl.float32)
+            b_acc = tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
+        if OUT_DESC:  # n_i is a whole number of BLOCK_I, so a tile never reaches the next expert's rows
+            out_desc.store([expert * n_i + i0, j0], b_acc.to(out_desc.dtype))
+        else:
+            out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
+                        + offs_j[None, :] * stride_out_j)
+            tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
+        if HAS_BIAS_GRAD:
+            if pid_j == 0:
+                tl.store(bias_grad_ptr + expert.to(tl.int64) * stride_bias_grad_e + offs_i * stride_bias_grad_i,
+                         b_bias_acc.to(bias_grad_ptr.dtype.element_ty), mask=mask_i)
+
+
+@triton.jit
 def _topk_weights_grad_kernel(
     partial_ptr, num_partials, scatter_idx_ptr,
     grad_out_ptr, stride_grad_t, stride_grad_h,
@@ -282,9 +361,13 @@ def _topk_weights_grad_kernel(
 
 def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGradTile, *, gather_left=False,
                  gather_right=False, weight_bias=False):
-    """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernel."""
+    """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernels
+    (the persistent one where planner.weight_grad_kernel allows it)."""
     E, n_i, n_j = out.shape
     dot_fp32, precision = dot_options(left.dtype)
+    if not (gather_left or gather_right or weight_bias) and weight_grad_kernel(left, right, out, tile):
+        _persistent_weight_grad(left, right, out, bias_grad, info, tile, dot_fp32, precision)
+        return
     grid = (E * cdiv(n_i, tile.block_i) * cdiv(n_j, tile.block_j),)
     topk_t, topk_k = topk_weights.stride()
     launch(_expert_weight_grad_kernel, grid,
@@ -307,6 +390,44 @@ def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGr
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
+
+
+def _persistent_weight_grad(left, right, out, bias_grad, info, tile: WeightGradTile, dot_fp32, precision):
+    """Launch `_persistent_weight_grad_kernel` (operands checked by planner.weight_grad_kernel)."""
+    E, n_i, n_j = out.shape
+    rows = left.shape[0]
+    left_desc = TensorDescriptor(left, [rows, n_i], [left.stride(0), 1], [tile.block_p, tile.block_i])
+    right_desc = TensorDescriptor(right, [rows, n_j], [right.stride(0), 1], [tile.block_p, tile.block_j])
+    out_desc = out_descriptor(out, tile)
+    programs = num_programs(left.device, E * cdiv(n_i, tile.block_i) * cdiv(n_j, tile.block_j))
+    launch(_persistent_weight_grad_kernel, (programs,),
+        left_desc, right_desc, left, left.stride(0), right, right.stride(0),
+        out, out_desc if out_desc is not None else left_desc, *out.stride(),
+        bias_grad, *(bias_grad.stride() if bias_grad is not None else (0, 0)),
+        info.expert_offsets,
+        n_i, n_j, E,
+        HAS_BIAS_GRAD=bias_grad is not None,
+        OUT_DESC=out_desc is not None,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION=precision,
+        BLOCK_I=tile.block_i,
+        BLOCK_J=tile.block_j,
+        BLOCK_P=tile.block_p,
+        NUM_PROGRAMS=programs,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
+def out_descriptor(out, tile: WeightGradTile):
+    """A descriptor of [block_i, block_j] tiles over out [E, n_i, n_j] viewed as [E * n_i, n_j], or None where a
+    masked pointer store is needed: out not row-contiguous, or a tile that would reach the next expert's rows
+    (n_i not a multiple of block_i)."""
+    E, n_i, n_j = out.shape
+    if (E == 0 or n_i % tile.block_i or out.stride(2) != 1 or out.stride(0) != n_i * out.stride(1)
+            or not rows_fit_descriptor(out[0])):
+        return None
+    return TensorDescriptor(out, [E * n_i, n_j], [out.stride(1), 1], [tile.block_i, tile.block_j])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ._checks import check_choice
-from ._device import has_tma, has_wgmma
+from ._device import has_tma, has_wgmma, is_interpreter
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
@@ -112,6 +112,15 @@ def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts
     if weight_tile is None:
         weight_tile = select_weight_grad_tile(device, dtype)
     return BackwardPlan(tiles, weight_tile)
+
+
+def weight_grad_kernel(left, right, out, tile: WeightGradTile) -> bool:
+    """Whether experts_backward's weight-gradient GEMM out[e] = left_e^T right_e (operands in sorted order) runs the
+    persistent descriptor kernel: the tile asks for it, TMA on the device, a descriptor dtype, and both operands
+    readable as descriptor tiles (column stride 1, row stride and base 16-byte aligned). The interpreter takes every
+    dtype, so the CPU suite's float32 and float64 cases run the kernel too."""
+    return (tile.persistent and has_tma(left.device) and (left.dtype in DESCRIPTOR_DTYPES or is_interpreter())
+            and out.shape[0] > 0 and left.shape[0] > 0 and rows_fit_descriptor(left) and rows_fit_descriptor(right))
 
 
 def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, hidden: int,

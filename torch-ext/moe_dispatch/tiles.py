@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from ._device import device_key, is_hip
+from ._device import device_key, has_tma, is_hip
 
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _log = logging.getLogger(__name__)
@@ -188,24 +188,33 @@ def tiles_from_list(values) -> "MoeTiles | DecodeTiles":
 @dataclasses.dataclass(frozen=True)
 class WeightGradTile:
     """Launch parameters of the per-expert weight-gradient GEMM: a [block_i, block_j] tile of dW[e], reduced over the
-    expert's rows block_p at a time."""
+    expert's rows block_p at a time. `persistent`: one program per SM walking the tiles with both operands through
+    tensor descriptors (experts_backward.py; planner.weight_grad_kernel says where it can run)."""
 
     block_i: int
     block_j: int
     block_p: int
     num_warps: int = 4
     num_stages: int = 3
+    persistent: bool = False
+
+
+PERSISTENT_WEIGHT_GRAD_TILE = WeightGradTile(128, 256, 64, num_warps=8, num_stages=3, persistent=True)
 
 
 def select_weight_grad_tile(device: torch.device, dtype: torch.dtype) -> WeightGradTile:
-    """Tile of `_expert_weight_grad_kernel` (a fixed choice per backend until it is tuned like the forward's)."""
+    """Tile of the weight-gradient GEMMs (a fixed choice per backend until it is tuned like the forward's)."""
     if device.type != "cuda":
-        return WeightGradTile(32, 32, 16)  # the interpreter: few, small programs
-    # H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward, docs/performance.md): 128 x 128 x 32 with 4
-    # warps and 4 stages was the best of 7 candidates (the whole backward 13.9 ms vs 14.3 ms for 128 x 128 x 64 with 8
-    # warps).
-    # fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of LDS holds two stages.
+        return WeightGradTile(32, 32, 16, persistent=True)  # the interpreter: few, small programs (and the CPU suite
+        # runs the persistent kernel, as the H200 does)
     wide = torch.empty((), dtype=dtype).element_size() <= 2
+    if wide and has_tma(device):
+        # H200, bf16 (docs/performance.md, "Training"): the persistent descriptor kernel, 128 x 256 x 64 tiles with 8
+        # warps and 3 stages, as a plain persistent GEMM runs fastest in Triton there.
+        return PERSISTENT_WEIGHT_GRAD_TILE
+    # The pointer kernel. H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward): 128 x 128 x 32 with 4
+    # warps and 4 stages was the best of 7 candidates. fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of
+    # LDS holds two stages.
     return WeightGradTile(128, 128, 32 if wide else 16, num_warps=4, num_stages=2 if is_hip() else 4)
 
 
