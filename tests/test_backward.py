@@ -267,9 +267,9 @@ def test_weight_grad_kernels_against_float64(persistent):
     from moe_dispatch.experts_backward import _weight_grad
     from moe_dispatch.tiles import WeightGradTile
 
-    tile = WeightGradTile(16, 16, 8, persistent=persistent)
+    tile = WeightGradTile(16, 16, 16, persistent=persistent)  # a GPU's dot needs K >= 16
     generator = torch.Generator().manual_seed(5)
-    counts = [0, 5, 8, 21, 0]  # block_p 8: none, fewer, one whole block, two whole blocks and a partial one
+    counts = [0, 5, 16, 37, 0]  # block_p 16: none, fewer, one whole block, two whole blocks and a partial one
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     N, E = sum(counts), len(counts)
     info = segment_dispatch(offsets, N, E, 16)

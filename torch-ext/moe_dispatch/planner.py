@@ -110,7 +110,7 @@ def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts
     if tiles is None:
         tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype)
     if weight_tile is None:
-        weight_tile = select_weight_grad_tile(device, dtype)
+        weight_tile = select_weight_grad_tile(device, dtype, num_tokens * top_k // max(num_experts, 1))
     return BackwardPlan(tiles, weight_tile)
 
 

@@ -199,18 +199,23 @@ class WeightGradTile:
     persistent: bool = False
 
 
-PERSISTENT_WEIGHT_GRAD_TILE = WeightGradTile(128, 256, 64, num_warps=8, num_stages=3, persistent=True)
+PERSISTENT_WEIGHT_GRAD_TILE = WeightGradTile(128, 256, 32, num_warps=8, num_stages=4, persistent=True)
 
 
-def select_weight_grad_tile(device: torch.device, dtype: torch.dtype) -> WeightGradTile:
-    """Tile of the weight-gradient GEMMs (a fixed choice per backend until it is tuned like the forward's)."""
+# Rows per expert from which the persistent kernel wins on the H200 (Mixtral-8x7B, 1024 and 4096 rows: 564 / 606
+# against 449 / 448 TFLOP/s for the pointer kernel; at 128-256 rows, Qwen3, DeepSeek-V3, GPT-OSS, it lost 10-20%).
+PERSISTENT_WEIGHT_GRAD_MIN_ROWS = 1024
+
+
+def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_expert: int = 0) -> WeightGradTile:
+    """Tile of the weight-gradient GEMMs (a fixed choice per backend until it is tuned like the forward's);
+    rows_per_expert = T * top_k / E."""
     if device.type != "cuda":
         return WeightGradTile(32, 32, 16, persistent=True)  # the interpreter: few, small programs (and the CPU suite
         # runs the persistent kernel, as the H200 does)
     wide = torch.empty((), dtype=dtype).element_size() <= 2
-    if wide and has_tma(device):
-        # H200, bf16 (docs/performance.md, "Training"): the persistent descriptor kernel, 128 x 256 x 64 tiles with 8
-        # warps and 3 stages, as a plain persistent GEMM runs fastest in Triton there.
+    if wide and has_tma(device) and rows_per_expert >= PERSISTENT_WEIGHT_GRAD_MIN_ROWS:
+        # H200, bf16 (docs/performance.md, "Training"): the persistent descriptor kernel, best of 6 tiles.
         return PERSISTENT_WEIGHT_GRAD_TILE
     # The pointer kernel. H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward): 128 x 128 x 32 with 4
     # warps and 4 stages was the best of 7 candidates. fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of
