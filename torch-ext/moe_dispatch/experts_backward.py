@@ -172,6 +172,30 @@ def _gate_up_grad_kernel(
 
 
 @triton.jit
+def _rows_dot(b_acc, b_left_t, b_right, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """b_acc + left^T [BLOCK_I, BLOCK_P] @ right [BLOCK_P, BLOCK_J] (fp32 operands on the interpreter)."""
+    if DOT_FP32:  # see _device.dot_needs_fp32
+        b_left_t = b_left_t.to(tl.float32)
+        b_right = b_right.to(tl.float32)
+    return tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
+                       stride_out_i, stride_out_j, bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
+                       HAS_BIAS_GRAD: tl.constexpr, STORE_OUT: tl.constexpr):
+    """Masked store of one dW[e] tile (with STORE_OUT) and, from the first column tile, of its bias gradient."""
+    if STORE_OUT:
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
+                    + offs_j[None, :] * stride_out_j)
+        tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
+    if HAS_BIAS_GRAD:
+        if pid_j == 0:
+            tl.store(bias_grad_ptr + expert.to(tl.int64) * stride_bias_grad_e + offs_i * stride_bias_grad_i,
+                     b_bias_acc.to(bias_grad_ptr.dtype.element_ty), mask=mask_i)
+
+
+@triton.jit
 def _expert_weight_grad_kernel(
     # left [rows, n_i] and right [rows, n_j]: row of sorted position p is p, or its token with GATHER_*
     left_ptr, stride_left_m, stride_left_i,
@@ -231,17 +255,10 @@ def _expert_weight_grad_kernel(
                 b_bias_acc += tl.sum(b_left_t.to(tl.float32) * b_topk.to(tl.float32)[None, :], axis=1)
             else:
                 b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
-        if DOT_FP32:
-            b_left_t = b_left_t.to(tl.float32)
-            b_right = b_right.to(tl.float32)
-        b_acc = tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
-    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
-                + offs_j[None, :] * stride_out_j)
-    tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
-    if HAS_BIAS_GRAD:
-        if pid_j == 0:
-            tl.store(bias_grad_ptr + expert.to(tl.int64) * stride_bias_grad_e + offs_i * stride_bias_grad_i,
-                     b_bias_acc.to(bias_grad_ptr.dtype.element_ty), mask=mask_i)
+        b_acc = _rows_dot(b_acc, b_left_t, b_right, DOT_FP32, DOT_PRECISION)
+    _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
+                       stride_out_i, stride_out_j, bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
+                       HAS_BIAS_GRAD, True)
 
 
 @triton.jit
@@ -304,20 +321,12 @@ def _persistent_weight_grad_kernel(
                               mask=mask_p[:, None] & mask_j[None, :], other=0.0)
             if HAS_BIAS_GRAD:
                 b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
-            if DOT_FP32:
-                b_left_t = b_left_t.to(tl.float32)
-                b_right = b_right.to(tl.float32)
-            b_acc = tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
+            b_acc = _rows_dot(b_acc, b_left_t, b_right, DOT_FP32, DOT_PRECISION)
         if OUT_DESC:  # n_i is a whole number of BLOCK_I, so a tile never reaches the next expert's rows
             out_desc.store([expert * n_i + i0, j0], b_acc.to(out_desc.dtype))
-        else:
-            out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_i[:, None].to(tl.int64) * stride_out_i
-                        + offs_j[None, :] * stride_out_j)
-            tl.store(out_ptrs, b_acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
-        if HAS_BIAS_GRAD:
-            if pid_j == 0:
-                tl.store(bias_grad_ptr + expert.to(tl.int64) * stride_bias_grad_e + offs_i * stride_bias_grad_i,
-                         b_bias_acc.to(bias_grad_ptr.dtype.element_ty), mask=mask_i)
+        _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
+                           stride_out_i, stride_out_j, bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
+                           HAS_BIAS_GRAD, not OUT_DESC)
 
 
 @triton.jit
