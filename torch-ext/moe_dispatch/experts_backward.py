@@ -113,24 +113,48 @@ def _down_grad_kernel(
     b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_ptrs, w_ptrs, mask_m, mask_n, K, stride_grad_h, stride_w_k,
                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
 
-    mask_mn = mask_m[:, None] & mask_n[None, :]
+    b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
+                     mask=mask_m, other=0.0).to(tl.float32)
     rows = offs_m[:, None].to(tl.int64)
+    # The epilogue in two column halves: the whole tile's act, act' and both pre-activations at once would not fit
+    # the registers (ptxas spills 0.8 KB per thread at 128 x 128 with 8 warps, sm90); a half at a time does.
+    b_halves = tl.permute(tl.reshape(b_acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    b_left, b_right = tl.split(b_halves)
+    offs_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    b_sum = _down_grad_epilogue(b_left, b_topk, rows, mask_m, offs_left, n_cols, preact_ptr, stride_preact_m,
+                                d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
+                                STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
+    b_sum += _down_grad_epilogue(b_right, b_topk, rows, mask_m, offs_left + BLOCK_N // 2, n_cols, preact_ptr, stride_preact_m,
+                                 d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
+                                 STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
+    if STORE_PARTIAL:
+        tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, b_sum, mask=mask_m)
+
+
+@triton.jit
+def _down_grad_epilogue(b_g, b_topk, rows, mask_m, offs_n, n_cols, preact_ptr, stride_preact_m, d_preact_ptr,
+                        stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION: tl.constexpr,
+                        STORE_D_PREACT: tl.constexpr, STORE_ACT: tl.constexpr, STORE_PARTIAL: tl.constexpr):
+    """One column block of `_down_grad_kernel`'s tile: g [rows, cols] = dout_t @ W_down[e] before the routing weight.
+    Recomputes act from preact, stores act and d_preact = w * g * act'(h) (as the flags ask) and returns the rows'
+    sums of g * act over these columns (zeros without STORE_PARTIAL)."""
+    mask_n = offs_n < n_cols
+    mask_mn = mask_m[:, None] & mask_n[None, :]
     preact_ptrs = preact_ptr + rows * stride_preact_m + offs_n[None, :]
     b_gate = tl.load(preact_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
     b_up = tl.load(preact_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
     b_act, b_d_gate, b_d_up = _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION)
+    b_sum = tl.zeros_like(b_topk)
     if STORE_PARTIAL:
-        tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, tl.sum(tl.where(mask_mn, b_acc * b_act, 0.0),
-                                                                                axis=1), mask=mask_m)
-    b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
-                     mask=mask_m, other=0.0).to(tl.float32)
+        b_sum = tl.sum(tl.where(mask_mn, b_g * b_act, 0.0), axis=1)
     if STORE_ACT:  # dW_down[e] = sum_p (w dout_t)^T act_p: the routing weight is in the sorted copy of dout
         tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act.to(act_ptr.dtype.element_ty), mask=mask_mn)
     if STORE_D_PREACT:
-        b_d_act = b_acc * b_topk[:, None]
+        b_d_act = b_g * b_topk[:, None]
         d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
         tl.store(d_preact_ptrs, (b_d_act * b_d_gate).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
         tl.store(d_preact_ptrs + n_cols, (b_d_act * b_d_up).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
+    return b_sum
 
 
 @triton.jit
