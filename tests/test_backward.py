@@ -258,51 +258,6 @@ def test_capacity_drops_get_no_gradient():
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-@pytest.mark.parametrize("case", [c for c in GRAD_CASES if c.id in ("silu", "gpt-oss", "top1-ragged", "bf16")],
-                         ids=lambda c: c.id)
-def test_down_grad_kernels_against_float64(case, persistent, monkeypatch, poison_empty):
-    """Every gradient with the dA GEMM forced onto each kernel: the persistent one with the weight's descriptor in
-    both layouts (untransposed: K-side rows; transposed: column-side rows) and, at H = 33, the pointer kernel it falls
-    back to when a K step would cross into the next expert's rows."""
-    from moe_dispatch import experts_backward
-    from moe_dispatch.tiles import Persistent
-
-    planned = experts_backward.plan_backward
-
-    def forced(*args, **kwargs):
-        plan = planned(*args, **kwargs)
-        gate_up = dataclasses.replace(plan.tiles.gate_up, persistent=Persistent.ON if persistent else Persistent.OFF)
-        return dataclasses.replace(plan, tiles=dataclasses.replace(plan.tiles, gate_up=gate_up))
-
-    monkeypatch.setattr(experts_backward, "plan_backward", forced)
-    inputs, ids, options = _experts_inputs(case)
-    grad_out = torch.randn(case.T, case.H).to(DEVICE, case.dtype)
-    _, grads = _run_experts(inputs, ids, options, grad_out)
-    _, ref_grads = _reference_grads(inputs, ids, options, grad_out)
-    for name, grad in grads.items():
-        assert_grad_close(grad, ref_grads[name], case.dtype, f"d {name}")
-
-
-def test_down_grad_kernel_choice():
-    """The persistent dA kernel runs where the tile asks for it and W_down fits a descriptor; else the pointer one."""
-    from moe_dispatch._device import has_tma
-    from moe_dispatch.planner import down_grad_kernel
-    from moe_dispatch.tiles import GemmTile, Persistent
-
-    dout = torch.zeros(4, 64, dtype=torch.bfloat16)
-    w_down = torch.zeros(3, 64, 48, dtype=torch.bfloat16)  # [E, H, F]
-    on, off = GemmTile(32, 32, 4, 1, 4, Persistent.ON), GemmTile(32, 32, 4, 1, 4)
-    assert down_grad_kernel(dout, w_down, on, transposed=False) == has_tma(dout.device)
-    assert not down_grad_kernel(dout, w_down, off, transposed=False)
-    assert not down_grad_kernel(dout, torch.zeros(3, 48, 64, dtype=torch.bfloat16)[:, :40], on,
-                                transposed=False)  # H = 40: a K step of 32 would reach the next expert
-    assert down_grad_kernel(dout, torch.zeros(3, 48, 64, dtype=torch.bfloat16)[:, :40], on,
-                            transposed=True) == has_tma(dout.device)  # [E, F, H]: K is the descriptor's columns
-    assert not down_grad_kernel(dout, w_down.transpose(1, 2), on, transposed=True)  # last dimension strided
-    assert not down_grad_kernel(dout[:, ::2], w_down[:, :32], on, transposed=False)  # dout's columns strided
-
-
-@pytest.mark.parametrize("persistent", [True, False])
 def test_weight_grad_kernels_against_float64(persistent):
     """The weight-gradient GEMM out[e] = left_e^T right_e over each expert's sorted rows (and the bias gradient as its
     column sums), both kernels: experts with no rows, with fewer rows than block_p and with a partial last block;

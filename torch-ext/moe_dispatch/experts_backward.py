@@ -39,11 +39,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
-from .gemm_args import descriptor_rows, dot_options, same_strides, weight_strides
-from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup, tile_setup_at
+from .gemm_args import dot_options, same_strides, weight_strides
+from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup
 from .gemm_args import rows_fit_descriptor
 from .persistent_gemm import num_programs
-from .planner import down_grad_kernel, plan_backward, weight_grad_kernel
+from .planner import plan_backward, weight_grad_kernel
 from .row_copies import PLAIN, Layout, launch_gather
 from .tiles import MoeTiles, WeightGradTile
 from ._plan import launch
@@ -113,98 +113,20 @@ def _down_grad_kernel(
     b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_ptrs, w_ptrs, mask_m, mask_n, K, stride_grad_h, stride_w_k,
                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
 
-    _down_grad_tile_epilogue(b_acc, b_token, b_assignment, offs_m, mask_m, pid_n, n_cols, num_rows, preact_ptr,
-                             stride_preact_m, d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, partial_ptr,
-                             topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, TOP_K, ACTIVATION,
-                             STORE_D_PREACT, STORE_ACT, STORE_PARTIAL, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _persistent_down_grad_kernel(
-    # dout [T, H] (column stride 1): the A rows, read at each assignment's token through pointers
-    grad_out_ptr, stride_grad_t,
-    # W_down through a descriptor: [BLOCK_K, BLOCK_N] tiles over [E * K, n_cols] when W_KN (expert e's row k is
-    # e * w_rows_per_expert + k), else [BLOCK_N, BLOCK_K] tiles over [E * n_cols, K] (row j at e * w_rows_per_expert + j)
-    w_desc, w_rows_per_expert,
-    preact_ptr, stride_preact_m,
-    d_preact_ptr, stride_d_preact_m,
-    act_ptr, stride_act_m,
-    partial_ptr,
-    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
-    topk_weights_ptr, stride_topk_t, stride_topk_k,
-    num_tokens, num_rows, n_cols, K, E, max_tiles,
-    alpha, limit,
-    TOP_K: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    STORE_D_PREACT: tl.constexpr,
-    STORE_ACT: tl.constexpr,
-    STORE_PARTIAL: tl.constexpr,
-    W_KN: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):
-    """Grid: (NUM_PROGRAMS,). `_down_grad_kernel`'s tiles (same sums in the same order, same epilogue), program q
-    taking tiles q, q + NUM_PROGRAMS, ... in tile_coords' grouped order, the weight tiles by TMA. With W_KN, K is a
-    whole number of BLOCK_K (planner.down_grad_kernel), so a weight tile never reaches the next expert's rows; columns
-    past n_cols are the descriptor's zero fill. Otherwise rows past n_cols belong to the next expert and only feed
-    columns that are never stored, and K past the end is zero fill."""
-    num_tiles = max_tiles * tl.cdiv(n_cols, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-        expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup_at(
-            tile_id, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, num_rows, n_cols, E, max_tiles,
-            BLOCK_M, BLOCK_N, GROUP_M)
-        if expert >= 0:
-            b_token, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
-            a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :]
-            w_row = expert * w_rows_per_expert
-            b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    b_a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                else:
-                    b_a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-                if W_KN:
-                    b_w = w_desc.load([w_row + k0, pid_n * BLOCK_N])
-                else:
-                    b_w = w_desc.load([w_row + pid_n * BLOCK_N, k0]).T
-                if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
-                    b_a = b_a.to(tl.float32)
-                    b_w = b_w.to(tl.float32)
-                b_acc = tl.dot(b_a, b_w, b_acc)
-                a_ptrs += BLOCK_K
-            _down_grad_tile_epilogue(b_acc, b_token, b_assignment, offs_m, mask_m, pid_n, n_cols, num_rows,
-                                     preact_ptr, stride_preact_m, d_preact_ptr, stride_d_preact_m, act_ptr,
-                                     stride_act_m, partial_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k,
-                                     alpha, limit, TOP_K, ACTIVATION, STORE_D_PREACT, STORE_ACT, STORE_PARTIAL,
-                                     BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _down_grad_tile_epilogue(b_acc, b_token, b_assignment, offs_m, mask_m, pid_n, n_cols, num_rows, preact_ptr,
-                             stride_preact_m, d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, partial_ptr,
-                             topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, TOP_K: tl.constexpr,
-                             ACTIVATION: tl.constexpr, STORE_D_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
-                             STORE_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The epilogue of one dA tile, g = b_acc [BLOCK_M, BLOCK_N] (column tile pid_n), in two column halves: the whole
-    tile's act, act' and both pre-activations at once would not fit the registers (ptxas spilled 0.8 KB per thread
-    at 128 x 128 with 8 warps, sm90); a half at a time does. The partial of the tile is the two halves' sums added."""
     b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
                      mask=mask_m, other=0.0).to(tl.float32)
     rows = offs_m[:, None].to(tl.int64)
-    b_left, b_right = tl.split(tl.permute(tl.reshape(b_acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    # The epilogue in two column halves: the whole tile's act, act' and both pre-activations at once would not fit
+    # the registers (ptxas spills 0.8 KB per thread at 128 x 128 with 8 warps, sm90); a half at a time does.
+    b_halves = tl.permute(tl.reshape(b_acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    b_left, b_right = tl.split(b_halves)
     offs_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
     b_sum = _down_grad_epilogue(b_left, b_topk, rows, mask_m, offs_left, n_cols, preact_ptr, stride_preact_m,
                                 d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
                                 STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
-    b_sum += _down_grad_epilogue(b_right, b_topk, rows, mask_m, offs_left + BLOCK_N // 2, n_cols, preact_ptr,
-                                 stride_preact_m, d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha,
-                                 limit, ACTIVATION, STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
+    b_sum += _down_grad_epilogue(b_right, b_topk, rows, mask_m, offs_left + BLOCK_N // 2, n_cols, preact_ptr, stride_preact_m,
+                                 d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
+                                 STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
     if STORE_PARTIAL:
         tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, b_sum, mask=mask_m)
 
@@ -593,31 +515,28 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
     if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
         dot_fp32, precision = dot_options(x.dtype)
-        outputs = (preact, preact.stride(0),
-                   d_preact, d_preact.stride(0) if needs_d_preact else 0,
-                   act, act.stride(0) if needs_act else 0,
-                   partial,
-                   info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
-                   topk_weights, topk_weights.stride(0), topk_weights.stride(1),
-                   T, N, F, H, E, info.max_tiles,
-                   float(alpha), float(limit))
-        flags = dict(TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), STORE_D_PREACT=needs_d_preact,
-                     STORE_ACT=needs_act, STORE_PARTIAL=needs_partial, DOT_FP32=dot_fp32, EVEN_K=H % tile.block_k == 0,
-                     BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                     num_warps=tile.num_warps, num_stages=tile.num_stages)
-        if down_grad_kernel(grad_out, w_down, tile, transposed=transposed):
-            w_rows, rows_per_expert = descriptor_rows(w_down, w_down.shape[1])
-            block = [tile.block_n, tile.block_k] if transposed else [tile.block_k, tile.block_n]
-            w_desc = TensorDescriptor(w_down, [w_rows, w_down.shape[2]], [w_down.stride(1), 1], block)
-            programs = num_programs(device, info.max_tiles * n_partials)
-            launch(_persistent_down_grad_kernel, (programs,),
-                   grad_out, grad_out.stride(0), w_desc, rows_per_expert, *outputs,
-                   W_KN=not transposed, NUM_PROGRAMS=programs, **flags)
-        else:
-            launch(_down_grad_kernel, (info.max_tiles * n_partials,),
-                   grad_out, grad_out.stride(0), grad_out.stride(1),
-                   w_down, *weight_strides(w_down, not transposed), *outputs,
-                   DOT_PRECISION=precision, **flags)
+        launch(_down_grad_kernel, (info.max_tiles * n_partials,),
+            grad_out, grad_out.stride(0), grad_out.stride(1),
+            w_down, *weight_strides(w_down, not transposed),
+            preact, preact.stride(0),
+            d_preact, d_preact.stride(0) if needs_d_preact else 0,
+            act, act.stride(0) if needs_act else 0,
+            partial,
+            info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
+            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
+            T, N, F, H, E, info.max_tiles,
+            float(alpha), float(limit),
+            TOP_K=top_k,
+            ACTIVATION=int(Activation.of(activation)),
+            STORE_D_PREACT=needs_d_preact,
+            STORE_ACT=needs_act,
+            STORE_PARTIAL=needs_partial,
+            DOT_FP32=dot_fp32,
+            DOT_PRECISION=precision,
+            EVEN_K=H % tile.block_k == 0,
+            BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
     elif needs_d_preact:  # nothing kept (or F = 0): every gradient through the experts is zero
         d_preact.zero_()
         if needs_act:

@@ -7,7 +7,6 @@ decides; it launches nothing and imports no launcher.
                        the dequant path) or the w8a8 path (fp8_gemm.w8a8_experts), with its tiles
   plan_backward        the tiles of the experts backward (experts_backward.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
-  down_grad_kernel     the backward's dA GEMM: the pointer kernel or the persistent one with the weight by TMA
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
@@ -29,7 +28,7 @@ import torch
 from ._checks import check_choice
 from ._device import has_tma, has_wgmma, is_interpreter
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
-from .gemm_args import GemmWeights, descriptor_rows, rows_fit_descriptor, weights_fit_descriptors
+from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                     select_decode_tiles, select_fp8_tiles, select_tiles, select_weight_grad_tile)
 
@@ -122,21 +121,6 @@ def weight_grad_kernel(left, right, out, tile: WeightGradTile) -> bool:
     dtype, so the CPU suite's float32 and float64 cases run the kernel too."""
     return (tile.persistent and has_tma(left.device) and (left.dtype in DESCRIPTOR_DTYPES or is_interpreter())
             and out.shape[0] > 0 and left.shape[0] > 0 and rows_fit_descriptor(left) and rows_fit_descriptor(right))
-
-
-def down_grad_kernel(grad_out, w_down, tile: GemmTile, *, transposed: bool) -> bool:
-    """Whether experts_backward's dA GEMM (dout[token] @ W_down[e]) runs `_persistent_down_grad_kernel`: the tile
-    asks for a persistent kernel, TMA on the device, a descriptor dtype (any on the interpreter), dout's columns
-    contiguous, and W_down as stored ([E, H, F], or [E, F, H] when `transposed`) readable as descriptor tiles of its
-    last two dimensions (gemm_args.descriptor_rows). Untransposed, the K side (H) is the descriptor's rows, so a K
-    step must not run into the next expert's: H a whole number of block_k."""
-    if tile.persistent == Persistent.OFF or not has_tma(grad_out.device) or w_down.shape[0] == 0:
-        return False
-    if grad_out.dtype not in DESCRIPTOR_DTYPES and not is_interpreter():
-        return False
-    if grad_out.stride(1) != 1 or descriptor_rows(w_down, w_down.shape[1]) is None:
-        return False
-    return transposed or w_down.shape[1] % tile.block_k == 0
 
 
 def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, hidden: int,
