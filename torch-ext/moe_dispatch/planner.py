@@ -30,7 +30,8 @@ from ._device import has_tma, has_wgmma, is_interpreter
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
-                    select_decode_tiles, select_fp8_tiles, select_tiles, select_weight_grad_tile)
+                    select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
+                    select_weight_grad_tile)
 
 DESCRIPTOR_DTYPES = (torch.bfloat16, torch.float16)  # what the bf16 persistent kernel's dots take
 # wgmma, the instruction the FP8 persistent kernel exists for, works on 64-row slabs per warpgroup; smaller tiles
@@ -105,10 +106,12 @@ def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts
                   dtype: torch.dtype, *, tiles: MoeTiles | None = None,
                   weight_tile: WeightGradTile | None = None) -> BackwardPlan:
     """The tiles of one experts backward: the forced ones where given (tuning, tests), else the forward's table for
-    the input-gradient GEMMs (they stream the same operands as the forward's GEMMs, transposed) and the weight-
-    gradient tile of the device (tiles.select_weight_grad_tile)."""
+    the input-gradient GEMMs (they stream the same operands as the forward's GEMMs, transposed; dA's with the stages
+    of tiles.select_down_grad_tile) and the weight-gradient tile of the device (tiles.select_weight_grad_tile)."""
     if tiles is None:
         tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype)
+        down_grad = select_down_grad_tile(device, tiles.gate_up, tiles.block_m, dtype.itemsize)
+        tiles = dataclasses.replace(tiles, gate_up=down_grad)
     if weight_tile is None:
         weight_tile = select_weight_grad_tile(device, dtype, num_tokens * top_k // max(num_experts, 1))
     return BackwardPlan(tiles, weight_tile)

@@ -40,7 +40,7 @@ import os
 
 import torch
 
-from ._device import device_key, has_tma, is_hip
+from ._device import device_key, has_tma, has_wgmma, is_hip, smem_per_program
 
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _log = logging.getLogger(__name__)
@@ -221,6 +221,24 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_e
     # warps and 4 stages was the best of 7 candidates. fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of
     # LDS holds two stages.
     return WeightGradTile(128, 128, 32 if wide else 16, num_warps=4, num_stages=2 if is_hip() else 4)
+
+
+# Stages of the backward's dA GEMM on Hopper. It streams one weight tile per K step against the forward gate/up GEMM's
+# two, so the forward's tile (same widths) holds more stages in the same shared memory. H200, bf16, 128 x 128 x 64,
+# 8 warps, 3 -> 4 stages (same-run kernel times, docs/results/h200-down-grad-probe-v15.json): Mixtral-8x7B T = 4096
+# 2490 -> 2071 us, Qwen2-57B 1742 -> 1468, Qwen3-30B 414 -> 361, DeepSeek-V3 3507 -> 3043, GPT-OSS 1235 -> 1034.
+DOWN_GRAD_STAGES = 4
+
+
+def select_down_grad_tile(device: torch.device, gate_up: GemmTile, block_m: int, itemsize: int) -> GemmTile:
+    """The dA GEMM's tile (experts_backward.py's `_down_grad_kernel`): the forward's gate_up tile, with
+    DOWN_GRAD_STAGES stages on Hopper where they fit the device's shared memory; elsewhere (SM80, AMD, the
+    interpreter; not measured) the forward's own."""
+    stage_bytes = (block_m + gate_up.block_n) * gate_up.block_k * itemsize
+    smem = smem_per_program(device) if has_wgmma(device) and device.type == "cuda" else None
+    if smem is None or gate_up.num_stages >= DOWN_GRAD_STAGES or DOWN_GRAD_STAGES * stage_bytes > smem:
+        return gate_up
+    return dataclasses.replace(gate_up, num_stages=DOWN_GRAD_STAGES)
 
 
 @functools.lru_cache(maxsize=None)
