@@ -205,6 +205,25 @@ def _rows_dot(b_acc, b_left_t, b_right, DOT_FP32: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
+def _bias_dot(b_cols, b_left_t, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """b_cols [BLOCK_I, 16] + left^T @ ones: every column the rows' sums of left^T [BLOCK_I, BLOCK_P] (`_first_column`
+    reads one). The bias gradient as an MMA rather than a sum in registers: a pipelined operand that is also read
+    into registers gets one shared-memory buffer fewer from Triton's pipeliner (3.6 - 3.9, sm90) while the async MMA
+    still reads the buffer the next copy overwrites, which made the weight gradients of biased experts differ from
+    run to run."""
+    b_ones = tl.full((b_left_t.shape[1], 16), 1.0, b_left_t.dtype)
+    if DOT_FP32:  # see _device.dot_needs_fp32
+        return tl.dot(b_left_t.to(tl.float32), b_ones.to(tl.float32), b_cols, input_precision=DOT_PRECISION)
+    return tl.dot(b_left_t, b_ones, b_cols, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _first_column(b_cols):
+    """Column 0 of [rows, 16] sums (selected, not added to the others: an inf stays inf)."""
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, b_cols, 0.0), axis=1)
+
+
+@triton.jit
 def _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
                        stride_out_i, stride_out_j, bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
                        HAS_BIAS_GRAD: tl.constexpr, STORE_OUT: tl.constexpr):
@@ -233,6 +252,7 @@ def _expert_weight_grad_kernel(
     GATHER_LEFT: tl.constexpr,
     GATHER_RIGHT: tl.constexpr,
     HAS_BIAS_GRAD: tl.constexpr,
+    BIAS_ONLY: tl.constexpr,
     WEIGHT_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -242,7 +262,8 @@ def _expert_weight_grad_kernel(
 ):
     """Grid: (E * cdiv(n_i, BLOCK_I) * cdiv(n_j, BLOCK_J),). out[e, i, j] = sum over expert e's sorted positions p, in
     order, of left[p, i] * right[p, j]; bias_grad[e, i] = the same sum of left[p, i] (times the routing weight with
-    WEIGHT_BIAS). An expert without rows gets zeros."""
+    WEIGHT_BIAS). An expert without rows gets zeros. BIAS_ONLY (a bias gradient without its weight's): no dot, out
+    not written, the sums in registers (no MMA reads the operand, see `_bias_dot`)."""
     pid = tl.program_id(0)
     num_i = tl.cdiv(n_i, BLOCK_I)
     num_j = tl.cdiv(n_j, BLOCK_J)
@@ -257,6 +278,7 @@ def _expert_weight_grad_kernel(
     mask_j = offs_j < n_j
     b_acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
     b_bias_acc = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    b_bias_cols = tl.zeros((BLOCK_I, 16), dtype=tl.float32)
     for p0 in range(row_start, row_end, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         mask_p = offs_p < row_end
@@ -272,17 +294,22 @@ def _expert_weight_grad_kernel(
         b_right = tl.load(right_ptr + right_rows[:, None].to(tl.int64) * stride_right_m
                           + offs_j[None, :] * stride_right_j,
                           mask=mask_right[:, None] & mask_j[None, :], other=0.0)  # [BLOCK_P, BLOCK_J]
-        if HAS_BIAS_GRAD:
+        if BIAS_ONLY:
             if WEIGHT_BIAS:
                 b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t
                                  + (b_assignment % TOP_K) * stride_topk_k, mask=mask_token, other=0.0)
                 b_bias_acc += tl.sum(b_left_t.to(tl.float32) * b_topk.to(tl.float32)[None, :], axis=1)
             else:
                 b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
-        b_acc = _rows_dot(b_acc, b_left_t, b_right, DOT_FP32, DOT_PRECISION)
+        else:
+            if HAS_BIAS_GRAD:
+                b_bias_cols = _bias_dot(b_bias_cols, b_left_t, DOT_FP32, DOT_PRECISION)
+            b_acc = _rows_dot(b_acc, b_left_t, b_right, DOT_FP32, DOT_PRECISION)
+    if HAS_BIAS_GRAD and not BIAS_ONLY:
+        b_bias_acc = _first_column(b_bias_cols)
     _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
                        stride_out_i, stride_out_j, bias_grad_ptr, stride_bias_grad_e, stride_bias_grad_i,
-                       HAS_BIAS_GRAD, True)
+                       HAS_BIAS_GRAD, not BIAS_ONLY)
 
 
 @triton.jit
@@ -325,13 +352,13 @@ def _persistent_weight_grad_kernel(
         mask_i = offs_i < n_i
         mask_j = offs_j < n_j
         b_acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
-        b_bias_acc = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        b_bias_cols = tl.zeros((BLOCK_I, 16), dtype=tl.float32)
         whole_end = row_start + ((row_end - row_start) // BLOCK_P) * BLOCK_P
         for p0 in range(row_start, whole_end, BLOCK_P):
             b_left = left_desc.load([p0, i0])  # [BLOCK_P, BLOCK_I]
             b_right = right_desc.load([p0, j0])  # [BLOCK_P, BLOCK_J]
             if HAS_BIAS_GRAD:
-                b_bias_acc += tl.sum(b_left.to(tl.float32), axis=0)
+                b_bias_cols = _bias_dot(b_bias_cols, b_left.T, DOT_FP32, DOT_PRECISION)
             if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
                 b_left = b_left.to(tl.float32)
                 b_right = b_right.to(tl.float32)
@@ -344,8 +371,9 @@ def _persistent_weight_grad_kernel(
             b_right = tl.load(right_ptr + offs_p[:, None].to(tl.int64) * stride_right_m + offs_j[None, :],
                               mask=mask_p[:, None] & mask_j[None, :], other=0.0)
             if HAS_BIAS_GRAD:
-                b_bias_acc += tl.sum(b_left_t.to(tl.float32), axis=1)
+                b_bias_cols = _bias_dot(b_bias_cols, b_left_t, DOT_FP32, DOT_PRECISION)
             b_acc = _rows_dot(b_acc, b_left_t, b_right, DOT_FP32, DOT_PRECISION)
+        b_bias_acc = _first_column(b_bias_cols)
         if OUT_DESC:  # n_i is a whole number of BLOCK_I, so a tile never reaches the next expert's rows
             out_desc.store([expert * n_i + i0, j0], b_acc.to(out_desc.dtype))
         _store_weight_grad(b_acc, b_bias_acc, expert, pid_j, offs_i, mask_i, offs_j, mask_j, out_ptr, stride_out_e,
@@ -393,12 +421,12 @@ def _topk_weights_grad_kernel(
 
 
 def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGradTile, *, gather_left=False,
-                 gather_right=False, weight_bias=False):
+                 gather_right=False, weight_bias=False, bias_only=False):
     """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernels
     (the persistent one where planner.weight_grad_kernel allows it)."""
     E, n_i, n_j = out.shape
     dot_fp32, precision = dot_options(left.dtype)
-    if not (gather_left or gather_right or weight_bias) and weight_grad_kernel(left, right, out, tile):
+    if not (gather_left or gather_right or bias_only) and weight_grad_kernel(left, right, out, tile):
         _persistent_weight_grad(left, right, out, bias_grad, info, tile, dot_fp32, precision)
         return
     grid = (E * cdiv(n_i, tile.block_i) * cdiv(n_j, tile.block_j),)
@@ -414,6 +442,7 @@ def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGr
         GATHER_LEFT=gather_left,
         GATHER_RIGHT=gather_right,
         HAS_BIAS_GRAD=bias_grad is not None,
+        BIAS_ONLY=bias_only,
         WEIGHT_BIAS=weight_bias,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
@@ -577,7 +606,8 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         combine(rows, scatter_idx, T, top_k, out=grads.x)
 
     # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
-    # A bias gradient without its weight's runs the gathered loop against a one-column stand-in for the weight's.
+    # A bias gradient without its weight's runs the pointer kernel's BIAS_ONLY loop (out a one-column stand-in, left
+    # unwritten).
     layout = Layout(PLAIN.value, top_k)
     if needs_w_gate_up:
         x_rows = launch_gather(x.contiguous(), info.gather_idx, None, None, None, layout, N, out=rows)
@@ -589,7 +619,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
         else:
             out, right, gather_right = torch.empty((E, F, 1), device=device, dtype=torch.float32), x[:, :1], True
         _weight_grad(d_preact[:, half * F:(half + 1) * F], right, out, d_bias, info, topk_weights, weight_tile,
-                     gather_right=gather_right)
+                     gather_right=gather_right, bias_only=d_w is None)
     if grads.w_down is not None:
         dout_rows = launch_gather(grad_out.contiguous(), info.gather_idx, topk_weights.contiguous(), None, None,
                                   layout, N, out=rows)  # w * dout[token] in sorted order
@@ -598,4 +628,4 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
     elif grads.down_bias is not None:
         _weight_grad(grad_out, grad_out[:, :1], torch.empty((E, H, 1), device=device, dtype=torch.float32),
                      grads.down_bias, info, topk_weights, weight_tile, gather_left=True, gather_right=True,
-                     weight_bias=True)
+                     weight_bias=True, bias_only=True)
