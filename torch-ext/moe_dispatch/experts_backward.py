@@ -423,18 +423,7 @@ def _topk_weights_grad_kernel(
 def _weight_grad(left, right, out, bias_grad, info, topk_weights, tile: WeightGradTile, *, gather_left=False,
                  gather_right=False, weight_bias=False, bias_only=False):
     """out[e] (a [n_i, n_j] view per expert, any strides) = left_e^T right_e over expert e's rows; see the kernels
-    (the persistent one where planner.weight_grad_kernel allows it). `bias_only`: only bias_grad (out a stand-in of
-    shape [E, n_i, 1], not written)."""
-    if out.stride(2) > out.stride(1) and not bias_only:
-        # out's i side is the one along memory (a transposed weight): compute out^T = right^T left, so that a tile's
-        # stores run along memory rather than one 2-byte element per sector; the bias (left's column sums) then gets
-        # a bias-only launch of its own
-        _weight_grad(right, left, out.transpose(1, 2), None, info, topk_weights, tile, gather_left=gather_right,
-                     gather_right=gather_left)
-        if bias_grad is not None:
-            _weight_grad(left, right, out[:, :, :1], bias_grad, info, topk_weights, tile, gather_left=gather_left,
-                         gather_right=gather_right, bias_only=True)
-        return
+    (the persistent one where planner.weight_grad_kernel allows it)."""
     E, n_i, n_j = out.shape
     dot_fp32, precision = dot_options(left.dtype)
     if not (gather_left or gather_right or bias_only) and weight_grad_kernel(left, right, out, tile):
