@@ -108,7 +108,8 @@ FP8_TILES = {
         "small": ((64, 64, 4, 4, 8), (64, 128, 4, 4, 8), (128, 64, 4, 4, 8), (128, 128, 4, 3, 8), (64, 128, 4, 5, 8),
                   (128, 128, 4, 4, 8)),
         "mid": ((128, 64, 4, 4, 8), (128, 128, 4, 3, 8), (256, 64, 8, 3, 8), (64, 128, 4, 4, 8), (128, 64, 8, 4, 8)),
-        "large": ((128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8), (256, 128, 8, 3, 8), (128, 64, 8, 3, 8)),
+        "large": ((128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8), (256, 128, 8, 3, 8), (128, 64, 8, 3, 8),
+                  (128, 128, 8, 4, 8)),
     },
 }
 # The decode path's kernels: (block_n, block_k, num_warps, num_stages[, split_k]). The gate/up kernel is a tl.dot of
@@ -666,10 +667,11 @@ class Fp8Path(TunerPath):
         block_ms = run.args.block_m or cls.block_m_candidates(unit.key)
 
         def with_gate_up(held, tile):
-            """A gate_up candidate narrower than the held down GEMM's group takes the group down to its BLOCK_N
-            (w8a8_tiles would otherwise round the BLOCK_N up to the group)."""
+            """A pointer gate_up candidate narrower than the held down GEMM's group takes the group down to its BLOCK_N
+            (w8a8_tiles would otherwise round the BLOCK_N up to the group); a persistent one keeps both (a pass
+            quantizes its intermediate: fp8_gemm.w8a8_gemm1)."""
             tiles = dataclasses.replace(held, gate_up=tile)
-            if tiles.down.block_k > tile.block_n:
+            if not tile.persistent and tiles.down.block_k > tile.block_n:
                 tiles = dataclasses.replace(tiles, down=dataclasses.replace(tiles.down, block_k=tile.block_n))
             return tiles
 

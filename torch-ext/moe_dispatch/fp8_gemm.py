@@ -12,7 +12,9 @@ The experts path on this kernel (moe.py runs it when `planner.choose_fp8_compute
                 added to the fp32 accumulator; channel / tensor weight scales and static activation scales multiply
                 it once after the K loop.
                 Epilogue: bias, activation, then the intermediate quantized per row and G2 columns
-                -> h [N, F] float8 + h_scale [N, cdiv(F, G2)] fp32 (a static down input scale: h alone)
+                -> h [N, F] float8 + h_scale [N, cdiv(F, G2)] fp32 (a static down input scale: h alone); where
+                GEMM1's output tile is not a multiple of G2 columns (persistent tiles, whose gate and up rows
+                pair into one dot twice the output's width), h in x's dtype, then `quantize_fp8_rows` per G2
       -> GEMM2  h read as it is (no quantization pass), its scale per K step of G2 columns; routed weight in the
                 epilogue -> y [N, H] in x's dtype -> combine.py
 
@@ -225,11 +227,15 @@ def _group(tile_block_k, weight_scale: WeightScale):
 
 def w8a8_tiles(tiles: MoeTiles, gate_up_scale: WeightScale, down_scale: WeightScale, *, static_intermediate=False):
     """The tiles `tiles` with w8a8's constraints applied: BLOCK_K of each GEMM is its activation group (`_group`), and
-    GEMM1's BLOCK_N a multiple of GEMM2's group unless the intermediate has a static scale. block_m is kept (the
-    dispatch tile map was built with it), and so are the other fields (warps, stages, group_m, persistent)."""
+    a pointer GEMM1's BLOCK_N a multiple of GEMM2's group unless the intermediate has a static scale (a persistent
+    GEMM1 keeps its BLOCK_N: where it is not a multiple, `w8a8_gemm1` quantizes the intermediate in a pass). block_m
+    is kept (the dispatch tile map was built with it), and so are the other fields (warps, stages, group_m,
+    persistent)."""
     g1 = _group(tiles.gate_up.block_k, gate_up_scale)
     g2 = _group(tiles.down.block_k, down_scale)
-    block_n = tiles.gate_up.block_n if static_intermediate else -(-tiles.gate_up.block_n // g2) * g2
+    block_n = tiles.gate_up.block_n
+    if not static_intermediate and not tiles.gate_up.persistent:
+        block_n = -(-block_n // g2) * g2
     return MoeTiles(tiles.block_m, dataclasses.replace(tiles.gate_up, block_n=block_n, block_k=g1),
                     dataclasses.replace(tiles.down, block_k=g2))
 
@@ -356,17 +362,23 @@ def w8a8_gemm1(x, w_gate, w_up, info, tiles: MoeTiles, gate_up_scale: WeightScal
     pass also gathers the rows into expert-sorted order (where descriptors exist: TMA, K-contiguous weights), so the
     persistent kernel reads A through a descriptor (`w8a8_gemm` still takes the pointer kernel, on the sorted rows, when
     the weights' layout does not allow descriptors)."""
-    x_scale, gather_a = None, True
+    x_scale, gather_a, out_dtype = None, True, x.dtype
     prequantize, sorted_rows = w8a8_input(tiles, x.device, transposed=transposed, input_scale=gate_up_input_scale)
     if prequantize:
         x, x_scale = quantize_fp8_rows(x, tiles.gate_up.block_k, gate_up_input_scale,
                                        info=info if sorted_rows else None)
         gather_a = not sorted_rows
+    # An output tile narrower than (or not a multiple of) GEMM2's group cannot see whole groups: the intermediate is
+    # then written in the input's float dtype and quantized by a pass (rows in sorted order, no gather).
+    group = tiles.down.block_k
+    quantize_after = down_input_scale is None and tiles.gate_up.block_n % group != 0
     out = w8a8_gemm(x, w_gate, info, tiles.gate_up, gate_up_scale, a_scale=x_scale, a_static=gate_up_input_scale,
                     weight_up=w_up,
                     transposed=transposed, gather_a=gather_a, activation=activation, bias=gate_bias, bias_up=up_bias,
-                    alpha=alpha, limit=limit, out_static=down_input_scale,
-                    out_group=None if down_input_scale is not None else tiles.down.block_k)
+                    alpha=alpha, limit=limit, out_dtype=out_dtype, out_static=down_input_scale,
+                    out_group=None if down_input_scale is not None or quantize_after else group)
+    if quantize_after:
+        return quantize_fp8_rows(out, group)
     return out if down_input_scale is None else (out, None)
 
 

@@ -11,6 +11,12 @@ per SM walks the output tiles in grouped order, and both operands arrive as desc
   expert it reaches are computed and never stored (the epilogue's row mask), rows past the end read the zero fill.
 - Weights: [BLOCK_N, BLOCK_K] tiles of the expert-stacked [E, n, K] float8 weight through persistent_gemm's
   `weight_descriptors` (expert e's row j is descriptor row e * rows_per_expert + j; see persistent_gemm.py).
+- Gate and up paired (PAIRING, `pair_descriptor`): where the gate and up views are two halves of one [E, 2F, K]
+  weight (concatenated or interleaved rows), one 3-D descriptor tile brings the BLOCK_N gate rows and the BLOCK_N up
+  rows of the output tile together as one [2 BLOCK_N, BLOCK_K] operand, and each K step is one dot of N = 2 BLOCK_N
+  (one wait for the tensor cores and one scale multiply per K step instead of two of half the width: on an H200 the
+  scale multiply after each dot is what holds the FP8 loop at ~820 TFLOP/s against ~1150 without scales; see
+  docs/performance.md, "FP8 expert weights"). The accumulator's gate and up columns are split for the epilogue.
 - Per K step (= the activation group): acc += (A_fp8 @ W_fp8^T) * a_scale[row] (* the weight's block scale of that
   K step), exactly `_w8a8_gemm_kernel`'s `scaled_dot`; channel / tensor weight scales, static activation scales,
   bias, activation, routing weight and the (quantizing) store are the shared `w8a8_epilogue`. So the two kernels give
@@ -33,6 +39,41 @@ from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, weight_descriptors
 from ._plan import launch
 
+PAIR_NONE = tl.constexpr(0)  # gate and up through their own descriptors, two dots per K step (or not gated)
+PAIR_CONCAT = tl.constexpr(1)  # [E, 2F, K] gate rows then up rows: a [2, BLOCK_N, BLOCK_K] tile of a [2E, F, K] view
+PAIR_INTERLEAVED = tl.constexpr(2)  # rows alternate gate, up: a [BLOCK_N, 2, BLOCK_K] tile of an [E * R, 2, K] view
+
+
+@triton.jit
+def paired_block_scale(s_step, s_offs, s_up_offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr,
+                       PAIRING: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This K step's block scales of a paired tile's 2 BLOCK_N columns, [1, 2 BLOCK_N] in the paired operand's
+    column order (gate block then up block, or alternating), or 1.0 for other schemes."""
+    if WEIGHT_SCALE != SCALE_BLOCK:
+        return 1.0
+    offs_pair = tl.arange(0, 2 * BLOCK_N)
+    if PAIRING == PAIR_CONCAT:
+        is_gate = offs_pair < BLOCK_N
+    else:
+        is_gate = offs_pair % 2 == 0
+    if UNIFORM:
+        return tl.where(is_gate, tl.load(s_step + s_offs), tl.load(s_step + s_up_offs))[None, :]
+    b_pair = tl.join(tl.load(s_step + s_offs, mask=mask_n, other=0.0),
+                     tl.load(s_step + s_up_offs, mask=mask_n, other=0.0))  # [BLOCK_N, 2]
+    if PAIRING == PAIR_CONCAT:
+        b_pair = tl.permute(b_pair, (1, 0))
+    return tl.reshape(b_pair, (2 * BLOCK_N,))[None, :]
+
+
+@triton.jit
+def split_pair(b_acc, PAIRING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, 2 BLOCK_N] sums of a paired tile -> (gate [BLOCK_M, BLOCK_N], up [BLOCK_M, BLOCK_N])."""
+    if PAIRING == PAIR_CONCAT:
+        b_acc = tl.permute(tl.reshape(b_acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+    else:
+        b_acc = tl.reshape(b_acc, (BLOCK_M, BLOCK_N, 2))
+    return tl.split(b_acc)
+
 
 
 @triton.jit
@@ -42,8 +83,10 @@ def _persistent_w8a8_gemm_kernel(
     # 0: one)
     a_desc, num_a_rows,
     a_scale_ptr, stride_a_scale_e, stride_a_scale_m,
-    # weights: descriptors of [BLOCK_N, BLOCK_K] tiles, expert e's row j at descriptor row e * w_rows_per_expert + j
-    w_desc, w_up_desc, w_rows_per_expert,
+    # weights: descriptors of [BLOCK_N, BLOCK_K] tiles, expert e's row j at descriptor row e * w_rows_per_expert + j;
+    # PAIRING: w_pair_desc, gate and up rows together (`pair_descriptor`; PAIR_INTERLEAVED: expert e's pair j at
+    # descriptor row e * w_rows_per_expert + j)
+    w_desc, w_up_desc, w_pair_desc, w_rows_per_expert,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
     # weight scales (fp8.WeightScale), as in `_w8a8_gemm_kernel`
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
@@ -68,6 +111,7 @@ def _persistent_w8a8_gemm_kernel(
     QUANT_OUT: tl.constexpr,
     OUT_GROUP: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    PAIRING: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,25 +142,44 @@ def _persistent_w8a8_gemm_kernel(
                                          SCALE_UNIFORM, BLOCK_N)
             s_up_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, scale_up_row_offset, stride_scale_n,
                                             scale_block_n, SCALE_UNIFORM, BLOCK_N)
-            b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                if A_QUANT == A_FP8_GROUPS:
-                    b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
-                else:
+            row_scaled = A_QUANT == A_FP8_GROUPS
+            column_scaled = WEIGHT_SCALE == SCALE_BLOCK
+            if PAIRING != PAIR_NONE:
+                b_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
                     b_a_s = 1.0
-                # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
-                s_step = s_base + (k0 // scale_block_k) * stride_scale_k
-                b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
-                b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
-                b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == A_FP8_GROUPS,
-                                   WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
-                if ACTIVATION != ACT_NONE:
-                    b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
-                    b_wu = w_up_desc.load([w_row, k0])
-                    b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == A_FP8_GROUPS,
-                                          WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
+                    if row_scaled:
+                        b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                    b_w_s = paired_block_scale(s_base + (k0 // scale_block_k) * stride_scale_k, s_offs, s_up_offs,
+                                               mask_n, WEIGHT_SCALE, SCALE_UNIFORM, PAIRING, BLOCK_N)
+                    if PAIRING == PAIR_CONCAT:
+                        b_w = w_pair_desc.load([2 * expert, pid_n * BLOCK_N, k0])  # [2, BLOCK_N, BLOCK_K]
+                    else:
+                        b_w = w_pair_desc.load([expert * w_rows_per_expert + pid_n * BLOCK_N, 0, k0])
+                    b_w = tl.reshape(b_w, (2 * BLOCK_N, BLOCK_K))
+                    b_pair = scaled_dot(b_pair, b_a, b_w.T, b_a_s, b_w_s, row_scaled, column_scaled, BLOCK_K,
+                                        ROUND_IN_FP32, False)
+                b_acc, b_acc_up = split_pair(b_pair, PAIRING, BLOCK_M, BLOCK_N)
+            else:
+                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
+                    b_a_s = 1.0
+                    if row_scaled:
+                        b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                    # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
+                    s_step = s_base + (k0 // scale_block_k) * stride_scale_k
+                    b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
+                    b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
+                    b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, row_scaled, column_scaled, BLOCK_K,
+                                       ROUND_IN_FP32, False)
+                    if ACTIVATION != ACT_NONE:
+                        b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
+                        b_wu = w_up_desc.load([w_row, k0])
+                        b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, row_scaled, column_scaled,
+                                              BLOCK_K, ROUND_IN_FP32, False)
             # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
             # ~130 bytes of register spills (ptxas, sm_90).
             _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,
@@ -129,6 +192,31 @@ def _persistent_w8a8_gemm_kernel(
                           OUT_GROUP, ROUND_IN_FP32, BLOCK_M, BLOCK_N)
 
 
+def pair_descriptor(w: GemmWeights, K, tile):
+    """(PAIRING, descriptor) for a gated weight whose gate and up views are halves of one [E, 2F, K] tensor (strides
+    (stride_e, stride_n, 1), the up view `up` elements after the gate view), else (PAIR_NONE, None):
+    - concatenated rows (up = F * stride_n, stride_e = 2 up): the [2E, F, K] view, strides (up, stride_n, 1), tiles
+      [2, BLOCK_N, BLOCK_K] at (2e, n0, k0); rows past F read the descriptor's zero fill;
+    - interleaved rows (stride_n = 2 up): the [E * R, 2, K] view (R = stride_e / stride_n, expert e's pair j at row
+      e * R + j), strides (stride_n, up, 1), tiles [BLOCK_N, 2, BLOCK_K] at (e * R + n0, 0, k0); pairs past F are the
+      next expert's (masked at the store), past the last expert the zero fill."""
+    if not w.gated or w.weight_up.dtype != W8A8_DTYPE:
+        return PAIR_NONE.value, None
+    stride_e, stride_n, stride_k = w.strides
+    up = w.weight_up.data_ptr() - w.weight.data_ptr()  # bytes = elements (float8)
+    E, F = w.weight.shape[0], w.n_cols
+    if stride_k != 1 or up <= 0 or up % 16 or stride_n % 16:
+        return PAIR_NONE.value, None
+    if up == F * stride_n and stride_e == 2 * up:
+        return PAIR_CONCAT.value, TensorDescriptor(w.weight, [2 * E, F, K], [up, stride_n, 1],
+                                                   [2, tile.block_n, tile.block_k])
+    if stride_n == 2 * up and stride_e % stride_n == 0:
+        rows = (E - 1) * (stride_e // stride_n) + F
+        return PAIR_INTERLEAVED.value, TensorDescriptor(w.weight, [rows, 2, K], [stride_n, up, 1],
+                                                        [tile.block_n, 2, tile.block_k])
+    return PAIR_NONE.value, None
+
+
 def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_scale_args, info, topk_weights, alpha,
                          limit, tile, meta):
     """Launch `_persistent_w8a8_gemm_kernel` for `fp8_gemm.w8a8_gemm`, which runs it where planner.w8a8_gemm_kernel
@@ -136,12 +224,13 @@ def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_
     constexprs `meta`. Fills c (and the output scales in c_scale_args)."""
     K = a.shape[1]
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile)
+    pairing, w_pair_desc = pair_descriptor(w, K, tile)
     a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [info.block_m, tile.block_k])
     programs = num_programs(a.device, info.max_tiles * cdiv(w.n_cols, tile.block_n))
     launch(_persistent_w8a8_gemm_kernel, (programs,),
         a_desc, a.shape[0],
         *a_scale_args,
-        w_desc, w_up_desc, rows_per_expert,
+        w_desc, w_up_desc, w_pair_desc if w_pair_desc is not None else w_desc, rows_per_expert,
         *w.bias_args(), *scale_args(ws),
         c, c.stride(0), c.stride(1), c.shape[0],
         *c_scale_args,
@@ -149,6 +238,7 @@ def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_
         w.n_cols, K, info.num_experts, info.max_tiles,
         float(alpha), float(limit), fp8_max(W8A8_DTYPE),
         NUM_PROGRAMS=programs,
+        PAIRING=pairing,
         **meta,
     )
     return c
