@@ -50,19 +50,21 @@ def paired_block_scale(s_step, s_offs, s_up_offs, mask_n, WEIGHT_SCALE: tl.const
     """This K step's block scales of a paired tile's 2 BLOCK_N columns, [1, 2 BLOCK_N] in the paired operand's
     column order (gate block then up block, or alternating), or 1.0 for other schemes."""
     if WEIGHT_SCALE != SCALE_BLOCK:
-        return 1.0
-    offs_pair = tl.arange(0, 2 * BLOCK_N)
-    if PAIRING == PAIR_CONCAT:
-        is_gate = offs_pair < BLOCK_N
+        b_scale = 1.0
+    elif UNIFORM:
+        offs_pair = tl.arange(0, 2 * BLOCK_N)
+        if PAIRING == PAIR_CONCAT:
+            is_gate = offs_pair < BLOCK_N
+        else:
+            is_gate = offs_pair % 2 == 0
+        b_scale = tl.where(is_gate, tl.load(s_step + s_offs), tl.load(s_step + s_up_offs))[None, :]
     else:
-        is_gate = offs_pair % 2 == 0
-    if UNIFORM:
-        return tl.where(is_gate, tl.load(s_step + s_offs), tl.load(s_step + s_up_offs))[None, :]
-    b_pair = tl.join(tl.load(s_step + s_offs, mask=mask_n, other=0.0),
-                     tl.load(s_step + s_up_offs, mask=mask_n, other=0.0))  # [BLOCK_N, 2]
-    if PAIRING == PAIR_CONCAT:
-        b_pair = tl.permute(b_pair, (1, 0))
-    return tl.reshape(b_pair, (2 * BLOCK_N,))[None, :]
+        b_pair = tl.join(tl.load(s_step + s_offs, mask=mask_n, other=0.0),
+                         tl.load(s_step + s_up_offs, mask=mask_n, other=0.0))  # [BLOCK_N, 2]
+        if PAIRING == PAIR_CONCAT:
+            b_pair = tl.permute(b_pair, (1, 0))
+        b_scale = tl.reshape(b_pair, (2 * BLOCK_N,))[None, :]
+    return b_scale
 
 
 @triton.jit
@@ -142,15 +144,14 @@ def _persistent_w8a8_gemm_kernel(
                                          SCALE_UNIFORM, BLOCK_N)
             s_up_offs = block_scale_offsets(pid_n, offs_n, scale_row_step, scale_up_row_offset, stride_scale_n,
                                             scale_block_n, SCALE_UNIFORM, BLOCK_N)
-            row_scaled = A_QUANT == A_FP8_GROUPS
-            column_scaled = WEIGHT_SCALE == SCALE_BLOCK
             if PAIRING != PAIR_NONE:
                 b_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                    b_a_s = 1.0
-                    if row_scaled:
+                    if A_QUANT == A_FP8_GROUPS:
                         b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                    else:
+                        b_a_s = 1.0
                     b_w_s = paired_block_scale(s_base + (k0 // scale_block_k) * stride_scale_k, s_offs, s_up_offs,
                                                mask_n, WEIGHT_SCALE, SCALE_UNIFORM, PAIRING, BLOCK_N)
                     if PAIRING == PAIR_CONCAT:
@@ -158,28 +159,29 @@ def _persistent_w8a8_gemm_kernel(
                     else:
                         b_w = w_pair_desc.load([expert * w_rows_per_expert + pid_n * BLOCK_N, 0, k0])
                     b_w = tl.reshape(b_w, (2 * BLOCK_N, BLOCK_K))
-                    b_pair = scaled_dot(b_pair, b_a, b_w.T, b_a_s, b_w_s, row_scaled, column_scaled, BLOCK_K,
-                                        ROUND_IN_FP32, False)
+                    b_pair = scaled_dot(b_pair, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == A_FP8_GROUPS,
+                                        WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
                 b_acc, b_acc_up = split_pair(b_pair, PAIRING, BLOCK_M, BLOCK_N)
             else:
                 b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                    b_a_s = 1.0
-                    if row_scaled:
+                    if A_QUANT == A_FP8_GROUPS:
                         b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+                    else:
+                        b_a_s = 1.0
                     # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
                     s_step = s_base + (k0 // scale_block_k) * stride_scale_k
                     b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
                     b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
-                    b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, row_scaled, column_scaled, BLOCK_K,
-                                       ROUND_IN_FP32, False)
+                    b_acc = scaled_dot(b_acc, b_a, b_w.T, b_a_s, b_w_s, A_QUANT == A_FP8_GROUPS,
+                                       WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
                     if ACTIVATION != ACT_NONE:
                         b_wu_s = load_block_scale(s_step, s_up_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
                         b_wu = w_up_desc.load([w_row, k0])
-                        b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, row_scaled, column_scaled,
-                                              BLOCK_K, ROUND_IN_FP32, False)
+                        b_acc_up = scaled_dot(b_acc_up, b_a, b_wu.T, b_a_s, b_wu_s, A_QUANT == A_FP8_GROUPS,
+                                              WEIGHT_SCALE == SCALE_BLOCK, BLOCK_K, ROUND_IN_FP32, False)
             # The assignments (routing weights) only now: live through the K loop they cost GEMM2's 128 x 128 tile
             # ~130 bytes of register spills (ptxas, sm_90).
             _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K, False,
