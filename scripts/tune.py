@@ -1007,8 +1007,12 @@ def load_history(path, key):
 
 def write_outputs(out_path, table, history_path, history):
     """The table (runtime data only; none for the backward path) and the tuning log, rewritten after every unit."""
-    logged = {**history, "runs": [{**run, "units": [{k: v for k, v in u.items() if not k.startswith("_")}
-                                                    for u in run["units"]]} for run in history["runs"]]}
+    def public(run):  # the log's first run (the hand-measured table before the tuner) has no units
+        if "units" not in run:
+            return run
+        return {**run, "units": [{k: v for k, v in u.items() if not k.startswith("_")} for u in run["units"]]}
+
+    logged = {**history, "runs": [public(run) for run in history["runs"]]}
     outputs = [(history_path, json.dumps(logged, indent=1) + "\n")]
     if table is not None:
         outputs.append((out_path, dump_table(table)))
