@@ -18,7 +18,7 @@ K loop's form chosen by MODE:
 Prints one line per (shape, mode, tile): time, TFLOP/s, relative error against the dequantized fp32 product; and
 torch._scaled_mm (row-wise fp8) as the library ceiling. Needs a Hopper GPU.
 
-    python scripts/probe_fp8_kloop.py [--out results.json]
+    PYTHONPATH=torch-ext python scripts/probe_fp8_kloop.py [--out results.json]
 """
 
 import argparse
@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from moe_dispatch.gemm_jit import tile_coords
 
 MODES = {"scaled": 0, "pure": 1, "fold_bf16": 2, "fold_fp8": 3, "scaled_pair": 4}
 FP8_MAX = 448.0
@@ -40,14 +42,7 @@ def _probe_kernel(a_desc, a_scale_ptr, row_scale_ptr, w_desc, w_pair_desc, w_sca
                   GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),). a_scale [M, K / 128] (per row and group), w_scale
     [N / 128, K / 128], row_scale [M, N / 128] (fold modes: s[row] of each column block)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = tile_coords(tl.program_id(0), N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)  # the package's order
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     num_kb = tl.cdiv(K, 128)
@@ -106,7 +101,8 @@ def run_case(M, N, K, tiles, modes, results):
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16) * 0.02
     # vary the weight scale across blocks by up to 16x, as checkpoints do
-    w = w * (2.0 ** torch.randint(-2, 3, (N // 128, 1, K // 128, 1), device=DEVICE)).expand(-1, 128, -1, 128).reshape(N, K)
+    block_gain = 2.0 ** torch.randint(-2, 3, (N // 128, 1, K // 128, 1), device=DEVICE)
+    w = w * block_gain.expand(-1, 128, -1, 128).reshape(N, K)
     xq, xs = quantize_groups(x)
     wq, ws = quantize_blocks(w)
     w_deq = (wq.float().view(N // 128, 128, K // 128, 128) * ws[:, None, :, None]).view(N, K)

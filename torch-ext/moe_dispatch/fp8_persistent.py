@@ -45,6 +45,18 @@ PAIR_INTERLEAVED = tl.constexpr(2)  # rows alternate gate, up: a [BLOCK_N, 2, BL
 
 
 @triton.jit
+def a_step(a_desc, a_s_ptrs, row_start, k0, mask_m, A_QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K step at k0 of A: (its [BLOCK_M, BLOCK_K] e4m3 tile, its rows' scales [BLOCK_M] with A_QUANT FP8_GROUPS,
+    else 1.0: a static scale multiplies after the loop)."""
+    b_a = a_desc.load([row_start, k0])
+    if A_QUANT == A_FP8_GROUPS:
+        b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
+    else:
+        b_a_s = 1.0
+    return b_a, b_a_s
+
+
+@triton.jit
 def paired_block_scale(s_step, s_offs, s_up_offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl.constexpr,
                        PAIRING: tl.constexpr, BLOCK_N: tl.constexpr):
     """This K step's block scales of a paired tile's 2 BLOCK_N columns, [1, 2 BLOCK_N] in the paired operand's
@@ -147,11 +159,7 @@ def _persistent_w8a8_gemm_kernel(
             if PAIRING != PAIR_NONE:
                 b_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
-                    b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                    if A_QUANT == A_FP8_GROUPS:
-                        b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
-                    else:
-                        b_a_s = 1.0
+                    b_a, b_a_s = a_step(a_desc, a_s_ptrs, row_start, k0, mask_m, A_QUANT, BLOCK_K)
                     b_w_s = paired_block_scale(s_base + (k0 // scale_block_k) * stride_scale_k, s_offs, s_up_offs,
                                                mask_n, WEIGHT_SCALE, SCALE_UNIFORM, PAIRING, BLOCK_N)
                     if PAIRING == PAIR_CONCAT:
@@ -166,11 +174,7 @@ def _persistent_w8a8_gemm_kernel(
                 b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
-                    b_a = a_desc.load([row_start, k0])  # [BLOCK_M, BLOCK_K] e4m3
-                    if A_QUANT == A_FP8_GROUPS:
-                        b_a_s = tl.load(a_s_ptrs + k0 // BLOCK_K, mask=mask_m, other=0.0)
-                    else:
-                        b_a_s = 1.0
+                    b_a, b_a_s = a_step(a_desc, a_s_ptrs, row_start, k0, mask_m, A_QUANT, BLOCK_K)
                     # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
                     s_step = s_base + (k0 // scale_block_k) * stride_scale_k
                     b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
