@@ -25,6 +25,7 @@ from moe_dispatch import fp8 as fp8_module
 from moe_dispatch._device import has_tma
 from moe_dispatch.dispatch import dispatch
 from moe_dispatch.gemm_args import gemm_weights
+from moe_dispatch.gemm_jit import StepDot
 from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
 from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.reference import (TOLERANCE, W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
@@ -173,6 +174,28 @@ def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch)
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales, **options)
     assert launched == [1]
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
+
+
+# (step_dot, row_dot): how the decode kernels meet float8 weight tiles (decode.default_dots picks one of them)
+DECODE_DOTS = [(int(StepDot.SCALED_TILE), 0), (int(StepDot.SCALED_SUMS), 0), (int(StepDot.F16_SUMS), 2)]
+
+
+@pytest.mark.parametrize("scheme,block_shape", [("block", (16, 16)), ("tensor", (16, 16))], ids=["block", "tensor"])
+@pytest.mark.parametrize("dots", DECODE_DOTS, ids=["scaled-tile", "scaled-sums", "f16-sums"])
+def test_fp8_decode_dots_any_range(dots, scheme, block_shape, monkeypatch):
+    """Each way the decode kernels dot float8 tiles, on rows far outside fp16's range (x 1e6: the intermediate near
+    1e12), far below it (x 1e-6), exactly zero and ordinary, each row against the float64 experts on its own (a
+    shared bound would hide the small rows behind the large one); the fp16 dots rescale each row per K step."""
+    q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=block_shape)
+    monkeypatch.setattr(decode, "default_dots", lambda *_: dots)
+    x = torch.randn(4, H, device=DEVICE)
+    x = (x * torch.tensor([1e6, 1e-6, 0.0, 1.0], device=DEVICE)[:, None]).bfloat16()
+    ids, weights = _ids(4), torch.rand(4, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales)
+    ref = fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    for row in (0, 1, 3):
+        assert_close(out[row], ref[row], what=f"row {row}")
 
 
 # (id, fp8_compute, T, forced tiles, expected), why: "auto" on a device with FP8 tensor cores (stood in for) takes

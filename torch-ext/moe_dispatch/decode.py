@@ -39,12 +39,16 @@ from ._device import smem_per_program
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
-from .gemm_jit import (SCALE_BLOCK_STEP, SCALE_NONE, Activation, add_bias, apply_activation, expert_tile_dot,
-                       scale_sums, weight_scale_ptrs)
+from .gemm_jit import (SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, add_bias, apply_activation,
+                       expert_tile_dot, scale_sums, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
+# The down GEMV's ROW_DOT constexpr (`row_dot`): NONE multiplies on the CUDA cores in fp32
+ROW_DOT_NONE = tl.constexpr(0)
+ROW_DOT_NATIVE = tl.constexpr(1)
+ROW_DOT_F16 = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -73,6 +77,7 @@ def _decode_gate_up_kernel(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    STEP_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -111,7 +116,7 @@ def _decode_gate_up_kernel(
                                    w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
                                    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
                                    scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
-                                   True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+                                   True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
     release_dependents(PDL)
     if HAS_BIAS:
         b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
@@ -147,8 +152,10 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    ROW_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -193,7 +200,10 @@ def _decode_down_kernel(
                 mask_k = offs_k < k_end - k0
                 b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
+            if ROW_DOT == ROW_DOT_NONE:
+                b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
+            else:
+                b_step = row_dot(b_w, b_row, ROW_DOT, DOT_FP32)
             if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
                 b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n, other=0.0)
             b_y += b_step
@@ -224,6 +234,39 @@ def _decode_down_kernel(
             tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def row_dot(b_w, b_row, ROW_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """[BLOCK_N] = b_w [BLOCK_N, BLOCK_K] @ b_row [BLOCK_K] in fp32 on the tensor cores: the row is the only nonzero
+    column of a [BLOCK_K, 16] operand (the dot's narrowest), so the weight tile goes to the MMA as it was loaded
+    (ROW_DOT_NATIVE: float weights, the row in their dtype) or converted to fp16 only (ROW_DOT_F16: float8 weights,
+    one instruction per two elements; the row scaled by a power of two as gemm_jit.StepDot.F16_SUMS scales A rows,
+    the sums by its inverse), instead of every element converted to fp32 and multiplied on the CUDA cores. DOT_FP32
+    (bf16 under the interpreter, whose bf16 dots are wrong): ROW_DOT_NATIVE's dot in fp32."""
+    b_rowf = b_row.to(tl.float32)
+    first_column = tl.arange(0, 16)[None, :] == 0
+    if ROW_DOT == ROW_DOT_F16:
+        # a NaN stays in the row (multiplied, never dropped); an all-zero row takes 2^126
+        exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_rowf), axis=0))), -126.0, 126.0)
+        b_cols = tl.where(first_column, (b_rowf * tl.exp2(exponent))[:, None], 0.0).to(tl.float16)  # [BLOCK_K, 16]
+        b_sums = tl.sum(tl.dot(b_w.to(tl.float16), b_cols), axis=1) * tl.exp2(-exponent)
+    elif DOT_FP32:
+        b_sums = tl.sum(tl.dot(b_w.to(tl.float32), tl.where(first_column, b_rowf[:, None], 0.0),
+                               input_precision="ieee"), axis=1)
+    else:
+        b_sums = tl.sum(tl.dot(b_w, tl.where(first_column, b_rowf[:, None], 0.0).to(b_w.dtype)), axis=1)
+    return b_sums
+
+
+def default_dots(x_dtype, weight_dtype):
+    """(STEP_DOT, ROW_DOT) of the two kernels for activations and weights of these dtypes: float8 weights dot in
+    fp16 on both (one conversion instruction per two weight elements); fp32 activations keep the fp32 paths."""
+    if x_dtype == torch.float32:
+        return int(StepDot.SCALED_TILE), int(ROW_DOT_NONE)
+    if weight_dtype.is_floating_point and weight_dtype.itemsize == 1:
+        return int(StepDot.F16_SUMS), int(ROW_DOT_F16)
+    return int(StepDot.SCALED_TILE), int(ROW_DOT_NONE)
+
+
 def pipeline_stages(num_stages, stage_bytes, limit):
     """A table's num_stages cut to what `limit` bytes of shared memory hold (at least 1; `limit` None: as it is).
     Tables are measured at each model's own top_k, while BLOCK_T follows T: a bucket measured at 16 tokens of top_k 8
@@ -235,17 +278,21 @@ def pipeline_stages(num_stages, stage_bytes, limit):
 
 def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: DecodeTiles, *, transposed=False,
                    activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0,
-                   gate_up_scale=None, down_scale=None):
+                   gate_up_scale=None, down_scale=None, step_dot=None, row_dot=None):
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) in two launches (see the module doc).
 
     x [T, H]; w_gate, w_up: the gate and up views [E, F, H] ([E, H, F] when `transposed`); w_down [E, H, F] ([E, F, H]
     transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. float8 weights come with their
     `gate_up_scale` / `down_scale` (fp8.WeightScale) and are dequantized in the loads (the dots run in x's dtype,
-    the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS.
+    the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS. `step_dot` (gemm_jit.StepDot) and
+    `row_dot` (`row_dot`'s codes) choose how the two kernels meet the weight tiles; None: `default_dots`.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_assignments = T * top_k
+    default_step, default_row = default_dots(x.dtype, w_down.dtype)
+    step_dot = default_step if step_dot is None else int(step_dot)
+    row_dot = default_row if row_dot is None else int(row_dot)
     if num_assignments > MAX_DECODE_ASSIGNMENTS:
         raise ValueError(f"the decode path takes at most {MAX_DECODE_ASSIGNMENTS} assignments, got T * top_k = "
                          f"{num_assignments}")
@@ -296,6 +343,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
             EVEN_K=H % block_k == 0,
+            STEP_DOT=step_dot,
             BLOCK_T=block_t,
             # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
             BLOCK_A=next_power_of_2(block_t * top_k),
@@ -322,8 +370,10 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         TOP_K=top_k,
         HAS_BIAS=down_bias is not None,
         WEIGHT_SCALE=int(down_code),
+        DOT_FP32=dot_options(x.dtype)[0],
         EVEN_K=F % down_block_k == 0,
         SPLIT_K=split_k,
+        ROW_DOT=row_dot,
         BLOCK_N=down_tile.block_n,
         BLOCK_K=down_block_k,
         num_warps=down_tile.num_warps,

@@ -58,6 +58,26 @@ SCALE_BLOCK = tl.constexpr(WeightScaleCode.BLOCK.value)
 SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 
 
+class StepDot(enum.IntEnum):
+    """The STEP_DOT constexpr of `tile_dot`: how a K step of float8 weights meets A's tile (float weights ignore it)."""
+
+    # the weight tile converted to A's dtype, block scales multiplied into it first in fp32 (one chain of dots into
+    # the accumulator: what the wgmma kernels need)
+    SCALED_TILE = 0
+    # the weight tile converted to A's dtype unscaled (exact: e4m3 fits bf16 and fp16), each step's dot into a fresh
+    # fp32 sum times the step's column scales (BLOCK_STEP) before it joins the accumulator: half the conversions of
+    # SCALED_TILE and one rounding fewer; for mma.sync tiles (decode), which wait on each dot anyway
+    SCALED_SUMS = 1
+    # SCALED_SUMS with float16 dots: e4m3 -> fp16 is one instruction per two elements on sm_89+ (-> bf16 is three);
+    # each step's A rows are scaled by a power of two that brings their largest magnitude to [2^13, 2^14] before the
+    # fp16 conversion (11 mantissa bits, no overflow whatever A's range) and the step's sums by its inverse
+    F16_SUMS = 2
+
+
+STEP_SCALED_TILE = tl.constexpr(StepDot.SCALED_TILE.value)
+STEP_F16_SUMS = tl.constexpr(StepDot.F16_SUMS.value)
+
+
 @triton.jit
 def apply_activation(b_gate, b_up, alpha, limit, ACTIVATION: tl.constexpr):
     if ACTIVATION == ACT_SILU:
@@ -182,28 +202,67 @@ def step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K: tl.constexpr):
 def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stride_a_k, stride_w_k,
               GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
               BLOCK_K: tl.constexpr, s_ptrs=None, s_up_ptrs=None, stride_s_k=0, scale_block_k=1,
-              WEIGHT_SCALE: tl.constexpr = SCALE_NONE):
+              WEIGHT_SCALE: tl.constexpr = SCALE_NONE, STEP_DOT: tl.constexpr = STEP_SCALED_TILE):
     """The K loop: b_acc += A[rows, :K] @ W[:K, cols] (and b_acc_up with the up weights when GATED).
 
     a_ptrs [BLOCK_M, BLOCK_K] and w_ptrs [BLOCK_K, BLOCK_N] point at k = 0; rows/columns outside the masks read 0.
-    Block-scaled fp8 weights (WEIGHT_SCALE BLOCK or BLOCK_STEP) also take s_ptrs / s_up_ptrs, see `load_weight_tile`.
+    Block-scaled fp8 weights (WEIGHT_SCALE BLOCK or BLOCK_STEP) also take s_ptrs / s_up_ptrs, see `load_weight_tile`;
+    STEP_DOT (`StepDot`) says how a float8 step is dotted (BLOCK takes SCALED_TILE only).
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         a_mask, w_mask = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b_w = load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
-                               DOT_FP32, WEIGHT_SCALE)
-        if DOT_FP32:
-            b_a = b_a.to(tl.float32)
-        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        if STEP_DOT == STEP_SCALED_TILE or WEIGHT_SCALE == SCALE_NONE or WEIGHT_SCALE == SCALE_BLOCK:
+            b_w = load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k, a_ptrs,
+                                   DOT_FP32, WEIGHT_SCALE)
+            if DOT_FP32:
+                b_a = b_a.to(tl.float32)
+            b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+            if GATED:
+                b_wu = load_weight_tile(w_up_ptrs, w_mask, mask_n, s_up_ptrs, k0, k0 + offs_k, stride_s_k,
+                                        scale_block_k, a_ptrs, DOT_FP32, WEIGHT_SCALE)
+                b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
+        else:
+            b_acc, b_acc_up = scaled_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs,
+                                               s_up_ptrs, k0, stride_s_k, scale_block_k, GATED, DOT_FP32, DOT_PRECISION,
+                                               WEIGHT_SCALE, STEP_DOT)
         if GATED:
-            b_wu = load_weight_tile(w_up_ptrs, w_mask, mask_n, s_up_ptrs, k0, k0 + offs_k, stride_s_k, scale_block_k,
-                                    a_ptrs, DOT_FP32, WEIGHT_SCALE)
-            b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += BLOCK_K * stride_w_k
+    return b_acc, b_acc_up
+
+
+@triton.jit
+def scaled_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs, s_up_ptrs, k0, stride_s_k,
+                     scale_block_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     WEIGHT_SCALE: tl.constexpr, STEP_DOT: tl.constexpr):
+    """One K step of float8 weights under StepDot SCALED_SUMS or F16_SUMS (see there): the accumulators plus the
+    step's dots of A's tile b_a with the unscaled weight tiles, scaled after the dot (BLOCK_STEP: by the step's
+    column scales; F16_SUMS: by the inverse of A's row factors). Other scale codes apply theirs after the K loop.
+    DOT_FP32 (fp32 A, or bf16 under the interpreter) runs SCALED_SUMS's dots in fp32; F16_SUMS dots fp16 always."""
+    if STEP_DOT == STEP_F16_SUMS:
+        b_af = b_a.to(tl.float32)
+        # A NaN in a row keeps the row's dots NaN (it is multiplied, never dropped); an all-zero row takes 2^126
+        exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_af), axis=1))), -126.0, 126.0)
+        b_a = (b_af * tl.exp2(exponent)[:, None]).to(tl.float16)
+        b_row_scale = tl.exp2(-exponent)[:, None]  # [BLOCK_M, 1]
+    else:
+        b_row_scale = tl.full((1, 1), 1.0, tl.float32)
+        if DOT_FP32:
+            b_a = b_a.to(tl.float32)
+    b_w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(b_a.dtype)
+    b_step = tl.dot(b_a, b_w, input_precision=DOT_PRECISION) * b_row_scale
+    if WEIGHT_SCALE == SCALE_BLOCK_STEP:
+        b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
+    b_acc += b_step
+    if GATED:
+        b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0).to(b_a.dtype)
+        b_step_up = tl.dot(b_a, b_wu, input_precision=DOT_PRECISION) * b_row_scale
+        if WEIGHT_SCALE == SCALE_BLOCK_STEP:
+            b_step_up *= tl.load(s_up_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
+        b_acc_up += b_step_up
     return b_acc, b_acc_up
 
 
@@ -213,7 +272,7 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
                     scale_block_n, scale_block_k, K, stride_a_k,
                     GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_K: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, WEIGHT_SCALE: tl.constexpr, STEP_DOT: tl.constexpr = STEP_SCALED_TILE):
     """b_acc (and b_acc_up, GATED) plus A @ W[expert]'s columns offs_n (and W_up's) over all of K, float8 weights
     scaled as the dequant path's WEIGHT_SCALE code says (per element or per K step in the loop, per column after it):
     everything on the weight side of a forward tile, shared by `_grouped_gemm_kernel` and decode.py's gate/up
@@ -228,7 +287,7 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
                                               scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
     b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
                                mask_m, mask_n, K, stride_a_k, stride_w_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K,
-                               BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE)
+                               BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE, STEP_DOT)
     b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED, WEIGHT_SCALE)
     return b_acc, b_acc_up
 
