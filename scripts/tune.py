@@ -117,9 +117,10 @@ FP8_TILES = {
 # kernel a GEMV per (assignment, BLOCK_N columns of H), whose splits along F (split_k) multiply the programs of a few
 # experts.
 DECODE_TILES = {
-    "gate_up": ((32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3)),
+    "gate_up": ((32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
+                (128, 256, 8, 3)),
     "down": ((64, 128, 4, 3, 1), (16, 256, 4, 3, 1), (32, 128, 4, 3, 1), (16, 128, 2, 4, 1), (64, 256, 4, 3, 1),
-             (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8)),
+             (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1), (128, 256, 8, 3, 2)),
 }
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).

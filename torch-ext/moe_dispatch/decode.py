@@ -247,7 +247,8 @@ def row_dot(b_w, b_row, ROW_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
     if ROW_DOT == ROW_DOT_F16:
         # a NaN stays in the row (multiplied, never dropped); an all-zero row takes 2^126
         exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_rowf), axis=0))), -126.0, 126.0)
-        b_cols = tl.where(first_column, (b_rowf * tl.exp2(exponent))[:, None], 0.0).to(tl.float16)  # [BLOCK_K, 16]
+        b_row16 = (b_rowf * tl.exp2(exponent)).to(tl.float16)
+        b_cols = tl.where(first_column, b_row16[:, None], tl.zeros_like(b_row16)[:, None])  # [BLOCK_K, 16]
         b_sums = tl.sum(tl.dot(b_w.to(tl.float16), b_cols), axis=1) * tl.exp2(-exponent)
     elif DOT_FP32:
         b_sums = tl.sum(tl.dot(b_w.to(tl.float32), tl.where(first_column, b_rowf[:, None], 0.0),
