@@ -240,8 +240,9 @@ def row_dot(b_w, b_row, ROW_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
     column of a [BLOCK_K, 16] operand (the dot's narrowest), so the weight tile goes to the MMA as it was loaded
     (ROW_DOT_NATIVE: float weights, the row in their dtype) or converted to fp16 only (ROW_DOT_F16: float8 weights,
     one instruction per two elements; the row scaled by a power of two as gemm_jit.StepDot.F16_SUMS scales A rows,
-    the sums by its inverse), instead of every element converted to fp32 and multiplied on the CUDA cores. DOT_FP32
-    (bf16 under the interpreter, whose bf16 dots are wrong): ROW_DOT_NATIVE's dot in fp32."""
+    the sums by its inverse), instead of every element converted to fp32 and multiplied on the CUDA cores. fp32
+    weights, and DOT_FP32 (bf16 under the interpreter, whose bf16 dots are wrong): ROW_DOT_NATIVE's dot in fp32 at
+    full precision."""
     b_rowf = b_row.to(tl.float32)
     first_column = tl.arange(0, 16)[None, :] == 0
     if ROW_DOT == ROW_DOT_F16:
@@ -250,7 +251,7 @@ def row_dot(b_w, b_row, ROW_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
         b_row16 = (b_rowf * tl.exp2(exponent)).to(tl.float16)
         b_cols = tl.where(first_column, b_row16[:, None], tl.zeros_like(b_row16)[:, None])  # [BLOCK_K, 16]
         b_sums = tl.sum(tl.dot(b_w.to(tl.float16), b_cols), axis=1) * tl.exp2(-exponent)
-    elif DOT_FP32:
+    elif DOT_FP32 or b_w.dtype == tl.float32:
         b_sums = tl.sum(tl.dot(b_w.to(tl.float32), tl.where(first_column, b_rowf[:, None], 0.0),
                                input_precision="ieee"), axis=1)
     else:
