@@ -1,14 +1,13 @@
-"""Probe: the decode path's ways of meeting weight tiles (decode.default_dots), A/B at the table's tiles. For each
-model and T, `fused_experts` on the decode path with each (STEP_DOT, ROW_DOT) pair forced, timed as paired one-call
-graph replays (hot and L2-flushed, harness.paired_graph_times), with the per-kernel GPU times of the first and last
-variant and the error against the float64 experts on the same weights. Float8 weights (128 x 128 block scales):
+"""Probe: the decode gate/up kernel's ways of dotting float8 weight tiles (gemm_jit.StepDot, chosen by
+decode.step_dot), A/B at the table's tiles. For each model and T, `fused_experts` on the decode path with each mode
+forced, timed as paired one-call graph replays (hot and L2-flushed, harness.paired_graph_times), with each variant's
+per-kernel GPU times and its error against the float64 experts on the same weights (128 x 128 block scales):
 
-- tile:   gate/up weight tiles scaled in fp32 and converted to bf16 before a bf16 dot; down GEMV on the CUDA cores
-- sums:   gate/up tiles converted unscaled, each K step's dot scaled after it; down as tile
-- f16up:  gate/up in fp16 dots (x rows rescaled per K step); down as tile
-- f16down: gate/up as tile; the down GEMV as a fp16 dot with the row as the one nonzero column
+- tile: the weight tiles scaled in fp32 and converted to bf16 before a bf16 dot
+- f16:  fp16 dots of the unscaled tiles, x rows rescaled per K step, each step's sums scaled after the dot
 
-bf16 weights: `none` (the CUDA-core down GEMV) against `native` (the down GEMV as a bf16 dot).
+(The run in docs/results/h200-probe-decode-dots-v17.txt also timed two modes measured slower and since removed: the
+tiles converted to bf16 unscaled, and the down GEMV as a tensor-core dot with the row as the one nonzero column.)
 
 The package's eager plans are off for the run (`_plan.ENABLED`): a recorded call would replay the first variant's
 launches for every variant of the same signature.
@@ -30,26 +29,23 @@ from model_shapes import MODEL_SHAPES
 from moe_dispatch import _plan, decode, reference, tiles
 from moe_dispatch.gemm_jit import StepDot
 
-FP8_VARIANTS = {"tile": (StepDot.SCALED_TILE, decode.ROW_DOT_NONE), "sums": (StepDot.SCALED_SUMS, decode.ROW_DOT_NONE),
-                "f16up": (StepDot.F16_SUMS, decode.ROW_DOT_NONE), "f16down": (StepDot.SCALED_TILE, decode.ROW_DOT_F16)}
+VARIANTS = {"tile": StepDot.SCALED_TILE, "f16": StepDot.F16_SUMS}
 FALLBACK = tiles.DecodeTiles(tiles.DecodeTile(64, 256, 4, 3, 1), tiles.DecodeTile(64, 128, 4, 3, 1))
-BF16_VARIANTS = {"none": (StepDot.SCALED_TILE, decode.ROW_DOT_NONE),
-                 "native": (StepDot.SCALED_TILE, decode.ROW_DOT_NATIVE)}
 
 
-def forced(dots, fn):
-    """fn with decode.default_dots answering `dots` while it runs (and while a graph of it is captured)."""
+def forced(mode, fn):
+    """fn with decode.step_dot answering `mode` while it runs (and while a graph of it is captured)."""
     def call():
-        saved = decode.default_dots
-        decode.default_dots = lambda *_: (int(dots[0]), int(dots[1]))
+        saved = decode.step_dot
+        decode.step_dot = lambda *_: mode
         try:
             return fn()
         finally:
-            decode.default_dots = saved
+            decode.step_dot = saved
     return call
 
 
-def cell(shape, prob, T, fp8, pairs, read_tbps):
+def cell(shape, prob, T, pairs, read_tbps):
     x = prob.x[:T]
     gen = torch.Generator(device="cuda").manual_seed(T)
     ids = torch.stack([torch.randperm(shape.num_experts, device="cuda", generator=gen)[:shape.top_k]
@@ -57,39 +53,29 @@ def cell(shape, prob, T, fp8, pairs, read_tbps):
     weights = torch.rand(T, shape.top_k, device="cuda", generator=gen)
     # the table's decode tiles, else (a T where the table sends the call to the general path) its generic ones
     table = tiles.select_decode_tiles(x.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden, x.dtype,
-                                      fp8=fp8) or FALLBACK
-    if fp8:
-        operands = dict(w_gate_up=prob.q_gate_up, w_down=prob.q_down, **prob.scales, fp8_compute="dequant")
-        ref = reference.fused_experts_fp8_ref(x, prob.q_gate_up, prob.q_down, ids, weights, experts_per_chunk=16,
-                                              **prob.scales)
-        variants = FP8_VARIANTS
-    else:
-        operands = dict(w_gate_up=prob.w_gate_up, w_down=prob.w_down)
-        ref = reference.fused_experts_ref(x, prob.w_gate_up, prob.w_down, ids, weights)
-        variants = BF16_VARIANTS
+                                      fp8=True) or FALLBACK
+    ref = reference.fused_experts_fp8_ref(x, prob.q_gate_up, prob.q_down, ids, weights, experts_per_chunk=16,
+                                          **prob.scales)
 
     def run():
-        return moe_dispatch.fused_experts(x, topk_ids=ids, topk_weights=weights, validate=False, tiles=table,
-                                          **operands)
+        return moe_dispatch.fused_experts(x, prob.q_gate_up, prob.q_down, ids, weights, validate=False, tiles=table,
+                                          fp8_compute="dequant", **prob.scales)
 
-    fns = {name: forced(dots, run) for name, dots in variants.items()}
+    fns = {name: forced(mode, run) for name, mode in VARIANTS.items()}
     errors = {name: reference.relative_error(fn(), ref) for name, fn in fns.items()}
     times = harness.paired_graph_times(fns, pairs)
-    first = next(iter(variants))
-    row = {"model": shape.name, "T": T, "weights": "fp8" if fp8 else "bf16",
-           "hot_us": {n: statistics.median(v) for n, v in times["hot"].items()},
-           "flushed_us": {n: statistics.median(v) for n, v in times["flushed"].items()},
-           "hot_ratio": harness.median_ratios(times["hot"], first),
-           "flushed_ratio": harness.median_ratios(times["flushed"], first),
-           "errors": errors,
-           "kernels_us": {name: harness.kernel_times(fn) for name, fn in fns.items()}}
+    first = next(iter(VARIANTS))
+    H, F = shape.hidden, shape.ffn
     hit = int(torch.unique(ids).numel())
-    if fp8:
-        H, F = shape.hidden, shape.ffn
-        scale_bytes = 4 * 3 * -(-H // 128) * -(-F // 128)
-        row["target_us"] = 1.15 * hit * (3 * H * F + scale_bytes) / (read_tbps * 1e6) + 10.0
-    row["hit"] = hit
-    return row
+    scale_bytes = 4 * 3 * -(-H // 128) * -(-F // 128)
+    return {"model": shape.name, "T": T, "hit": hit,
+            "hot_us": {n: statistics.median(v) for n, v in times["hot"].items()},
+            "flushed_us": {n: statistics.median(v) for n, v in times["flushed"].items()},
+            "hot_ratio": harness.median_ratios(times["hot"], first),
+            "flushed_ratio": harness.median_ratios(times["flushed"], first),
+            "errors": errors,
+            "kernels_us": {name: harness.kernel_times(fn) for name, fn in fns.items()},
+            "target_us": 1.15 * hit * (3 * H * F + scale_bytes) / (read_tbps * 1e6) + 10.0}
 
 
 def main():
@@ -98,7 +84,6 @@ def main():
     parser.add_argument("--tokens", default="1,4,16")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--read-tbps", type=float, default=4.25, help="R, the read bandwidth in TB/s")
-    parser.add_argument("--bf16", action="store_true", help="also the bf16 weights' down GEMV variants")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     _plan.ENABLED = False
@@ -106,22 +91,18 @@ def main():
     rows = []
     for name in args.models.split(","):
         shape = MODEL_SHAPES[name]
-        kinds = [True, False] if args.bf16 else [True]
-        for fp8 in kinds:
-            prob = (harness.make_fp8_problem(shape, max(tokens), "cuda", 0, moe_dispatch) if fp8
-                    else harness.make_problem(shape, max(tokens), torch.bfloat16, "cuda", 0))
-            for T in tokens:
-                row = cell(shape, prob, T, fp8, args.pairs, args.read_tbps)
-                rows.append(row)
-                hot = "  ".join(f"{n} {v:8.1f}" for n, v in row["hot_us"].items())
-                ratios = " ".join(f"{v:.3f}" for v in row["hot_ratio"].values())
-                target = f" target {row['target_us']:.1f}" if "target_us" in row else ""
-                print(f"{name:16s} {row['weights']:4s} T={T:<3d} hot us: {hot}  ratios {ratios}{target}  err "
-                      + " ".join(f"{e:.1e}" for e in row["errors"].values()), flush=True)
-                for variant, kernels in row["kernels_us"].items():
-                    print(f"    {variant:8s} " + "  ".join(f"{k[:22]} {v:.1f}" for k, v in kernels.items()))
-            del prob
-            torch.cuda.empty_cache()
+        prob = harness.make_fp8_problem(shape, max(tokens), "cuda", 0, moe_dispatch)
+        for T in tokens:
+            row = cell(shape, prob, T, args.pairs, args.read_tbps)
+            rows.append(row)
+            hot = "  ".join(f"{n} {v:8.1f}" for n, v in row["hot_us"].items())
+            ratios = " ".join(f"{v:.3f}" for v in row["hot_ratio"].values())
+            print(f"{name:16s} T={T:<3d} hot us: {hot}  ratios {ratios} target {row['target_us']:.1f}  err "
+                  + " ".join(f"{e:.1e}" for e in row["errors"].values()), flush=True)
+            for variant, kernels in row["kernels_us"].items():
+                print(f"    {variant:8s} " + "  ".join(f"{k[:22]} {v:.1f}" for k, v in kernels.items()))
+        del prob
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -14,7 +14,7 @@ import torch
 from helpers import DEVICE, assert_close, capture_cuda_graph, needs_gpu
 
 import moe_dispatch as md
-from moe_dispatch import decode, moe, tiles
+from moe_dispatch import moe, tiles
 from moe_dispatch.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import fused_experts_ref
 from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
@@ -183,19 +183,6 @@ def test_decode_path(case, poison_empty):
     general = run(case, inputs, GENERAL)
     assert_close(general, ref, case.dtype, "general path", exact_zeros=True)
     assert_close(out, general, case.dtype, "decode vs general path")
-
-
-ROW_DOT_CASES = ["bf16-gpt-oss-T2-k2", "bf16-T5-k4", "fp16-T16-k2", "ragged-T3-k2"]
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ROW_DOT_CASES], ids=lambda c: c.id)
-def test_down_row_dot_native(case, poison_empty, monkeypatch):
-    """The down GEMV on the tensor cores with float weights as loaded (ROW_DOT_NATIVE; `decode.default_dots` keeps
-    the CUDA-core GEMV for them unless measured faster): the reference's values, ragged K and columns included."""
-    monkeypatch.setattr(decode, "default_dots", lambda *_: (0, int(decode.ROW_DOT_NATIVE)))
-    inputs = make_inputs(case)
-    out = run(case, inputs, DECODE)
-    assert_close(out, reference(case, inputs), case.dtype, exact_zeros=True)
 
 
 SPLIT_CASES = ["silu-T1-k1", "seed-bias-T1-k4", "gpt-oss-T5-k4", "ragged-T3-k2", "even-T2-k2", "one-expert-T16-k1",

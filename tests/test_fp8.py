@@ -176,18 +176,33 @@ def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch)
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
 
-# (step_dot, row_dot): how the decode kernels meet float8 weight tiles (decode.default_dots picks one of them)
-DECODE_DOTS = [(int(StepDot.SCALED_TILE), 0), (int(StepDot.SCALED_SUMS), 0), (int(StepDot.F16_SUMS), 2)]
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_fp8_decode_path_fp16_dots(layout, poison_empty):
+    """From decode.F16_DOTS_FROM_TOKENS tokens the gate/up kernel dots in fp16 (decode.step_dot's choice, not
+    forced here): every layout with block scales against the float64 experts on the dequantized weights."""
+    _, options, _ = layout
+    options = dict(options)
+    T = decode.F16_DOTS_FROM_TOKENS + 3
+    assert decode.step_dot(T, torch.bfloat16, torch.float8_e4m3fn) is StepDot.F16_SUMS
+    q_gate_up, q_down, scales = _fp8_experts("block", transposed=options.get("transposed", False))
+    if options.get("activation") == "swiglu_oai":
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
+                       down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
+    x = torch.randn(T, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales, **options)
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
 
 @pytest.mark.parametrize("scheme,block_shape", [("block", (16, 16)), ("tensor", (16, 16))], ids=["block", "tensor"])
-@pytest.mark.parametrize("dots", DECODE_DOTS, ids=["scaled-tile", "scaled-sums", "f16-sums"])
-def test_fp8_decode_dots_any_range(dots, scheme, block_shape, monkeypatch):
-    """Each way the decode kernels dot float8 tiles, on rows far outside fp16's range (x 1e6: the intermediate near
-    1e12), far below it (x 1e-6), exactly zero and ordinary, each row against the float64 experts on its own (a
-    shared bound would hide the small rows behind the large one); the fp16 dots rescale each row per K step."""
+@pytest.mark.parametrize("step_dot", list(StepDot), ids=lambda d: d.name.lower())
+def test_fp8_decode_dots_any_range(step_dot, scheme, block_shape, monkeypatch):
+    """Each way the decode gate/up kernel dots float8 tiles (decode.step_dot picks by T), on rows far outside fp16's
+    range (x 1e6: the intermediate near 1e12), far below it (x 1e-6), exactly zero and ordinary, each row against the
+    float64 experts on its own (a shared bound would hide the small rows behind the large one); the fp16 dots rescale
+    each row per K step."""
     q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=block_shape)
-    monkeypatch.setattr(decode, "default_dots", lambda *_: dots)
+    monkeypatch.setattr(decode, "step_dot", lambda *_: step_dot)
     x = torch.randn(4, H, device=DEVICE)
     x = (x * torch.tensor([1e6, 1e-6, 0.0, 1.0], device=DEVICE)[:, None]).bfloat16()
     ids, weights = _ids(4), torch.rand(4, TOP_K, device=DEVICE)

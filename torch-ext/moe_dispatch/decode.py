@@ -45,10 +45,8 @@ from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
-# The down GEMV's ROW_DOT constexpr (`row_dot`): NONE multiplies on the CUDA cores in fp32
-ROW_DOT_NONE = tl.constexpr(0)
-ROW_DOT_NATIVE = tl.constexpr(1)
-ROW_DOT_F16 = tl.constexpr(2)
+# From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
+F16_DOTS_FROM_TOKENS = 9
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -152,10 +150,8 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    ROW_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -200,10 +196,7 @@ def _decode_down_kernel(
                 mask_k = offs_k < k_end - k0
                 b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            if ROW_DOT == ROW_DOT_NONE:
-                b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
-            else:
-                b_step = row_dot(b_w, b_row, ROW_DOT, DOT_FP32)
+            b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
             if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
                 b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n, other=0.0)
             b_y += b_step
@@ -234,39 +227,16 @@ def _decode_down_kernel(
             tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-@triton.jit
-def row_dot(b_w, b_row, ROW_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
-    """[BLOCK_N] = b_w [BLOCK_N, BLOCK_K] @ b_row [BLOCK_K] in fp32 on the tensor cores: the row is the only nonzero
-    column of a [BLOCK_K, 16] operand (the dot's narrowest), so the weight tile goes to the MMA as it was loaded
-    (ROW_DOT_NATIVE: float weights, the row in their dtype) or converted to fp16 only (ROW_DOT_F16: float8 weights,
-    one instruction per two elements; the row scaled by a power of two as gemm_jit.StepDot.F16_SUMS scales A rows,
-    the sums by its inverse), instead of every element converted to fp32 and multiplied on the CUDA cores. fp32
-    weights, and DOT_FP32 (bf16 under the interpreter, whose bf16 dots are wrong): ROW_DOT_NATIVE's dot in fp32 at
-    full precision."""
-    b_rowf = b_row.to(tl.float32)
-    first_column = tl.arange(0, 16)[None, :] == 0
-    if ROW_DOT == ROW_DOT_F16:
-        # a NaN stays in the row (multiplied, never dropped); an all-zero row takes 2^126
-        exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_rowf), axis=0))), -126.0, 126.0)
-        b_row16 = (b_rowf * tl.exp2(exponent)).to(tl.float16)
-        b_cols = tl.where(first_column, b_row16[:, None], tl.zeros_like(b_row16)[:, None])  # [BLOCK_K, 16]
-        b_sums = tl.sum(tl.dot(b_w.to(tl.float16), b_cols), axis=1) * tl.exp2(-exponent)
-    elif DOT_FP32 or b_w.dtype == tl.float32:
-        b_sums = tl.sum(tl.dot(b_w.to(tl.float32), tl.where(first_column, b_rowf[:, None], 0.0),
-                               input_precision="ieee"), axis=1)
-    else:
-        b_sums = tl.sum(tl.dot(b_w, tl.where(first_column, b_rowf[:, None], 0.0).to(b_w.dtype)), axis=1)
-    return b_sums
-
-
-def default_dots(x_dtype, weight_dtype):
-    """(STEP_DOT, ROW_DOT) of the two kernels for activations and weights of these dtypes: float8 weights dot in
-    fp16 on both (one conversion instruction per two weight elements); fp32 activations keep the fp32 paths."""
-    if x_dtype == torch.float32:
-        return int(StepDot.SCALED_TILE), int(ROW_DOT_NONE)
-    if weight_dtype.is_floating_point and weight_dtype.itemsize == 1:
-        return int(StepDot.F16_SUMS), int(ROW_DOT_F16)
-    return int(StepDot.SCALED_TILE), int(ROW_DOT_NONE)
+def step_dot(num_tokens, x_dtype, weight_dtype):
+    """The gate/up kernel's gemm_jit.StepDot: float8 weights under half-precision activations dot in fp16 from
+    F16_DOTS_FROM_TOKENS tokens (e4m3 -> fp16 is one instruction per two elements, against three conversions and a
+    multiply per element for a scaled bf16 tile), the scaled tile below. Measured on the H200 at the table's tiles
+    (docs/performance.md, FP8 decode): at T = 16 the fp16 dots took 1-8% off the gate/up kernel on five models, at
+    T = 1 they added up to 18% (the per-step rescaling of x's 16 padded rows, a reduction across the tile, costs
+    more than the conversions it saves when few programs share an SM)."""
+    if num_tokens >= F16_DOTS_FROM_TOKENS and x_dtype != torch.float32 and weight_dtype.itemsize == 1:
+        return StepDot.F16_SUMS
+    return StepDot.SCALED_TILE
 
 
 def pipeline_stages(num_stages, stage_bytes, limit):
@@ -280,21 +250,17 @@ def pipeline_stages(num_stages, stage_bytes, limit):
 
 def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: DecodeTiles, *, transposed=False,
                    activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0,
-                   gate_up_scale=None, down_scale=None, step_dot=None, row_dot=None):
+                   gate_up_scale=None, down_scale=None):
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) in two launches (see the module doc).
 
     x [T, H]; w_gate, w_up: the gate and up views [E, F, H] ([E, H, F] when `transposed`); w_down [E, H, F] ([E, F, H]
     transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. float8 weights come with their
     `gate_up_scale` / `down_scale` (fp8.WeightScale) and are dequantized in the loads (the dots run in x's dtype,
-    the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS. `step_dot` (gemm_jit.StepDot) and
-    `row_dot` (`row_dot`'s codes) choose how the two kernels meet the weight tiles; None: `default_dots`.
+    the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS.
     """
     T, H = x.shape
     top_k = topk_ids.shape[1]
     num_assignments = T * top_k
-    default_step, default_row = default_dots(x.dtype, w_down.dtype)
-    step_dot = default_step if step_dot is None else int(step_dot)
-    row_dot = default_row if row_dot is None else int(row_dot)
     if num_assignments > MAX_DECODE_ASSIGNMENTS:
         raise ValueError(f"the decode path takes at most {MAX_DECODE_ASSIGNMENTS} assignments, got T * top_k = "
                          f"{num_assignments}")
@@ -345,7 +311,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
             EVEN_K=H % block_k == 0,
-            STEP_DOT=step_dot,
+            STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
             BLOCK_T=block_t,
             # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
             BLOCK_A=next_power_of_2(block_t * top_k),
@@ -372,10 +338,8 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         TOP_K=top_k,
         HAS_BIAS=down_bias is not None,
         WEIGHT_SCALE=int(down_code),
-        DOT_FP32=dot_options(x.dtype)[0],
         EVEN_K=F % down_block_k == 0,
         SPLIT_K=split_k,
-        ROW_DOT=row_dot,
         BLOCK_N=down_tile.block_n,
         BLOCK_K=down_block_k,
         num_warps=down_tile.num_warps,

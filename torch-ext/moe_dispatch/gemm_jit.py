@@ -64,18 +64,16 @@ class StepDot(enum.IntEnum):
     # the weight tile converted to A's dtype, block scales multiplied into it first in fp32 (one chain of dots into
     # the accumulator: what the wgmma kernels need)
     SCALED_TILE = 0
-    # the weight tile converted to A's dtype unscaled (exact: e4m3 fits bf16 and fp16), each step's dot into a fresh
-    # fp32 sum times the step's column scales (BLOCK_STEP) before it joins the accumulator: half the conversions of
-    # SCALED_TILE and one rounding fewer; for mma.sync tiles (decode), which wait on each dot anyway
-    SCALED_SUMS = 1
-    # SCALED_SUMS with float16 dots: e4m3 -> fp16 is one instruction per two elements on sm_89+ (-> bf16 is three);
-    # each step's A rows are scaled by a power of two that brings their largest magnitude to [2^13, 2^14] before the
-    # fp16 conversion (11 mantissa bits, no overflow whatever A's range) and the step's sums by its inverse
-    F16_SUMS = 2
+    # float16 dots for mma.sync tiles (decode), which wait on each dot anyway: the weight tile converted to fp16
+    # unscaled (exact: e4m3 fits; one instruction per two elements on sm_89+, -> bf16 takes three), each step's A
+    # rows scaled by a power of two that brings their largest magnitude to [2^13, 2^14] before the fp16 conversion
+    # (11 mantissa bits, no overflow whatever A's range), each step's dot into a fresh fp32 sum times the inverse
+    # and the step's column scales (BLOCK_STEP) before it joins the accumulator. (The same with the tile converted to
+    # bf16 and A as it is measured slower on the H200 than SCALED_TILE: the bf16 conversion is the costly part.)
+    F16_SUMS = 1
 
 
 STEP_SCALED_TILE = tl.constexpr(StepDot.SCALED_TILE.value)
-STEP_F16_SUMS = tl.constexpr(StepDot.F16_SUMS.value)
 
 
 @triton.jit
@@ -224,9 +222,8 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
                                         scale_block_k, a_ptrs, DOT_FP32, WEIGHT_SCALE)
                 b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
         else:
-            b_acc, b_acc_up = scaled_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs,
-                                               s_up_ptrs, k0, stride_s_k, scale_block_k, GATED, DOT_FP32, DOT_PRECISION,
-                                               WEIGHT_SCALE, STEP_DOT)
+            b_acc, b_acc_up = f16_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs, s_up_ptrs,
+                                            k0, stride_s_k, scale_block_k, GATED, WEIGHT_SCALE)
         if GATED:
             w_up_ptrs += BLOCK_K * stride_w_k
         a_ptrs += BLOCK_K * stride_a_k
@@ -235,31 +232,24 @@ def tile_dot(b_acc, b_acc_up, a_ptrs, w_ptrs, w_up_ptrs, mask_m, mask_n, K, stri
 
 
 @triton.jit
-def scaled_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs, s_up_ptrs, k0, stride_s_k,
-                     scale_block_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     WEIGHT_SCALE: tl.constexpr, STEP_DOT: tl.constexpr):
-    """One K step of float8 weights under StepDot SCALED_SUMS or F16_SUMS (see there): the accumulators plus the
-    step's dots of A's tile b_a with the unscaled weight tiles, scaled after the dot (BLOCK_STEP: by the step's
-    column scales; F16_SUMS: by the inverse of A's row factors). Other scale codes apply theirs after the K loop.
-    DOT_FP32 (fp32 A, or bf16 under the interpreter) runs SCALED_SUMS's dots in fp32; F16_SUMS dots fp16 always."""
-    if STEP_DOT == STEP_F16_SUMS:
-        b_af = b_a.to(tl.float32)
-        # A NaN in a row keeps the row's dots NaN (it is multiplied, never dropped); an all-zero row takes 2^126
-        exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_af), axis=1))), -126.0, 126.0)
-        b_a = (b_af * tl.exp2(exponent)[:, None]).to(tl.float16)
-        b_row_scale = tl.exp2(-exponent)[:, None]  # [BLOCK_M, 1]
-    else:
-        b_row_scale = tl.full((1, 1), 1.0, tl.float32)
-        if DOT_FP32:
-            b_a = b_a.to(tl.float32)
-    b_w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(b_a.dtype)
-    b_step = tl.dot(b_a, b_w, input_precision=DOT_PRECISION) * b_row_scale
+def f16_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptrs, s_up_ptrs, k0, stride_s_k,
+                  scale_block_k, GATED: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
+    """One K step of float8 weights under StepDot F16_SUMS (see there): the accumulators plus the step's fp16 dots of
+    A's tile b_a, its rows rescaled, with the unscaled weight tiles, scaled after the dot by the inverse of A's row
+    factors (and BLOCK_STEP's column scales; other scale codes apply theirs after the K loop)."""
+    b_af = b_a.to(tl.float32)
+    # A NaN in a row keeps the row's dots NaN (it is multiplied, never dropped); an all-zero row takes 2^126
+    exponent = tl.clamp(14.0 - tl.ceil(tl.log2(tl.max(tl.abs(b_af), axis=1))), -126.0, 126.0)
+    b_a = (b_af * tl.exp2(exponent)[:, None]).to(tl.float16)
+    b_row_scale = tl.exp2(-exponent)[:, None]  # [BLOCK_M, 1]
+    b_w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float16)
+    b_step = tl.dot(b_a, b_w) * b_row_scale
     if WEIGHT_SCALE == SCALE_BLOCK_STEP:
         b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
     b_acc += b_step
     if GATED:
-        b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0).to(b_a.dtype)
-        b_step_up = tl.dot(b_a, b_wu, input_precision=DOT_PRECISION) * b_row_scale
+        b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0).to(tl.float16)
+        b_step_up = tl.dot(b_a, b_wu) * b_row_scale
         if WEIGHT_SCALE == SCALE_BLOCK_STEP:
             b_step_up *= tl.load(s_up_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
         b_acc_up += b_step_up
