@@ -5,10 +5,10 @@ per-kernel GPU times and its error against the float64 experts on the same weigh
 
 - tile: the weight tiles scaled in fp32 and converted to bf16 before a bf16 dot
 - f16:  fp16 dots of the unscaled tiles, x rows rescaled per K step, each step's sums scaled after the dot
-- f16rows: as f16, x rows rescaled by one power of two each for the whole K loop (a first pass over the rows)
 
-(The run in docs/results/h200-probe-decode-dots-v17.txt also timed two modes measured slower and since removed: the
-tiles converted to bf16 unscaled, and the down GEMV as a tensor-core dot with the row as the one nonzero column.)
+(The runs in docs/results/h200-probe-decode-dots-v17*.txt also timed three modes measured slower and since removed:
+the tiles converted to bf16 unscaled, the down GEMV as a tensor-core dot with the row as the one nonzero column, and
+the fp16 dots with one factor per x row for the whole K loop from a first pass over the row.)
 
 The package's eager plans are off for the run (`_plan.ENABLED`): a recorded call would replay the first variant's
 launches for every variant of the same signature.
@@ -30,7 +30,7 @@ from model_shapes import MODEL_SHAPES
 from moe_dispatch import _plan, decode, reference, tiles
 from moe_dispatch.gemm_jit import StepDot
 
-VARIANTS = {"tile": StepDot.SCALED_TILE, "f16": StepDot.F16_SUMS, "f16rows": StepDot.F16_ROWS}
+VARIANTS = {"tile": StepDot.SCALED_TILE, "f16": StepDot.F16_SUMS}
 FALLBACK = tiles.DecodeTiles(tiles.DecodeTile(64, 256, 4, 3, 1), tiles.DecodeTile(64, 128, 4, 3, 1))
 
 

@@ -21,8 +21,9 @@ Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and a
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
 
 float8 weights (fp8.py) run here too, dequantized in the loads as grouped_gemm's dequant path does (same WEIGHT_SCALE
-codes; the activations stay in x's dtype): at a few tokens the GEMMs are weight-bound, so reading half the bytes is the
-whole gain and quantizing the activations would add work without saving any.
+codes; the activations are not quantized): at a few tokens the GEMMs are weight-bound, so reading half the bytes is the
+whole gain and quantizing the activations would add work without saving any. From F16_DOTS_FROM_TOKENS tokens the
+gate/up kernel dots the unscaled tiles in fp16 with x's rows rescaled per K step (gemm_jit.StepDot, `step_dot`).
 
 The path applies to inference with at most MAX_DECODE_ASSIGNMENTS assignments (the gate/up program compares
 its id with every earlier one); `moe._fused_experts_op` chooses between it and the general path (tiles.py:
@@ -46,7 +47,7 @@ from ._plan import launch
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 # From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
-F16_DOTS_FROM_TOKENS = 9
+F16_DOTS_FROM_TOKENS = 4
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -231,9 +232,9 @@ def step_dot(num_tokens, x_dtype, weight_dtype):
     """The gate/up kernel's gemm_jit.StepDot: float8 weights under half-precision activations dot in fp16 from
     F16_DOTS_FROM_TOKENS tokens (e4m3 -> fp16 is one instruction per two elements, against three conversions and a
     multiply per element for a scaled bf16 tile), the scaled tile below. Measured on the H200 at the table's tiles
-    (docs/performance.md, FP8 decode): at T = 16 the fp16 dots took 1-8% off the gate/up kernel on five models, at
-    T = 1 they added up to 18% (the per-step rescaling of x's 16 padded rows, a reduction across the tile, costs
-    more than the conversions it saves when few programs share an SM)."""
+    (docs/performance.md, FP8 decode): at T = 4 the fp16 dots took 3-7% off the gate/up kernel of five models, at
+    T = 16 1-8%; at T = 1 they added up to 21% (the per-step rescaling of x's 16 padded rows, a reduction across
+    the tile, costs more than the conversions it saves when few programs share an SM). T = 2, 3: not measured."""
     if num_tokens >= F16_DOTS_FROM_TOKENS and x_dtype != torch.float32 and weight_dtype.itemsize == 1:
         return StepDot.F16_SUMS
     return StepDot.SCALED_TILE
