@@ -21,6 +21,9 @@ from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
 # Small tiles: several column tiles and K steps at these sizes (the interpreter ignores warps and stages).
 DECODE = DecodeTiles(DecodeTile(16, 16), DecodeTile(16, 16))
+# the down GEMM as one dot per expert hit over all its tokens' rows (DecodeTile.dot)
+DECODE_DOT = DecodeTiles(DecodeTile(16, 16), DecodeTile(16, 16, dot=True))
+DOWN_KERNELS = pytest.mark.parametrize("decode_tiles", [DECODE, DECODE_DOT], ids=["gemv", "dot"])
 GENERAL = MoeTiles(16, GemmTile(16, 16), GemmTile(16, 16))
 GUARD = 4  # NaN experts on each side of the real ones; sentinel ids below stay within them (-1, E, E + 3)
 
@@ -172,14 +175,17 @@ def reference(case, inputs):
                              transposed=case.transposed, swiglu_limit=case.limit)
 
 
+@DOWN_KERNELS
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_decode_path(case, poison_empty):
+def test_decode_path(case, decode_tiles, poison_empty):
     inputs = make_inputs(case)
-    out = run(case, inputs, DECODE)
+    out = run(case, inputs, decode_tiles)
     ref = reference(case, inputs)
     assert out.dtype == case.dtype and out.shape == (case.T, case.H)
     assert_close(out, ref, case.dtype, exact_zeros=True)
-    assert torch.equal(run(case, inputs, DECODE), out), "a rerun differs"
+    assert torch.equal(run(case, inputs, decode_tiles), out), "a rerun differs"
+    if decode_tiles is DECODE_DOT:
+        return  # the general path's comparison once, under the GEMV
     general = run(case, inputs, GENERAL)
     assert_close(general, ref, case.dtype, "general path", exact_zeros=True)
     assert_close(out, general, case.dtype, "decode vs general path")
@@ -189,14 +195,15 @@ SPLIT_CASES = ["silu-T1-k1", "seed-bias-T1-k4", "gpt-oss-T5-k4", "ragged-T3-k2",
                "all-sentinels"]
 
 
+@DOWN_KERNELS
 @pytest.mark.parametrize("split_k", [2, 3, 8])
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in SPLIT_CASES], ids=lambda c: c.id)
-def test_down_kernel_split_k(case, split_k, poison_empty):
-    """The down GEMV split along F (split_k programs per assignment and H tile, more than F's K steps included:
-    empty splits add zeros), its partial rows summed by the last arrival: the reference's values (bias added
-    once), reruns bit-identical, top_k = 1 reduced too."""
+def test_down_kernel_split_k(case, split_k, decode_tiles, poison_empty):
+    """The down kernel split along F (split_k programs per assignment or expert and H tile, more than F's K steps
+    included: the GEMV's empty splits add zeros, the dot kernel's are dropped), its partial rows summed by the last
+    arrival: the reference's values (bias added once), reruns bit-identical, top_k = 1 reduced too."""
     inputs = make_inputs(case)
-    tiles_split = DecodeTiles(DECODE.gate_up, dataclasses.replace(DECODE.down, split_k=split_k))
+    tiles_split = DecodeTiles(decode_tiles.gate_up, dataclasses.replace(decode_tiles.down, split_k=split_k))
     out = run(case, inputs, tiles_split)
     assert_close(out, reference(case, inputs), case.dtype, exact_zeros=True)
     assert torch.equal(run(case, inputs, tiles_split), out), "a rerun differs"
@@ -209,9 +216,11 @@ def test_zero_tokens(tile_choice, poison_empty):
     assert run(case, inputs, tile_choice).shape == (0, case.H)
 
 
+@DOWN_KERNELS
 @pytest.mark.parametrize("routing", ["one-expert", "mixed"])
-def test_nan_row_stays_in_its_row(routing, poison_empty):
-    """NaN in x row 2 gives NaN in out row 2 only, even when every token shares the expert (one dot, one owner)."""
+def test_nan_row_stays_in_its_row(routing, decode_tiles, poison_empty):
+    """NaN in x row 2 gives NaN in out row 2 only, even when every token shares the expert (one dot, one owner; the
+    dot kernel's down GEMM too)."""
     case = DecodeCase("nan", "NaN row", 5, 2, routing=routing)
     inputs = make_inputs(case)
     inputs["topk_ids"][2, 0] = 2  # token 2 keeps a valid expert in the "mixed" routing too
@@ -219,13 +228,14 @@ def test_nan_row_stays_in_its_row(routing, poison_empty):
     inputs["w_down"][2] = torch.randn_like(inputs["w_down"][2]) * 0.3
     ref = reference(case, inputs)
     inputs["x"][2] = float("nan")
-    out = run(case, inputs, DECODE)
+    out = run(case, inputs, decode_tiles)
     assert out[2].isnan().all()
     others = torch.tensor([0, 1, 3, 4], device=DEVICE)
     assert_close(out[others], ref[others], case.dtype, exact_zeros=True)
 
 
-def test_sentinel_ids_own_nothing(monkeypatch):
+@DOWN_KERNELS
+def test_sentinel_ids_own_nothing(decode_tiles, monkeypatch):
     """No program works for an id outside [0, E): with finite guard experts around the weights (so a stray read would
     not show as NaN), the intermediate rows of sentinel slots stay unwritten and every other row is written."""
     case = DecodeCase("sentinels", "white box", 5, 2)
@@ -241,7 +251,7 @@ def test_sentinel_ids_own_nothing(monkeypatch):
         return allocated[-1].fill_(float("nan")) if allocated[-1].is_floating_point() else allocated[-1]
 
     monkeypatch.setattr(torch, "empty", recording_empty)
-    out = run(case, inputs, DECODE)
+    out = run(case, inputs, decode_tiles)
     intermediate = next(t for t in allocated if t.shape == (case.T * case.top_k, case.F))
     ids = inputs["topk_ids"].reshape(-1)
     sentinel = (ids < 0) | (ids >= case.E)
@@ -350,17 +360,20 @@ def test_select_decode_tiles(entry, T, top_k, shape, dtype, expected, monkeypatc
 def test_tiles_travel_as_flat_ints():
     """The operator takes tiles as a list of ints: each kind comes back as itself."""
     assert tiles.tiles_from_list(DECODE.to_list()) == DECODE
+    assert tiles.tiles_from_list(DECODE_DOT.to_list()) == DECODE_DOT
+    assert all(type(v) is int for v in DECODE_DOT.to_list())
     assert tiles.tiles_from_list(GENERAL.to_list()) == GENERAL
 
 
+@DOWN_KERNELS
 @needs_gpu
-def test_decode_path_in_a_cuda_graph():
+def test_decode_path_in_a_cuda_graph(decode_tiles):
     """Captured once, replayed with new tokens, ids (sentinels included) and weights: no host reads, same as eager."""
     x, w_gate_up, w_down, ids, weights = _simple_inputs(4, top_k=2, E=8)
     x, w_gate_up, w_down = (t.to(torch.bfloat16) for t in (x, w_gate_up, w_down))
 
     def forward():
-        return md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, tiles=DECODE)
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, tiles=decode_tiles)
 
     graph, out = capture_cuda_graph(forward)
     for sentinel in (-1, 8):

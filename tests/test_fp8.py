@@ -147,6 +147,7 @@ def test_fused_experts_fp8(layout, scheme):
 
 
 DECODE = DecodeTiles(DecodeTile(32, 32, 4, 1), DecodeTile(16, 32, 4, 1))
+DECODE_DOT = DecodeTiles(DECODE.gate_up, DecodeTile(16, 16, 4, 1, dot=True))  # the down GEMM once per expert hit
 
 
 # (scheme, block shape): a K side of 24 has no power-of-two divisor >= 16, so the gate/up kernel scales each element
@@ -194,19 +195,51 @@ def test_fp8_decode_path_fp16_dots(layout, poison_empty):
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_fp8_decode_down_dot(layout, poison_empty):
+    """The decode path's down GEMM as one dot per expert hit (DecodeTile.dot) on float8 weights, every layout with
+    block scales, at T = 5 (the dots in fp16 by decode.step_dot's choice) with duplicate experts across tokens."""
+    _, options, _ = layout
+    options = dict(options)
+    q_gate_up, q_down, scales = _fp8_experts("block", transposed=options.get("transposed", False))
+    if options.get("activation") == "swiglu_oai":
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
+                       down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
+    x = torch.randn(5, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(5), torch.rand(5, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE_DOT, **scales, **options)
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
+
+
+@pytest.mark.parametrize("T", [2, 5], ids=["scaled-tile", "fp16-dots"])
+@pytest.mark.parametrize("scheme,block_shape", DECODE_SCALES, ids=["block", "block-k-side-24", "channel", "tensor"])
+def test_fp8_decode_down_dot_splits(scheme, block_shape, T, poison_empty):
+    """The down dot kernel split along F = 96 in three: each split's scales start at its first scale block (a K side
+    of 24 steps 16 columns at a time, so its splits are whole multiples of 48), every scale scheme, both ways of
+    dotting a step (decode.step_dot by T)."""
+    ffn = 96
+    q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=block_shape, ffn=ffn)
+    tiles_split = DecodeTiles(DECODE_DOT.gate_up, dataclasses.replace(DECODE_DOT.down, split_k=3))
+    x = torch.randn(T, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=tiles_split, **scales)
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales))
+
+
+@pytest.mark.parametrize("decode_tiles", [DECODE, DECODE_DOT], ids=["gemv", "dot"])
 @pytest.mark.parametrize("scheme,block_shape", [("block", (16, 16)), ("tensor", (16, 16))], ids=["block", "tensor"])
 @pytest.mark.parametrize("step_dot", list(StepDot), ids=lambda d: d.name.lower())
-def test_fp8_decode_dots_any_range(step_dot, scheme, block_shape, monkeypatch):
-    """Each way the decode gate/up kernel dots float8 tiles (decode.step_dot picks by T), on rows far outside fp16's
-    range (x 1e6: the intermediate near 1e12), far below it (x 1e-6), exactly zero and ordinary, each row against the
-    float64 experts on its own (a shared bound would hide the small rows behind the large one); the fp16 dots rescale
-    each row per K step."""
+def test_fp8_decode_dots_any_range(step_dot, scheme, block_shape, decode_tiles, monkeypatch):
+    """Each way the decode kernels dot float8 tiles (decode.step_dot picks by T; the down GEMM too when it is a dot),
+    on rows far outside fp16's range (x 1e6: the intermediate near 1e12), far below it (x 1e-6), exactly zero and
+    ordinary, each row against the float64 experts on its own (a shared bound would hide the small rows behind the
+    large one); the fp16 dots rescale each row per K step."""
     q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=block_shape)
     monkeypatch.setattr(decode, "step_dot", lambda *_: step_dot)
     x = torch.randn(4, H, device=DEVICE)
     x = (x * torch.tensor([1e6, 1e-6, 0.0, 1.0], device=DEVICE)[:, None]).bfloat16()
     ids, weights = _ids(4), torch.rand(4, TOP_K, device=DEVICE)
-    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=decode_tiles, **scales)
     ref = fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     for row in (0, 1, 3):
@@ -578,6 +611,8 @@ NON_FINITE_CASES = [
     NonFiniteCase("dequant-tensor", "per-tensor weight scales after the K loop", scheme="tensor",
                   fp8_compute="dequant"),
     NonFiniteCase("decode-block", "the two-launch decode path", fp8_compute="dequant", tiles=DECODE),
+    NonFiniteCase("decode-block-down-dot", "the decode path with the down GEMM as one dot per expert (NaN rows among "
+                  "the dot's rows)", fp8_compute="dequant", tiles=DECODE_DOT),
 ]
 
 

@@ -32,6 +32,8 @@ grouped_gemm.py, so every layout `fused_experts` takes (concatenated, interleave
 copies.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +42,8 @@ from ._device import smem_per_program
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
-from .gemm_jit import (SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, add_bias, apply_activation,
-                       expert_tile_dot, scale_sums, weight_scale_ptrs)
+from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
+                       apply_activation, expert_tile_dot, scale_sums, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
@@ -228,6 +230,126 @@ def _decode_down_kernel(
             tl.store(out_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _decode_down_dot_kernel(
+    # intermediate: [N, F] in assignment order, unit stride along F
+    inter_ptr, stride_inter_a,
+    # down weights: per-expert [E, H, F] by strides
+    w_ptr, stride_w_e, stride_w_n, stride_w_k,
+    bias_ptr, stride_bias_e, stride_bias_n,
+    # float8 weights: their scales as the gate/up kernel reads them (scale_args of fp8.WeightScale)
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
+    # routing: topk_ids, topk_weights [T, TOP_K], any strides; weights of any float dtype (applied in fp32)
+    topk_ids_ptr, stride_ids_t, stride_ids_k,
+    topk_weights_ptr, stride_tw_t, stride_tw_k,
+    # partial: [N * SPLIT_K, H] fp32; counter: [T * cdiv(H, BLOCK_N)] int32, zero on entry (the gate/up kernel's)
+    partial_ptr, counter_ptr,
+    # out: [T, H]
+    out_ptr, stride_out_t, stride_out_h,
+    num_tokens, H, F, E, split_len,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    STEP_DOT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The down GEMM once per expert hit (DecodeTile.dot): grid (N, SPLIT_K * cdiv(H, BLOCK_N)), program (a, s, n)
+    works only when assignment a is the first naming its expert e, a valid one (as in the gate/up kernel). It gathers
+    the intermediate row of every token that picked e (the row of its first slot naming e: a token listing e twice
+    has two equal rows, computed by one owner from one x row) into a [BLOCK_T, BLOCK_K] tile per K step, dots it with
+    W_down[e]'s tile (the weights read once for all of e's tokens, the dequantization done once, the multiply on
+    tensor cores; the GEMV kernel converts and multiplies a whole weight tile per assignment), and writes each row
+    times the sum of the token's routing weights on e (+ bias, split 0) to the partial row of that slot. Each token's
+    counter then takes one arrival per (distinct valid expert, split); the last arrival sums the token's partial rows
+    of first slots in the order j = 0..TOP_K-1, s = 0..SPLIT_K-1 and stores out[t]. A token with no valid id gets
+    zeros from the programs of its slot 0 and split 0."""
+    wait_for_producer(PDL)
+    pid_a = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = pid % SPLIT_K
+    pid_n = pid // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_tokens
+    offs_j = tl.arange(0, BLOCK_J)
+    mask_tj = mask_t[:, None] & (offs_j[None, :] < TOP_K)
+    b_ids = tl.load(topk_ids_ptr + offs_t[:, None] * stride_ids_t + offs_j[None, :] * stride_ids_k, mask=mask_tj,
+                    other=-1)  # [BLOCK_T, BLOCK_J]
+    # the first slot of each valid expert in its token's row (ids compared in their own width)
+    b_first = mask_tj & (b_ids >= 0) & (b_ids < E)
+    for jj in tl.static_range(TOP_K - 1):
+        b_col = tl.load(topk_ids_ptr + offs_t * stride_ids_t + jj * stride_ids_k, mask=mask_t, other=-1)
+        b_first = b_first & ((b_ids != b_col[:, None]) | (offs_j[None, :] <= jj))
+    b_experts = tl.sum(b_first.to(tl.int32), axis=1)  # [BLOCK_T] distinct valid experts per token
+    out_tile_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_out_t + offs_n[None, :] * stride_out_h
+    t_own = pid_a // TOP_K
+    if (pid_a % TOP_K == 0) & (split == 0):
+        b_none = (offs_t == t_own) & (b_experts == 0)
+        tl.store(out_tile_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                 mask=b_none[:, None] & mask_n[None, :])
+    expert = tl.load(topk_ids_ptr + t_own * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
+    offs_a = tl.arange(0, BLOCK_A)
+    b_earlier = tl.load(topk_ids_ptr + (offs_a // TOP_K) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
+                        mask=offs_a < pid_a, other=-1)  # [BLOCK_A]
+    num_earlier = tl.sum((b_earlier == expert).to(tl.int32), axis=0)
+    if (expert < 0) | (expert >= E) | (num_earlier > 0):
+        return
+
+    b_match = mask_tj & (b_ids == expert)
+    b_slot = tl.min(tl.where(b_match, offs_j[None, :], BLOCK_J), axis=1)  # [BLOCK_T] first slot naming the expert
+    mask_rows = b_slot < TOP_K
+    b_rows = offs_t * TOP_K + tl.where(mask_rows, b_slot, 0)  # [BLOCK_T] assignment of each row's first slot
+    b_row_weight = tl.sum(tl.load(topk_weights_ptr + offs_t[:, None] * stride_tw_t + offs_j[None, :] * stride_tw_k,
+                                  mask=b_match, other=0.0).to(tl.float32), axis=1)
+    k_begin = split * split_len
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + b_rows[:, None].to(tl.int64) * stride_inter_a + (k_begin + offs_k)[None, :]
+    # the split's scales start at its first scale block (the launcher makes split_len a multiple of block scales'
+    # K side)
+    s_base = scale_ptr
+    if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK:
+        s_base = scale_ptr + (k_begin // scale_block_k) * stride_scale_k
+    b_acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_rows, mask_n, expert, offs_n, offs_k,
+                               w_ptr + k_begin * stride_w_k, w_ptr + k_begin * stride_w_k, stride_w_e, stride_w_n,
+                               stride_w_k, s_base, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                               scale_up_row_offset, scale_block_n, scale_block_k, tl.minimum(split_len, F - k_begin),
+                               1, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+    if HAS_BIAS:
+        if split == 0:
+            b_acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
+                             other=0.0).to(tl.float32)[None, :]
+    b_acc *= b_row_weight[:, None]
+    mask_out = mask_rows[:, None] & mask_n[None, :]
+    tl.store(partial_ptr + (b_rows * SPLIT_K + split)[:, None].to(tl.int64) * H + offs_n[None, :], b_acc,
+             mask=mask_out)
+    # As in the GEMV kernel: the partials are written before the arrivals count them (the barrier, then each row's
+    # atomic release); a last arrival's acquire, then the block-wide reduction of `b_last`, orders the loads after.
+    tl.debug_barrier()
+    b_arrived = tl.atomic_add(counter_ptr + offs_t * tl.cdiv(H, BLOCK_N) + pid_n, 1, mask=mask_rows, sem="acq_rel")
+    b_last = mask_rows & (b_arrived == b_experts * SPLIT_K - 1)
+    if tl.max(b_last.to(tl.int32), axis=0) > 0:
+        b_out = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            b_first_j = tl.sum(tl.where(offs_j[None, :] == j, b_first, False).to(tl.int32), axis=1) > 0
+            mask_sum = (b_last & b_first_j)[:, None] & mask_n[None, :]
+            for s in tl.static_range(SPLIT_K):
+                b_out += tl.load(partial_ptr + ((offs_t * TOP_K + j) * SPLIT_K + s)[:, None].to(tl.int64) * H
+                                 + offs_n[None, :], mask=mask_sum, other=0.0, cache_modifier=".cg")
+        tl.store(out_tile_ptrs, b_out.to(out_ptr.dtype.element_ty), mask=b_last[:, None] & mask_n[None, :])
+
+
 def step_dot(num_tokens, x_dtype, weight_dtype):
     """The gate/up kernel's gemm_jit.StepDot: float8 weights under half-precision activations dot in fp16 from
     F16_DOTS_FROM_TOKENS tokens (e4m3 -> fp16 is one instruction per two elements, against three conversions and a
@@ -275,12 +397,18 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     intermediate = torch.empty((num_assignments, F), device=x.device, dtype=x.dtype)
     # K splits of the down GEMV: whole BLOCK_K steps each, at most as many as there are steps
     ws_down = down_scale or NO_SCALE
-    # The GEMV has no dot-size floor: block scales always step inside one block.
-    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=1)
-    steps = cdiv(F, down_block_k)
+    # The GEMV has no dot-size floor: block scales always step inside one block. The dot kernel's splits start on a
+    # scale block (its scale pointers step from there), and none is left empty.
+    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=16 if down_tile.dot else 1)
+    split_step = down_block_k
+    if down_tile.dot and down_code in (WeightScaleCode.BLOCK, WeightScaleCode.BLOCK_STEP):
+        split_step = math.lcm(down_block_k, ws_down.block_k)
+    steps = cdiv(F, split_step)
     split_k = max(1, min(down_tile.split_k, steps))
-    split_len = cdiv(steps, split_k) * down_block_k
-    reduced = top_k * split_k > 1
+    split_len = cdiv(steps, split_k) * split_step
+    if down_tile.dot and split_len:
+        split_k = cdiv(F, split_len)
+    reduced = top_k * split_k > 1 or down_tile.dot
     partial = (torch.empty((num_assignments * split_k, H), device=x.device, dtype=torch.float32) if reduced
                else None)
     num_counters = T * cdiv(H, down_tile.block_n) if reduced else 0
@@ -326,6 +454,39 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
+    if down_tile.dot:
+        block_t = max(16, next_power_of_2(T))
+        dot_fp32, precision = dot_options(x.dtype)
+        launch(_decode_down_dot_kernel, (num_assignments, split_k * cdiv(H, down_tile.block_n)),
+            intermediate, intermediate.stride(0),
+            w_down, *weight_strides(w_down, transposed),
+            down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
+            *scale_args(ws_down),
+            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
+            partial, counters,
+            out, out.stride(0), out.stride(1),
+            T, H, F, E, split_len,
+            TOP_K=top_k,
+            HAS_BIAS=down_bias is not None,
+            WEIGHT_SCALE=int(down_code),
+            DOT_FP32=dot_fp32,
+            DOT_PRECISION=precision,
+            EVEN_K=F % down_block_k == 0,
+            STEP_DOT=int(step_dot(T, x.dtype, w_down.dtype)),
+            SPLIT_K=split_k,
+            BLOCK_T=block_t,
+            BLOCK_A=next_power_of_2(block_t * top_k),
+            BLOCK_J=next_power_of_2(top_k),
+            BLOCK_N=down_tile.block_n,
+            BLOCK_K=down_block_k,
+            num_warps=down_tile.num_warps,
+            **pdl_options(x.device),
+            num_stages=pipeline_stages(down_tile.num_stages,
+                                       (block_t * x.element_size() + down_tile.block_n * w_down.element_size())
+                                       * down_block_k, smem_per_program(x.device)),
+        )
+        return out
     launch(_decode_down_kernel, (num_assignments * split_k * cdiv(H, down_tile.block_n),),
         intermediate, intermediate.stride(0),
         w_down, *weight_strides(w_down, transposed),

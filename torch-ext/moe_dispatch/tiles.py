@@ -150,6 +150,12 @@ class DecodeTile:
     # the down kernel only: programs per (assignment, H tile) along F, so that few experts with a long F still put
     # enough loads in flight (summed in a fixed order, see decode.py)
     split_k: int = 1
+    # the down kernel only: one tensor-core dot per expert hit over the rows of all its tokens (decode.py's
+    # `_decode_down_dot_kernel`) instead of a GEMV per assignment; what wins once several tokens share experts
+    dot: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dot", bool(self.dot))  # from flat ints (`DecodeTiles.from_list`) too
 
 
 # First element of `DecodeTiles.to_list()`: a block_m of 0 (the decode path has no row tiles) tells it from MoeTiles'.
@@ -172,7 +178,7 @@ class DecodeTiles:
 
     def to_list(self) -> list[int]:
         """Flat ints (DECODE_MARKER, then each kernel's fields in order): the form custom operators take."""
-        return [DECODE_MARKER, *field_values(self.gate_up), *field_values(self.down)]
+        return [DECODE_MARKER, *map(int, field_values(self.gate_up)), *map(int, field_values(self.down))]
 
     @classmethod
     def from_list(cls, values):
