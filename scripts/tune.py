@@ -112,15 +112,16 @@ FP8_TILES = {
                   (128, 128, 8, 4, 8)),
     },
 }
-# The decode path's kernels: (block_n, block_k, num_warps, num_stages[, split_k]). The gate/up kernel is a tl.dot of
-# BLOCK_T = max(16, T) rows against a gate and an up tile, streaming the weights of each expert hit once; the down
-# kernel a GEMV per (assignment, BLOCK_N columns of H), whose splits along F (split_k) multiply the programs of a few
-# experts.
+# The decode path's kernels: (block_n, block_k, num_warps, num_stages[, split_k[, dot]]). The gate/up kernel is a
+# tl.dot of BLOCK_T = max(16, T) rows against a gate and an up tile, streaming the weights of each expert hit once; the
+# down kernel a GEMV per (assignment, BLOCK_N columns of H), whose splits along F (split_k) multiply the programs of a
+# few experts, or (dot) one tl.dot per expert hit over its tokens' rows.
 DECODE_TILES = {
     "gate_up": ((32, 256, 4, 3), (64, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3),
                 (128, 256, 8, 3)),
     "down": ((64, 128, 4, 3, 1), (16, 256, 4, 3, 1), (32, 128, 4, 3, 1), (16, 128, 2, 4, 1), (64, 256, 4, 3, 1),
-             (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1), (128, 256, 8, 3, 2)),
+             (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1), (128, 256, 8, 3, 2),
+             (64, 128, 4, 3, 1, True), (64, 128, 4, 3, 2, True), (64, 128, 4, 3, 4, True), (128, 128, 4, 3, 1, True)),
 }
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).
@@ -795,8 +796,9 @@ class DecodePath(TunerPath):
 
     @staticmethod
     def fits(tile, block_t, smem, gated):
-        """The pipeline's shared memory (2-byte elements): x tile plus gate and up tiles, or the GEMV's weight tile."""
-        rows = block_t + 2 * tile.block_n if gated else tile.block_n
+        """The pipeline's shared memory (2-byte elements): x tile plus gate and up tiles, the down dot's intermediate
+        and weight tiles, or the GEMV's weight tile."""
+        rows = block_t + 2 * tile.block_n if gated else tile.block_n + (block_t if tile.dot else 0)
         return tile.num_stages * rows * tile.block_k * 2 <= smem
 
     @classmethod

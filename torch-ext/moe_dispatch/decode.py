@@ -16,6 +16,11 @@ and round trips through memory than the arithmetic they order. Here the assignme
                           order does not depend on which program arrives last: reruns are bit-identical. One program
                           per assignment rather than per token keeps top_k times more weight loads in flight, which
                           is what a weight-bound GEMV at a few tokens needs to cover the GPU.
+  _decode_down_dot_kernel the down kernel where the tile table says `dot` (DecodeTile.dot): one program per (expert
+                          hit, K split, H tile), as the gate/up kernel owns experts, whose tl.dot takes the rows of
+                          every token that picked the expert. Once tokens share experts the GEMV converts and
+                          multiplies each expert's weights once per assignment (ALU-bound: Mixtral at 16 tokens
+                          reads each expert 4 times); the dot does it once. Same partial rows, counters and sum order.
 
 Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and add nothing; their intermediate rows are
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
