@@ -57,6 +57,18 @@ COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per sto
 F16_DOTS_FROM_TOKENS = 4
 
 
+@triton.jit
+def owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K: tl.constexpr, BLOCK_A: tl.constexpr):
+    """(expert of assignment pid_a, whether pid_a owns it: the id is in [0, E) and no earlier assignment names it).
+    Ids are compared in their own width (an int64 id is never wrapped into [0, E)); BLOCK_A >= pid_a."""
+    expert = tl.load(topk_ids_ptr + (pid_a // TOP_K) * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
+    offs_a = tl.arange(0, BLOCK_A)
+    b_earlier = tl.load(topk_ids_ptr + (offs_a // TOP_K) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
+                        mask=offs_a < pid_a, other=-1)  # [BLOCK_A]
+    num_earlier = tl.sum((b_earlier == expert).to(tl.int32), axis=0)
+    return expert, (expert >= 0) & (expert < E) & (num_earlier == 0)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _decode_gate_up_kernel(
     # x: [T, H], every row read (no gather)
@@ -102,13 +114,8 @@ def _decode_gate_up_kernel(
         for c0 in range(pid_n * per_program, end, COUNTER_BLOCK):
             offs_c = c0 + tl.arange(0, COUNTER_BLOCK)
             tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < end)
-    expert = tl.load(topk_ids_ptr + (pid_a // TOP_K) * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
-    # Earlier assignments only; ids compared in their own width (an int64 id is never wrapped into [0, E)).
-    offs_a = tl.arange(0, BLOCK_A)
-    b_earlier = tl.load(topk_ids_ptr + (offs_a // TOP_K) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
-                        mask=offs_a < pid_a, other=-1)  # [BLOCK_A]
-    num_earlier = tl.sum((b_earlier == expert).to(tl.int32), axis=0)
-    if (expert < 0) | (expert >= E) | (num_earlier > 0):
+    expert, owner = owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A)
+    if owner == 0:
         return
 
     offs_t = tl.arange(0, BLOCK_T)
@@ -303,12 +310,8 @@ def _decode_down_dot_kernel(
         b_none = (offs_t == t_own) & (b_experts == 0)
         tl.store(out_tile_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=out_ptr.dtype.element_ty),
                  mask=b_none[:, None] & mask_n[None, :])
-    expert = tl.load(topk_ids_ptr + t_own * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
-    offs_a = tl.arange(0, BLOCK_A)
-    b_earlier = tl.load(topk_ids_ptr + (offs_a // TOP_K) * stride_ids_t + (offs_a % TOP_K) * stride_ids_k,
-                        mask=offs_a < pid_a, other=-1)  # [BLOCK_A]
-    num_earlier = tl.sum((b_earlier == expert).to(tl.int32), axis=0)
-    if (expert < 0) | (expert >= E) | (num_earlier > 0):
+    expert, owner = owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A)
+    if owner == 0:
         return
 
     b_match = mask_tj & (b_ids == expert)
