@@ -175,8 +175,16 @@ def reference(case, inputs):
                              transposed=case.transposed, swiglu_limit=case.limit)
 
 
-@DOWN_KERNELS
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# the dot down kernel's share of CASES (interpreter time): duplicates and sentinels, shared and distinct experts, every
+# layout and activation, tails, half precision, int32 column-major ids
+DOT_CASES = {"silu-T3-k2", "silu-T16-k4", "one-expert-T5-k4", "all-sentinels", "distinct-T16-k4", "interleaved-T2-k4",
+             "seed-bias-T1-k4", "gpt-oss-T5-k4", "swiglu-transposed-T16-k2", "fp16-T16-k2", "bf16-T5-k4",
+             "int32-column-major-T5-k2", "ragged-T16-k4"}
+
+
+@pytest.mark.parametrize("case,decode_tiles", [
+    *((c, DECODE) for c in CASES), *((c, DECODE_DOT) for c in CASES if c.id in DOT_CASES)],
+    ids=lambda v: v.id if isinstance(v, DecodeCase) else ("dot" if v.down.dot else "gemv"))
 def test_decode_path(case, decode_tiles, poison_empty):
     inputs = make_inputs(case)
     out = run(case, inputs, decode_tiles)
@@ -195,8 +203,8 @@ SPLIT_CASES = ["silu-T1-k1", "seed-bias-T1-k4", "gpt-oss-T5-k4", "ragged-T3-k2",
                "all-sentinels"]
 
 
-@DOWN_KERNELS
-@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("split_k,decode_tiles", [(2, DECODE), (3, DECODE), (8, DECODE), (3, DECODE_DOT)],
+                         ids=["2-gemv", "3-gemv", "8-gemv", "3-dot"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in SPLIT_CASES], ids=lambda c: c.id)
 def test_down_kernel_split_k(case, split_k, decode_tiles, poison_empty):
     """The down kernel split along F (split_k programs per assignment or expert and H tile, more than F's K steps
