@@ -462,59 +462,35 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         )
     else:
         counters.zero_()  # no gate/up launch to zero them
+    # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs
+    operands = (intermediate, intermediate.stride(0), w_down, *weight_strides(w_down, transposed),
+                down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)))
+    routing = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), topk_weights, topk_weights.stride(0),
+               topk_weights.stride(1), partial, counters, out, out.stride(0), out.stride(1), T, H, F, E, split_len)
+    meta = dict(TOP_K=top_k, HAS_BIAS=down_bias is not None, WEIGHT_SCALE=int(down_code),
+                EVEN_K=F % down_block_k == 0, SPLIT_K=split_k, BLOCK_N=down_tile.block_n, BLOCK_K=down_block_k,
+                num_warps=down_tile.num_warps, **pdl_options(x.device))
     if down_tile.dot:
         block_t = max(16, next_power_of_2(T))
         dot_fp32, precision = dot_options(x.dtype)
         launch(_decode_down_dot_kernel, (num_assignments, split_k * cdiv(H, down_tile.block_n)),
-            intermediate, intermediate.stride(0),
-            w_down, *weight_strides(w_down, transposed),
-            down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
-            *scale_args(ws_down),
-            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
-            partial, counters,
-            out, out.stride(0), out.stride(1),
-            T, H, F, E, split_len,
-            TOP_K=top_k,
-            HAS_BIAS=down_bias is not None,
-            WEIGHT_SCALE=int(down_code),
+            *operands, *scale_args(ws_down), *routing,
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
-            EVEN_K=F % down_block_k == 0,
             STEP_DOT=int(step_dot(T, x.dtype, w_down.dtype)),
-            SPLIT_K=split_k,
             BLOCK_T=block_t,
             BLOCK_A=next_power_of_2(block_t * top_k),
             BLOCK_J=next_power_of_2(top_k),
-            BLOCK_N=down_tile.block_n,
-            BLOCK_K=down_block_k,
-            num_warps=down_tile.num_warps,
-            **pdl_options(x.device),
             num_stages=pipeline_stages(down_tile.num_stages,
                                        (block_t * x.element_size() + down_tile.block_n * w_down.element_size())
                                        * down_block_k, smem_per_program(x.device)),
+            **meta,
         )
         return out
     launch(_decode_down_kernel, (num_assignments * split_k * cdiv(H, down_tile.block_n),),
-        intermediate, intermediate.stride(0),
-        w_down, *weight_strides(w_down, transposed),
-        down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)),
-        ws_down.scale, *ws_down.strides, ws_down.block_n, ws_down.block_k,
-        topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-        topk_weights, topk_weights.stride(0), topk_weights.stride(1),
-        partial, counters,
-        out, out.stride(0), out.stride(1),
-        T, H, F, E, split_len,
-        TOP_K=top_k,
-        HAS_BIAS=down_bias is not None,
-        WEIGHT_SCALE=int(down_code),
-        EVEN_K=F % down_block_k == 0,
-        SPLIT_K=split_k,
-        BLOCK_N=down_tile.block_n,
-        BLOCK_K=down_block_k,
-        num_warps=down_tile.num_warps,
-        **pdl_options(x.device),
+        *operands, ws_down.scale, *ws_down.strides, ws_down.block_n, ws_down.block_k, *routing,
         num_stages=pipeline_stages(down_tile.num_stages, down_tile.block_n * down_block_k * w_down.element_size(),
                                    smem_per_program(x.device)),
+        **meta,
     )
     return out
