@@ -897,7 +897,6 @@ class BackwardPath(TunerPath):
         shape, device, kernel = prob.shape, run.device, run.kernel
         moe = importlib.import_module(kernel.__name__ + ".moe")
         backward = importlib.import_module(kernel.__name__ + ".experts_backward")
-        F = shape.ffn
         x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
         _, preact, offsets, gather_idx, scatter_idx = moe._fused_experts_impl(
             x=x, w_gate_up=prob.w_gate_up, w_up=None, w_down=prob.w_down, topk_ids=ids, topk_weights=weights,
@@ -909,12 +908,11 @@ class BackwardPath(TunerPath):
 
         def call(candidate):
             def run_backward():
-                d_w_gate_up = torch.empty_like(prob.w_gate_up)
-                grads = backward.ExpertsGrads(x=torch.empty_like(x), w_gate=d_w_gate_up[:, :F],
-                                              w_up=d_w_gate_up[:, F:], w_down=torch.empty_like(prob.w_down),
-                                              topk_weights=torch.empty_like(weights), gate_bias=None, up_bias=None,
+                grads = backward.ExpertsGrads(x=torch.empty_like(x), w_gate_up=torch.empty_like(prob.w_gate_up),
+                                              w_up=None, w_down=torch.empty_like(prob.w_down),
+                                              topk_weights=torch.empty_like(weights), gate_up_bias=None,
                                               down_bias=None)
-                backward.experts_backward(grad_out, x, prob.w_gate_up[:, :F], prob.w_gate_up[:, F:], prob.w_down,
+                backward.experts_backward(grad_out, x, prob.w_gate_up, None, prob.w_down,
                                           ids, weights, None, preact, offsets, gather_idx, scatter_idx, grads,
                                           activation="silu", transposed=False, alpha=1.702, limit=7.0,
                                           tiles=candidate.tiles, weight_tile=candidate.weight)
@@ -927,7 +925,7 @@ class BackwardPath(TunerPath):
                 ref.append(grads)
                 return 0.0
             worst = 0.0
-            for name in ("x", "w_gate", "w_up", "w_down", "topk_weights"):
+            for name in ("x", "w_gate_up", "w_down", "topk_weights"):
                 a, b = getattr(grads, name).float(), getattr(ref[0], name).float()
                 worst = max(worst, ((a - b).norm() / b.norm().clamp_min(1e-30)).item())
             return worst

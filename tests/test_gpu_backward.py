@@ -45,7 +45,8 @@ def _forward(inputs, ids, options, fn=md.fused_experts):
 
 
 @pytest.mark.parametrize("name,T,gpt_oss", [("mixtral-8x7b", 256, False), ("qwen2-57b-a14b", 512, False),
-                                            ("qwen3-30b-a3b", 1024, False), ("gpt-oss-120b", 96, True)])
+                                            ("qwen3-30b-a3b", 1024, False), ("gpt-oss-120b", 96, True),
+                                            ("gpt-oss-120b", 2048, True)])
 def test_real_model_sizes_bf16_gradients(name, T, gpt_oss):
     inputs, ids, options = _experts_problem(name, T, gpt_oss=gpt_oss)
     grad_out = torch.randn(T, inputs["hidden_states"].shape[1], device="cuda", dtype=DTYPE)

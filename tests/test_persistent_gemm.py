@@ -43,6 +43,13 @@ CASES = [
     PCase("one-expert", "every token on one expert: most tiles of the map are sentinels the loop skips", E=4,
           layout={"one_expert": True}),
     PCase("K-tail", "H and F not multiples of BLOCK_K: the descriptors' zero fill past K", H=72, F=40),
+    PCase("transposed", "[E, H, 2F] / [E, F, H] weights: 3-D descriptors, N-major weight tiles; H, F not multiples "
+          "of BLOCK_K (a K tail must read the zero fill, not the next expert)", H=72, F=40,
+          layout={"transposed": True}),
+    PCase("interleaved-paired", "interleaved rows read whole (PAIRED): 2 BLOCK_N rows per descriptor tile, split in "
+          "the epilogue; F not a multiple of BLOCK_N", F=40, layout={"interleaved": True, "bias": True}),
+    PCase("gpt-oss", "GPT-OSS as transformers stores it: transposed, interleaved, biases, clamped SwiGLU",
+          H=72, F=40, layout={"transposed": True, "interleaved": True, "activation": "swiglu_oai", "bias": True}),
 ]
 
 
@@ -67,7 +74,9 @@ def _problem(case, gen):
     if case.layout.get("one_expert"):
         ids = torch.stack([torch.full((case.T,), 1), torch.full((case.T,), 3)], dim=1)[:, :case.top_k].to(DEVICE)
     weights = torch.rand(case.T, case.top_k, generator=gen).to(DEVICE)
-    kwargs = {k: v for k, v in case.layout.items() if k in ("interleaved", "activation")}
+    kwargs = {k: v for k, v in case.layout.items() if k in ("interleaved", "activation", "transposed")}
+    if case.layout.get("transposed"):  # laid out as stored, not a transposed view
+        w_gate_up, w_down = w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
     if case.layout.get("bias"):
         kwargs["gate_up_bias"] = (torch.randn(E, 2 * F, generator=gen) * 0.1).to(DEVICE, dtype)
         kwargs["down_bias"] = (torch.randn(E, H, generator=gen) * 0.1).to(DEVICE, dtype)
@@ -116,25 +125,27 @@ def test_persistent_nan_row_stays_in_its_token(persistent, monkeypatch):
     assert not torch.isnan(others).any()
 
 
-def test_persistent_saves_preactivations_for_training(monkeypatch):
-    """With a gradient wanted, GEMM1's epilogue also stores the pre-activations; the gradients match the pointer
-    kernel's forward (the backward kernels are the same)."""
-    case = CASES[0]
+@pytest.mark.parametrize("case", [CASES[0], next(c for c in CASES if c.id == "gpt-oss")], ids=lambda c: c.id)
+def test_persistent_saves_preactivations_for_training(case, monkeypatch):
+    """With a gradient wanted, GEMM1's epilogue also stores the pre-activations (GPT-OSS's: in its interleaved
+    order); the gradients match the pointer kernel's forward (the backward kernels are the same)."""
     gen = torch.Generator().manual_seed(2)
-    x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)
+    x, w_gate_up, w_down, ids, weights, kwargs = _problem(case, gen)
     grads = []
     spy = _Spy(monkeypatch)
     for persistent in (1, 0):
-        xs = x.clone().requires_grad_(True)
-        md.fused_experts(xs, w_gate_up, w_down, ids, weights, tiles=_tiles(16, persistent)).float().sum().backward()
-        grads.append(xs.grad)
+        inputs = [t.clone().requires_grad_(True) for t in (x, w_gate_up, w_down)]
+        md.fused_experts(*inputs, ids, weights, tiles=_tiles(16, persistent), **kwargs).float().sum().backward()
+        grads.append([t.grad for t in inputs])
     assert spy.calls == [True, False]
-    assert_close(grads[0], grads[1])
+    for persistent_grad, pointer_grad in zip(*grads):
+        assert_close(persistent_grad, pointer_grad)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "fp32"])
 def test_layouts_without_descriptors_fall_back(layout, monkeypatch):
-    """Transposed weights (K not contiguous) and fp32 run the pointer kernel even when the tile asks for persistent."""
+    """A transposed view of [E, 2F, H] weights (flagged transposed, its N not contiguous: no descriptor reads it) and
+    fp32 run the pointer kernel even when the tile asks for persistent."""
     case = CASES[0]
     gen = torch.Generator().manual_seed(3)
     x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)

@@ -48,7 +48,8 @@ from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
 from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
-                       apply_activation, expert_tile_dot, scale_sums, weight_scale_ptrs)
+                       apply_activation, expert_tile_dot, pair_columns, paired_bias_and_preact, scale_sums,
+                       split_pairs, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
@@ -73,7 +74,8 @@ def owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K: tl.c
 def _decode_gate_up_kernel(
     # x: [T, H], every row read (no gather)
     x_ptr, stride_x_t, stride_x_h,
-    # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see grouped_gemm.same_strides)
+    # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see grouped_gemm.same_strides);
+    # PAIRED: w_gate_ptr is one interleaved [E, 2F, H] weight (gate at even rows) and bias_gate_ptr its [E, 2F] bias
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_gate_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
     # float8 weights: their scales as grouped_gemm's dequant path reads them (fp8.WeightScale, WEIGHT_SCALE codes)
@@ -92,6 +94,7 @@ def _decode_gate_up_kernel(
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
+    PAIRED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -124,16 +127,29 @@ def _decode_gate_up_kernel(
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h  # [BLOCK_T, BLOCK_K]
-    b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    b_gate, b_up = expert_tile_dot(b_gate, b_gate, a_ptrs, mask_t, mask_n, expert, offs_n, offs_k,
-                                   w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                   scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                   scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
-                                   True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
-    release_dependents(PDL)
-    if HAS_BIAS:
-        b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
-                                stride_bias_n, ACTIVATION)
+    if PAIRED:  # one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (grouped_gemm.py's PAIRED)
+        offs_pair, mask_pair = pair_columns(pid_n, F, BLOCK_N)
+        b_pairs = tl.zeros((BLOCK_T, 2 * BLOCK_N), dtype=tl.float32)
+        b_pairs, _ = expert_tile_dot(b_pairs, b_pairs, a_ptrs, mask_t, mask_pair, expert, offs_pair, offs_k,
+                                     w_gate_ptr, w_gate_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                     scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
+                                     False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+        release_dependents(PDL)
+        b_pairs = paired_bias_and_preact(b_pairs, expert, offs_t, mask_t, offs_pair, mask_pair, bias_gate_ptr,
+                                         stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
+        b_gate, b_up = split_pairs(b_pairs)
+    else:
+        b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        b_gate, b_up = expert_tile_dot(b_gate, b_gate, a_ptrs, mask_t, mask_n, expert, offs_n, offs_k,
+                                       w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                       scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                       scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
+                                       True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+        release_dependents(PDL)
+        if HAS_BIAS:
+            b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
+                                    stride_bias_n, ACTIVATION)
     b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
 
     for j in tl.static_range(TOP_K):
@@ -381,12 +397,14 @@ def pipeline_stages(num_stages, stage_bytes, limit):
 
 def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: DecodeTiles, *, transposed=False,
                    activation="silu", gate_bias=None, up_bias=None, down_bias=None, alpha=1.702, limit=7.0,
-                   gate_up_scale=None, down_scale=None):
+                   gate_up_scale=None, down_scale=None, paired=False):
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) in two launches (see the module doc).
 
     x [T, H]; w_gate, w_up: the gate and up views [E, F, H] ([E, H, F] when `transposed`); w_down [E, H, F] ([E, F, H]
-    transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. float8 weights come with their
-    `gate_up_scale` / `down_scale` (fp8.WeightScale) and are dequantized in the loads (the dots run in x's dtype,
+    transposed); gate_bias, up_bias [E, F] views, down_bias [E, H]. `paired`: w_gate is instead one interleaved
+    gate/up weight [E, 2F, H] ([E, H, 2F]; gate at even rows) and gate_bias its whole [E, 2F] bias (w_up, up_bias
+    unused), read as [BLOCK_K, 2 BLOCK_N] tiles. float8 weights come with their `gate_up_scale` / `down_scale`
+    (fp8.WeightScale; paired: of the whole weight) and are dequantized in the loads (the dots run in x's dtype,
     the activations are not quantized). Needs T * top_k <= MAX_DECODE_ASSIGNMENTS.
     """
     T, H = x.shape
@@ -397,6 +415,8 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
                          f"{num_assignments}")
     E = w_down.shape[0]
     F = w_down.shape[1] if transposed else w_down.shape[2]
+    if paired:
+        w_up, up_bias = w_gate, gate_bias
     out = torch.empty((T, H), device=x.device, dtype=x.dtype)
     if T == 0 or H == 0:
         return out
@@ -445,6 +465,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
             ACTIVATION=int(Activation.of(activation)),
             HAS_BIAS=gate_bias is not None,
             WEIGHT_SCALE=int(scale_code),
+            PAIRED=paired,
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
             EVEN_K=H % block_k == 0,

@@ -1,7 +1,7 @@
 """Backward of the experts path (`fused_experts`): every gradient a grouped GEMM or a fixed-order reduction, no atomics.
 
 Forward, per kept assignment a at sorted position p (token t, expert e, routing weight w):
-    h = x_t @ W_gate_up[e]^T + b_gate_up[e]       preact [N, 2F], saved by the forward (gate columns, then up)
+    h = x_t @ W_gate_up[e]^T + b_gate_up[e]       preact [N, 2F], saved by the forward (see below)
     y = act(h_gate, h_up) @ W_down[e]^T + b_down[e],   out_t = sum over t's assignments of w * y
 Backward from dout [T, H], in launch order:
 
@@ -9,12 +9,18 @@ Backward from dout [T, H], in launch order:
                             epilogue recomputes act from preact and writes d_preact = w * g * act'(h) [N, 2F],
                             act [N, F] (for dW_down) and, per column tile, sum_f g * act (for dw)
   _topk_weights_grad_kernel dw_a = sum of those column-tile partials in tile order (+ dout_t . b_down[e])
-  _gate_up_grad_kernel      dx rows = d_gate @ W_gate[e] + d_up @ W_up[e] [N, H]; combine.combine sums each token's
-                            rows in assignment order -> dx [T, H]
+  _gate_up_grad_kernel      dx rows = d_preact @ W_gate_up[e] [N, H], one K loop over the 2F columns (two over F for
+                            separate gate and up weights); combine.combine sums each token's rows in assignment
+                            order -> dx [T, H]
   row_copies._gather_kernel x[token] in sorted order, later w * dout[token], into one [N, H] buffer (dX's rows, free
                             again after the combine)
-  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token], dW_down[e] = (w * dout[token])^T act,
-                            the bias gradients as the same loops' column sums (d b_down weighted by w)
+  _expert_weight_grad_kernel  per expert: dW_gate_up[e] = d_preact^T x[token] (one GEMM over the 2F rows),
+                            dW_down[e] = (w * dout[token])^T act, the bias gradients as the same loops' column sums
+                            (d b_down weighted by w)
+
+preact and d_preact keep their 2F columns in the order of the gate/up weight's 2F rows: gate then up, or, for an
+interleaved weight (GPT-OSS), gate and up alternating. So dX and dW_gate_up are single GEMMs against the weight (and
+into its gradient) as it is stored, reading and writing whole contiguous tiles in every layout.
 
 The weight-gradient GEMMs reduce over an expert's rows, so a row gather would sit inside their reduction loop: an
 index load that feeds the next step's addresses, which leaves Triton's software pipeliner (3.6 - 3.9, sm90) two
@@ -40,7 +46,7 @@ from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
 from .gemm_args import dot_options, same_strides, weight_strides
-from .gemm_jit import ACT_SILU, Activation, gathered_rows, tile_dot, tile_setup
+from .gemm_jit import ACT_SILU, Activation, gathered_rows, split_pairs, tile_dot, tile_setup
 from .gemm_args import rows_fit_descriptor
 from .persistent_gemm import num_programs
 from .planner import plan_backward, weight_grad_kernel
@@ -90,6 +96,7 @@ def _down_grad_kernel(
     STORE_D_PREACT: tl.constexpr,
     STORE_ACT: tl.constexpr,
     STORE_PARTIAL: tl.constexpr,
+    PAIRED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -98,7 +105,9 @@ def _down_grad_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Grid: (max_tiles * cdiv(F, BLOCK_N),). Each program owns rows of one expert tile x BLOCK_N of the F columns."""
+    """Grid: (max_tiles * cdiv(F, BLOCK_N),). Each program owns rows of one expert tile x BLOCK_N of the F columns.
+    preact and d_preact hold gate column f at f and up at F + f, or, PAIRED (an interleaved gate/up weight), at 2f
+    and 2f + 1: the order of the weight's 2F rows."""
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
                                                                GROUP_M)
@@ -120,29 +129,37 @@ def _down_grad_kernel(
     # the registers (ptxas spills 0.8 KB per thread at 128 x 128 with 8 warps, sm90); a half at a time does.
     b_halves = tl.permute(tl.reshape(b_acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
     b_left, b_right = tl.split(b_halves)
-    offs_left = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-    b_sum = _down_grad_epilogue(b_left, b_topk, rows, mask_m, offs_left, n_cols, preact_ptr, stride_preact_m,
+    b_sum = _down_grad_epilogue(b_left, b_topk, rows, mask_m, pid_n * BLOCK_N, n_cols, preact_ptr, stride_preact_m,
                                 d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
-                                STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
-    b_sum += _down_grad_epilogue(b_right, b_topk, rows, mask_m, offs_left + BLOCK_N // 2, n_cols, preact_ptr, stride_preact_m,
-                                 d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION,
-                                 STORE_D_PREACT, STORE_ACT, STORE_PARTIAL)
+                                STORE_D_PREACT, STORE_ACT, STORE_PARTIAL, PAIRED, BLOCK_N // 2)
+    b_sum += _down_grad_epilogue(b_right, b_topk, rows, mask_m, pid_n * BLOCK_N + BLOCK_N // 2, n_cols, preact_ptr,
+                                 stride_preact_m, d_preact_ptr, stride_d_preact_m, act_ptr, stride_act_m, alpha, limit,
+                                 ACTIVATION, STORE_D_PREACT, STORE_ACT, STORE_PARTIAL, PAIRED, BLOCK_N // 2)
     if STORE_PARTIAL:
         tl.store(partial_ptr + pid_n.to(tl.int64) * num_rows + offs_m, b_sum, mask=mask_m)
 
 
 @triton.jit
-def _down_grad_epilogue(b_g, b_topk, rows, mask_m, offs_n, n_cols, preact_ptr, stride_preact_m, d_preact_ptr,
+def _down_grad_epilogue(b_g, b_topk, rows, mask_m, col_start, n_cols, preact_ptr, stride_preact_m, d_preact_ptr,
                         stride_d_preact_m, act_ptr, stride_act_m, alpha, limit, ACTIVATION: tl.constexpr,
-                        STORE_D_PREACT: tl.constexpr, STORE_ACT: tl.constexpr, STORE_PARTIAL: tl.constexpr):
-    """One column block of `_down_grad_kernel`'s tile: g [rows, cols] = dout_t @ W_down[e] before the routing weight.
-    Recomputes act from preact, stores act and d_preact = w * g * act'(h) (as the flags ask) and returns the rows'
-    sums of g * act over these columns (zeros without STORE_PARTIAL)."""
+                        STORE_D_PREACT: tl.constexpr, STORE_ACT: tl.constexpr, STORE_PARTIAL: tl.constexpr,
+                        PAIRED: tl.constexpr, WIDTH: tl.constexpr):
+    """One column block of `_down_grad_kernel`'s tile: g [rows, WIDTH] = dout_t @ W_down[e] before the routing weight,
+    columns col_start + [0, WIDTH). Recomputes act from preact, stores act and d_preact = w * g * act'(h) (as the
+    flags ask) and returns the rows' sums of g * act over these columns (zeros without STORE_PARTIAL). PAIRED:
+    gate and up columns alternate in preact and d_preact, read and written as one [rows, 2 WIDTH] tile."""
+    offs_n = col_start + tl.arange(0, WIDTH)
     mask_n = offs_n < n_cols
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    preact_ptrs = preact_ptr + rows * stride_preact_m + offs_n[None, :]
-    b_gate = tl.load(preact_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
-    b_up = tl.load(preact_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
+    offs_pair = 2 * col_start + tl.arange(0, 2 * WIDTH)
+    mask_pair = mask_m[:, None] & (offs_pair < 2 * n_cols)[None, :]
+    if PAIRED:
+        b_pairs = tl.load(preact_ptr + rows * stride_preact_m + offs_pair[None, :], mask=mask_pair, other=0.0)
+        b_gate, b_up = split_pairs(b_pairs.to(tl.float32))
+    else:
+        preact_ptrs = preact_ptr + rows * stride_preact_m + offs_n[None, :]
+        b_gate = tl.load(preact_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+        b_up = tl.load(preact_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
     b_act, b_d_gate, b_d_up = _activation_grad(b_gate, b_up, alpha, limit, ACTIVATION)
     b_sum = tl.zeros_like(b_topk)
     if STORE_PARTIAL:
@@ -151,22 +168,29 @@ def _down_grad_epilogue(b_g, b_topk, rows, mask_m, offs_n, n_cols, preact_ptr, s
         tl.store(act_ptr + rows * stride_act_m + offs_n[None, :], b_act.to(act_ptr.dtype.element_ty), mask=mask_mn)
     if STORE_D_PREACT:
         b_d_act = b_g * b_topk[:, None]
-        d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
-        tl.store(d_preact_ptrs, (b_d_act * b_d_gate).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
-        tl.store(d_preact_ptrs + n_cols, (b_d_act * b_d_up).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
+        if PAIRED:
+            b_d_pairs = tl.reshape(tl.join(b_d_act * b_d_gate, b_d_act * b_d_up), (b_g.shape[0], 2 * WIDTH))
+            tl.store(d_preact_ptr + rows * stride_d_preact_m + offs_pair[None, :],
+                     b_d_pairs.to(d_preact_ptr.dtype.element_ty), mask=mask_pair)
+        else:
+            d_preact_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_n[None, :]
+            tl.store(d_preact_ptrs, (b_d_act * b_d_gate).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
+            tl.store(d_preact_ptrs + n_cols, (b_d_act * b_d_up).to(d_preact_ptr.dtype.element_ty), mask=mask_mn)
     return b_sum
 
 
 @triton.jit
 def _gate_up_grad_kernel(
-    # d_preact [N, 2F]: gate columns [0, F), up columns [F, 2F)
+    # d_preact [N, 2F] in the order of the gate/up weight's 2F rows (gate then up, or alternating)
     d_preact_ptr, stride_d_preact_m,
-    # W_gate and W_up as [E, H, F] by strides (n = H, K = F), one set of strides for both
+    # the whole gate/up weight as [E, H, 2F] by strides (n = H, K = 2F); SEPARATE: W_gate and W_up as [E, H, F], one
+    # set of strides for both (d_preact's gate columns [0, F), up columns [F, 2F))
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     # dx rows [N, H] in sorted order
     out_ptr, stride_out_m,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
     num_rows, n_cols, K, E, max_tiles,
+    SEPARATE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -175,7 +199,8 @@ def _gate_up_grad_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Grid: (max_tiles * cdiv(H, BLOCK_N),). out[p] = d_gate[p] @ W_gate[e] + d_up[p] @ W_up[e] for one tile."""
+    """Grid: (max_tiles * cdiv(H, BLOCK_N),). out[p] = d_preact[p] @ W_gate_up[e] (= d_gate[p] @ W_gate[e] +
+    d_up[p] @ W_up[e]) for one tile: one K loop over the 2F columns (K = 2F), or two over F with SEPARATE (K = F)."""
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
                                                                GROUP_M)
@@ -189,8 +214,9 @@ def _gate_up_grad_kernel(
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_gate_ptr + w_offs, w_gate_ptr + w_offs, mask_m, mask_n, K, 1,
                          stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
-    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs + K, w_up_ptr + w_offs, w_up_ptr + w_offs, mask_m, mask_n, K, 1,
-                         stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    if SEPARATE:
+        b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs + K, w_up_ptr + w_offs, w_up_ptr + w_offs, mask_m, mask_n, K, 1,
+                             stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
     tl.store(out_ptr + rows * stride_out_m + offs_n[None, :], b_acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -494,37 +520,40 @@ def out_descriptor(out, tile: WeightGradTile):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsGrads:
-    """Output buffers of one backward; None where no gradient was asked for. Weight-shaped buffers are the gate/up
-    views of the gradient of the tensor the caller passed (so a concatenated or interleaved gate_up weight gets one
-    gradient tensor, written in place through the views), in the layout of `transposed`."""
+    """Output buffers of one backward; None where no gradient was asked for. Weight-shaped buffers have the layout
+    of the weights the forward read (`transposed`)."""
 
     x: torch.Tensor | None  # [T, H]
-    w_gate: torch.Tensor | None  # [E, F, H] views (or [E, H, F] when transposed)
-    w_up: torch.Tensor | None
+    w_gate_up: torch.Tensor | None  # [E, 2F, H] (or [E, H, 2F]); with separate up weights the gate's [E, F, H]
+    w_up: torch.Tensor | None  # separate up weights only: [E, F, H] (or [E, H, F])
     w_down: torch.Tensor | None  # [E, H, F] (or [E, F, H])
     topk_weights: torch.Tensor | None  # [T, top_k]
-    gate_bias: torch.Tensor | None  # [E, F] views
-    up_bias: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None  # [E, 2F], in the order of the gate/up weight's 2F rows
     down_bias: torch.Tensor | None  # [E, H]
 
 
-def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
-                     gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, alpha, limit,
-                     tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None,
+def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
+                     gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, interleaved=False, alpha,
+                     limit, tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None,
                      reuse_preact: bool = False):
-    """Fill `grads` from grad_out [T, H]. The weights are the gate/up views the forward read; `preact` [N, 2F] and
-    the dispatch tensors are the forward's (see `moe.fused_experts`). `tiles` (the input-gradient GEMMs: gate_up's
-    for dA, down's for dX) and `weight_tile` force launch configurations (tuning, tests); by default
-    planner.plan_backward chooses. `reuse_preact`: d_preact is written over `preact` (same shape and dtype; each
-    program of `_down_grad_kernel` reads the elements of its own tile before it writes them, and nothing reads
-    preact after that kernel), which saves one [N, 2F] buffer; the caller must never read `preact` again."""
+    """Fill `grads` from grad_out [T, H]. `w_gate_up` is the forward's whole gate/up weight [E, 2F, H] ([E, H, 2F]
+    when `transposed`), gate rows then up rows or, `interleaved`, alternating (gate first); with `w_up` (separate
+    up weights, never interleaved) it is the gate weight alone [E, F, H]. `preact` [N, 2F] holds the pre-activations
+    in the order of the 2F rows (the forward's), and the dispatch tensors are the forward's (see `moe.fused_experts`).
+    `tiles` (the input-gradient GEMMs: gate_up's for dA, down's for dX) and `weight_tile` force launch
+    configurations (tuning, tests); by default planner.plan_backward chooses. `reuse_preact`: d_preact is written
+    over `preact` (same shape and dtype; each program of `_down_grad_kernel` reads the elements of its own tile
+    before it writes them, and nothing reads preact after that kernel), which saves one [N, 2F] buffer; the caller
+    must never read `preact` again."""
+    separate = w_up is not None
+    paired = interleaved and not separate
     T, H = x.shape
     E = w_down.shape[0]
     top_k = topk_ids.shape[1]
     F = preact.shape[1] // 2
     N = T * top_k
     grad_out = grad_out if grad_out.stride(1) == 1 else grad_out.contiguous()
-    needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate, grads.w_up, grads.gate_bias, grads.up_bias))
+    needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate_up, grads.w_up, grads.gate_up_bias))
     needs_act = grads.w_down is not None
     needs_partial = grads.topk_weights is not None
     plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
@@ -560,6 +589,7 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             STORE_D_PREACT=needs_d_preact,
             STORE_ACT=needs_act,
             STORE_PARTIAL=needs_partial,
+            PAIRED=paired,
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
             EVEN_K=H % tile.block_k == 0,
@@ -582,44 +612,55 @@ def experts_backward(grad_out, x, w_gate, w_up, w_down, topk_ids, topk_weights, 
             TOP_K=top_k, HAS_DOWN_BIAS=down_bias is not None, BLOCK_A=64, BLOCK_H=64,
         )
 
-    needs_w_gate_up = grads.w_gate is not None or grads.w_up is not None
+    needs_w_gate_up = grads.w_gate_up is not None or grads.w_up is not None
     rows = None  # [N, H]: dX's rows, then the sorted operand copies of the weight gradients
     if grads.x is not None or needs_w_gate_up or grads.w_down is not None:
         rows = torch.empty((N, H), device=device, dtype=x.dtype)
     if grads.x is not None:
         tile = tiles.down
         if N and H and info.max_tiles:
-            w_gate_v, w_up_v = same_strides(w_gate, w_up)
+            w_gate_v, w_up_v = same_strides(w_gate_up, w_up) if separate else (w_gate_up, w_gate_up)
+            k_size = F if separate else 2 * F
             dot_fp32, precision = dot_options(x.dtype)
             launch(_gate_up_grad_kernel, (info.max_tiles * cdiv(H, tile.block_n),),
                 d_preact, d_preact.stride(0),
                 w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed),
                 rows, rows.stride(0),
                 info.tile_expert, info.tile_row_start, info.expert_offsets,
-                N, H, F, E, info.max_tiles,
+                N, H, k_size, E, info.max_tiles,
+                SEPARATE=separate,
                 DOT_FP32=dot_fp32,
                 DOT_PRECISION=precision,
-                EVEN_K=F % tile.block_k == 0,
+                EVEN_K=k_size % tile.block_k == 0,
                 BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                 num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
         combine(rows, scatter_idx, T, top_k, out=grads.x)
 
-    # Weight gradients in the weights' own layout: [E, F, H] is (i = f, j = h); transposed [E, H, F] is its transpose.
-    # A bias gradient without its weight's runs the pointer kernel's BIAS_ONLY loop (out a one-column stand-in, left
-    # unwritten).
+    # Weight gradients in the weights' own layout: [E, 2F, H] is (i = row of the 2F, j = h), one GEMM over d_preact's
+    # 2F columns (their order is the rows'); transposed [E, H, 2F] is its transpose. Separate up weights: one GEMM per
+    # half. A bias gradient without its weight's runs the pointer kernel's BIAS_ONLY loop (out a one-column stand-in,
+    # left unwritten).
     layout = Layout(PLAIN.value, top_k)
     if needs_w_gate_up:
         x_rows = launch_gather(x.contiguous(), info.gather_idx, None, None, None, layout, N, out=rows)
-    for d_w, d_bias, half in ((grads.w_gate, grads.gate_bias, 0), (grads.w_up, grads.up_bias, 1)):
-        if d_w is None and d_bias is None:
+    d_bias = grads.gate_up_bias
+    if separate:
+        d_biases = (d_bias[:, :F], d_bias[:, F:]) if d_bias is not None else (None, None)
+        parts = ((grads.w_gate_up, d_biases[0], d_preact[:, :F] if needs_d_preact else None),
+                 (grads.w_up, d_biases[1], d_preact[:, F:] if needs_d_preact else None))
+    else:
+        parts = ((grads.w_gate_up, d_bias, d_preact),)
+    for d_w, d_b, left in parts:
+        if d_w is None and d_b is None:
             continue
         if d_w is not None:
             out, right, gather_right = (d_w.transpose(1, 2) if transposed else d_w), x_rows, False
         else:
-            out, right, gather_right = torch.empty((E, F, 1), device=device, dtype=torch.float32), x[:, :1], True
-        _weight_grad(d_preact[:, half * F:(half + 1) * F], right, out, d_bias, info, topk_weights, weight_tile,
-                     gather_right=gather_right, bias_only=d_w is None)
+            out, right, gather_right = (torch.empty((E, left.shape[1], 1), device=device, dtype=torch.float32),
+                                        x[:, :1], True)
+        _weight_grad(left, right, out, d_b, info, topk_weights, weight_tile, gather_right=gather_right,
+                     bias_only=d_w is None)
     if grads.w_down is not None:
         dout_rows = launch_gather(grad_out.contiguous(), info.gather_idx, topk_weights.contiguous(), None, None,
                                   layout, N, out=rows)  # w * dout[token] in sorted order

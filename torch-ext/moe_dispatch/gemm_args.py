@@ -37,14 +37,19 @@ def dot_options(dtype):
 @dataclasses.dataclass(frozen=True)
 class GemmWeights:
     """One grouped GEMM's weight-side operands as every launcher passes them: the weight (and, gated, the up view
-    with the same strides), its (stride_e, stride_n, stride_k) as [E, n, K], n, and the biases with equal strides."""
+    with the same strides), its (stride_e, stride_n, stride_k) as [E, n, K], n, and the biases with equal strides.
+
+    `paired`: a gated GEMM over one interleaved gate/up weight (rows 2j gate, 2j + 1 up of [E, 2n, K]), passed whole
+    with its strides and its whole [E, 2n] bias; `weight_up` and `bias_up` are then None and the pointer kernels read
+    [BLOCK_K, 2 BLOCK_N] tiles of it (grouped_gemm.py's PAIRED)."""
 
     weight: torch.Tensor
-    weight_up: torch.Tensor | None  # None unless the activation is gated
+    weight_up: torch.Tensor | None  # None unless the activation is gated (and not paired)
     strides: tuple
     n_cols: int
     bias: torch.Tensor | None
     bias_up: torch.Tensor | None
+    paired: bool = False
 
     @property
     def gated(self):
@@ -61,10 +66,16 @@ class GemmWeights:
                 bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0)
 
 
-def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation) -> GemmWeights:
+def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation, paired=False) -> GemmWeights:
     """`GemmWeights` of [E, n, K] weights ([E, K, n] when `transposed`); views copied only when gate and up strides
-    differ (see `same_strides`)."""
+    differ (see `same_strides`). `paired`: `weight` is a whole interleaved gate/up weight [E, 2n, K] ([E, K, 2n])
+    and `bias` its whole [E, 2n] bias (`weight_up`, `bias_up` unused)."""
     gated = Activation.of(activation) != Activation.NONE
+    if paired:
+        if not gated:
+            raise ValueError("paired gate/up weights need a gated activation")
+        n_cols = (weight.shape[2] if transposed else weight.shape[1]) // 2
+        return GemmWeights(weight, None, weight_strides(weight, transposed), n_cols, bias, None, paired=True)
     if gated:
         weight, weight_up = same_strides(weight, weight_up)
     if bias is not None and bias_up is not None:
@@ -127,10 +138,25 @@ def descriptor_rows(weight, n_cols):
     return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
 
 
-def weights_fit_descriptors(w: GemmWeights):
-    """Whether the weights (and the up view of a gated GEMM) of a [E, n, K] GemmWeights can be read through
-    persistent_gemm.weight_descriptors."""
-    if w.weight.shape[0] == 0 or descriptor_rows(w.weight, w.n_cols) is None:
+def fits_k_outer_descriptor(weight):
+    """Whether an [E, K, n] weight (a transposed layout: n contiguous) can be read through a 3-D descriptor of
+    [1, BLOCK_K, BLOCK_N] tiles: unit stride along n, the other strides and the base 16-byte aligned. The expert is
+    the descriptor's own dimension, so a K tile past K reads the zero fill, never the next expert's rows."""
+    stride_e, stride_k, stride_n = weight.stride()
+    size = weight.element_size()
+    return stride_n == 1 and (stride_e * size) % 16 == 0 and (stride_k * size) % 16 == 0 and aligned(weight)
+
+
+def weights_fit_descriptors(w: GemmWeights, transposed=False):
+    """Whether the weights (and the up view of a gated GEMM) of a GemmWeights can be read through
+    persistent_gemm.weight_descriptors: [E, n, K] rows (a paired weight's 2n rows), or, `transposed`, [E, K, n]
+    through 3-D descriptors (`fits_k_outer_descriptor`)."""
+    if w.weight.shape[0] == 0:
+        return False
+    if transposed:
+        return fits_k_outer_descriptor(w.weight) and (not w.gated or (fits_k_outer_descriptor(w.weight_up)
+                                                                      and w.weight_up.stride() == w.weight.stride()))
+    if descriptor_rows(w.weight, 2 * w.n_cols if w.paired else w.n_cols) is None:
         return False
     return not w.gated or (aligned(w.weight_up) and w.weight_up.stride() == w.weight.stride())
 

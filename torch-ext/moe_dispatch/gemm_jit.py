@@ -323,21 +323,59 @@ def activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr,
 
 
 @triton.jit
+def pair_columns(pid_n, n_cols, BLOCK_N: tl.constexpr):
+    """(offs_pair, mask_pair) [2 BLOCK_N]: the columns of an interleaved gate/up weight ([E, 2 n_cols, K], gate j at
+    2j, up j at 2j + 1) that hold the gate and up columns of output tile pid_n."""
+    offs_pair = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    return offs_pair, offs_pair < 2 * n_cols
+
+
+@triton.jit
+def split_pairs(b_pairs):
+    """(gate, up) [rows, BLOCK_N] of sums over interleaved columns [rows, 2 BLOCK_N] (gate at even columns)."""
+    return tl.split(tl.reshape(b_pairs, (b_pairs.shape[0], b_pairs.shape[1] // 2, 2)))
+
+
+@triton.jit
+def paired_bias_and_preact(b_pairs, expert, offs_m, mask_m, offs_pair, mask_pair, bias_ptr, stride_bias_e,
+                           stride_bias_n, preact_ptr, stride_preact_m, HAS_BIAS: tl.constexpr,
+                           STORE_PREACT: tl.constexpr):
+    """Interleaved sums [rows, 2 BLOCK_N] plus the whole gate/up bias's columns offs_pair; stored as they are into
+    preact's columns offs_pair (pre-activations in the weight's interleaved order) with STORE_PREACT."""
+    if HAS_BIAS:
+        b_pairs += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_pair * stride_bias_n, mask=mask_pair,
+                           other=0.0).to(tl.float32)[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_pair[None, :]
+        tl.store(preact_ptrs, b_pairs.to(preact_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_pair[None, :])
+    return b_pairs
+
+
+@triton.jit
 def tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
                   preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
                   TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
-                  MUL_ROUTED_WEIGHT: tl.constexpr):
+                  MUL_ROUTED_WEIGHT: tl.constexpr, PAIRED: tl.constexpr = False, offs_pair=None, mask_pair=None):
     """Bias, saved pre-activations, activation, routing weight, then the masked store of one C tile (rows outside
-    mask_m, e.g. the next expert's rows a tile load reached, are never written)."""
-    if HAS_BIAS:
-        b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
-                                   stride_bias_n, ACTIVATION)
+    mask_m, e.g. the next expert's rows a tile load reached, are never written).
+
+    PAIRED: b_acc is [BLOCK_M, 2 BLOCK_N], the columns offs_pair of an interleaved gate/up weight (gate, up
+    alternating; b_acc_up unused): the whole bias (bias_ptr [E, 2n]) is added and the pre-activations stored in that
+    order (preact's columns offs_pair), then the pairs are split into gate and up."""
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    if STORE_PREACT:
-        preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
-        tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
-        tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+    if PAIRED:
+        b_acc = paired_bias_and_preact(b_acc, expert, offs_m, mask_m, offs_pair, mask_pair, bias_ptr, stride_bias_e,
+                                       stride_bias_n, preact_ptr, stride_preact_m, HAS_BIAS, STORE_PREACT)
+        b_acc, b_acc_up = split_pairs(b_acc)
+    else:
+        if HAS_BIAS:
+            b_acc, b_acc_up = add_bias(b_acc, b_acc_up, expert, offs_n, mask_n, bias_ptr, bias_up_ptr, stride_bias_e,
+                                       stride_bias_n, ACTIVATION)
+        if STORE_PREACT:
+            preact_ptrs = preact_ptr + offs_m[:, None].to(tl.int64) * stride_preact_m + offs_n[None, :]
+            tl.store(preact_ptrs, b_acc.to(preact_ptr.dtype.element_ty), mask=mask_mn)
+            tl.store(preact_ptrs + n_cols, b_acc_up.to(preact_ptr.dtype.element_ty), mask=mask_mn)
     b_acc = activate_and_weight(b_acc, b_acc_up, b_assignment, mask_m, topk_weights_ptr, stride_topk_t, stride_topk_k,
                                 alpha, limit, TOP_K, ACTIVATION, MUL_ROUTED_WEIGHT)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_c_m + offs_n[None, :] * stride_c_n

@@ -7,6 +7,10 @@ spans two experts, tiles past the real work exit at once). The forward kernel's 
   ACTIVATION         gemm_jit.Activation: NONE; SILU, silu(gate) * up; SWIGLU_OAI, GPT-OSS's clamped SwiGLU. Gated
                      variants load two weight tiles per K step (gate columns and up columns) against the same A tile
                      and combine them in the epilogue
+  PAIRED             the gate/up weight is one interleaved tensor (gate and up rows alternating, GPT-OSS): one
+                     [BLOCK_K, 2 BLOCK_N] tile of it per K step into one accumulator, whose columns the epilogue splits
+                     into gate and up (two strided views would read every other element: uncoalesced, unvectorized);
+                     the pre-activations are then saved in the weight's interleaved order
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
   STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
@@ -23,8 +27,8 @@ The backward of the experts path (see `experts_backward.py`) reuses the same til
   _gate_up_grad_kernel  dX rows = d_gate @ W_gate[e] + d_up @ W_up[e]
 
 Weights are addressed through strides, so the transformers layout ([E, n, K]) and GPT-OSS's transposed one
-([E, K, n]) run without copies. Gated variants take the gate and up weights as two views with equal strides:
-`w[:, :F]` and `w[:, F:]` of a concatenated gate_up weight, `w[:, 0::2]` and `w[:, 1::2]` of an interleaved one.
+([E, K, n]) run without copies. Gated variants take the gate and up weights as two views with equal strides
+(`w[:, :F]` and `w[:, F:]` of a concatenated gate_up weight), or an interleaved weight whole (PAIRED).
 
 Indices are bounded before they address memory: a tile's expert must lie in [0, E), its rows in [0, rows of C), and a
 gathered row in [0, rows of A); anything else is masked out, so caller-provided offsets or permutations cannot make a
@@ -43,7 +47,7 @@ from .dispatch import segment_dispatch
 from . import persistent_gemm
 from .fp8 import WeightScale
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import ACT_NONE, expert_tile_dot, tile_epilogue, tile_rows, tile_setup
+from .gemm_jit import ACT_NONE, expert_tile_dot, pair_columns, tile_epilogue, tile_rows, tile_setup
 from .pdl import release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 from .planner import GemmKernel, expert_gemm_kernel, plan_segments
@@ -77,6 +81,7 @@ def _grouped_gemm_kernel(
     STORE_PREACT: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
+    PAIRED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -98,33 +103,46 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
-                                      w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                      scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                      scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                      ACTIVATION != ACT_NONE, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+    if PAIRED:  # one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step, split in the epilogue
+        offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
+        b_acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_pair, expert, offs_pair, offs_k,
+                                          w_ptr, w_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+    else:
+        offs_pair, mask_pair = offs_n, mask_n
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
+                                          w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                          ACTIVATION != ACT_NONE, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
+                                          WEIGHT_SCALE)
     release_dependents(PDL)
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
                   preact_ptr, stride_preact_m, n_cols, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
-                  TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT)
+                  TOP_K, ACTIVATION, HAS_BIAS, STORE_PREACT, MUL_ROUTED_WEIGHT, PAIRED, offs_pair, mask_pair)
 
 
 def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=False, gather_a=False,
                 activation="none", bias=None, bias_up=None, topk_weights=None, alpha=1.702, limit=7.0, out=None,
-                preact=None, weight_scale: WeightScale | None = None):
+                preact=None, weight_scale: WeightScale | None = None, paired=False):
     """Launch `_grouped_gemm_kernel` over the rows of `info`; returns C [num_assignments, n] in a's dtype.
 
     `weight` is [E, n, K] (or [E, K, n] when `transposed`); gated activations also take `weight_up` (same shape) and
-    compute act(a @ weight^T, a @ weight_up^T); `preact` [num_assignments, 2n] then receives both pre-activations.
-    Biases are [E, n] views. K is a.shape[1]. Rows of C past info.expert_offsets[E] are left unwritten.
-    float8 weights come with `weight_scale` (fp8.WeightScale, shared by the gate and up views); the dot then runs in
-    a's dtype.
+    compute act(a @ weight^T, a @ weight_up^T); `preact` [num_assignments, 2n] then receives both pre-activations,
+    gate columns then up columns. Biases are [E, n] views. `paired`: `weight` is instead one interleaved gate/up
+    weight [E, 2n, K] ([E, K, 2n]; gate at even rows) with its whole [E, 2n] `bias`, read as [BLOCK_K, 2 BLOCK_N]
+    tiles (PAIRED), and `preact` receives the pre-activations in that interleaved order. K is a.shape[1]. Rows of C
+    past info.expert_offsets[E] are left unwritten. float8 weights come with `weight_scale` (fp8.WeightScale, shared
+    by the gate and up views; paired: of the whole weight); the dot then runs in a's dtype.
     """
     num_rows = info.num_assignments
     K = a.shape[1]
-    w = gemm_weights(weight, weight_up, bias, bias_up, transposed=transposed, activation=activation)
+    w = gemm_weights(weight, weight_up, bias, bias_up, transposed=transposed, activation=activation, paired=paired)
     c = out if out is not None else torch.empty((num_rows, w.n_cols), device=a.device, dtype=a.dtype)
     if num_rows == 0 or w.n_cols == 0 or info.max_tiles == 0:
         return c
@@ -136,7 +154,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     if kernel is not GemmKernel.POINTER:
         return persistent_gemm.persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
                                                       topk_weights=topk_weights, alpha=alpha, limit=limit,
-                                                      preact=preact)
+                                                      preact=preact, transposed=transposed)
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
@@ -151,6 +169,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         float(alpha), float(limit),
         STORE_PREACT=preact is not None,
         WEIGHT_SCALE=int(scale_code),
+        PAIRED=w.paired,
         DOT_FP32=dot_fp32,
         DOT_PRECISION=precision,
         EVEN_K=K % block_k == 0,

@@ -113,7 +113,8 @@ def _fused_experts_impl(
     fp8_block_shape: list[int] | None = None, gate_up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, fp8_compute: str = "dequant", w_gate_up_scale_layout: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (out [T, H], preact [N, 2F], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]).
+    """x [T, H] -> (out [T, H], preact [N, 2F], expert_offsets [E + 1], gather_idx [N], scatter_idx [N]); preact's
+    columns in the order of w_gate_up's 2F (interleaved weights: gate and up alternating).
 
     w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
     [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs; without save_preact they
@@ -130,6 +131,9 @@ def _fused_experts_impl(
     E = w_down.shape[0]
     F = _ffn_size(w_down, transposed)
     axis = 2 if transposed else 1
+    # An interleaved gate/up weight goes to the pointer kernels whole (PAIRED: whole tiles, split in registers); the
+    # w8a8 path reads the two strided views.
+    paired = interleaved and w_up is None
     w_gate, w_up = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
     forced = tiles_from_list(tiles) if tiles is not None else None
@@ -138,11 +142,15 @@ def _fused_experts_impl(
                         fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8")
     fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE),
                     gate_up_input_scale, down_input_scale, fp8_compute, w_gate_up_scale_layout)
-    gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed)
+    paired &= plan.path is not ExpertsPath.W8A8
+    gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired)
+    if paired:
+        w_gate, w_up, gate_bias, up_bias = w_gate_up, None, gate_up_bias, None
     if plan.path is ExpertsPath.DECODE:
         out = decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, plan.tiles, transposed=transposed,
                              activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
-                             alpha=alpha, limit=limit, gate_up_scale=gate_up_scale, down_scale=down_scale)
+                             alpha=alpha, limit=limit, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                             paired=paired)
         return (out, *_no_backward_outputs(x))
     moe_tiles = plan.tiles
     info = dispatch(topk_ids, E, moe_tiles.block_m)
@@ -156,7 +164,7 @@ def _fused_experts_impl(
         intermediate = expert_gemm(x, w_gate, info, moe_tiles.gate_up, weight_up=w_up, transposed=transposed,
                                    gather_a=True, activation=activation, bias=gate_bias, bias_up=up_bias,
                                    alpha=alpha, limit=limit, preact=preact,
-                                   weight_scale=gate_up_scale)
+                                   weight_scale=gate_up_scale, paired=paired)
         y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
                         topk_weights=topk_weights, weight_scale=down_scale)
     out = combine(y, info.scatter_idx, T, top_k)
@@ -198,18 +206,23 @@ def _no_backward_outputs(x):
     return x.new_empty((0,)), torch.empty(0, **index), torch.empty(0, **index), torch.empty(0, **index)
 
 
-def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed):
+def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed, paired=False):
     """fp8.WeightScale of each GEMM (None for a float weight). The gate and up views of w_gate_up read the one scale
     tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated (+F
-    rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset)."""
+    rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset). `paired`: the interleaved weight
+    is read whole, column j is row j."""
     gate_up = down = None
     if fp8.w_gate_up_scale is not None:
         scheme = infer_scheme(fp8.w_gate_up_scale)
-        up_row_offset = 1 if interleaved else gate_up_row_offset(num_ffn, scheme, fp8.block_shape,
-                                                                 transposed=transposed,
-                                                                 layout=fp8.gate_up_scale_layout)
+        if paired:
+            row_step, up_row_offset = 1, 0
+        elif interleaved:
+            row_step, up_row_offset = 2, 1
+        else:
+            row_step, up_row_offset = 1, gate_up_row_offset(num_ffn, scheme, fp8.block_shape, transposed=transposed,
+                                                            layout=fp8.gate_up_scale_layout)
         gate_up = WeightScale.of(fp8.w_gate_up_scale, scheme, fp8.block_shape, transposed=transposed,
-                                 row_step=2 if interleaved else 1, up_row_offset=up_row_offset)
+                                 row_step=row_step, up_row_offset=up_row_offset)
     if fp8.w_down_scale is not None:
         down = WeightScale.of(fp8.w_down_scale, infer_scheme(fp8.w_down_scale), fp8.block_shape,
                               transposed=transposed)
@@ -255,27 +268,14 @@ def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights,
                    reuse_preact):
     """The backward operator's work; `reuse_preact` lets the backward write d_preact over `preact`
     (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`)."""
-    F = _ffn_size(w_down, transposed)
-    axis = 2 if transposed else 1
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
-    d_x, d_w_gate_up, d_w_up, d_w_down, d_topk, d_gate_up_bias, d_down_bias = grads
-    w_gate, w_up_view = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
-    d_w_gate = d_w_up_view = d_gate_bias = d_up_bias = None
-    if w_up is not None:  # separate gate and up weights: each has its own gradient
-        d_w_gate = d_w_gate_up if needs[1] else None
-        d_w_up_view = d_w_up if needs[2] else None
-    elif needs[1]:
-        d_w_gate, d_w_up_view = _split_gate_up(d_w_gate_up, F, interleaved, axis)
-    if needs[5]:
-        d_gate_bias, d_up_bias = _split_gate_up(d_gate_up_bias, F, interleaved, 1)
     experts_backward(
-        grad_out, x, w_gate, w_up_view, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
+        grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
         gather_idx, scatter_idx,
-        ExpertsGrads(x=d_x if needs[0] else None, w_gate=d_w_gate, w_up=d_w_up_view,
-                     w_down=d_w_down if needs[3] else None, topk_weights=d_topk if needs[4] else None,
-                     gate_bias=d_gate_bias, up_bias=d_up_bias, down_bias=d_down_bias if needs[6] else None),
-        activation=activation, transposed=transposed, alpha=alpha, limit=limit, reuse_preact=reuse_preact)
+        ExpertsGrads(*(g if need else None for g, need in zip(grads, needs))),
+        activation=activation, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit,
+        reuse_preact=reuse_preact)
     return grads
 
 

@@ -164,11 +164,12 @@ def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, sch
 
 
 def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -> bool:
-    """Whether the bf16 persistent descriptor kernel can run this GEMM: float weights in the [E, n, K] layout that
-    descriptors can read, TMA on the device, and A readable as descriptor tiles unless its rows are gathered."""
-    if transposed or weight_scale is not None or a.dtype not in DESCRIPTOR_DTYPES:
+    """Whether the bf16 persistent descriptor kernel can run this GEMM: float weights in a layout that descriptors
+    can read ([E, n, K] rows, an interleaved pair's 2n rows, or transposed [E, K, n] through 3-D descriptors), TMA
+    on the device, and A readable as descriptor tiles unless its rows are gathered."""
+    if weight_scale is not None or a.dtype not in DESCRIPTOR_DTYPES:
         return False
-    if not has_tma(a.device) or a.shape[1] == 0 or not weights_fit_descriptors(w):
+    if not has_tma(a.device) or a.shape[1] == 0 or not weights_fit_descriptors(w, transposed):
         return False
     return gather_a or rows_fit_descriptor(a)
 
