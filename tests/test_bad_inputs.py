@@ -7,13 +7,18 @@ Each test names the defect it guards:
   3 int64 ids outside int32 are outside [0, E) with validate=False, not wrapped into it
   4 errors that name their argument
   5 forward-only v1 functions warn once when they cut a gradient
+  6 a non-tensor or a meta tensor for a tensor argument, a float or a bool for an int one: an error naming the argument
+    from every public function, on a first call and after a valid one (a planned function then replays, see _plan.py)
 Shapes are tiny (the interpreter runs every kernel); values are compared with the float64 references.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
+import types
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,9 +26,10 @@ from conftest import ROOT
 from helpers import DEVICE, ON_GPU, assert_close, make_weights
 
 import moe_dispatch as md
-from moe_dispatch import _checks
-from moe_dispatch.reference import (fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
-                                    unpermute_tokens_ref)
+from moe_dispatch import _checks, _plan
+from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
+from moe_dispatch.reference import (binned_routing_ref, fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref,
+                                    moe_router_ref, permute_tokens_ref, unpermute_tokens_ref)
 
 T, E, TOP_K, H, F = 6, 4, 2, 16, 8
 
@@ -405,3 +411,244 @@ def test_no_gradient_warning_under_no_grad(fresh_gradient_warnings):
         for call in calls.values():
             call()
 
+
+# Defect 6: non-tensors, meta tensors and mistyped ints, on a first call and on a replayed plan
+
+
+class _Experts(torch.nn.Module):
+    """What `moe_dispatch_experts` reads of a transformers experts module: the two weights and a SiLU `act_fn`."""
+
+    def __init__(self, w_gate_up, w_down):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(w_gate_up, requires_grad=False)
+        self.down_proj = torch.nn.Parameter(w_down, requires_grad=False)
+        self.act_fn = torch.nn.SiLU()
+
+
+def _ep_layer(w_gate_up_local, w_down_local, hidden_states, topk_ids, topk_weights, gate_up_bias_local=None,
+              down_bias_local=None):
+    """`ExpertParallelExperts` built and called on one rank (no process group) in inference: its constructor's and
+    its forward's arguments in one call."""
+    layer = md.ExpertParallelExperts(w_gate_up_local, w_down_local, gate_up_bias_local=gate_up_bias_local,
+                                     down_bias_local=down_bias_local, num_experts=E, validate=False)
+    with torch.no_grad():
+        return layer(hidden_states, topk_ids, topk_weights)
+
+
+def _inputs():
+    """Valid tiny arguments of every public function, one namespace for all (made by the references: no launch)."""
+    x = torch.randn(T, H, device=DEVICE)
+    ids, weights = _routed(), torch.rand(T, TOP_K, device=DEVICE)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate_up = torch.cat([w_gate, w_up], dim=1)
+    permuted, offsets, sorted_idx, restore_idx = permute_tokens_ref(x, ids, E)
+    indices, bins = binned_routing_ref(ids, E)
+    counts = torch.diff(bins, prepend=bins.new_zeros(1))
+    padded_bins = torch.cumsum((counts + 3) // 4 * 4, 0)  # each expert's rows rounded up to 4
+    w_fp8, scale = md.quantize_experts_fp8(w_gate_up, block_shape=(8, 8))
+    return types.SimpleNamespace(
+        x=x, ids=ids, weights=weights, w_gate=w_gate, w_up=w_up, w_down=w_down, w_gate_up=w_gate_up,
+        router_weight=torch.randn(E, H, device=DEVICE), router_bias=torch.randn(E, device=DEVICE),
+        gate_up_bias=torch.randn(E, 2 * F, device=DEVICE), down_bias=torch.randn(E, H, device=DEVICE),
+        permuted=permuted.float(), offsets=offsets, sorted_idx=sorted_idx, restore_idx=restore_idx,
+        indices=indices, bins=bins, bin_ids=torch.repeat_interleave(torch.arange(E, device=DEVICE), counts),
+        padded_bins=padded_bins, assignment_weights=weights.reshape(-1),
+        binned_rows=torch.randn(E, 2, H, device=DEVICE),  # capacity 2
+        padded_rows=torch.randn(int(padded_bins[-1]), H, device=DEVICE), experts=_Experts(w_gate_up, w_down),
+        w_fp8=w_fp8, scale=scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class PublicCall:
+    """A public function and its valid arguments, all by name. Its tensor arguments: those whose valid value is a
+    tensor, and the `optional` ones (None is valid there; those missing from `arguments` are left at None)."""
+
+    function: Callable
+    arguments: Callable[[types.SimpleNamespace], dict]  # _inputs() -> {argument: valid value}
+    optional: tuple = ()
+    ints: tuple = ()  # int arguments
+    plans: _plan.PlanCache | None = None  # where a valid call records a plan
+
+
+PUBLIC_CALLS = [
+    # planned: a replay skips every check, so its key must tell each bad argument from the valid one
+    PublicCall(md.fused_moe_forward, lambda i: dict(
+        hidden_states=i.x, router_weight=i.router_weight, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down,
+        num_experts=E, top_k=TOP_K, router_bias=i.router_bias, e_score_correction_bias=i.router_bias),
+        optional=("router_bias", "e_score_correction_bias"), ints=("num_experts", "top_k"), plans=_FUSED_MOE_PLANS),
+    # planned with validate=False (validate=None reads CPU ids: such calls run in full); the scales go with float8
+    # weights, but a non-tensor or meta scale is refused before that is looked at
+    PublicCall(md.fused_experts, lambda i: dict(
+        hidden_states=i.x, w_gate_up=i.w_gate_up, w_down=i.w_down, topk_ids=i.ids, topk_weights=i.weights,
+        gate_up_bias=i.gate_up_bias, down_bias=i.down_bias, validate=False),
+        optional=("gate_up_bias", "down_bias", "w_gate_up_scale", "w_down_scale", "gate_up_input_scale",
+                  "down_input_scale"), plans=_FUSED_EXPERTS_PLANS),
+    # the transformers experts interface: fused_experts' tensors under other names (named as the caller knows them)
+    PublicCall(md.moe_dispatch_experts, lambda i: dict(
+        self=i.experts, hidden_states=i.x, top_k_index=i.ids, top_k_weights=i.weights), plans=_FUSED_EXPERTS_PLANS),
+    # expert parallelism on one rank: fused_experts under the _local names, the layer's constructor too
+    PublicCall(md.ep_fused_experts, lambda i: dict(
+        hidden_states=i.x, w_gate_up_local=i.w_gate_up, w_down_local=i.w_down, topk_ids=i.ids, topk_weights=i.weights,
+        gate_up_bias_local=i.gate_up_bias, down_bias_local=i.down_bias, num_experts=E, validate=False),
+        optional=("gate_up_bias_local", "down_bias_local"), ints=("num_experts",), plans=_FUSED_EXPERTS_PLANS),
+    PublicCall(_ep_layer, lambda i: dict(
+        w_gate_up_local=i.w_gate_up, w_down_local=i.w_down, hidden_states=i.x, topk_ids=i.ids, topk_weights=i.weights,
+        gate_up_bias_local=i.gate_up_bias, down_bias_local=i.down_bias),
+        optional=("gate_up_bias_local", "down_bias_local"), plans=_FUSED_EXPERTS_PLANS),
+    # the v1 functions
+    PublicCall(md.moe_router, lambda i: dict(
+        hidden_states=i.x, router_weight=i.router_weight, top_k=TOP_K, router_bias=i.router_bias,
+        e_score_correction_bias=i.router_bias), optional=("router_bias", "e_score_correction_bias"), ints=("top_k",)),
+    PublicCall(md.permute_tokens, lambda i: dict(hidden_states=i.x, top_k_indices=i.ids, num_experts=E),
+               ints=("num_experts",)),
+    PublicCall(md.unpermute_tokens, lambda i: dict(
+        expert_outputs=i.permuted, top_k_weights=i.weights, restore_idx=i.restore_idx, num_tokens=T, top_k=TOP_K),
+        ints=("num_tokens", "top_k")),
+    PublicCall(md.grouped_gemm, lambda i: dict(
+        tokens=i.permuted, weights=i.w_gate, expert_offsets=i.offsets, num_experts=E), ints=("num_experts",)),
+    PublicCall(md.expert_ffn_triton, lambda i: dict(
+        permuted_tokens=i.permuted, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down, expert_offsets=i.offsets,
+        num_experts=E), ints=("num_experts",)),
+    PublicCall(md.fused_expert_ffn, lambda i: dict(
+        permuted_tokens=i.permuted, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down, expert_offsets=i.offsets,
+        num_experts=E, top_k_weights=i.weights, sorted_idx=i.sorted_idx, num_tokens=T, top_k=TOP_K),
+        ints=("num_experts", "num_tokens", "top_k")),
+    # binned routing: weights may be None; bin_ids and padded_bins are required where an op takes them
+    PublicCall(md.binned_gather, lambda i: dict(
+        x=i.x, indices=i.indices, weights=i.assignment_weights, bins=i.bins, expert_capacity=2, top_k=TOP_K),
+        optional=("weights",), ints=("expert_capacity", "top_k")),
+    PublicCall(md.binned_scatter, lambda i: dict(
+        x=i.binned_rows, indices=i.indices, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
+        optional=("weights",), ints=("top_k",)),
+    PublicCall(md.binned_scatter_wgrad, lambda i: dict(
+        x=i.binned_rows, grad=i.x, indices=i.indices, bins=i.bins, top_k=TOP_K), ints=("top_k",)),
+    PublicCall(md.gather, lambda i: dict(
+        x=i.x, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
+        optional=("weights",), ints=("top_k",)),
+    PublicCall(md.scatter, lambda i: dict(
+        x=i.permuted, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
+        optional=("weights",), ints=("top_k",)),
+    PublicCall(md.scatter_wgrad, lambda i: dict(
+        x=i.permuted, grad=i.x, indices=i.indices, bin_ids=i.bin_ids, bins=i.bins, top_k=TOP_K), ints=("top_k",)),
+    PublicCall(md.padded_gather, lambda i: dict(
+        x=i.x, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins,
+        padded_bins=i.padded_bins, top_k=TOP_K, num_rows=i.padded_rows.shape[0]),
+        optional=("weights",), ints=("top_k", "num_rows")),
+    PublicCall(md.padded_scatter, lambda i: dict(
+        x=i.padded_rows, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins,
+        padded_bins=i.padded_bins, top_k=TOP_K), optional=("weights",), ints=("top_k",)),
+    PublicCall(md.padded_scatter_wgrad, lambda i: dict(
+        x=i.padded_rows, grad=i.x, indices=i.indices, bin_ids=i.bin_ids, bins=i.bins, padded_bins=i.padded_bins,
+        top_k=TOP_K), ints=("top_k",)),
+    PublicCall(md.sort, lambda i: dict(x=i.indices, end_bit=8), ints=("end_bit",)),
+    PublicCall(md.histogram, lambda i: dict(x=i.indices, max_val=E), ints=("max_val",)),
+    PublicCall(md.inclusive_cumsum, lambda i: dict(x=i.bins, dim=0), ints=("dim",)),
+    PublicCall(md.expert_capacity, lambda i: dict(num_tokens=T, top_k=TOP_K, num_experts=E, capacity_factor=1.0),
+               ints=("num_tokens", "top_k", "num_experts")),
+    # FP8 weights (plain torch)
+    PublicCall(md.quantize_experts_fp8, lambda i: dict(w=i.w_gate_up, block_shape=(8, 8))),
+    PublicCall(md.dequantize_experts_fp8, lambda i: dict(w_fp8=i.w_fp8, scale=i.scale, block_shape=(8, 8))),
+]
+TENSOR_CALLS = [call for call in PUBLIC_CALLS if call.function is not md.expert_capacity]
+INT_CALLS = [call for call in PUBLIC_CALLS if call.ints]
+WHEN = ["first-call", "after-a-valid-call"]
+
+
+def _call_id(call):
+    return call.function.__name__.lstrip("_")
+
+
+def _valid_arguments(call, when):
+    """The call's valid arguments; with "after-a-valid-call", after one call with them, which records a plan where the
+    function has plans (a bad call that follows replays it unless the plan key tells them apart)."""
+    arguments = call.arguments(_inputs())
+    if when == "after-a-valid-call":
+        call.function(**arguments)
+        if call.plans is not None:
+            assert call.plans.replayable_count() == 1, call.plans.last_reason
+    return arguments
+
+
+def _tensor_arguments(call, arguments):
+    return [name for name, value in arguments.items() if isinstance(value, torch.Tensor)] + [
+        name for name in call.optional if name not in arguments]
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("call", TENSOR_CALLS, ids=_call_id)
+def test_a_non_tensor_is_refused_naming_the_argument(call, when):
+    """None (a list where None is allowed) for a tensor argument: a TypeError naming it, not an AttributeError from
+    inside (fused_moe_forward(None, ...) read None's `.is_cuda` for its plan key)."""
+    arguments = _valid_arguments(call, when)
+    for name in _tensor_arguments(call, arguments):
+        for bad in ([[0.0]] if name in call.optional else [None, [[0.0]]]):
+            with pytest.raises(TypeError, match=rf"\b{name} must be a torch\.Tensor, got {type(bad).__name__}"):
+                call.function(**{**arguments, name: bad})
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("call", TENSOR_CALLS, ids=_call_id)
+def test_a_meta_tensor_is_refused_naming_the_argument(call, when):
+    """A tensor on the meta device (weights not loaded yet): a ValueError naming it, not torch's "Cannot copy out of
+    meta tensor" from inside; on the CPU a meta tensor's plan key read device -1, the CPU's, and replayed its plan."""
+    arguments = _valid_arguments(call, when)
+    for name in _tensor_arguments(call, arguments):
+        valid = arguments.get(name)
+        bad = valid.to("meta") if valid is not None else torch.ones(E, device="meta")
+        with pytest.raises(ValueError, match=rf"\b{name} is on meta"):
+            call.function(**{**arguments, name: bad})
+
+
+@pytest.mark.parametrize("when", WHEN)
+@pytest.mark.parametrize("call", INT_CALLS, ids=_call_id)
+def test_an_int_argument_refuses_floats_and_bools(call, when):
+    """num_experts=4.0 ran fused_moe_forward; a TypeError naming the argument for a float or a bool, on a first call
+    and after a valid one (top_k=2.0 replayed the plan of top_k=2: the key compared options with ==)."""
+    arguments = _valid_arguments(call, when)
+    for name in call.ints:
+        for bad in (float(arguments[name]), True):
+            with pytest.raises(TypeError, match=rf"\b{name} must be an int"):
+                call.function(**{**arguments, name: bad})
+
+
+# (id, valid options, options equal to them under == but refused on a first call, the argument named)
+EQUAL_BUT_REFUSED = [
+    # the issue's repro: a float top_k replayed the plan of top_k=2
+    ("top_k=2.0", dict(top_k=2), dict(top_k=2.0), "top_k"),
+    # True == 1, and hash(True) == hash(1)
+    ("top_k=True", dict(top_k=1), dict(top_k=True), "top_k"),
+    # compared with router_weight's E by ==, so even a first call took it
+    ("num_experts=4.0", dict(num_experts=E), dict(num_experts=float(E)), "num_experts"),
+    # DeepSeek-V3 grouped routing: a bool group count
+    ("topk_group=True", dict(gating="sigmoid", n_group=2, topk_group=1),
+     dict(gating="sigmoid", n_group=2, topk_group=True), "topk_group"),
+]
+
+
+@pytest.mark.parametrize("valid,bad,name", [case[1:] for case in EQUAL_BUT_REFUSED],
+                         ids=[case[0] for case in EQUAL_BUT_REFUSED])
+def test_a_plan_does_not_take_options_equal_to_its_own(valid, bad, name):
+    """fused_moe_forward refuses `bad` on a first call, records a plan for `valid`, then refuses `bad` again: the plan
+    key holds each option's type beside its value."""
+    i = _inputs()
+    arguments = dict(hidden_states=i.x, router_weight=i.router_weight, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down,
+                     num_experts=E, top_k=TOP_K)
+    with pytest.raises(TypeError, match=rf"\b{name} must be an int"):
+        md.fused_moe_forward(**{**arguments, **bad})
+    md.fused_moe_forward(**{**arguments, **valid})
+    assert _FUSED_MOE_PLANS.replayable_count() == 1, _FUSED_MOE_PLANS.last_reason
+    with pytest.raises(TypeError, match=rf"\b{name} must be an int"):
+        md.fused_moe_forward(**{**arguments, **bad})
+
+
+def test_a_plan_does_not_take_a_block_shape_equal_to_its_own():
+    """fp8_block_shape (8.0, 8) == (8, 8): the items of a tuple option are typed in the key too."""
+    i = _inputs()
+    arguments = dict(hidden_states=i.x, w_gate_up=i.w_fp8, w_down=i.w_down, topk_ids=i.ids, topk_weights=i.weights,
+                     w_gate_up_scale=i.scale, validate=False)
+    with pytest.raises(ValueError, match="fp8_block_shape must be two positive ints"):
+        md.fused_experts(**arguments, fp8_block_shape=(8.0, 8))
+    md.fused_experts(**arguments, fp8_block_shape=(8, 8))
+    assert _FUSED_EXPERTS_PLANS.replayable_count() == 1, _FUSED_EXPERTS_PLANS.last_reason
+    with pytest.raises(ValueError, match="fp8_block_shape must be two positive ints"):
+        md.fused_experts(**arguments, fp8_block_shape=(8.0, 8))

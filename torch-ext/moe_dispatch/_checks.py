@@ -1,5 +1,9 @@
 """Argument validation shared by the public entry points. Every error names the argument at fault.
 
+Every tensor argument goes through `check_tensor` (or `check_same_device`, which calls it): anything but a tensor is a
+TypeError, a tensor on the meta device (no data for a kernel to read) a ValueError. Integer arguments (`num_experts`,
+`top_k`, ...) go through `check_int`: a float or a bool is a TypeError even where it equals an int.
+
 Index tensors from a caller (`expert_offsets`, `sorted_idx`, `restore_idx`, ids) are checked by value only where that
 is free (CPU tensors) or asked for (`validate=True`: one device-to-host sync); the kernels bound every index they read
 anyway, so an unchecked bad index gives a wrong result, never a crash or a write outside an output.
@@ -18,9 +22,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 ROUTING_WEIGHT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
-def check_tensor(name, value, *, ndim=None, dtypes=None, min_ndim=None):
+def check_tensor(name, value, *, ndim=None, dtypes=None, min_ndim=None, allow_meta=False):
+    """`allow_meta`: a tensor on meta passes (a module's weights, held before they are loaded)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_meta and not allow_meta:  # shapes only: a launch would fail in torch ("Cannot copy out of meta tensor")
+        raise ValueError(f"{name} is on meta, a device without data for the kernels to read; materialize it first "
+                         f"(weights: module.to_empty(device=...), then load their values)")
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
     if min_ndim is not None and value.dim() < min_ndim:
@@ -48,7 +56,10 @@ def check_dim(name, value, dim, expected, what):
 
 
 def check_same_device(**tensors):
+    """The given tensors (None for an absent optional one) are tensors with data (`check_tensor`) on one device."""
     present = {k: v for k, v in tensors.items() if v is not None}
+    for name, value in present.items():
+        check_tensor(name, value)
     devices = {k: v.device for k, v in present.items()}
     first_name, first = next(iter(devices.items()))
     for name, device in devices.items():
@@ -68,6 +79,15 @@ def check_kernel_device(name, tensor):
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+
+
+def check_int(name, value, minimum):
+    """An int (not a bool, not a float equal to an int) >= minimum."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def check_top_k(top_k, num_experts):
@@ -94,10 +114,8 @@ def check_ids_in_range(name, ids, num_experts, validate):
 def check_token_weights(top_k_weights, num_tokens, top_k):
     """num_tokens / top_k given as ints by the v1 functions, and top_k_weights [num_tokens, top_k] to match."""
     check_tensor("top_k_weights", top_k_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    check_int("num_tokens", num_tokens, 0)
+    check_int("top_k", top_k, 1)
     check_dim("top_k_weights", top_k_weights, 0, num_tokens, "num_tokens")
     check_dim("top_k_weights", top_k_weights, 1, top_k, "top_k")
 

@@ -17,7 +17,9 @@ A record is kept only when the path did nothing but allocate, take views and lau
 computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, or an ambiguous alias
 leaves a `None` plan, and that signature runs the full path every time (correct, only not faster). Checks that read
 values (validate=True) are the caller's to keep out of plans; shape and dtype errors raise on the recording call and
-a signature that raised is never recorded, so bad inputs get the full path's errors every time.
+a signature that raised is never recorded, so bad inputs get the full path's errors every time. For that the key holds
+each option's type beside its value (4.0 and True equal 4 and 1 but are refused as ints), and a call with a
+non-tensor or a meta tensor among its tensors has no key: the full path names the argument.
 
 Where replay is used: eager calls without autograd (no input requiring a gradient under grad mode), outside
 torch.compile tracing and any user TorchDispatchMode, on plain tensors. CUDA-graph capture replays like eager code
@@ -445,6 +447,8 @@ def _key(tensors, options):
         return None                                                                   # is read under torch.compile
     if torch._C._len_torch_dispatch_stack():
         return None
+    if tensors[0] is None:  # refused by the full path, which names the argument
+        return None
     grad_mode = torch.is_grad_enabled()
     signature = []
     for t in tensors:
@@ -453,14 +457,28 @@ def _key(tensors, options):
         elif type(t) not in _PLAIN_TENSORS or (grad_mode and t.requires_grad):
             return None
         else:
-            signature.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % _ALIGN == 0))
+            device = t.get_device()
+            if device < 0 and t.is_meta:  # -1 like the CPU's; the full path refuses it
+                return None
+            signature.append((t.shape, t.stride(), t.dtype, device, t.data_ptr() % _ALIGN == 0))
     # allow_tf32 read as torch.backends.cuda.matmul's getter does, without its __getattr__
     current = torch._C._cuda_getDevice() if tensors[0].is_cuda else -1
-    return options, tuple(signature), grad_mode, current, torch._C._get_cublas_allow_tf32()
+    return options, _types(options), tuple(signature), grad_mode, current, torch._C._get_cublas_allow_tf32()
+
+
+def _types(options):
+    """The type of each option, and of each item of a tuple option: `==` alone takes 2.0 and True for 2, so a call
+    whose options differ from a plan's only in type (and that the full path may refuse) would replay that plan."""
+    types = tuple(map(type, options))
+    if tuple in types:  # fused_experts' fp8_block_shape
+        for option in options:
+            if type(option) is tuple:
+                types += tuple(map(type, option))
+    return types
 
 
 class PlanCache:
-    """Plans of one entry point, keyed by (options, tensor signature, global state)."""
+    """Plans of one entry point, keyed by (options and their types, tensor signature, global state)."""
 
     def __init__(self, name):
         self.name = name

@@ -47,7 +47,7 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 
 import torch
 
-from ._checks import check_finite_number, check_same_device, check_tensor, reads_values
+from ._checks import check_finite_number, check_int, check_same_device, check_tensor, reads_values
 from ._library import call, custom_op
 from .row_copies import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 
@@ -149,19 +149,15 @@ def _wgrad(x, grad, indices, bins, padded_bins, layout):
                 layout.kind, layout.top_k, layout.capacity, x.dtype)
 
 
-def _check_int(name, value, minimum):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+_NOT_TAKEN = object()  # the bin_ids / padded_bins of an op that has no such argument (None is a bad argument)
 
 
-def _check_routing(indices, weights, bins, top_k, *, bin_ids=None, padded_bins=None):
-    """Shape and dtype checks of the routing arguments shared by every op; returns N = len(indices)."""
+def _check_routing(indices, weights, bins, top_k, *, bin_ids=_NOT_TAKEN, padded_bins=_NOT_TAKEN):
+    """Shape and dtype checks of the routing arguments shared by every op; returns N = len(indices). `weights` may be
+    None; `bin_ids` and `padded_bins` are tensors wherever the op takes them."""
     check_tensor("indices", indices, ndim=1, dtypes=_INDEX_DTYPES)
     check_tensor("bins", bins, ndim=1, dtypes=_INDEX_DTYPES)
-    _check_int("top_k", top_k, 1)
+    check_int("top_k", top_k, 1)
     num_assignments = indices.shape[0]
     if num_assignments % top_k:
         raise ValueError(f"len(indices) = {num_assignments} must be a multiple of top_k = {top_k}")
@@ -171,11 +167,11 @@ def _check_routing(indices, weights, bins, top_k, *, bin_ids=None, padded_bins=N
         check_tensor("weights", weights, ndim=1, dtypes=_FLOAT_DTYPES)
         if weights.shape[0] != num_assignments:
             raise ValueError(f"weights must have len(indices) = {num_assignments} entries, got {weights.shape[0]}")
-    if bin_ids is not None:
+    if bin_ids is not _NOT_TAKEN:
         check_tensor("bin_ids", bin_ids, ndim=1, dtypes=_INDEX_DTYPES)
         if bin_ids.shape[0] != num_assignments:
             raise ValueError(f"bin_ids must have len(indices) = {num_assignments} entries, got {bin_ids.shape[0]}")
-    if padded_bins is not None:
+    if padded_bins is not _NOT_TAKEN:
         check_tensor("padded_bins", padded_bins, ndim=1, dtypes=_INDEX_DTYPES)
         if padded_bins.shape[0] != bins.shape[0]:
             raise ValueError(f"padded_bins must have len(bins) = {bins.shape[0]} entries, got {padded_bins.shape[0]}")
@@ -240,7 +236,7 @@ def binned_gather(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor 
     """
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k)
-    _check_int("expert_capacity", expert_capacity, 0)
+    check_int("expert_capacity", expert_capacity, 0)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
     check_same_device(x=x, indices=indices, weights=weights, bins=bins)
     _check_values(validate, indices, bins)
@@ -350,7 +346,7 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
     if num_rows is not None:
-        _check_int("num_rows", num_rows, 0)
+        check_int("num_rows", num_rows, 0)
     check_same_device(x=x, indices=indices, bin_ids=bin_ids, weights=weights, bins=bins, padded_bins=padded_bins)
     _check_values(validate, indices, bins, bin_ids=bin_ids, padded_bins=padded_bins, n_rows=num_rows,
                   n_rows_name="num_rows")
@@ -406,7 +402,7 @@ def sort(x: torch.Tensor, end_bit: int | None = None) -> tuple[torch.Tensor, tor
     """
     check_tensor("x", x, ndim=1, dtypes=tuple(_SORT_BITS))
     bits = _SORT_BITS[x.dtype]
-    end_bit = bits if end_bit is None else _check_int("end_bit", end_bit, 0)
+    end_bit = bits if end_bit is None else check_int("end_bit", end_bit, 0)
     if end_bit > bits:
         raise ValueError(f"end_bit must be <= {bits} for {x.dtype}, got {end_bit}")
     if x.shape[0] > torch.iinfo(x.dtype).max + 1:
@@ -424,7 +420,7 @@ def histogram(x: torch.Tensor, max_val: int) -> torch.Tensor:
     check_tensor("x", x, dtypes=tuple(_SORT_BITS))
     if x.dim() not in (1, 2):
         raise ValueError(f"x must have 1 or 2 dimensions, got shape {tuple(x.shape)}")
-    _check_int("max_val", max_val, 0)
+    check_int("max_val", max_val, 0)
     in_range = (x >= 0) & (x < max_val)
     bucket = torch.where(in_range, x, max_val).long()  # out-of-range values land in an extra bucket, dropped below
     counts = torch.zeros((*x.shape[:-1], max_val + 1), dtype=torch.int32, device=x.device)
@@ -449,9 +445,9 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     C can be 0 (few tokens or a small factor); MegaBlocks' layer then falls back to the largest expert count, i.e.
     drops nothing (`drop_over_capacity` does the same).
     """
-    _check_int("num_tokens", num_tokens, 0)
-    _check_int("top_k", top_k, 1)
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_tokens", num_tokens, 0)
+    check_int("top_k", top_k, 1)
+    check_int("num_experts", num_experts, 1)
     check_finite_number("capacity_factor", capacity_factor, minimum=0)
     tokens_per_expert = top_k * num_tokens / num_experts
     return int(capacity_factor * tokens_per_expert)
@@ -464,8 +460,8 @@ def capacity_keep_mask(topk_ids: torch.Tensor, num_experts: int, capacity: int) 
     [0, num_experts) are never kept and take no slot. Sync-free: a stable sort, a histogram and a scatter.
     """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_INDEX_DTYPES)
-    _check_int("num_experts", num_experts, 1)
-    _check_int("capacity", capacity, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("capacity", capacity, 0)
     ids = topk_ids.reshape(-1)
     num_assignments = ids.shape[0]
     expert = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).long()  # num_experts: no expert

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_float, check_ids_in_range, check_index, check_kernel_device, check_same_device,
-                      validate_option, warn_if_gradient_cut)
+from ._checks import (check_float, check_ids_in_range, check_index, check_int, check_kernel_device,
+                      check_same_device, validate_option, warn_if_gradient_cut)
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
@@ -360,8 +360,7 @@ def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num
     if top_k_indices.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"top_k_indices has {top_k_indices.shape[0]} rows but hidden_states has "
                          f"{hidden_states.shape[0]} tokens")
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_int("num_experts", num_experts, 1)
     check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
     validate = validate_option(validate, validate_ids, "permute_tokens")
     check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate)

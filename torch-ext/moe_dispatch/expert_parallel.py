@@ -63,7 +63,7 @@ from typing import Any, Literal, NamedTuple, Self
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite_number, check_ids_in_range
+from ._checks import check_finite_number, check_ids_in_range, check_int, check_tensor
 from .ep_plan import count_rows, route_rows
 from .fp8 import is_fp8
 from .moe import check_experts_args, fused_experts
@@ -95,10 +95,7 @@ def ep_capacity(num_tokens: int, top_k: int, world_size: int, capacity_factor: f
     clamped to num_tokens (a source never has more rows for one destination); C = 0 means no dropping (C =
     num_tokens), as MegaBlocks falls back to the largest count."""
     for name, value, minimum in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("world_size", world_size, 1)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        check_int(name, value, minimum)
     check_finite_number("capacity_factor", capacity_factor, minimum=0)
     capacity = min(num_tokens, int(capacity_factor * num_tokens * top_k / world_size))
     return capacity if capacity > 0 else num_tokens
@@ -297,7 +294,7 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
                                           activation=activation, gate_up_bias=gate_up_bias_local,
                                           down_bias=down_bias_local, transposed=transposed, suffix="_local")
-    if num_experts is not None and num_experts != E_local * W:
+    if num_experts is not None and check_int("num_experts", num_experts, 1) != E_local * W:
         raise ValueError(f"num_experts={num_experts!r} but w_gate_up_local holds {E_local} experts on each of {W} "
                          f"ranks ({E_local * W} in all)")
     if not isinstance(return_stats, bool):
@@ -334,6 +331,15 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     return (out, stats) if return_stats else out
 
 
+def _check_weights(suffix, w_gate_up, w_down, gate_up_bias, down_bias):
+    """A layer's weights are tensors and its biases tensors or None, on meta too (weights loaded after the layer is
+    built); the forward checks the rest."""
+    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down), ("gate_up_bias", gate_up_bias),
+                         ("down_bias", down_bias)):
+        if weight is not None or not name.endswith("bias"):
+            check_tensor(name + suffix, weight, allow_meta=True)
+
+
 class ExpertParallelExperts(torch.nn.Module):
     """This rank's shard of the experts as parameters; forward(hidden_states, topk_ids, topk_weights) -> out.
 
@@ -351,6 +357,7 @@ class ExpertParallelExperts(torch.nn.Module):
         unknown = sorted(set(options) - set(self._OPTIONS))
         if unknown:
             raise TypeError(f"unknown options {unknown}; known: {list(self._OPTIONS)}")
+        _check_weights("_local", w_gate_up_local, w_down_local, gate_up_bias_local, down_bias_local)
         self.w_gate_up_local = torch.nn.Parameter(w_gate_up_local)
         self.w_down_local = torch.nn.Parameter(w_down_local)
         self.gate_up_bias_local = None if gate_up_bias_local is None else torch.nn.Parameter(gate_up_bias_local)
@@ -363,6 +370,7 @@ class ExpertParallelExperts(torch.nn.Module):
                      gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                      **options: Any) -> Self:
         """Keep this rank's rows [r * E_local, (r + 1) * E_local) of all-expert tensors (copies, E divisible by W)."""
+        _check_weights("", w_gate_up, w_down, gate_up_bias, down_bias)
         W, rank = _group_size_and_rank(group)
         E = w_gate_up.shape[0]
         if E % W:

@@ -100,6 +100,9 @@ def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: to
     """A weight and its optional scale: float8 needs an fp32 scale of a matching shape, a float weight takes none.
     `gate_up_layout`: the `w_gate_up_scale_layout` of a gate/up weight's scale (None for other weights). Returns the
     scheme ("block", "channel", "tensor") or None for a float weight."""
+    check_tensor(name, weight)
+    if scale is not None:
+        check_tensor(scale_name, scale)
     if not is_fp8(weight):
         if scale is not None:
             raise ValueError(f"{scale_name} was given but {name} has dtype {weight.dtype}; scales go with float8 "
@@ -107,7 +110,6 @@ def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: to
         return None
     if scale is None:
         raise ValueError(f"{name} is {weight.dtype} but {scale_name} is missing: float8 weights need their fp32 scales")
-    check_tensor(scale_name, scale)
     if scale.dtype != torch.float32:
         raise TypeError(f"{scale_name} must be float32 (w ≈ w_fp8 * scale), got {scale.dtype}")
     scheme = infer_scheme(scale)
@@ -261,6 +263,8 @@ def dequantize_experts_fp8(w_fp8: torch.Tensor, scale: torch.Tensor,
                            n_axis: Literal[1, 2] = 1) -> torch.Tensor:
     """w_fp8 * scale (each element times the scale of its block, channel or expert) in `dtype`. `scheme` defaults to
     the one the scale's rank names; `n_axis` as in `quantize_experts_fp8`."""
+    check_tensor("w_fp8", w_fp8, ndim=3)
+    check_tensor("scale", scale)
     block_shape = check_block_shape(block_shape)
     inferred = check_fp8_weight("w_fp8", w_fp8, "scale", scale, block_shape, n_axis=n_axis)
     if scheme is not None and scheme != inferred:

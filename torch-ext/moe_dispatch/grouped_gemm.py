@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_dim, check_float, check_index, check_same_device, expert_offsets_problems, raise_problems,
-                      reads_values, warn_if_gradient_cut)
+from ._checks import (check_dim, check_float, check_index, check_int, check_same_device, expert_offsets_problems,
+                      raise_problems, reads_values, warn_if_gradient_cut)
 from ._host_math import cdiv
 from ._library import call, custom_op
 from .dispatch import segment_dispatch
@@ -185,8 +185,7 @@ def check_segmented_rows(name, rows, expert_offsets, num_experts, validate=None,
     (_checks.reads_values), all in one transfer."""
     check_float(name, rows, ndim=2)
     check_index("expert_offsets", expert_offsets, ndim=1)
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_int("num_experts", num_experts, 1)
     check_dim("expert_offsets", expert_offsets, 0, num_experts + 1, "num_experts + 1")
     check_same_device(**{name: rows, "expert_offsets": expert_offsets})
     if reads_values(validate, expert_offsets):  # value checks cost a sync on a GPU

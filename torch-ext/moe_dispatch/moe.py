@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 
 from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
-                      check_same_device, check_tensor, check_token_weights, index_map_problems, raise_problems,
-                      reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
+                      check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
+                      raise_problems, reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
 from ._library import call, custom_op, needs_operator
 from ._plan import PlanCache
 from .binned import drop_over_capacity, expert_capacity
@@ -603,6 +603,7 @@ def _fused_moe_forward_full(hidden_states, router_weight, w_gate, w_up, w_down, 
     """`fused_moe_forward` in full -> (out [T, H], topk_ids, topk_weights in fp32)."""
     E = check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
                           e_score_correction_bias)
+    check_int("num_experts", num_experts, 1)
     if num_experts != E:
         raise ValueError(f"num_experts={num_experts!r} but router_weight has {E} rows")
     H = hidden_states.shape[-1]
@@ -661,6 +662,7 @@ def _(permuted_tokens, w_gate, w_up, w_down, expert_offsets, top_k_weights, sort
 
 def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate,
                             more_problems=None):
+    check_int("num_experts", num_experts, 1)  # a TypeError for 4.0 or True (check_segmented_rows takes True for 1)
     check_segmented_rows("permuted_tokens", permuted_tokens, expert_offsets, num_experts, validate,
                          more_problems=more_problems)
     _check_expert_weights(w_gate, w_up, w_down, num_experts, permuted_tokens.shape[1], permuted_tokens.dtype)

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_choice, check_dim, check_float, check_hidden_size, check_same_device, check_top_k
+from ._checks import (check_choice, check_dim, check_float, check_hidden_size, check_int, check_same_device,
+                      check_top_k)
 from ._device import dot_needs_fp32
 from ._host_math import cdiv, next_power_of_2
 from ._library import call, custom_op
@@ -270,12 +271,13 @@ def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, 
         check_float("e_score_correction_bias", e_score_correction_bias, ndim=1)
         check_dim("e_score_correction_bias", e_score_correction_bias, 0, E, "number of experts E")
     if n_group is not None:
-        if not isinstance(n_group, int) or n_group < 1 or E % n_group:
-            raise ValueError(f"n_group must be a positive int dividing num_experts={E}, got {n_group!r}")
+        check_int("n_group", n_group, 1)
+        if E % n_group:
+            raise ValueError(f"n_group must divide num_experts={E}, got {n_group}")
         if n_group > 1 and E // n_group < 2:
             raise ValueError(f"n_group={n_group} leaves fewer than 2 experts per group (num_experts={E})")
-        groups = topk_group if topk_group is not None else n_group
-        if not isinstance(groups, int) or not 1 <= groups <= n_group:
+        groups = check_int("topk_group", topk_group, 1) if topk_group is not None else n_group
+        if not 1 <= groups <= n_group:
             raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
         if groups * (E // n_group) < top_k:
             raise ValueError(

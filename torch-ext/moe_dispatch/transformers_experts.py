@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_tensor
 from .fp8 import FP8_DTYPES
 from .moe import fused_experts
 
@@ -274,6 +275,10 @@ def moe_dispatch_experts(
     `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales (w8a8 on FP8 tensor cores where
     the device has them), activations in and out in their own dtype.
     """
+    # checked by their names here: fused_experts calls them topk_ids and topk_weights
+    for name, tensor in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                         ("top_k_weights", top_k_weights)):
+        check_tensor(name, tensor)
     if torch.compiler.is_compiling():  # traced: no host-side cache (dynamo would guard on it)
         options, is_fp8 = (fp8_experts_options(self), True) if _is_fp8_experts(self) else (
             fused_experts_options(self), False)
