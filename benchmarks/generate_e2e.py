@@ -2,19 +2,32 @@
 
 Builds causal-LM models of real layer width and small depth from transformers configs (random weights, nothing is
 downloaded) and runs greedy `generate` on one model object, switching its experts implementation between runs
-(`model.set_experts_implementation`), so every implementation decodes with the same weights from the same prompt:
+(`model.set_experts_implementation`), so every implementation decodes with the same weights from the same prompt.
+One model per MoE family the package targets, each in the layout transformers stores its experts in:
 
-    qwen3-30b-a3b   Qwen3MoeForCausalLM    H 2048, F 768, 128 experts, top-8 renormalised, 32 q / 4 kv heads of 128
-    mixtral-8x7b    MixtralForCausalLM     H 4096, F 14336, 8 experts, top-2, 32 q / 8 kv heads
-    deepseek-v3     DeepseekV3ForCausalLM  H 7168, F 2048, 256 experts, top-8 of 4 groups out of 8, sigmoid scores with
-                                           e_score_correction_bias, a shared expert, MLA attention; every layer MoE
-                                           (first_k_dense_replace 0)
+    qwen3-30b-a3b      Qwen3MoeForCausalLM    H 2048, F 768, 128 experts, top-8 renormalised, 32 q / 4 kv heads of 128
+    mixtral-8x7b       MixtralForCausalLM     H 4096, F 14336, 8 experts, top-2, 32 q / 8 kv heads
+    deepseek-v3        DeepseekV3ForCausalLM  H 7168, F 2048, 256 experts, top-8 of 4 groups out of 8, sigmoid scores
+                                              with e_score_correction_bias, a shared expert, MLA attention; every layer
+                                              MoE (first_k_dense_replace 0)
+    gpt-oss-120b       GptOssForCausalLM      H = F = 2880, 128 experts, top-4 (softmax over the 4 biased logits);
+                                              experts stored [E, H, 2F] with gate/up columns interleaved, biases, and
+                                              the clamped SwiGLU; 64 q / 8 kv heads of 64 with attention sinks, layers
+                                              alternating sliding window (128) and full attention; eager attention
+                                              (transformers has no sdpa path for the sinks)
+    olmoe-1b-7b        OlmoeForCausalLM       H 2048, F 1024, 64 experts, top-8 not renormalised, 16 heads of 128
+    qwen1.5-moe-a2.7b  Qwen2MoeForCausalLM    H 2048, F 1408, 60 experts, top-4 not renormalised, a sigmoid-gated
+                                              shared expert (F 5632), 16 heads of 128
+
+and, named in --models only (not in the default list), gpt-oss-20b: gpt-oss-120b's layers with 32 experts.
 
 The expert widths and routing come from benchmarks/model_shapes.py (the table the kernel benchmarks use); --layers
 decoder layers (default 2) and a vocabulary of --vocab (default 32000, so the LM head does not dominate), bf16. The
 models are built on the device with transformers' weight initialisation switched off (`no_init_weights`), then every
-weight is filled in place: norms 1, biases 0, the rest normal(0, --init-std), the DeepSeek-V3 correction bias an fp32
-normal(0, 0.1) tensor. Building DeepSeek-V3 at 2 layers takes about 47 GB.
+weight is filled in place: norms 1, biases 0 except the experts' own (GPT-OSS's gate_up_proj_bias and down_proj_bias,
+normal(0, --init-std) like the weights, so the token match covers the kernels' bias path), the rest normal(0,
+--init-std), the DeepSeek-V3 correction bias an fp32 normal(0, 0.1) tensor. Building DeepSeek-V3 at 2 layers takes
+about 47 GB, GPT-OSS-120B about 13 GB.
 
 Implementations, in one process on one model: `moe_dispatch` (`moe_dispatch.register_experts()`), transformers'
 default (`grouped_mm`, which `generate` itself swaps for `batched_mm` during the decode steps on a GPU:
@@ -30,7 +43,8 @@ tensors are static inputs of the CUDA graphs, so each call's first decode step r
 timed t(new_tokens)); `static-reuse` passes one StaticCache per batch size as `past_key_values` instead, reset before
 every call, so the recorded graph replays from the first step: the steady decode rate. Every run is greedy,
 --new-tokens (default 64) with `min_new_tokens` equal, so every row decodes the same number of steps; prompts are
---prompt-len (default 32) random ids from a fixed seed, batch sizes --batches (default 1,16).
+--prompt-len (default 32) random ids from a fixed seed, batch sizes --batches (default 1,16; --static-batches, when
+given, replaces them in the compiled modes, e.g. eager at 1 and 16 but compiled at 1 only).
 
 Metric: decode tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)), where t(n) is the median over --repeats
 (default 3, after --warmup runs; the compiled modes warm up at least twice: compile, then CUDA-graph recording) of
@@ -49,28 +63,49 @@ modes first; a cell that fails records its error and the run goes on).
 Training (--train, on by default on a GPU): one forward + backward of a --train-tokens batch (default 4x512,
 labels = input ids) with moe_dispatch and with grouped_mm: step time (median of --train-steps after one warm-up
 step), peak memory (torch.cuda.max_memory_allocated after a reset), the loss, and the largest norm-wise relative
-difference between the two implementations' gradients of the experts' weights (gate_up_proj, down_proj of every
-layer; also max |diff| / max |ref|).
+difference between the two implementations' gradients of the experts' weights (gate_up_proj, down_proj and, where
+the experts have them, their biases, of every layer; also max |diff| / max |ref|).
+
+--profile-train (implies --train): after its timed steps, each implementation's training step runs once more under
+torch.profiler (CPU and CUDA activities), with the model's experts, router and attention modules marked by
+`record_function` ranges (`module_scope`: classes named *Experts, *Router, *Attention); a backward kernel belongs to
+the module whose forward operator created its autograd node (matched by sequence number). Each device kernel and copy
+is read from the host event that launched it (device time no host event claims stays in `other` under one name, so the
+categories add up to the device's time) and put in one category (`categorize_kernels`, first rule that matches):
+`moe_dispatch` (the package's Triton kernels, by name), `casts/copies` (copy, cast, convert, memcpy), `grouped_mm`
+(GEMM kernels launched from the experts module: transformers' grouped_mm), `experts other` (the experts module's other
+kernels: sort, histc, gathers, the activation, the weighting, the sum over top-k), `attention`, `router` (the gate
+linear, softmax, top-k and their backward) and `other` (embeddings, norms, a shared expert, the LM head and the loss),
+whose kernel names are listed. Recorded: the step's wall time (under the profiler, so above the unprofiled step_ms),
+the GPU busy time (the union of the kernels' and copies' intervals), host gaps = wall - busy, the device-to-host syncs
+(cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls and device-to-host copies, with the
+operators that made them), and the raw `key_averages()` table (top 40 by device time).
 
 Output: the tables (every implementation, then a short one: model, batch, mode, moe_dispatch vs default, tokens
-match; then training) are printed last; with --out, `generate_e2e.json` (every measurement, device, versions of torch,
-triton, transformers and the package, git commit, arguments) and `generate_e2e.md`, rewritten after every cell so a
-run cut short keeps what it measured.
+match; then training, and with --profile-train the step's breakdown) are printed last; with --out,
+`generate_e2e.json` (every measurement, device, versions of torch, triton, transformers and the package, git commit,
+arguments) and `generate_e2e.md`, rewritten after every cell so a run cut short keeps what it measured, and with
+--profile-train `generate_e2e_train_profile.txt` (the raw profiler tables of every model and implementation).
 
 Run from the repository root (torch-ext/ holds the package), all models in one process or one model per process:
 
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --out results/generate-e2e
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models deepseek-v3 --out results/generate-e2e/deepseek-v3
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models mixtral-8x7b --modes eager --no-train
+    PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models gpt-oss-120b --static-batches 1 --profile-train
 
 Cost on one H200 (estimated, not yet measured): mostly torch.compile, 6 decode graphs per model (moe_dispatch,
 batched_mm, which grouped_mm's decode steps reuse, and grouped_mm_always, each at batch 1 and again with a dynamic
 batch), each tens of seconds; roughly 5 to 9 minutes per model, the eager mode and training about a minute of that.
+Measured (H200, torch 2.11, transformers 5.22.2): gpt-oss-120b, olmoe-1b-7b, qwen3-30b-a3b and mixtral-8x7b with
+`--modes eager,static --static-batches 1 --impls moe_dispatch --new-tokens 32 --profile-train` (two implementations,
+one compiled graph each per model) took 186 s in all.
 --budget-s keeps a run inside a time limit (no new cell starts after it; what was measured is written).
 
 Without a GPU (or with --device cpu) it is a smoke run: tiny widths (H 64, F 32, 8 experts, top-2, vocab 128,
 1 layer, 3 new tokens, batches 1 and 2), fp32, eager mode only, no training, the kernels in Triton's interpreter
-(TRITON_INTERPRET=1 is set when it is not); the times then mean nothing, the token match is exact.
+(TRITON_INTERPRET=1 is set when it is not); the times then mean nothing, the token match is exact. --profile-train
+there records CPU activities only (no GPU time: every category is empty).
 """
 
 import argparse
@@ -81,6 +116,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -103,28 +139,56 @@ class ModelSpec:
     name: str  # a MODEL_SHAPES key: the routed experts' E, top_k, H, F and routing
     config: str  # transformers config class
     model: str  # transformers causal-LM class
+    experts: dict  # config field -> the ModelShape attribute it takes (num_experts, ffn, renormalize, ...)
     real: dict  # attention and dense widths of the released model
     tiny: dict  # the same for the CPU smoke run
+    attention: str = "sdpa"  # attn_implementation
 
 
 SPECS = {
     s.name: s
     for s in (
         ModelSpec("qwen3-30b-a3b", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  experts=dict(num_experts="num_experts", moe_intermediate_size="ffn", norm_topk_prob="renormalize"),
                   real=dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144),
                   tiny=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)),
+        # Mixtral always renormalises its top-k: nothing to set
         ModelSpec("mixtral-8x7b", "MixtralConfig", "MixtralForCausalLM",
+                  experts=dict(num_local_experts="num_experts", intermediate_size="ffn"),
                   real=dict(num_attention_heads=32, num_key_value_heads=8),
                   tiny=dict(num_attention_heads=4, num_key_value_heads=2)),
         ModelSpec("deepseek-v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                  experts=dict(n_routed_experts="num_experts", moe_intermediate_size="ffn", n_group="n_group",
+                               topk_group="topk_group", routed_scaling_factor="routed_scaling_factor",
+                               norm_topk_prob="renormalize"),
                   real=dict(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
                             n_shared_experts=1, first_k_dense_replace=0),
                   tiny=dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, intermediate_size=64,
                             n_shared_experts=1, first_k_dense_replace=0)),
+        # GPT-OSS: softmax over the top-k biased logits (renormalised by construction); sliding and full attention
+        # alternate (config.layer_types' default); the tiny window is shorter than the smoke prompt, so it is used
+        ModelSpec("gpt-oss-120b", "GptOssConfig", "GptOssForCausalLM", attention="eager",
+                  experts=dict(num_local_experts="num_experts", intermediate_size="ffn"),
+                  real=dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)),
+        ModelSpec("olmoe-1b-7b", "OlmoeConfig", "OlmoeForCausalLM",
+                  experts=dict(num_experts="num_experts", intermediate_size="ffn", norm_topk_prob="renormalize"),
+                  real=dict(num_attention_heads=16, num_key_value_heads=16),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=4)),
+        # Qwen2-MoE: every layer sparse (decoder_sparse_step 1), each with the gated shared expert beside the routed
+        ModelSpec("qwen1.5-moe-a2.7b", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  experts=dict(num_experts="num_experts", moe_intermediate_size="ffn", norm_topk_prob="renormalize"),
+                  real=dict(num_attention_heads=16, num_key_value_heads=16, shared_expert_intermediate_size=5632,
+                            intermediate_size=5632),
+                  tiny=dict(num_attention_heads=4, num_key_value_heads=4, shared_expert_intermediate_size=64,
+                            intermediate_size=64)),
     )
 }
+# gpt-oss-20b: gpt-oss-120b's layers with 32 experts (model_shapes.py); run when named in --models
+SPECS["gpt-oss-20b"] = dataclasses.replace(SPECS["gpt-oss-120b"], name="gpt-oss-20b")
+DEFAULT_MODELS = [name for name in SPECS if name != "gpt-oss-20b"]
 # The smoke run's experts: small enough for the interpreter, groups kept where the model routes by group.
 TINY_EXPERTS = dict(num_experts=8, top_k=2, hidden=64, ffn=32)
 TINY_GROUPS = dict(n_group=2, topk_group=1)
@@ -145,7 +209,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu (the smoke run)")
-    p.add_argument("--models", default=",".join(SPECS), help=f"comma list of {', '.join(SPECS)}")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma list of {', '.join(SPECS)} (default all but gpt-oss-20b)")
     p.add_argument("--impls", default=None, help="experts implementations to compare (GPU default: "
                    f"{GPU_DEFAULTS['impls']}; CPU: {CPU_DEFAULTS['impls']})")
     p.add_argument("--reference", default=None, help="implementation whose tokens the others are compared with "
@@ -153,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=None, help="of eager (DynamicCache), static (StaticCache, compiled decode), "
                    "static-reuse (one StaticCache reused); GPU default all three, CPU eager")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (GPU 1,16; CPU 1,2)")
+    p.add_argument("--static-batches", default=None, help="batch sizes of the compiled modes (static, static-reuse) "
+                   "where they differ from --batches, e.g. 1")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per row (GPU 64, CPU 3)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (GPU 32, CPU 8)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (GPU 2, CPU 1)")
@@ -172,6 +239,9 @@ def parse_args(argv=None):
                    help="compare each implementation's prefill logits (last prompt position) with the reference's")
     p.add_argument("--train-tokens", default="4x512", help="training batch as BATCHxSEQ")
     p.add_argument("--train-steps", type=int, default=3, help="timed training steps, median")
+    p.add_argument("--profile-train", action="store_true", help="also one training step per implementation under "
+                   "torch.profiler: GPU time by category, wall time, GPU busy time, host gaps, device-to-host syncs, "
+                   "and the raw table (implies --train)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new cell after this many seconds")
     p.add_argument("--profile", action="store_true", help="also a cProfile of one generate per cell (printed)")
     p.add_argument("--trace", action="store_true", help="also a torch.profiler table of one generate per cell "
@@ -186,6 +256,10 @@ def parse_args(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu for the smoke run")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    if args.profile_train:
+        if args.train is False:
+            p.error("--profile-train profiles the training step: drop --no-train")
+        args.train = True
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -200,6 +274,8 @@ def parse_args(argv=None):
     if set(args.modes) - set(MODES):
         p.error(f"--modes takes {', '.join(MODES)}")
     args.batches = [int(b) for b in _names(args.batches)]
+    args.static_batches = ([int(b) for b in _names(args.static_batches)] if args.static_batches is not None
+                           else list(args.batches))
     try:
         args.train_batch, args.train_seq = (int(n) for n in args.train_tokens.lower().split("x"))
     except ValueError:
@@ -233,15 +309,7 @@ def config_kwargs(spec, shape, args):
                   vocab_size=args.vocab, initializer_range=args.init_std, tie_word_embeddings=False,
                   max_position_embeddings=max(4096, args.prompt_len + args.new_tokens, args.train_seq),
                   bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, output_router_logits=False)
-    if spec.config == "MixtralConfig":  # Mixtral always renormalises its top-k
-        kwargs.update(intermediate_size=shape.ffn, num_local_experts=shape.num_experts)
-    elif spec.config == "Qwen3MoeConfig":
-        kwargs.update(moe_intermediate_size=shape.ffn, num_experts=shape.num_experts,
-                      norm_topk_prob=shape.renormalize)
-    else:  # DeepseekV3Config
-        kwargs.update(moe_intermediate_size=shape.ffn, n_routed_experts=shape.num_experts, n_group=shape.n_group,
-                      topk_group=shape.topk_group, routed_scaling_factor=shape.routed_scaling_factor,
-                      norm_topk_prob=shape.renormalize)
+    kwargs.update({field: getattr(shape, attribute) for field, attribute in spec.experts.items()})
     return kwargs
 
 
@@ -257,15 +325,18 @@ def default_dtype(dtype):
 
 @torch.no_grad()
 def fill_random_(model, std, seed):
-    """Norm weights 1, biases 0, every other parameter normal(0, std), in place; the correction bias of a
-    DeepSeek-V3-style router becomes a real fp32 normal(0, 0.1) tensor (it picks experts, it does not weight them)."""
+    """Norm weights 1, biases 0 but the experts' own (GPT-OSS's gate_up_proj_bias, down_proj_bias: normal(0, std), so
+    the kernels' bias path changes the tokens), every other parameter normal(0, std), in place; the correction bias
+    of a DeepSeek-V3-style router becomes a real fp32 normal(0, 0.1) tensor (it picks experts, it does not weight
+    them)."""
     torch.manual_seed(seed)
     for module in model.modules():
         is_norm = "Norm" in type(module).__name__
+        is_experts = module_scope(module) == "experts"
         for name, param in module.named_parameters(recurse=False):
             if is_norm:
                 param.fill_(1.0)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") and not is_experts:
                 param.zero_()
             else:
                 param.normal_(0.0, std)
@@ -284,7 +355,8 @@ def build_model(spec, args, device, dtype, experts_implementation):
         from transformers.modeling_utils import no_init_weights
 
     shape = experts_shape(spec.name, args.tiny)
-    config = getattr(transformers, spec.config)(**config_kwargs(spec, shape, args), attn_implementation="sdpa",
+    config = getattr(transformers, spec.config)(**config_kwargs(spec, shape, args),
+                                                attn_implementation=spec.attention,
                                                 experts_implementation=experts_implementation)
     with torch.device(device), default_dtype(dtype), no_init_weights():
         model = getattr(transformers, spec.model)(config)
@@ -292,12 +364,33 @@ def build_model(spec, args, device, dtype, experts_implementation):
     return model.eval(), shape
 
 
+def module_scope(module):
+    """The role of a module from its class name, the same across families (the routed experts, and the scopes of
+    --profile-train): "experts" (Qwen3MoeExperts, GptOssExperts, FP8Experts, ...), "router" (*TopKRouter,
+    DeepseekV3TopkRouter), "attention" (*Attention), or None."""
+    name = type(module).__name__
+    if name.endswith("Experts"):
+        return "experts"
+    if "Router" in name:
+        return "router"
+    if name.endswith("Attention"):
+        return "attention"
+    return None
+
+
+def experts_modules(model):
+    """(name, module) of every routed-experts module (a class named *Experts; shared experts are plain MLPs)."""
+    return [(name, module) for name, module in model.named_modules() if module_scope(module) == "experts"]
+
+
 def experts_parameters(model):
-    """(name, parameter) of every routed-experts module's gate_up_proj and down_proj (shared experts excluded)."""
+    """(name, parameter) of every routed-experts module's gate_up_proj and down_proj, and their biases where the
+    experts have them (GPT-OSS)."""
     found = []
-    for module_name, module in model.named_modules():
-        if type(module).__name__.endswith("Experts"):
-            found += [(f"{module_name}.{p}", getattr(module, p)) for p in ("gate_up_proj", "down_proj")]
+    for module_name, module in experts_modules(model):
+        for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            if isinstance(getattr(module, p, None), torch.nn.Parameter):
+                found.append((f"{module_name}.{p}", getattr(module, p)))
     return found
 
 
@@ -306,7 +399,7 @@ def model_record(model, spec, shape, args, build_s):
     experts = sum(p.numel() for _, p in experts_parameters(model))
     itemsize = next(model.parameters()).element_size()
     return {"class": spec.model, "experts": dataclasses.asdict(shape), "layers": args.layers, "vocab": args.vocab,
-            "moe_layers": len(experts_parameters(model)) // 2, "params": params, "experts_params": experts,
+            "moe_layers": len(experts_modules(model)), "params": params, "experts_params": experts,
             "weights_gib": params * itemsize / 2**30, "build_s": build_s,
             "config": {k: v for k, v in model.config.to_diff_dict().items() if isinstance(v, (int, float, str, bool))}}
 
@@ -614,6 +707,8 @@ def measure_training(model, impls, args, device):
             if device.type == "cuda":  # weights (and whatever else was alive), then the step's peak
                 cell["before_gib"] = steps[-1][2] / 2**30
                 cell["peak_gib"] = max(s[1] for s in steps) / 2**30
+            if args.profile_train:  # one more full step: the gradients compared below are its own
+                cell["profile"] = profile_training_step(model, ids, device)
             grads = [(name, p.grad) for name, p in experts_parameters(model) if p.grad is not None]
             if ref_grads is None:  # kept on the host: the next implementation needs the device memory
                 ref_grads = {name: g.detach().to("cpu") for name, g in grads}
@@ -628,6 +723,262 @@ def measure_training(model, impls, args, device):
         model.zero_grad(set_to_none=True)
         model.eval()
     return cells
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training profile
+
+
+SCOPE_PREFIX = "generate_e2e.scope::"  # record_function ranges around the scoped modules' forward
+STEP_RANGE = "generate_e2e.train_step"
+BACKWARD_FUNCTION = 1  # torch's RecordScope::BACKWARD_FUNCTION: an autograd node's event, sequence_nr = its forward's
+# Categories of device time, in the order `categorize_kernels` tries them (the first that matches takes the kernel).
+CATEGORIES = {
+    "moe_dispatch": "the package's Triton kernels (by name)",
+    "casts/copies": "names with copy, cast, convert or memcpy, not GEMMs (dtype casts, contiguous and host copies)",
+    "grouped_mm": "GEMM kernels launched from the experts module (transformers' grouped_mm: CUTLASS / cuBLAS)",
+    "experts other": "the experts module's other kernels (sort, histc, gathers, activation, weighting, top-k sum)",
+    "attention": "the attention modules' kernels, or a flash / fmha / attention name anywhere",
+    "router": "the router modules' kernels (gate linear, softmax, top-k) and their backward",
+    "other": "the rest (embeddings, norms, a shared expert, the LM head, the loss), names listed",
+}
+# Substrings of the package's kernel names, for a Triton kernel `package_kernel_names` did not find (a plain
+# identifier: torch's and CUTLASS's kernels are C++ signatures, inductor's start with "triton_").
+PACKAGE_KERNEL_HINTS = ("grouped_gemm", "decode", "_grad_kernel", "gather", "combine", "dispatch", "route")
+GEMM_HINTS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "grouped_mm", "matmul", "wgmma")
+COPY_PATTERN = re.compile(r"copy|memcpy|(?<![a-z])cast|convert", re.IGNORECASE)
+ATTENTION_HINTS = ("flash", "fmha", "attention", "sdpa")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+              "cuCtxSynchronize", "cuEventSynchronize")
+OTHER_LISTED = 30  # kernel names kept per category that lists its names
+
+
+@contextlib.contextmanager
+def scope_ranges(model):
+    """A `record_function` range named SCOPE_PREFIX + scope around every scoped module's forward."""
+    from torch.autograd.profiler import record_function
+
+    opened, handles = [], []
+
+    def enter(scope):
+        def hook(module, args):
+            opened.append(record_function(SCOPE_PREFIX + scope).__enter__())
+        return hook
+
+    def leave(module, args, output):
+        opened.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        scope = module_scope(module)
+        if scope is not None:
+            handles.append(module.register_forward_pre_hook(enter(scope)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while opened:
+            opened.pop().__exit__(None, None, None)
+
+
+def package_kernel_names(package):
+    """Names of the Triton kernels (and jit helpers) defined in `package`'s modules."""
+    from triton.runtime.jit import KernelInterface
+
+    names = set()
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.split(".")[0] != package.__name__:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, KernelInterface):
+                while not hasattr(value, "__name__") and hasattr(value, "fn"):  # autotuner / heuristics wrappers
+                    value = value.fn
+                names.add(getattr(value, "__name__", None) or getattr(getattr(value, "fn", None), "__name__", ""))
+    names.discard("")
+    return frozenset(names)
+
+
+def is_package_kernel(name, package_kernels):
+    """Whether a device kernel's name is one of the package's Triton kernels: a name found in the package, or a plain
+    identifier (Triton names a kernel after its function) outside inductor's `triton_*` with a package hint."""
+    if name in package_kernels or any(name.startswith(k + "_") for k in package_kernels if k.endswith("_kernel")):
+        return True
+    plain = re.fullmatch(r"[A-Za-z_]\w*", name) is not None and not name.startswith("triton_")
+    return plain and any(hint in name for hint in PACKAGE_KERNEL_HINTS)
+
+
+def kernel_category(name, scope, package_kernels):
+    """The CATEGORIES key of one device kernel or copy, from its name and the scope of the module that launched it.
+    A GEMM's name is never read as a copy (CUTLASS's template names spell their TMA copy atoms)."""
+    lowered = name.lower()
+    if is_package_kernel(name, package_kernels):
+        return "moe_dispatch"
+    gemm = any(hint in lowered for hint in GEMM_HINTS)
+    if not gemm and COPY_PATTERN.search(name):
+        return "casts/copies"
+    if scope == "experts":
+        return "grouped_mm" if gemm else "experts other"
+    if scope == "attention" or (scope is None and any(hint in lowered for hint in ATTENTION_HINTS)):
+        return "attention"
+    if scope == "router":
+        return "router"
+    return "other"
+
+
+def categorize_kernels(records, package_kernels=frozenset()):
+    """Device time by category of (name, microseconds, scope) records (scope: module_scope's name or None).
+
+    {"categories": {category: {"ms", "count"}} (every CATEGORIES key, in its order), "scopes": {scope or "none":
+    {"ms", "count"}}, "names": {category: [{"name", "ms", "count"}, ...]} for "other" and "experts other" (largest
+    first, at most OTHER_LISTED), "total_ms"}."""
+    categories = {key: {"ms": 0.0, "count": 0} for key in CATEGORIES}
+    scopes, listed = {}, {"other": {}, "experts other": {}}
+    total_us = 0.0
+    for name, us, scope in records:
+        category = kernel_category(name, scope, package_kernels)
+        categories[category]["ms"] += us / 1e3
+        categories[category]["count"] += 1
+        by_scope = scopes.setdefault(scope or "none", {"ms": 0.0, "count": 0})
+        by_scope["ms"] += us / 1e3
+        by_scope["count"] += 1
+        total_us += us
+        if category in listed:
+            ms, count = listed[category].get(name, (0.0, 0))
+            listed[category][name] = (ms + us / 1e3, count + 1)
+    names = {category: [{"name": n, "ms": ms, "count": count}
+                        for n, (ms, count) in sorted(found.items(), key=lambda item: -item[1][0])[:OTHER_LISTED]]
+             for category, found in listed.items()}
+    return {"categories": categories, "scopes": scopes, "names": names, "total_ms": total_us / 1e3}
+
+
+def _is_device(event):
+    from torch.autograd import DeviceType
+
+    return event.device_type != DeviceType.CPU
+
+
+def _ancestors(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def event_scopes(events):
+    """A function giving the scope of a host event: the innermost scope range around it, or for an operator of the
+    backward, the scope of the forward operator that created its autograd node (the node's event carries the forward's
+    sequence number; the last forward event with that number is the creator or one of its callees)."""
+    forward = {}
+    host = [e for e in events if not _is_device(e)]
+
+    def in_range(event):
+        for ancestor in _ancestors(event):
+            if ancestor.name.startswith(SCOPE_PREFIX):
+                return ancestor.name[len(SCOPE_PREFIX):], False
+            if getattr(ancestor, "scope", 0) == BACKWARD_FUNCTION or ancestor.name.startswith("autograd::engine"):
+                return None, True
+        return None, False
+
+    for event in sorted(host, key=lambda e: e.time_range.start):
+        if getattr(event, "sequence_nr", -1) < 0:
+            continue
+        scope, backward = in_range(event)
+        if not backward:
+            forward[event.sequence_nr] = scope
+
+    def scope_of(event):
+        for ancestor in _ancestors(event):
+            if ancestor.name.startswith(SCOPE_PREFIX):
+                return ancestor.name[len(SCOPE_PREFIX):]
+            if getattr(ancestor, "scope", 0) == BACKWARD_FUNCTION and getattr(ancestor, "sequence_nr", -1) >= 0:
+                return forward.get(ancestor.sequence_nr)
+        return None
+
+    return scope_of
+
+
+def _launcher_name(event):
+    """Where a runtime call or copy came from: its innermost three ancestors that are not runtime calls nor the step's
+    range ("aten::copy_ < aten::_to_copy < aten::to"), or "(top level)"."""
+    names = [a.name for a in _ancestors(event)
+             if (not a.name.startswith("cu") or a.name.startswith("cudnn")) and a.name != STEP_RANGE]
+    return " < ".join(names[:3]) or "(top level)"
+
+
+def _is_range(event):
+    return (getattr(event, "is_user_annotation", False) or event.name.startswith(SCOPE_PREFIX)
+            or event.name == STEP_RANGE)
+
+
+def _union_us(intervals):
+    busy, end = 0.0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
+def step_breakdown(events, package_kernels, wall_s):
+    """The --profile-train record of one profiled step from the profiler's events (`prof.events()`): device time by
+    category and scope, GPU busy time, host gaps and device-to-host syncs (inside the step's range).
+
+    Each device kernel or copy is read from the `kernels` of the host event that launched it (the profiler links
+    them by correlation id; an operator, or a range for what ran outside any operator); device time no host event
+    claims is kept in "other" under one name, so the categories always add up to the device's time."""
+    scope_of = event_scopes(events)
+    records, dtoh = [], {}
+    for event in events:
+        if _is_device(event) or not getattr(event, "kernels", None):
+            continue
+        scope = scope_of(event)
+        for kernel in event.kernels:
+            records.append((kernel.name, kernel.duration, scope))
+            if "dtoh" in kernel.name.lower():
+                where = _launcher_name(event) + (f" [{scope}]" if scope else "")
+                dtoh[where] = dtoh.get(where, 0) + 1
+    intervals = [(e.time_range.start, e.time_range.end) for e in events if _is_device(e) and not _is_range(e)]
+    unclaimed_us = sum(end - start for start, end in intervals) - sum(us for _, us, _ in records)
+    if unclaimed_us > 1e-6 * max(1.0, sum(end - start for start, end in intervals)):
+        records.append(("(device time no host event launched)", unclaimed_us, None))
+    step = [e for e in events if e.name == STEP_RANGE and not _is_device(e)]
+    window = (step[0].time_range.start, step[0].time_range.end) if step else (float("-inf"), float("inf"))
+    syncs = {}
+    for event in events:
+        if not _is_device(event) and event.name in SYNC_CALLS and window[0] <= event.time_range.start <= window[1]:
+            scope = scope_of(event.cpu_parent) if event.cpu_parent is not None else None
+            where = _launcher_name(event.cpu_parent) + (f" [{scope}]" if scope else "")
+            syncs[where] = syncs.get(where, 0) + 1
+    out = categorize_kernels(records, package_kernels)
+    busy_ms = _union_us(intervals) / 1e3
+    out.update(wall_ms=wall_s * 1e3, gpu_busy_ms=busy_ms, host_gap_ms=wall_s * 1e3 - busy_ms,
+               kernels=len(records), syncs=sum(syncs.values()), syncs_by_op=syncs,
+               dtoh_copies=sum(dtoh.values()), dtoh_by_op=dtoh)
+    return out
+
+
+def profile_training_step(model, ids, device, rows=40):
+    """One forward + backward under torch.profiler with the scope ranges (see the module docstring): the
+    step_breakdown record plus the raw key_averages() table (top `rows` by device time, by host time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    package_kernels = package_kernel_names(load_package(device))
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    with scope_ranges(model), profile(activities=activities) as prof:
+        start = time.perf_counter()
+        with record_function(STEP_RANGE):
+            model(input_ids=ids, labels=ids).loss.backward()
+        synchronize(device)
+        wall_s = time.perf_counter() - start
+    out = step_breakdown(prof.events(), package_kernels, wall_s)
+    sort_by = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    out["table"] = prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -679,7 +1030,8 @@ def _match(cell):
 
 
 def tables(results):
-    """(full table, short table, training table) in Markdown."""
+    """[full table, short table, training table, the training profile (with --profile-train), prefill logits], each
+    in Markdown."""
     args = results["meta"]["args"]
     cells = [c for c in results["decode"] if "tokens_per_s" in c]
     head = (f"{args['layers']} decoder layers, vocab {args['vocab']}, prompt {args['prompt_len']}, "
@@ -736,7 +1088,58 @@ def tables(results):
                       f"({c['ref_max_abs']:.3g}) | {c['rows_flipped']}/{c['batch_rows']} | {margins} |")
     if not results.get("logits"):
         logits = ["Prefill logits: not compared (--no-logits)"]
-    return "\n".join(full), "\n".join(short), "\n".join(train), "\n".join(logits)
+    profile = profile_table(results)
+    sections = [full, short, train] + ([profile] if profile else []) + [logits]
+    return ["\n".join(lines) for lines in sections]
+
+
+def _short_name(name, width=90):
+    name = name.replace("|", "/")
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def profile_table(results):
+    """The --profile-train breakdown of every training cell that has one, in Markdown lines (none without)."""
+    cells = [c for c in results["train"] if "profile" in c]
+    if not cells:
+        return []
+    lines = ["Training step under torch.profiler (one step after the timed ones; wall time under the profiler; GPU "
+             "busy = union of the kernels' and copies' intervals; host gaps = wall - busy; syncs: stream / device / "
+             "event synchronize calls; DtoH: device-to-host copies); GPU ms by category:", ""]
+    lines += [f"- {name}: {what}" for name, what in CATEGORIES.items()]
+    lines += ["", "| model | impl | step ms (unprofiled) | wall ms | GPU busy ms | host gaps ms | syncs | DtoH | "
+              + " | ".join(CATEGORIES) + " |",
+              "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(CATEGORIES)]
+    for c in cells:
+        prof = c["profile"]
+        lines.append(f"| {c['model']} | {c['impl']} | {_num(c['step_ms'])} | {_num(prof['wall_ms'])} | "
+                     f"{_num(prof['gpu_busy_ms'])} | {_num(prof['host_gap_ms'])} | {prof['syncs']} | "
+                     f"{prof['dtoh_copies']} | "
+                     + " | ".join(_num(prof["categories"][key]["ms"], 2) for key in CATEGORIES) + " |")
+    lines += ["", "Largest kernels of `other` and `experts other`, and where the syncs came from:", ""]
+    for c in cells:
+        prof = c["profile"]
+        parts = []
+        for category, found in prof["names"].items():
+            if found:
+                parts.append(f"{category}: " + "; ".join(f"`{_short_name(k['name'])}` {k['ms']:.2f} ms x{k['count']}"
+                                                          for k in found[:5]))
+        for key in ("syncs_by_op", "dtoh_by_op"):
+            if prof[key]:
+                parts.append(f"{key}: " + ", ".join(f"{op} x{n}" for op, n in prof[key].items()))
+        lines.append(f"- {c['model']}, {c['impl']}: " + (" / ".join(parts) or "-"))
+    return lines
+
+
+def profile_text(results):
+    """The raw profiler tables of every profiled training cell, one after the other."""
+    blocks = []
+    for c in results["train"]:
+        if "profile" in c:
+            prof = c["profile"]
+            blocks.append(f"== {c['model']} / {c['impl']}: wall {prof['wall_ms']:.2f} ms, GPU busy "
+                          f"{prof['gpu_busy_ms']:.2f} ms, {prof['kernels']} device events\n{prof['table']}")
+    return "\n\n".join(blocks)
 
 
 def write(results, out):
@@ -746,6 +1149,9 @@ def write(results, out):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{RESULTS_NAME}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (folder / f"{RESULTS_NAME}.md").write_text("\n\n".join(tables(results)) + "\n")
+    raw = profile_text(results)
+    if raw:
+        (folder / f"{RESULTS_NAME}_train_profile.txt").write_text(raw + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -777,7 +1183,7 @@ def _over_budget(args, started):
 def run_decode_mode(model, spec, mode, impls, args, device, results, started, log):
     """Every (batch, implementation) cell of one mode; tokens compared with the reference's of the same batch."""
     default = results["default_impl"]
-    for batch in args.batches:
+    for batch in args.batches if mode == "eager" else args.static_batches:
         ids = prompt(batch, args, device)
         cache = None
         if mode == "static-reuse":
@@ -842,6 +1248,11 @@ def run_training(model, spec, args, device, results, started, log):
             results["train"].append({"model": spec.name, **cell})
             log(f"  train {cell['impl']}: {cell['step_ms']:.1f} ms, loss {cell['loss']:.5f}, "
                 f"grad rel diff {_sci(cell.get('grad_rel_diff'))}")
+            if "profile" in cell:
+                prof = cell["profile"]
+                log(f"    profiled: wall {prof['wall_ms']:.1f} ms, GPU busy {prof['gpu_busy_ms']:.1f} ms, "
+                    f"{prof['syncs']} syncs, {prof['dtoh_copies']} DtoH; "
+                    + ", ".join(f"{k} {v['ms']:.2f}" for k, v in prof["categories"].items() if v["count"]))
     except Exception as exc:  # noqa: BLE001 (an out-of-memory step keeps the decode results)
         results["train"].append({"model": spec.name, "error": _error(exc)})
         log(f"  train: {results['train'][-1]['error']}")

@@ -57,6 +57,12 @@ MODEL_SHAPES = {
         # top-k over biased logits then softmax over the k == softmax then renormalise; H = F = 2880 is not a
         # multiple of 128 (the plain SiLU-gated FFN stands in for GPT-OSS's clamped SwiGLU: same bytes and FLOPs)
         ModelShape("gpt-oss-120b", 128, 4, 2880, 2880, renormalize=True, router_bias=True, matmul_fraction=0.8),
+        ModelShape("gpt-oss-20b", 32, 4, 2880, 2880, renormalize=True, router_bias=True, matmul_fraction=0.8),
+        # routed experts only (the shared expert, F 5632 behind a sigmoid gate, is a dense MLP); E = 60 is not a
+        # power of two; norm_topk_prob = false
+        ModelShape("qwen1.5-moe-a2.7b", 60, 4, 2048, 1408, renormalize=False, matmul_fraction=0.8),
+        # OLMoE-1B-7B: small experts, top-8 of 64, norm_topk_prob = false
+        ModelShape("olmoe-1b-7b", 64, 8, 2048, 1024, renormalize=False, matmul_fraction=0.8),
     )
 }
 

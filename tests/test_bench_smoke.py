@@ -10,6 +10,8 @@
   decode entry's and the fp8 buckets' rules on made-up records.
 - The FP8 benchmark, the host-time benchmark's implementations, the harness's GPU-state reader and paired orders, the
   launchers of the GPU-only tools (`--help`), and the GPU suite's failure log.
+- The weight-layout benchmark (scripts/bench_layouts.py): its --smoke run at T = 1 (every layout agrees with the
+  reference layout), its kernel-name -> stage mapping on made-up profiles, and the layouts it builds.
 """
 
 import dataclasses
@@ -61,7 +63,8 @@ class TorchKernel:
                           renormalize=None, router_bias=None, n_group=None, topk_group=None,
                           e_score_correction_bias=None, routed_scaling_factor=1.0):
         shape = next(s for s in TINY.values() if s.num_experts == num_experts and s.top_k == top_k
-                     and s.gating == gating and s.n_group == n_group)
+                     and s.gating == gating and s.n_group == n_group and s.router_bias == (router_bias is not None)
+                     and s.renormalize == bool(renormalize))
         ids, weights = harness.torch_route(shape, x, router_weight, router_bias, e_score_correction_bias)
         w_gate_up = torch.cat([w_gate, w_up], dim=1)
         out = self.fused_experts(x, w_gate_up, w_down, ids, weights)
@@ -223,11 +226,11 @@ def test_results_name_no_machine_paths(tmp_path):
     assert str(tmp_path) not in text and str(ROOT) not in text
 
 
-@pytest.mark.parametrize("launcher", ["tune", "bench_train", "bench_ep"])
+@pytest.mark.parametrize("launcher", ["tune", "bench_train", "bench_ep", "bench_layouts"])
 def test_launchers_start(launcher):
     """The launchers of tools without a CPU run of their own here (the training and expert-parallel benchmarks need
-    GPUs; bench_ep starts through torchrun) import their script and parse its arguments on any machine; the tuner's
-    launcher says its paths."""
+    GPUs; bench_ep starts through torchrun), and the layout benchmark's (its smoke test runs in-process), import their
+    script and parse its arguments on any machine; the tuner's launcher says its paths."""
     run = subprocess.run(["bash", str(ROOT / "scripts" / launcher), "--help"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "MOE_DISPATCH_RANKS": "1"})
     assert run.returncode == 0 and "--models" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
@@ -495,3 +498,114 @@ def test_bench_host_implementations_agree():
     expected = fns["no_plans"]()
     for name, fn in fns.items():
         assert_close(fn(), expected, torch.float32, what=name)
+
+
+# The weight-layout benchmark (scripts/bench_layouts.py).
+
+
+def test_layouts_smoke(tmp_path, capsys):
+    """--smoke on one model at T = 1 (the whole pipeline, interpreter-sized): every layout runs both modes and agrees
+    with the reference layout (output and every gradient, mapped back), the reference layout with the float64
+    experts, transformers' GPT-OSS experts with both; the JSON and Markdown have their structure and the short table
+    is printed last. On the CPU the profiler sees no device kernels (empty stages); on a GPU each layout's GEMM1 and
+    GEMM2 are found."""
+    import bench_layouts as bl
+
+    results = bl.main(["--smoke", "--models", "gpt-oss-20b", "--tokens", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "layouts.json").read_text())
+    assert set(data) == {"meta", "cells", "unmapped_kernels"}
+    assert {"device", "torch", "triton", "transformers", "git_commit", "args", "argv", "stage_rules"} <= set(data["meta"])
+    assert str(tmp_path) not in json.dumps(data["meta"])
+    (cell,) = data["cells"]
+    assert (cell["model"], cell["T"], cell["E"], cell["top_k"], cell["H"], cell["F"]) == ("gpt-oss-20b", 1, 4, 2, 64, 32)
+    assert cell["activation"] == "swiglu_oai" and cell["biases"] and cell["errors"] == {}
+    check = cell["check"]
+    others = {layout.name for layout in bl.LAYOUTS} - {bl.BASE}
+    assert set(check["forward_rel_diff"]) == set(check["grad_rel_diff"]) == others
+    grads = {"x", "w_gate_up", "w_down", "topk_weights", "gate_up_bias", "down_bias"}
+    assert all(set(g) == grads for g in check["grad_rel_diff"].values())
+    assert check["ok"], check
+    assert max(check["forward_rel_diff"].values()) <= cell["tolerance"]
+    assert check["reference_vs_float64"] <= cell["tolerance"]
+    peer = bl.PEER in cell["modes"]["inference"]["whole_ms"]
+    if peer:  # transformers imports here (requirements.txt): its experts compute the same function
+        assert check["peer_forward_rel_diff"] <= cell["tolerance"]
+        assert max(check["peer_grad_rel_diff"].values()) <= cell["tolerance"]
+    for mode in bl.MODES:
+        record = cell["modes"][mode]
+        assert set(record["whole_ms"]) == {layout.name for layout in bl.LAYOUTS} | ({bl.PEER} if peer else set())
+        assert all(ms > 0 for ms in record["whole_ms"].values()) and record["whole_ratio"][bl.BASE] == 1.0
+        assert set(record["stages"]) == {layout.name for layout in bl.LAYOUTS}
+        for stages in record["stages"].values():
+            if DEVICE == "cpu":
+                assert stages == {}
+            else:
+                assert {bl.GATE_UP, bl.DOWN, bl.KERNEL_SUM} <= set(stages), stages
+    assert results["cells"][0]["check"]["ok"]
+    md = (tmp_path / "layouts.md").read_text()
+    assert "## Stages" in md and "| gpt-oss-20b | 1 | training |" in md
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert printed[-1].startswith("| gpt-oss-20b | 1 | training |") and printed[-1].endswith("| ok |")
+
+
+def test_layouts_stage_mapping():
+    """Kernel names -> stages: the two forward GEMMs (one kernel name) by their position in each call, the decode
+    kernels by name, the backward kernels before any GEMM rule, a new variant by its substrings; dispatch and torch's
+    fills are "other" quietly, a kernel no rule knows is "other" and listed."""
+    import bench_layouts as bl
+
+    assert bl.stage_of("_persistent_weight_grad_kernel") == ("weight_grad (dW)", True)
+    assert bl.stage_of("_topk_weights_grad_kernel") == ("topk_weights_grad", True)
+    assert bl.stage_of("_down_grad_dot_kernel") == ("down_grad (dA)", True)  # a variant the package may add
+    assert bl.stage_of("_grouped_gemm_grad_kernel") == (bl.OTHER, False)  # "grad" never counts as a forward GEMM
+    assert bl.stage_of("_decode_down_dot_kernel") == (bl.DOWN, True)
+    assert bl.stage_of("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == (bl.OTHER, True)
+    assert bl.stage_of("_mystery_kernel") == (bl.OTHER, False)
+    call = [("_dispatch_single_kernel", 2.0), ("_persistent_grouped_gemm_kernel", 10.0),
+            ("_grouped_gemm_kernel", 20.0), ("_combine_kernel", 1.0), ("_down_grad_kernel", 30.0),
+            ("_topk_weights_grad_kernel", 1.0), ("_gate_up_grad_kernel", 40.0), ("_gather_kernel", 3.0),
+            ("_expert_weight_grad_kernel", 50.0), ("_mystery_kernel", 4.0)]
+    stages, kernels, unmapped = bl.assign_stages(call * 2, 2)
+    assert stages == {bl.GATE_UP: 10.0, bl.DOWN: 20.0, bl.OTHER: 10.0, "down_grad (dA)": 30.0,
+                      "gate_up_grad (dX)": 40.0, "weight_grad (dW)": 50.0, "topk_weights_grad": 1.0,
+                      bl.KERNEL_SUM: 161.0}
+    assert unmapped == ["_mystery_kernel"]
+    assert kernels["_grouped_gemm_kernel [down]"] == {"name": "_grouped_gemm_kernel", "stage": bl.DOWN, "us": 20.0,
+                                                      "launches": 1.0}
+    stages, _, _ = bl.assign_stages([("_grouped_gemm_kernel", 5.0)] * 3, 1)  # not two per call: not split
+    assert stages == {bl.UNSPLIT: 15.0, bl.KERNEL_SUM: 15.0}
+    decode = [("_decode_gate_up_kernel", 3.0), ("_decode_down_kernel", 2.0)]
+    assert bl.assign_stages(decode, 1)[0] == {bl.GATE_UP: 3.0, bl.DOWN: 2.0, bl.KERNEL_SUM: 5.0}
+
+
+def test_layouts_lay_out_and_back():
+    """Each layout holds the reference values where fused_experts' docstring says (contiguous, as a checkpoint
+    stores them), and to_reference maps its gradients back exactly; the check catches weights passed in the wrong
+    layout."""
+    import bench_layouts as bl
+    import moe_dispatch as md
+
+    E, H, F = 3, 8, 4
+    w_gate_up, w_down, bias = torch.randn(E, 2 * F, H), torch.randn(E, H, F), torch.randn(E, 2 * F)
+    for layout in bl.LAYOUTS:
+        gu, d, b = bl.lay_out(layout, w_gate_up, w_down, bias)
+        assert gu.is_contiguous() and d.is_contiguous() and b.is_contiguous()
+        gate_rows = gu.transpose(1, 2) if layout.transposed else gu  # [E, 2F, H]
+        gate, up = (gate_rows[:, 0::2], gate_rows[:, 1::2]) if layout.interleaved else (gate_rows[:, :F],
+                                                                                        gate_rows[:, F:])
+        assert torch.equal(gate, w_gate_up[:, :F]) and torch.equal(up, w_gate_up[:, F:])
+        assert gu.shape == ((E, H, 2 * F) if layout.transposed else (E, 2 * F, H))
+        assert torch.equal(d.transpose(1, 2) if layout.transposed else d, w_down)
+        for name, laid, ref in (("w_gate_up", gu, w_gate_up), ("w_down", d, w_down), ("gate_up_bias", b, bias)):
+            assert torch.equal(bl.to_reference(layout, name, laid), ref), (layout, name)
+    # concatenated weights run as interleaved: far off the reference layout's output (what the check holds to)
+    experts = bl.make_experts(dataclasses.replace(MODEL_SHAPES["gpt-oss-120b"], **bl.SMOKE_SIZES), torch.float32,
+                              torch.device(DEVICE), 0, gpt_oss=True)
+    x = torch.randn(1, 64, device=DEVICE)
+    ids, weights = harness.random_routing(1, 4, 2, torch.device(DEVICE), 0)
+    outs = []
+    for layout in (bl.LAYOUTS[0], dataclasses.replace(bl.LAYOUTS[0], interleaved=True)):
+        forward, _ = bl.layout_forward(experts, layout, x, ids, weights)
+        with torch.no_grad():
+            outs.append(forward())
+    assert bl.rel_diff(outs[1], outs[0]) > TOLERANCE[torch.float32] * 100

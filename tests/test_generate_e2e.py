@@ -5,10 +5,16 @@ and 2, fp32, eager mode) on Qwen3-MoE and Mixtral: every implementation produces
 and at fp32 its greedy tokens equal transformers' eager experts loop token for token (a real check: fp32 tiny models
 must agree). The second run takes the DeepSeek-V3-style model (grouped sigmoid routing with the correction bias, a
 shared expert) through decode at batch 1 and the training step: its tokens match too, and the loss and experts'
-gradients of moe_dispatch equal grouped_mm's at fp32. No speed assertions (interpreter times mean nothing).
+gradients of moe_dispatch equal grouped_mm's at fp32. The other families (GPT-OSS's interleaved, transposed experts
+with biases and clamped SwiGLU, OLMoE, Qwen2-MoE's shared expert) decode at batch 1 with the same checks; GPT-OSS also
+trains under --profile-train (its bias gradients compared, the profile's outputs written). The profile's parts are
+tested on their own: the kernel categories on made-up records, the backward's scopes on a real CPU profile, the step
+breakdown (busy time, syncs, device-to-host copies) on made-up events. No speed assertions (interpreter times mean
+nothing).
 """
 
 import json
+import types
 
 import generate_e2e  # benchmarks/ is on pytest.ini's pythonpath
 import pytest
@@ -39,6 +45,16 @@ def test_cpu_defaults():
     assert args.tiny and args.modes == ["eager"] and not args.train
     assert (args.layers, args.vocab, args.new_tokens, args.batches, args.dtype) == (1, 128, 3, [1, 2], "float32")
     assert args.reference == "eager" and "moe_dispatch" in args.impls
+    assert args.static_batches == [1, 2] and not args.profile_train
+    assert "gpt-oss-20b" in generate_e2e.SPECS and "gpt-oss-20b" not in args.models  # named, not run by default
+    assert {"gpt-oss-120b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b"} <= set(args.models)
+
+
+def test_profile_train_implies_training_and_static_batches_apply_to_compiled_modes():
+    args = generate_e2e.parse_args(["--device", "cpu", "--profile-train", "--batches", "1,16", "--static-batches", "1"])
+    assert args.train and args.profile_train and args.batches == [1, 16] and args.static_batches == [1]
+    with pytest.raises(SystemExit):
+        generate_e2e.parse_args(["--device", "cpu", "--profile-train", "--no-train"])
 
 
 def test_agreement_reports_rows_and_first_difference():
@@ -119,3 +135,178 @@ def test_interleaved_rounds_keep_going_when_an_implementation_fails():
     assert isinstance(out["broken"], MemoryError)
     cell, tokens = out["ok"]
     assert len(cell["generate_times_s"]) == 2 and tokens.shape == (1, args.new_tokens)
+
+
+# Each family beyond the first three, and why it is here.
+FAMILIES = {
+    "gpt-oss-120b": "experts [E, H, 2F] with gate/up columns interleaved, biases, clamped SwiGLU; eager attention "
+                    "with sinks, a sliding window shorter than the prompt",
+    "olmoe-1b-7b": "top-k not renormalised, the expert width in `intermediate_size`",
+    "qwen1.5-moe-a2.7b": "a sigmoid-gated shared expert beside the routed ones; `moe_intermediate_size`",
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cpu_smoke_families(name, kernel_calls):
+    results = generate_e2e.main(["--device", "cpu", "--models", name, "--batches", "1", "--impls", "moe_dispatch"])
+    record = results["models"][name]
+    assert record["class"] == generate_e2e.SPECS[name].model and record["moe_layers"] == 1
+    (ours,) = [c for c in results["decode"] if c["impl"] == "moe_dispatch"]
+    assert ours["rows_equal"] == 1.0 and ours["first_diff"] is None, ours  # fp32: the eager loop's tokens
+    (logits,) = [c for c in results["logits"] if c["impl"] == "moe_dispatch"]
+    assert logits["max_abs_diff"] <= 1e-4 * logits["ref_max_abs"] and logits["rows_flipped"] == 0, logits
+    assert kernel_calls, "moe_dispatch's fused_experts never ran"
+
+
+def test_gpt_oss_is_built_in_its_own_layout():
+    """GPT-OSS keeps transformers' layout (transposed, interleaved, biased experts), eager attention, and random
+    experts' biases (so a kernel ignoring them changes the tokens), compared in training with the weights."""
+    args = generate_e2e.parse_args(["--device", "cpu", "--models", "gpt-oss-120b"])
+    model, shape = generate_e2e.build_model(generate_e2e.SPECS["gpt-oss-120b"], args, torch.device("cpu"),
+                                            torch.float32, "eager")
+    assert model.config._attn_implementation == "eager" and model.config.sliding_window < args.prompt_len
+    ((_, experts),) = generate_e2e.experts_modules(model)
+    assert experts.is_transposed and not experts.is_concatenated and experts.has_bias
+    assert experts.gate_up_proj.shape == (shape.num_experts, shape.hidden, 2 * shape.ffn)
+    assert experts.gate_up_proj_bias.abs().min() > 0 and experts.down_proj_bias.abs().min() > 0
+    assert not model.model.layers[0].mlp.router.bias.any()  # a router bias would only move the choices
+    names = [name.rsplit(".", 1)[1] for name, _ in generate_e2e.experts_parameters(model)]
+    assert names == ["gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"]
+
+
+@needs_interpreter
+def test_cpu_gpt_oss_training_step_profiled(tmp_path):
+    results = generate_e2e.main(["--device", "cpu", "--models", "gpt-oss-20b", "--modes", "", "--no-logits",
+                                 "--impls", "moe_dispatch", "--profile-train", "--train-tokens", "2x8",
+                                 "--train-steps", "1", "--out", str(tmp_path)])
+    assert not results["decode"]
+    baseline, ours = results["train"]
+    assert (baseline["impl"], ours["impl"]) == ("grouped_mm", "moe_dispatch")
+    assert ours["loss"] == pytest.approx(baseline["loss"], rel=1e-5)
+    assert ours["grad_rel_diff"] < 1e-5 and ours["grad_max_diff"] < 1e-5  # weights and biases
+    for cell in (baseline, ours):
+        prof = cell["profile"]
+        assert list(prof["categories"]) == list(generate_e2e.CATEGORIES)
+        assert prof["wall_ms"] > 0 and prof["gpu_busy_ms"] == 0 and prof["kernels"] == 0  # CPU: no device events
+        assert "aten::" in prof["table"]
+    md = (tmp_path / "generate_e2e.md").read_text()
+    assert "Training step under torch.profiler" in md and "| gpt-oss-20b | moe_dispatch | " in md
+    raw = (tmp_path / "generate_e2e_train_profile.txt").read_text()
+    assert raw.count("== gpt-oss-20b / ") == 2
+    assert "profile" in json.loads((tmp_path / "generate_e2e.json").read_text())["train"][1]
+
+
+def test_kernel_categories():
+    """Made-up (name, us, scope) records, one per rule and the cases that must not match it."""
+    package = frozenset({"_grouped_gemm_kernel", "_gather_kernel"})
+    cutlass = "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<GroupProblemShape<...>>>()"
+    tma = "_ZN7cutlass13device_kernelIN4cute14SM90_TMA_LOAD8Copy_AtomE"
+    torch_gather = "void at::native::_scatter_gather_elementwise_kernel<128, 4, ...>(int, ...)"
+    cast = "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(...)>(...)"
+    broadcast = "void at::native::elementwise_kernel<128, 2, broadcast_mul<float>>(int, ...)"
+    records = [
+        ("_grouped_gemm_kernel", 100.0, "experts"),  # found in the package
+        ("_gather_kernel", 10.0, None),  # the package's, outside any scope (still the package's)
+        ("_down_grad_kernel", 50.0, None),  # not found, but a plain name with a hint: a Triton kernel of the package
+        ("triton_poi_fused_gather_0", 5.0, None),  # inductor's, despite "gather"
+        (torch_gather, 7.0, "experts"),  # torch's gather inside the experts module
+        (cutlass, 80.0, "experts"),  # transformers' grouped_mm
+        (tma, 1.0, "experts"),  # a GEMM whose template spells a copy atom is no copy
+        (tma, 2.0, None),  # the same GEMM outside the experts module
+        ("nvjet_tst_128x256_64x4_h_bz_TNT", 40.0, "experts"),  # cuBLAS inside the experts module
+        ("nvjet_tst_128x256_64x4_h_bz_TNT", 30.0, None),  # the same GEMM for the LM head
+        (cast, 3.0, "experts"),  # a cast inside the experts module is a cast
+        ("Memcpy DtoH (Device -> Pinned)", 1.0, None),
+        (broadcast, 2.0, "router"),  # "broadcast" is no cast
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, ...>>(...)", 20.0, None),
+        ("void at::native::cunn_SoftMaxForward<4, float>(...)", 6.0, "attention"),
+        ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(...)", 4.0, "router"),
+        ("mystery_kernel", 9.0, None),
+    ]
+    out = generate_e2e.categorize_kernels(records, package)
+    ms = {key: round(value["ms"] * 1e3, 3) for key, value in out["categories"].items()}
+    assert ms == {"moe_dispatch": 160.0, "casts/copies": 4.0, "grouped_mm": 121.0, "experts other": 7.0,
+                  "attention": 26.0, "router": 6.0, "other": 46.0}
+    assert out["categories"]["grouped_mm"]["count"] == 3
+    assert out["total_ms"] == pytest.approx(sum(r[1] for r in records) / 1e3)
+    assert [n["name"] for n in out["names"]["other"]] == ["nvjet_tst_128x256_64x4_h_bz_TNT", "mystery_kernel",
+                                                          "triton_poi_fused_gather_0", tma]
+    assert [n["name"] for n in out["names"]["experts other"]] == [torch_gather]
+    assert out["scopes"]["experts"]["ms"] == pytest.approx(0.231)
+
+
+def test_backward_operators_take_the_scope_of_their_forward():
+    """On a real (CPU) profile: the forward's operators are in their module's range, and each backward operator takes
+    the scope of the forward operator that made its autograd node; what no scoped module made has none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    class ToyRouter(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, dim=-1)
+
+    class ToyExperts(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = ToyRouter(), ToyExperts()
+
+        def forward(self, x):
+            return torch.sigmoid(self.experts(x) * self.router(x))
+
+    block, x = Block(), torch.randn(4, 8, requires_grad=True)
+    with generate_e2e.scope_ranges(block), profile(activities=[ProfilerActivity.CPU]) as prof:
+        block(x).sum().backward()
+    assert not block.router._forward_hooks and not block.router._forward_pre_hooks  # removed afterwards
+    scope_of = generate_e2e.event_scopes(prof.events())
+    found = {}
+    for event in prof.events():
+        if event.name in ("aten::_softmax", "aten::tanh", "aten::sigmoid", "aten::_softmax_backward_data",
+                          "aten::tanh_backward", "aten::sigmoid_backward"):
+            found.setdefault(event.name, set()).add(scope_of(event))
+    assert found == {"aten::_softmax": {"router"}, "aten::tanh": {"experts"}, "aten::sigmoid": {None},
+                     "aten::_softmax_backward_data": {"router"}, "aten::tanh_backward": {"experts"},
+                     "aten::sigmoid_backward": {None}}
+
+
+def _event(name, start, end, *, device=False, parent=None, seq=-1, scope=0, kernels=()):
+    from torch.autograd import DeviceType
+
+    return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end),
+                                 device_type=DeviceType.CUDA if device else DeviceType.CPU, cpu_parent=parent,
+                                 sequence_nr=seq, scope=scope, is_user_annotation=False,
+                                 kernels=[types.SimpleNamespace(name=k, duration=us) for k, us in kernels])
+
+
+def test_step_breakdown_from_events():
+    """Made-up profiler events of one step: a grouped GEMM in the experts' range and its backward (matched by sequence
+    number, overlapping the first on the device), an item() in the experts' range with its copy and stream sync, a
+    kernel no host event claims, a sync after the step; the device-side range events are no device time."""
+    gemm, backward_gemm, dtoh = "void cutlass::GroupProblemShape_kernel<...>", "nvjet_tst_gemm", "Memcpy DtoH (Device)"
+    step = _event(generate_e2e.STEP_RANGE, 0, 100)
+    experts = _event(generate_e2e.SCOPE_PREFIX + "experts", 10, 75, parent=step)
+    item = _event("aten::item", 60, 70, parent=experts)
+    local = _event("aten::_local_scalar_dense", 61, 69, parent=item, kernels=[(dtoh, 2.0)])
+    node = _event("GroupedMmBackward0", 70, 90, seq=5, scope=generate_e2e.BACKWARD_FUNCTION)
+    events = [step, experts, item, local, node,
+              _event("aten::_grouped_mm", 11, 20, parent=experts, seq=5, kernels=[(gemm, 30.0)]),
+              _event("aten::_grouped_mm", 71, 80, parent=node, kernels=[(backward_gemm, 20.0)]),
+              _event("cudaStreamSynchronize", 64, 68, parent=local),
+              _event("cudaDeviceSynchronize", 101, 110),
+              _event(gemm, 20, 50, device=True), _event(backward_gemm, 40, 60, device=True),
+              _event(dtoh, 62, 64, device=True), _event("mystery_kernel", 90, 95, device=True),
+              _event(generate_e2e.SCOPE_PREFIX + "experts", 20, 50, device=True)]
+    out = generate_e2e.step_breakdown(events, frozenset(), 200e-6)
+    assert out["categories"]["grouped_mm"] == {"ms": pytest.approx(0.05), "count": 2}
+    assert out["categories"]["casts/copies"] == {"ms": pytest.approx(0.002), "count": 1}
+    assert out["names"]["other"] == [{"name": "(device time no host event launched)", "ms": pytest.approx(0.005),
+                                      "count": 1}]
+    assert out["total_ms"] == pytest.approx(0.057) and out["scopes"]["experts"]["ms"] == pytest.approx(0.052)
+    assert out["gpu_busy_ms"] == pytest.approx(0.047)  # [20, 60] + [62, 64] + [90, 95]
+    assert out["wall_ms"] == pytest.approx(0.2) and out["host_gap_ms"] == pytest.approx(0.2 - 0.047)
+    where = f"aten::_local_scalar_dense < aten::item < {generate_e2e.SCOPE_PREFIX}experts [experts]"
+    assert out["syncs"] == 1 and out["syncs_by_op"] == {where: 1}  # not the one after the step
+    assert out["dtoh_copies"] == 1 and out["dtoh_by_op"] == {where: 1}

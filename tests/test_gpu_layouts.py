@@ -42,9 +42,9 @@ def _run(x, ids, weights, laid):
     return md.fused_experts(x, laid.pop("w_gate_up"), laid.pop("w_down"), ids, weights, **laid, **OPTIONS)
 
 
-@pytest.mark.parametrize("T", [1, 16, 33, 2048], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize("T", [1, 16, 33, 4096], ids=lambda T: f"T{T}")
 def test_gpt_oss_stored_layout_forward(T, monkeypatch):
-    """T = 1, 16: the decode path; 33: the pointer grouped GEMMs; 2048: the persistent ones (3-D descriptors over the
+    """T = 1, 16: the decode path; 33: the pointer grouped GEMMs; 4096: the persistent gate/up GEMM (3-D descriptors over the
     transposed weights, the interleaved pair read whole)."""
     x, ids, weights, stored, reference = _gpt_oss(T)
     persistent_calls = []
@@ -52,7 +52,7 @@ def test_gpt_oss_stored_layout_forward(T, monkeypatch):
     monkeypatch.setattr(persistent_gemm, "persistent_expert_gemm",
                         lambda *a, **kw: persistent_calls.append(kw.get("transposed")) or real(*a, **kw))
     out = _run(x, ids, weights, stored)
-    if T == 2048:
+    if T == 4096:
         assert persistent_calls and all(persistent_calls), "the prefill GEMMs must take the transposed descriptors"
     rows = slice(0, min(T, 64))  # float64 on a sample of rows
     ref = fused_experts_ref(x[rows].double(), stored["w_gate_up"].double(), stored["w_down"].double(), ids[rows],

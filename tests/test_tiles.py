@@ -264,3 +264,20 @@ def test_host_integer_helpers_match_triton():
         for d in (1, 3, 16, 64, 128):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
     assert next_power_of_2(2**31 + 1) == 2**32 == triton.next_power_of_2(2**31 + 1)
+
+
+@pytest.mark.parametrize("num_tokens,limit_tile", [(1, 0), (4, 1)], ids=["4-assignments", "16-assignments"])
+def test_transposed_down_weights_take_the_dot_decode_tile(num_tokens, limit_tile):
+    """Transposed down weights ([E, F, H]) take TRANSPOSED_DOWN_DECODE_TILES' dot tile for their decode down GEMM,
+    float weights only; the gate/up tile and the [E, H, F] layout's tiles stay the table's."""
+    device = torch.device("cpu")
+    args = (device, num_tokens, 4, 8, 64, 32)
+    table = tiles.select_decode_tiles(*args)
+    assert table is not None
+    chosen = tiles.select_decode_tiles(*args, transposed=True)
+    assert chosen.down == tiles.TRANSPOSED_DOWN_DECODE_TILES[limit_tile][1] and chosen.down.dot
+    assert chosen.gate_up == table.gate_up
+    assert tiles.select_decode_tiles(*args, fp8=True, transposed=True) == tiles.select_decode_tiles(*args, fp8=True)
+    from moe_dispatch.planner import ExpertsPath, plan_experts
+    plan = plan_experts(device, num_tokens, 4, 8, 64, 32, torch.bfloat16, transposed=True)
+    assert plan.path is ExpertsPath.DECODE and plan.tiles == chosen

@@ -139,7 +139,7 @@ def _fused_experts_impl(
     forced = tiles_from_list(tiles) if tiles is not None else None
     float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
     plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=forced, save_preact=save_preact,
-                        fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8")
+                        fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8", transposed=transposed)
     fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE),
                     gate_up_input_scale, down_input_scale, fp8_compute, w_gate_up_scale_layout)
     paired &= plan.path is not ExpertsPath.W8A8

@@ -73,15 +73,16 @@ class ExpertsPlan:
 
 def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
                  dtype: torch.dtype, *, forced: MoeTiles | DecodeTiles | None = None, save_preact: bool = False,
-                 fp8: bool = False, w8a8: bool = False) -> ExpertsPlan:
+                 fp8: bool = False, w8a8: bool = False, transposed: bool = False) -> ExpertsPlan:
     """The path and tiles of one experts call (`fp8`: float8 weights; `w8a8`: on the w8a8 path, already resolved
-    by `fp8_compute`). The decode path takes inference calls (`save_preact` False, not w8a8) of at most
+    by `fp8_compute`; `transposed`: the weights' layout, which picks the decode down tile). The decode path takes
+    inference calls (`save_preact` False, not w8a8) of at most
     MAX_DECODE_ASSIGNMENTS assignments when forced by a DecodeTiles, never when forced by a MoeTiles, and otherwise
     where the device's table has a decode bucket; every other call takes the forced MoeTiles or the table's.
     Not cached: an eager call's plan is recorded with its launches and replayed (_plan.py), torch.compile traces it
     once, and the tests may swap the tables underneath."""
     if not save_preact and not w8a8:
-        decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8)
+        decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed)
         if decode is not None:
             return ExpertsPlan(ExpertsPath.DECODE, decode)
     if isinstance(forced, MoeTiles):
@@ -134,12 +135,13 @@ def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, h
     return select_tiles(device, rows, 1, num_experts, ffn, hidden, dtype)
 
 
-def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8):
+def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed):
     if num_tokens * top_k > MAX_DECODE_ASSIGNMENTS or isinstance(forced, MoeTiles):
         return None
     if isinstance(forced, DecodeTiles):
         return forced
-    return select_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8=fp8)
+    return select_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8=fp8,
+                               transposed=transposed)
 
 
 def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, schemes, block_shape, transposed, *,

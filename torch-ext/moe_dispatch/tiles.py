@@ -296,12 +296,38 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
     return dataclasses.replace(tiles, gate_up=gate_up, down=down)
 
 
+# The decode down GEMM of transposed down weights ([E, F, H], H contiguous: GPT-OSS's layout), by the number of
+# assignments (up to, then the rest). The tables' down tiles are measured on [E, H, F], where a GEMV row reads
+# contiguous K; on [E, F, H] the GEMV reads BLOCK_N contiguous elements per K row, while the dot kernel reads
+# [BLOCK_K, BLOCK_N] tiles whole. H200, GPT-OSS-120B widths, the whole decode call in one run: 4 assignments
+# (T = 1) 80.2 us with the table's GEMV -> 66.0 us (the same weights laid [E, H, F]: 68 us in another run), 16 (T = 4)
+# 215.3 -> 201.9 us; nine GEMV tiles tried on the transposed weights took 83.5-471.6 us. Buckets past 16
+# assignments take the second tile unmeasured; other devices take them unmeasured too (the dot kernel is portable).
+TRANSPOSED_DOWN_DECODE_TILES = ((4, DecodeTile(64, 64, num_warps=4, num_stages=3, split_k=2, dot=True)),
+                                (None, DecodeTile(128, 64, num_warps=4, num_stages=3, dot=True)))
+
+
+def transposed_down_decode_tile(num_assignments: int) -> DecodeTile:
+    """The decode down tile for transposed down weights (TRANSPOSED_DOWN_DECODE_TILES)."""
+    return next(tile for limit, tile in TRANSPOSED_DOWN_DECODE_TILES if limit is None or num_assignments <= limit)
+
+
 def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
-                        dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False) -> DecodeTiles | None:
+                        dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False,
+                        transposed: bool = False) -> DecodeTiles | None:
     """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
     `decode` entry, or N = num_tokens * top_k past its last bucket). float8 weights (`fp8`) read the "fp8" section's
-    own `decode` entry (half the weight bytes move the point where the path stops winning). Host-side arithmetic
-    only."""
+    own `decode` entry (half the weight bytes move the point where the path stops winning). `transposed` weights
+    take the down tile of TRANSPOSED_DOWN_DECODE_TILES for float weights. Host-side arithmetic only."""
+    tiles = _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8)
+    if tiles is None or not transposed or fp8:
+        return tiles
+    down = transposed_down_decode_tile(num_tokens * top_k)
+    return DecodeTiles(tiles.gate_up, down if dtype.itemsize <= 2 else dataclasses.replace(
+        down, block_k=_wide_k(down.block_k, dtype)))
+
+
+def _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8) -> DecodeTiles | None:
     table = load_table(device_key(device))
     decode = table.get("fp8", {}).get("decode") if fp8 else table.get("decode")
     if decode is None:
