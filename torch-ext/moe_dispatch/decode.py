@@ -48,7 +48,7 @@ from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
 from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
-                       apply_activation, expert_tile_dot, pair_columns, paired_bias_and_preact, scale_sums,
+                       apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
                        split_pairs, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
@@ -127,29 +127,20 @@ def _decode_gate_up_kernel(
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h  # [BLOCK_T, BLOCK_K]
-    if PAIRED:  # one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (grouped_gemm.py's PAIRED)
-        offs_pair, mask_pair = pair_columns(pid_n, F, BLOCK_N)
-        b_pairs = tl.zeros((BLOCK_T, 2 * BLOCK_N), dtype=tl.float32)
-        b_pairs, _ = expert_tile_dot(b_pairs, b_pairs, a_ptrs, mask_t, mask_pair, expert, offs_pair, offs_k,
-                                     w_gate_ptr, w_gate_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                     scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
-                                     False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
-        release_dependents(PDL)
-        b_pairs = paired_bias_and_preact(b_pairs, expert, offs_t, mask_t, offs_pair, mask_pair, bias_gate_ptr,
+    # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (grouped_gemm.py's PAIRED)
+    b_gate, b_up, offs_pair, mask_pair = gate_up_tile_dot(
+        a_ptrs, mask_t, expert, pid_n, offs_n, mask_n, offs_k, F, w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n,
+        stride_w_k, scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+        scale_block_n, scale_block_k, H, stride_x_h, True, PAIRED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_T, BLOCK_N,
+        BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+    release_dependents(PDL)
+    if PAIRED:
+        b_pairs = paired_bias_and_preact(b_gate, expert, offs_t, mask_t, offs_pair, mask_pair, bias_gate_ptr,
                                          stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
         b_gate, b_up = split_pairs(b_pairs)
-    else:
-        b_gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        b_gate, b_up = expert_tile_dot(b_gate, b_gate, a_ptrs, mask_t, mask_n, expert, offs_n, offs_k,
-                                       w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                       scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                       scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h,
-                                       True, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
-        release_dependents(PDL)
-        if HAS_BIAS:
-            b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
-                                    stride_bias_n, ACTIVATION)
+    elif HAS_BIAS:
+        b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
+                                stride_bias_n, ACTIVATION)
     b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
 
     for j in tl.static_range(TOP_K):

@@ -285,6 +285,38 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
 
 
 @triton.jit
+def gate_up_tile_dot(a_ptrs, mask_m, expert, pid_n, offs_n, mask_n, offs_k, n_cols,
+                     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+                     scale_block_n, scale_block_k, K, stride_a_k,
+                     GATED: tl.constexpr, PAIRED: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     WEIGHT_SCALE: tl.constexpr, STEP_DOT: tl.constexpr = STEP_SCALED_TILE):
+    """(b_acc, b_acc_up, offs_pair, mask_pair): `expert_tile_dot` over output tile pid_n's columns from fresh
+    accumulators. PAIRED (an interleaved gate/up weight, w_ptr whole): b_acc [BLOCK_M, 2 BLOCK_N] holds the sums of
+    columns offs_pair, gate and up alternating (`pair_columns`; `split_pairs` parts them), b_acc_up unused; else
+    b_acc (and b_acc_up when GATED) [BLOCK_M, BLOCK_N] over columns offs_n, and offs_pair, mask_pair are offs_n,
+    mask_n."""
+    if PAIRED:
+        offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
+        b_acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_pair, expert, offs_pair, offs_k,
+                                          w_ptr, w_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+    else:
+        offs_pair, mask_pair = offs_n, mask_n
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
+                                          w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                          GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+    return b_acc, b_acc_up, offs_pair, mask_pair
+
+
+@triton.jit
 def tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_a_rows, TOP_K: tl.constexpr, GATHER_A: tl.constexpr,
               NEEDS_ASSIGNMENT: tl.constexpr):
     """(A row of each sorted position, its assignment (0 when not needed), the row mask): gathered rows go through

@@ -47,7 +47,7 @@ from .dispatch import segment_dispatch
 from . import persistent_gemm
 from .fp8 import WeightScale
 from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import ACT_NONE, expert_tile_dot, pair_columns, tile_epilogue, tile_rows, tile_setup
+from .gemm_jit import ACT_NONE, gate_up_tile_dot, tile_epilogue, tile_rows, tile_setup
 from .pdl import release_dependents, wait_for_producer
 from .row_copies import PLAIN, Layout, launch_gather
 from .planner import GemmKernel, expert_gemm_kernel, plan_segments
@@ -103,23 +103,12 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    if PAIRED:  # one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step, split in the epilogue
-        offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
-        b_acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_pair, expert, offs_pair, offs_k,
-                                          w_ptr, w_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
-    else:
-        offs_pair, mask_pair = offs_n, mask_n
-        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
-                                          w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                          ACTIVATION != ACT_NONE, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
-                                          WEIGHT_SCALE)
+    # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step, split in the epilogue
+    b_acc, b_acc_up, offs_pair, mask_pair = gate_up_tile_dot(
+        a_ptrs, mask_m, expert, pid_n, offs_n, mask_n, offs_k, n_cols, w_ptr, w_up_ptr, stride_w_e, stride_w_n,
+        stride_w_k, scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+        scale_block_n, scale_block_k, K, stride_a_k, ACTIVATION != ACT_NONE, PAIRED, DOT_FP32, DOT_PRECISION, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_SCALE)
     release_dependents(PDL)
     tile_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, offs_n, mask_n, b_assignment,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, c_ptr, stride_c_m, stride_c_n,
