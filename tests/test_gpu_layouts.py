@@ -10,7 +10,7 @@ from model_shapes import MODEL_SHAPES
 
 import moe_dispatch as md
 from moe_dispatch import persistent_gemm
-from moe_dispatch.reference import fused_experts_ref
+from moe_dispatch.reference import fused_experts_fp8_ref, fused_experts_ref
 
 pytestmark = needs_gpu
 DTYPE = torch.bfloat16
@@ -71,3 +71,41 @@ def test_gpt_oss_stored_layout_nan_row():
         out = _run(x, ids, weights, stored)
         assert torch.isnan(out[2]).all()
         assert not torch.isnan(torch.cat([out[:2], out[3:]])).any()
+
+
+def _gpt_oss_fp8(T, E, H, F, k, device="cuda", seed=2):
+    """GPT-OSS's stored layout in block FP8 (128 x 128 over the stored [E, H, 2F] / [E, F, H] weights), biases."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    quantized = {}
+    for name, size in (("w_gate_up", (E, H, 2 * F)), ("w_down", (E, F, H))):
+        w = (torch.randn(*size, device=device, generator=gen) * 0.02).to(DTYPE)
+        quantized[name], quantized[name + "_scale"] = md.quantize_experts_fp8(w, "block", block_shape=(128, 128),
+                                                                             n_axis=2)
+        del w
+    x = torch.randn(T, H, device=device, generator=gen).to(DTYPE)
+    ids = torch.stack([torch.randperm(E, device=device, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, device=device, generator=gen)
+    options = dict(gate_up_bias=(torch.randn(E, 2 * F, device=device, generator=gen) * 0.1).to(DTYPE),
+                   down_bias=(torch.randn(E, H, device=device, generator=gen) * 0.1).to(DTYPE), interleaved=True,
+                   transposed=True, fp8_block_shape=(128, 128), **OPTIONS)
+    return x, ids, weights, quantized, options
+
+
+def check_gpt_oss_fp8(T, E, H, F, k, device="cuda", rows=64, experts_per_chunk=16):
+    """The dequant path (decode or grouped by T; PAIRED over the interleaved float8 weight, its block scales read
+    whole) against float64 on the dequantized weights, on a sample of rows."""
+    x, ids, weights, q, options = _gpt_oss_fp8(T, E, H, F, k, device)
+    out = md.fused_experts(x, q["w_gate_up"], q["w_down"], ids, weights, w_gate_up_scale=q["w_gate_up_scale"],
+                           w_down_scale=q["w_down_scale"], fp8_compute="dequant", **options)
+    sample = slice(0, min(T, rows))
+    ref = fused_experts_fp8_ref(x[sample], q["w_gate_up"], q["w_down"], ids[sample], weights[sample],
+                                w_gate_up_scale=q["w_gate_up_scale"], w_down_scale=q["w_down_scale"],
+                                experts_per_chunk=experts_per_chunk, **options)
+    assert_close(out[sample], ref, DTYPE)
+
+
+@pytest.mark.parametrize("T", [1, 33, 1024], ids=lambda T: f"T{T}")
+def test_gpt_oss_stored_layout_fp8_dequant(T):
+    """GPT-OSS-120B's widths (H = F = 2880, not a multiple of 128: partial scale blocks) in block FP8, as stored."""
+    shape = MODEL_SHAPES["gpt-oss-120b"]
+    check_gpt_oss_fp8(T, shape.num_experts, shape.hidden, shape.ffn, shape.top_k)
