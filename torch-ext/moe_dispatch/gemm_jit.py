@@ -300,19 +300,16 @@ def gate_up_tile_dot(a_ptrs, mask_m, expert, pid_n, offs_n, mask_n, offs_k, n_co
     if PAIRED:
         offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
         b_acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_pair, expert, offs_pair, offs_k,
-                                          w_ptr, w_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                          False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
     else:
         offs_pair, mask_pair = offs_n, mask_n
         b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
-                                          w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-                                          scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                                          scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
-                                          GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+    # a paired weight is one tile of both halves: one dot, w_up_ptr unread
+    b_acc, b_acc_up = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_pair, expert, offs_pair, offs_k,
+                                      w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+                                      scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                                      scale_up_row_offset, scale_block_n, scale_block_k, K, stride_a_k,
+                                      GATED and not PAIRED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE,
+                                      STEP_DOT)
     return b_acc, b_acc_up, offs_pair, mask_pair
 
 
