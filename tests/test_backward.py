@@ -120,14 +120,13 @@ def test_backward_is_deterministic():
 
 
 def _reuse_spy(monkeypatch):
-    """The reuse_preact of every experts backward from here on."""
+    """The reuse_preact of every experts backward from here on (replayed ones too: the spy sits above the plans)."""
     from moe_dispatch import moe
 
     seen = []
-    backward = moe.experts_backward
-    monkeypatch.setattr(moe, "experts_backward",
-                        lambda *a, reuse_preact=False, **k: seen.append(reuse_preact) or backward(
-                            *a, reuse_preact=reuse_preact, **k))
+    grads = moe._experts_grads
+    monkeypatch.setattr(moe, "_experts_grads",
+                        lambda *a, reuse_preact: seen.append(reuse_preact) or grads(*a, reuse_preact=reuse_preact))
     return seen
 
 

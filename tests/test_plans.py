@@ -11,7 +11,7 @@ from helpers import DEVICE, assert_close, make_weights
 
 import moe_dispatch as md
 from moe_dispatch import _plan
-from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
+from moe_dispatch.moe import _BACKWARD_PLANS, _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS, _OPERATOR_PLANS
 from moe_dispatch.reference import fused_experts_ref, fused_moe_forward_ref
 from moe_dispatch.tiles import select_tiles
 
@@ -164,6 +164,47 @@ def test_gradients_bypass_plans():
     with torch.no_grad():
         md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
     assert len(_FUSED_EXPERTS_PLANS) == 1
+
+
+# (id, fused_experts options, retain_graph, why)
+TRAINING_CASES = [
+    ("plain", {}, False, "[E, 2F, H] silu; the backward writes d_preact over the saved pre-activations"),
+    ("gpt-oss", dict(activation="swiglu_oai", interleaved=True, transposed=True, bias=True), False,
+     "GPT-OSS's stored layout with biases: the paired kernels, bias gradients"),
+    ("retained", {}, True, "retain_graph: the backward operator, which only reads the pre-activations"),
+]
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=lambda c: c[0])
+def test_training_steps_replay_below_autograd(case):
+    """A training step cannot replay at `fused_experts` (its inputs require gradients), but the operator's forward
+    and its backward replay below autograd: the second and third steps are replays, each step's output and four
+    gradients (new inputs every step) match the float64 reference's autograd."""
+    name, options, retain_graph, _ = case
+    options = dict(options)
+    bias = options.pop("bias", False)
+    T, E, top_k, H, F = 37, 6, 2, 32, 16
+    replays_before = (_OPERATOR_PLANS.replays, _BACKWARD_PLANS.replays)
+    for step in range(3):
+        x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F, seed=step,
+                                                     transposed=options.get("transposed", False))
+        extra = {}
+        if bias:
+            extra = dict(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE) * 0.1,
+                         down_bias=torch.randn(E, H, device=DEVICE) * 0.1)
+        leaves = [t.requires_grad_(True) for t in (x, w_gate_up, w_down, weights)]
+        grad_out = torch.randn(T, H, device=DEVICE)
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False, **options, **extra)
+        grads = torch.autograd.grad(out, leaves, grad_out, retain_graph=retain_graph)
+        ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = fused_experts_ref(*ref_leaves[:3], ids, ref_leaves[3], **options, **extra)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+        assert_close(out, ref, torch.float32)
+        for what, g, r in zip(("d hidden_states", "d w_gate_up", "d w_down", "d topk_weights"), grads, ref_grads):
+            assert_close(g, r, torch.float32, what=f"step {step} {what}")
+    assert len(_FUSED_EXPERTS_PLANS) == 0  # never planned at the entry point
+    replays = (_OPERATOR_PLANS.replays - replays_before[0], _BACKWARD_PLANS.replays - replays_before[1])
+    assert replays == (2, 2), (_OPERATOR_PLANS.last_reason, _BACKWARD_PLANS.last_reason)
 
 
 def test_nan_propagates_through_a_replay():

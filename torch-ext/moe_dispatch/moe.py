@@ -125,7 +125,23 @@ def _fused_experts_impl(
     checked by `fused_experts`), forward only: the caller passes inputs that need no gradient and save_preact False.
     `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py, with the static input scales if any) or "dequant"
     (grouped_gemm.py).
+
+    The operator's launches are planned (`_plan.py`) like the entry points': a training step's forward (which cannot
+    replay at `fused_experts`, its inputs requiring gradients) replays them here, below autograd, where the
+    operator's inputs are plain tensors under no-grad.
     """
+    tensors = (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
+               w_down_scale, gate_up_input_scale, down_input_scale)
+    options = (activation, interleaved, transposed, alpha, limit, None if tiles is None else tuple(tiles), save_preact,
+               None if fp8_block_shape is None else tuple(fp8_block_shape), fp8_compute, w_gate_up_scale_layout)
+    return _OPERATOR_PLANS.run(_fused_experts_launches, tensors, options)
+
+
+def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                            w_gate_up_scale, w_down_scale, gate_up_input_scale, down_input_scale, activation,
+                            interleaved, transposed, alpha, limit, tiles, save_preact, fp8_block_shape, fp8_compute,
+                            w_gate_up_scale_layout):
+    """`_fused_experts_impl` in full (tensors first, then options: what `PlanCache.run` calls)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E = w_down.shape[0]
@@ -173,6 +189,7 @@ def _fused_experts_impl(
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx
 
 
+_OPERATOR_PLANS = PlanCache("fused_experts operator")
 _fused_experts_op = custom_op("fused_experts")(_fused_experts_impl)
 # The operator's slots in schema order, read once: the one place that knows where each input sits.
 _EXPERTS_SLOTS = tuple(inspect.signature(_fused_experts_impl).parameters)
@@ -267,7 +284,21 @@ def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights,
                    expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs, *,
                    reuse_preact):
     """The backward operator's work; `reuse_preact` lets the backward write d_preact over `preact`
-    (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`)."""
+    (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`).
+    Planned per signature (`_plan.py`): every training step repeats the same launches."""
+    tensors = (grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
+               expert_offsets, gather_idx, scatter_idx)
+    options = (activation, interleaved, transposed, alpha, limit, tuple(bool(need) for need in needs), reuse_preact)
+    return _BACKWARD_PLANS.run(_experts_grads_launches, tensors, options)
+
+
+_BACKWARD_PLANS = PlanCache("fused_experts backward")
+
+
+def _experts_grads_launches(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                            preact, expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha,
+                            limit, needs, reuse_preact):
+    """`_experts_grads` in full (tensors first, then options)."""
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     experts_backward(
