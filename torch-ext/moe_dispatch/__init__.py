@@ -14,6 +14,7 @@ per expert hit, then down + weighted sum per token); the tile tables choose (til
 
 fp8.py holds the FP8 weight formats (quantizer, checks, the choice of compute path); the grouped GEMMs dequantize
 fp8 weights in their loads, and fp8_gemm.py runs e4m3 activations x e4m3 weights on FP8 tensor cores (w8a8).
+mxfp4.py holds the MXFP4 weight format (e2m1 values with e8m0 scales per 32 along K, as GPT-OSS stores its experts).
 expert_parallel.py wraps the experts path in an all-to-all over torch.distributed (experts sharded over ranks).
 reference.py holds the float64 `<stage>_ref` reference of every public function and the tolerance table (plain
 torch, launches nothing): `moe_dispatch.reference`, what the tests and the Hub benchmark check a kernel against.
@@ -44,9 +45,10 @@ from .expert_parallel import ExpertParallelExperts, ep_fused_experts
 from .fp8 import dequantize_experts_fp8, quantize_experts_fp8
 from .grouped_gemm import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
+from .mxfp4 import dequantize_experts_mxfp4, quantize_experts_mxfp4
 from .routing import moe_router
 # bound by name: hub-loaded packages need explicit attributes
-from . import expert_parallel, fp8, layers, reference, transformers_experts
+from . import expert_parallel, fp8, layers, mxfp4, reference, transformers_experts
 from .transformers_experts import moe_dispatch_experts, register_experts
 
 from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)
@@ -85,4 +87,7 @@ __all__ = [
     # FP8 expert weights (v1.x addition; `fused_experts` takes them with their scales)
     "quantize_experts_fp8",
     "dequantize_experts_fp8",
+    # MXFP4 expert weights (v1.x addition; `fused_experts` takes them with their e8m0 scales)
+    "quantize_experts_mxfp4",
+    "dequantize_experts_mxfp4",
 ]

@@ -439,6 +439,49 @@ def dequantize_fp8_ref(w_fp8, scale, block_shape=(128, 128), *, n_axis=1):
     return out
 
 
+# e2m1 (MXFP4's element type) by 4-bit code: bit 3 the sign, bits 1-2 the exponent (bias 1), bit 0 the mantissa; code
+# 8 is -0.
+E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4_ref(blocks, scale):
+    """float64 MXFP4 weight [E, N, K] (OCP Microscaling, as GPT-OSS stores it): blocks uint8 [E, N, K/32, 16] or
+    [E, N, K/2], two e2m1 codes a byte, the low nibble the even K index; scale uint8 or float8_e8m0fnu [E, N, K/32],
+    code c = 2^(c - 127) for the 32 values of its group along K, c = 255 NaN."""
+    E, N = blocks.shape[:2]
+    packed = blocks.reshape(E, N, -1).to(torch.int64)
+    table = torch.tensor(E2M1_TABLE, dtype=torch.float64, device=blocks.device)
+    values = torch.stack((table[packed % 16], table[packed // 16]), dim=-1).reshape(E, N, -1)
+    codes = (scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale).to(torch.float64)
+    factor = torch.where(codes == 255, float("nan"), 2.0 ** (codes - 127))
+    return values * factor.repeat_interleave(32, dim=-1)
+
+
+def quantize_mxfp4_ref(w):
+    """w [E, N, K] (K a multiple of 32) -> (blocks uint8 [E, N, K/32, 16], scale codes uint8 [E, N, K/32]) by the
+    documented rule, in float64 (exact for weights float32 holds): per group of 32 along K the scale is
+    2^(floor(log2 amax) - 2) clamped to [2^-127, 2^127], each value / scale goes to the nearest e2m1 value (ties to the
+    even code, beyond 6 to 6, the sign kept); an all-zero group gets code 0 and +0 values, a group holding NaN or inf
+    code 255 and zero codes."""
+    E, N, K = w.shape
+    groups = w.to(torch.float64).reshape(E, N, K // 32, 32)
+    finite = torch.isfinite(groups).all(dim=-1)
+    amax = torch.where(torch.isfinite(groups), groups.abs(), 0.0).amax(dim=-1)
+    exponent = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    exponent = torch.where(amax > 0, exponent, -127.0)
+    scaled = groups / 2.0 ** exponent[..., None]
+    table = torch.tensor(E2M1_TABLE[:8], dtype=torch.float64, device=w.device)
+    distance = (scaled.abs().clamp(max=6.0)[..., None] - table).abs()  # [E, N, K/32, 32, 8]; saturated first
+    nearest = distance == distance.amin(dim=-1, keepdim=True)  # one code, or two neighbours at a midpoint
+    even = torch.arange(8, device=w.device) % 2 == 0
+    code = torch.where((nearest & even).any(dim=-1), (nearest & even).int().argmax(dim=-1), nearest.int().argmax(-1))
+    code = code + 8 * torch.signbit(scaled).long()
+    code = torch.where(finite[..., None], code, 0)
+    blocks = (code[..., 0::2] + 16 * code[..., 1::2]).to(torch.uint8)
+    scale = torch.where(finite, exponent + 127, 255.0).to(torch.uint8)
+    return blocks, scale
+
+
 def fused_experts_fp8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weights, *, w_gate_up_scale=None,
                           w_down_scale=None, fp8_block_shape=(128, 128), transposed=False, gate_up_bias=None,
                           down_bias=None, experts_per_chunk=None, **kwargs):
