@@ -46,8 +46,9 @@ import triton.language as tl
 from ._device import smem_per_program
 from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
-from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
-from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
+from .gemm_args import (NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k,
+                        weight_strides)
+from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
                        apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
                        split_pairs, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
@@ -331,14 +332,16 @@ def _decode_down_dot_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + b_rows[:, None].to(tl.int64) * stride_inter_a + (k_begin + offs_k)[None, :]
     # the split's scales start at its first scale block (the launcher makes split_len a multiple of block scales'
-    # K side)
+    # K side, and of MXFP4's 32-value groups, two to a byte)
     s_base = scale_ptr
-    if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK:
+    w_base = w_ptr + k_begin * stride_w_k
+    if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK or WEIGHT_SCALE == SCALE_MXFP4:
         s_base = scale_ptr + (k_begin // scale_block_k) * stride_scale_k
+    if WEIGHT_SCALE == SCALE_MXFP4:
+        w_base = w_ptr + (k_begin // 2) * stride_w_k
     b_acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_rows, mask_n, expert, offs_n, offs_k,
-                               w_ptr + k_begin * stride_w_k, w_ptr + k_begin * stride_w_k, stride_w_e, stride_w_n,
-                               stride_w_k, s_base, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+                               w_base, w_base, stride_w_e, stride_w_n, stride_w_k, s_base, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
                                scale_up_row_offset, scale_block_n, scale_block_k, tl.minimum(split_len, F - k_begin),
                                1, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
     if HAS_BIAS:
@@ -372,7 +375,8 @@ def step_dot(num_tokens, x_dtype, weight_dtype):
     (docs/performance.md, FP8 decode): at T = 4 the fp16 dots took 3-7% off the gate/up kernel of five models, at
     T = 16 1-8%; at T = 1 they added up to 21% (the per-step rescaling of x's 16 padded rows, a reduction across
     the tile, costs more than the conversions it saves when few programs share an SM). T = 2, 3: not measured."""
-    if num_tokens >= F16_DOTS_FROM_TOKENS and x_dtype != torch.float32 and weight_dtype.itemsize == 1:
+    if (num_tokens >= F16_DOTS_FROM_TOKENS and x_dtype != torch.float32 and weight_dtype.itemsize == 1
+            and weight_dtype != torch.uint8):  # float8 only: MXFP4 bytes take their own K loop
         return StepDot.F16_SUMS
     return StepDot.SCALED_TILE
 
@@ -405,7 +409,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         raise ValueError(f"the decode path takes at most {MAX_DECODE_ASSIGNMENTS} assignments, got T * top_k = "
                          f"{num_assignments}")
     E = w_down.shape[0]
-    F = w_down.shape[1] if transposed else w_down.shape[2]
+    F = weight_k(w_down, transposed)
     if paired:
         w_up, up_bias = w_gate, gate_bias
     out = torch.empty((T, H), device=x.device, dtype=x.dtype)

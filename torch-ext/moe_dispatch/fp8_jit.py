@@ -11,8 +11,8 @@ import enum
 import triton
 import triton.language as tl
 
-from .gemm_jit import (ACT_NONE, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight, add_bias,
-                       step_masks)
+from .gemm_jit import (ACT_NONE, NAN_BITS, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight,
+                       add_bias, step_masks)
 
 
 class AQuant(enum.IntEnum):
@@ -41,9 +41,6 @@ OUT_STATIC = tl.constexpr(QuantOut.STATIC.value)
 
 MIN_AMAX = tl.constexpr(1e-10)  # floor of a group's amax: an all-zero group gets a tiny scale, never 0 / 0
 E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN code (with its sign bit: 0xFF); e4m3fn has no inf
-# fp32 NaN as bits: a float NaN constexpr would not equal itself, which Triton's check that every jit function sees
-# one value of a global refuses when compiling for a GPU
-NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit

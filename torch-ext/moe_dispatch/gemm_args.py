@@ -9,10 +9,19 @@ import torch
 from ._device import dot_input_precision, dot_needs_fp32
 from .fp8 import WeightScale
 from .gemm_jit import Activation, WeightScaleCode
+from .mxfp4 import MXFP4_GROUP, is_mxfp4
 from .pdl import pdl_options
 from .tiles import GemmTile
 
 NO_SCALE = WeightScale(None, WeightScaleCode.NONE, (0, 0, 0))  # float weights: the scale arguments unused
+
+
+def weight_k(weight, transposed=False):
+    """K of a per-expert weight used as [E, n, K] ([E, K, n] when `transposed`); MXFP4 bytes [E, n, K / 2] hold two
+    values each."""
+    if transposed:
+        return weight.shape[1]
+    return weight.shape[2] * 2 if is_mxfp4(weight) else weight.shape[2]
 
 
 def weight_strides(weight, transposed):
@@ -86,12 +95,15 @@ def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation, pa
 
 
 def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16):
-    """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K: block scales whose K
+    """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K (MXFP4 weights: at least
+    one 32-value scale group per step): block scales whose K
     side has a power-of-two divisor >= min_block_k take WeightScaleCode.BLOCK_STEP with BLOCK_K narrowed to divide it
     (K steps inside one scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per
     stage, which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
     if ws.code == WeightScaleCode.BLOCK and (ws.block_k & -ws.block_k) >= min_block_k:
         return WeightScaleCode.BLOCK_STEP, min(block_k, ws.block_k & -ws.block_k)
+    if ws.code == WeightScaleCode.MXFP4:  # whole scale groups per K step (tiles' BLOCK_K are powers of two)
+        return ws.code, max(block_k, MXFP4_GROUP)
     return ws.code, block_k
 
 

@@ -47,6 +47,10 @@ class WeightScaleCode(enum.IntEnum):
     # block (BLOCK_K narrowed to divide the block's K side): one [BLOCK_N] scale vector per step, no [BLOCK_K,
     # BLOCK_N] fp32 scale tile in shared memory
     BLOCK_STEP = 4
+    # MXFP4 weights (mxfp4.py): uint8 bytes of two e2m1 values each along K, one e8m0 scale (uint8 code) per 32 K
+    # values (scale_block_k 32); each K step's [BLOCK_N, BLOCK_K / 2] bytes are unpacked, times 2^(code - 127) in
+    # fp32, converted to A's dtype and dotted (`mxfp4_tile_dot`; BLOCK_K a multiple of 32)
+    MXFP4 = 5
 
 
 ACT_NONE = tl.constexpr(Activation.NONE.value)
@@ -56,6 +60,14 @@ SCALE_TENSOR = tl.constexpr(WeightScaleCode.TENSOR.value)
 SCALE_CHANNEL = tl.constexpr(WeightScaleCode.CHANNEL.value)
 SCALE_BLOCK = tl.constexpr(WeightScaleCode.BLOCK.value)
 SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
+SCALE_MXFP4 = tl.constexpr(WeightScaleCode.MXFP4.value)
+MXFP4_GROUP = tl.constexpr(32)  # K values per e8m0 scale (mxfp4.MXFP4_GROUP)
+# fp32 bit patterns: 0.5 (e2m1's subnormal, and the exponent base of its normals), 2^-127 (e8m0 code 0)
+F32_HALF_BITS = tl.constexpr(0x3F000000)
+F32_2_POW_M127_BITS = tl.constexpr(0x00400000)
+# fp32 NaN as bits: a float NaN constexpr would not equal itself, which Triton's check that every jit function sees
+# one value of a global refuses when compiling for a GPU
+NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 class StepDot(enum.IntEnum):
@@ -259,6 +271,74 @@ def f16_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptr
 
 
 @triton.jit
+def e2m1_to_f32(b_codes):
+    """fp32 values of e2m1 codes (the low 4 bits of b_codes, any unsigned int type): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+    their negatives. Built as bits: a normal code (magnitude bits m >= 2: exponent m >> 1, mantissa m & 1) is
+    exponent field (m >> 1) + 126 with the mantissa in fp32's top mantissa bit, i.e. (m << 22) + bits(0.5); m = 1 is
+    0.5 itself, m = 0 zero; the sign bit (bit 3) moves to bit 31."""
+    b_codes = b_codes.to(tl.uint32)
+    b_mag = b_codes & 7
+    b_bits = tl.where(b_mag >= 2, (b_mag << 22) + F32_HALF_BITS, tl.where(b_mag == 1, F32_HALF_BITS, 0))
+    return (b_bits | ((b_codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_to_f32(b_codes):
+    """2^(code - 127) in fp32 of e8m0 scale codes (uint8): code << 23 is the fp32 exponent field for codes 1..254,
+    code 0 is the subnormal 2^-127, 0xFF is NaN."""
+    b_codes = b_codes.to(tl.uint32)
+    b_bits = tl.where(b_codes == 0, F32_2_POW_M127_BITS, tl.where(b_codes == 255, NAN_BITS, b_codes << 23))
+    return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] weight tile in a_dtype from MXFP4 bytes: w_ptrs [BLOCK_N, BLOCK_K / 2] (byte j of a row
+    holds K values 2j (low nibble) and 2j + 1), s_ptrs [BLOCK_N, BLOCK_K / 32] the e8m0 codes of those values;
+    k_left values of K remain from this step on (a multiple of 32), the rest read as zero."""
+    offs_byte = tl.arange(0, BLOCK_K // 2)
+    offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
+    b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] < k_left // 2), other=0)
+    b_codes = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_group[None, :] < k_left // MXFP4_GROUP), other=0)
+    b_values = tl.join(e2m1_to_f32(b_bytes & 15), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_N, BLOCK_K / 2, 2]
+    b_values = tl.reshape(b_values, (b_bytes.shape[0], BLOCK_K // MXFP4_GROUP, MXFP4_GROUP))
+    b_values = b_values * e8m0_to_f32(b_codes)[:, :, None]
+    return tl.trans(tl.reshape(b_values, (b_bytes.shape[0], BLOCK_K)).to(a_dtype))
+
+
+@triton.jit
+def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k,
+                   stride_w_n, stride_w_k, stride_s_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`tile_dot` for MXFP4 weights: w_ptr (w_up_ptr) at the expert's bytes [n, K / 2], s_ptrs (s_up_ptrs) [BLOCK_N]
+    at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_byte = tl.arange(0, BLOCK_K // 2)
+    offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
+    w_offs = offs_n[:, None] * stride_w_n + offs_byte[None, :] * stride_w_k  # [BLOCK_N, BLOCK_K / 2]
+    w_ptrs = w_ptr + w_offs
+    w_up_ptrs = w_up_ptr + w_offs
+    s_offs = offs_group[None, :] * stride_s_k
+    s_tile_ptrs = s_ptrs[:, None] + s_offs  # [BLOCK_N, BLOCK_K / 32]
+    s_up_tile_ptrs = s_up_ptrs[:, None] + s_offs
+    a_dtype = tl.float32 if DOT_FP32 else a_ptrs.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)
+        b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype, BLOCK_K)
+        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_wu = mxfp4_weight_tile(w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0, a_dtype, BLOCK_K)
+            b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += (BLOCK_K // 2) * stride_w_k
+            s_up_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += (BLOCK_K // 2) * stride_w_k
+        s_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
+    return b_acc, b_acc_up
+
+
+@triton.jit
 def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
                     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
@@ -271,16 +351,22 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
     kernel. a_ptrs [rows, BLOCK_K] point at A's k = 0; scale_ptr is None for float weights."""
     # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
     expert_base = expert.to(tl.int64) * stride_w_e
-    w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
     s_ptrs = scale_ptr
     s_up_ptrs = scale_ptr
     if WEIGHT_SCALE != SCALE_NONE:
         s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
                                               scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
-    b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs, w_up_ptr + expert_base + w_offs,
-                               mask_m, mask_n, K, stride_a_k, stride_w_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K,
-                               BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k, scale_block_k, WEIGHT_SCALE, STEP_DOT)
-    b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED, WEIGHT_SCALE)
+    if WEIGHT_SCALE == SCALE_MXFP4:
+        b_acc, b_acc_up = mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base, w_up_ptr + expert_base, s_ptrs,
+                                         s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
+                                         stride_scale_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    else:
+        w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
+        b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs,
+                                   w_up_ptr + expert_base + w_offs, mask_m, mask_n, K, stride_a_k, stride_w_k, GATED,
+                                   DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, s_ptrs, s_up_ptrs, stride_scale_k,
+                                   scale_block_k, WEIGHT_SCALE, STEP_DOT)
+        b_acc, b_acc_up = scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED, WEIGHT_SCALE)
     return b_acc, b_acc_up
 
 

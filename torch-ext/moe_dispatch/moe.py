@@ -32,7 +32,9 @@ from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, che
                   check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
                   input_scale_problems, is_fp8)
 from .fp8_gemm import w8a8_experts
+from .gemm_args import weight_k
 from .grouped_gemm import check_segmented_rows, expert_gemm
+from .mxfp4 import check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
 from .routing import check_router_args, route_with_grad
 from .planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
 from .tiles import DecodeTiles, MoeTiles, tiles_from_list
@@ -102,7 +104,7 @@ def _gate_up_views(w_gate_up, w_up, num_ffn, interleaved, axis):
 
 
 def _ffn_size(w_down, transposed):
-    return w_down.shape[1] if transposed else w_down.shape[2]
+    return weight_k(w_down, transposed)
 
 
 def _fused_experts_impl(
@@ -155,7 +157,8 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     forced = tiles_from_list(tiles) if tiles is not None else None
     float_weights = w_gate_up_scale is None and w_down_scale is None and not (is_fp8(w_gate_up) or is_fp8(w_down))
     plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=forced, save_preact=save_preact,
-                        fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8", transposed=transposed)
+                        fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8", transposed=transposed,
+                        mxfp4=is_mxfp4(w_gate_up))
     fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE),
                     gate_up_input_scale, down_input_scale, fp8_compute, w_gate_up_scale_layout)
     paired &= plan.path is not ExpertsPath.W8A8
@@ -229,6 +232,10 @@ def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed, paired=Fals
     rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset). `paired`: the interleaved weight
     is read whole, column j is row j."""
     gate_up = down = None
+    if fp8.w_gate_up_scale is not None and fp8.w_gate_up_scale.dtype == torch.uint8:  # MXFP4 e8m0 codes
+        # interleaved rows are read whole (paired); concatenated ones as two views, up's rows F further on
+        return (mxfp4_weight_scale(fp8.w_gate_up_scale, up_row_offset=0 if paired else num_ffn),
+                mxfp4_weight_scale(fp8.w_down_scale))
     if fp8.w_gate_up_scale is not None:
         scheme = infer_scheme(fp8.w_gate_up_scale)
         if paired:
@@ -378,10 +385,10 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
     With float8 weights (forward only; `fp8` their scales, its `compute` resolved by planner.choose_fp8_compute)
     every input is detached: the output carries no gradient (warned once)."""
     inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
-    float8 = is_fp8(w_gate_up) or is_fp8(w_down)
+    float8 = is_fp8(w_gate_up) or is_fp8(w_down) or is_mxfp4(w_gate_up)
     if float8:
-        warn_if_gradient_cut("fused_experts with float8 weights", hidden_states=x, topk_weights=topk_weights,
-                             gate_up_bias=gate_up_bias, down_bias=down_bias)
+        warn_if_gradient_cut("fused_experts with quantized (float8 or MXFP4) weights", hidden_states=x,
+                             topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
         x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias = (
             t.detach() if t is not None else None for t in inputs)
         fp8 = (fp8 or Fp8Scales(None, None)).detached()
@@ -419,26 +426,31 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
     w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
     gate_up_bias_name, down_bias_name = "gate_up_bias" + suffix, "down_bias" + suffix
     check_float("hidden_states", hidden_states, min_ndim=1)
+    mxfp4 = is_mxfp4(w_gate_up) or is_mxfp4(w_down)
     for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down)):
-        check_tensor(name, w, ndim=3)
-        if not is_fp8(w):
+        check_tensor(name, w, ndim=None if mxfp4 else 3)
+        if not is_fp8(w) and not mxfp4:
             check_float(name, w)
     check_index("topk_ids", topk_ids, ndim=2)
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES)
     check_choice("activation", activation, EXPERT_ACTIVATIONS)
     H = hidden_states.shape[-1]
-    E = w_gate_up.shape[0]
-    h_axis, f_axis = (1, 2) if transposed else (2, 1)
-    layout = "[E, H, 2F]" if transposed else "[E, 2F, H]"
-    check_dim(w_gate_up_name, w_gate_up, h_axis, H, f"hidden size H of hidden_states, layout {layout}")
-    if w_gate_up.shape[f_axis] % 2:
-        raise ValueError(f"{w_gate_up_name} dimension {f_axis} (2F, layout {layout}) must be even, "
-                         f"got {w_gate_up.shape[f_axis]}")
-    F = w_gate_up.shape[f_axis] // 2
-    check_dim(w_down_name, w_down, 0, E, f"number of experts E of {w_gate_up_name}")
-    down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
-    check_dim(w_down_name, w_down, down_h_axis, H, "hidden size H")
-    check_dim(w_down_name, w_down, down_f_axis, F, f"ffn size F (half of {w_gate_up_name}'s 2F)")
+    if mxfp4:
+        E, F = _check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H, transposed=transposed,
+                                    suffix=suffix, input_scales=(gate_up_input_scale, down_input_scale))
+    else:
+        E = w_gate_up.shape[0]
+        h_axis, f_axis = (1, 2) if transposed else (2, 1)
+        layout = "[E, H, 2F]" if transposed else "[E, 2F, H]"
+        check_dim(w_gate_up_name, w_gate_up, h_axis, H, f"hidden size H of hidden_states, layout {layout}")
+        if w_gate_up.shape[f_axis] % 2:
+            raise ValueError(f"{w_gate_up_name} dimension {f_axis} (2F, layout {layout}) must be even, "
+                             f"got {w_gate_up.shape[f_axis]}")
+        F = w_gate_up.shape[f_axis] // 2
+        check_dim(w_down_name, w_down, 0, E, f"number of experts E of {w_gate_up_name}")
+        down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
+        check_dim(w_down_name, w_down, down_h_axis, H, "hidden size H")
+        check_dim(w_down_name, w_down, down_f_axis, F, f"ffn size F (half of {w_gate_up_name}'s 2F)")
     T = hidden_states.shape[:-1].numel()
     check_dim("topk_ids", topk_ids, 0, T, "number of tokens T")
     if topk_weights.shape != topk_ids.shape:
@@ -452,10 +464,11 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
             check_dim(name, bias, 1, size, "output size of the projection")
     for name, w in ((w_gate_up_name, w_gate_up), (w_down_name, w_down), (gate_up_bias_name, gate_up_bias),
                     (down_bias_name, down_bias)):
-        if not is_fp8(w):
+        if not is_fp8(w) and not is_mxfp4(w):
             _check_weight_dtype(name, w, hidden_states.dtype)
     check_gate_up_scale_layout(w_gate_up_scale_layout, interleaved, w_gate_up_scale)
-    if is_fp8(w_gate_up) or is_fp8(w_down) or w_gate_up_scale is not None or w_down_scale is not None:
+    if not mxfp4 and (is_fp8(w_gate_up) or is_fp8(w_down) or w_gate_up_scale is not None
+                      or w_down_scale is not None):
         block_shape = check_block_shape(fp8_block_shape)
         check_fp8_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, block_shape,
                          n_axis=f_axis, gate_up_layout=w_gate_up_scale_layout)
@@ -470,6 +483,31 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
                          "w_gate_up_scale" + suffix: w_gate_up_scale, "w_down_scale" + suffix: w_down_scale},
                       gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
     return T, H, E, F
+
+
+def _check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H, *, transposed, suffix, input_scales):
+    """MXFP4 expert weights (mxfp4.py: uint8 blocks with e8m0 scales, as checkpoints store them) -> (E, F): both
+    weights MXFP4, [E, 2F, H] and [E, H, F] unpacked, not transposed, no static input scales."""
+    w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
+    for name, w, other in ((w_gate_up_name, w_gate_up, w_down_name), (w_down_name, w_down, w_gate_up_name)):
+        if not is_mxfp4(w):
+            raise TypeError(f"{other} holds MXFP4 blocks (uint8) but {name} has dtype "
+                            f"{str(w.dtype).replace('torch.', '')}; both expert weights must be MXFP4")
+    if transposed:
+        raise ValueError("MXFP4 weights are [E, N, K] with K packed last, as checkpoints store them; transposed=True "
+                         "is not supported for them")
+    if any(scale is not None for scale in input_scales):
+        raise ValueError("gate_up_input_scale / down_input_scale are static activation scales of float8 weights; "
+                         "MXFP4 weights take none (the activations stay in hidden_states' dtype)")
+    check_mxfp4_weight(w_gate_up_name, w_gate_up, "w_gate_up_scale" + suffix, w_gate_up_scale, k=H,
+                       k_source="hidden_states has H")
+    E, two_f = w_gate_up.shape[:2]
+    if two_f % 2:
+        raise ValueError(f"{w_gate_up_name} has {two_f} rows per expert (2F: gate and up) but that must be even")
+    F = two_f // 2
+    check_mxfp4_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, num_experts=E, rows=H, k=F,
+                       rows_source="hidden_states has H", k_source=f"F (half of {w_gate_up_name}'s {two_f} rows) is")
+    return E, F
 
 
 def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
@@ -566,6 +604,14 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
     if tiles is not None and not isinstance(tiles, (MoeTiles, DecodeTiles)):
         raise TypeError(f"tiles must be a MoeTiles, a DecodeTiles or None, got {type(tiles).__name__}")
     x = hidden_states.reshape(T, H)
+    if is_mxfp4(w_gate_up):  # the [E, N, K / 2] byte views and uint8 scale codes the kernels read (no copy)
+        if fp8_compute == "w8a8":
+            raise ValueError("fp8_compute='w8a8' cannot run MXFP4 weights: they are dequantized in the loads "
+                             "(fp8_compute 'auto' or 'dequant')")
+        check_choice("fp8_compute", fp8_compute, ("auto", "dequant"))
+        w_gate_up, w_gate_up_scale = check_mxfp4_weight("w_gate_up", w_gate_up, "w_gate_up_scale", w_gate_up_scale)
+        w_down, w_down_scale = check_mxfp4_weight("w_down", w_down, "w_down_scale", w_down_scale)
+        fp8_compute = "dequant"
     fp8_compute = _choose_fp8_compute(fp8_compute, tiles, x, topk_ids.shape[1], w_gate_up, w_down,
                                       (w_gate_up_scale, w_down_scale), tuple(fp8_block_shape), transposed)
     for name, scale in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):

@@ -25,6 +25,8 @@ import math
 import torch
 
 from ._checks import check_tensor
+from .fp8 import WeightScale
+from .gemm_jit import WeightScaleCode
 
 MXFP4_GROUP = 32  # values per e8m0 scale, consecutive along K
 E2M1_MAX = 6.0  # the largest e2m1 magnitude: 1.5 * 2^2
@@ -111,6 +113,12 @@ def check_mxfp4_weight(name: str, blocks: torch.Tensor, scale_name: str, scale: 
                          f"are never copied per call: store them as the checkpoint does ([E, N, K] with K last)")
     packed = blocks.view(num_experts_w, num_rows, num_k // 2)
     return packed, scale.view(torch.uint8)
+
+
+def mxfp4_weight_scale(scale: torch.Tensor, *, up_row_offset: int = 0) -> WeightScale:
+    """How the GEMMs read the uint8 e8m0 codes [E, N, K/32] of an MXFP4 weight used as [E, n, K] (a view of it:
+    column j is row j, + up_row_offset for the up half of concatenated gate/up rows)."""
+    return WeightScale(scale, WeightScaleCode.MXFP4, scale.stride(), 1, MXFP4_GROUP, 1, up_row_offset)
 
 
 def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

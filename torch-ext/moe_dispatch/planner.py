@@ -73,16 +73,18 @@ class ExpertsPlan:
 
 def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
                  dtype: torch.dtype, *, forced: MoeTiles | DecodeTiles | None = None, save_preact: bool = False,
-                 fp8: bool = False, w8a8: bool = False, transposed: bool = False) -> ExpertsPlan:
+                 fp8: bool = False, w8a8: bool = False, transposed: bool = False, mxfp4: bool = False) -> ExpertsPlan:
     """The path and tiles of one experts call (`fp8`: float8 weights; `w8a8`: on the w8a8 path, already resolved
-    by `fp8_compute`; `transposed`: the weights' layout, which picks the decode down tile). The decode path takes
+    by `fp8_compute`; `transposed`: the weights' layout, and `mxfp4`: MXFP4 weights, which pick the decode down
+    tile). The decode path takes
     inference calls (`save_preact` False, not w8a8) of at most
     MAX_DECODE_ASSIGNMENTS assignments when forced by a DecodeTiles, never when forced by a MoeTiles, and otherwise
     where the device's table has a decode bucket; every other call takes the forced MoeTiles or the table's.
     Not cached: an eager call's plan is recorded with its launches and replayed (_plan.py), torch.compile traces it
     once, and the tests may swap the tables underneath."""
     if not save_preact and not w8a8:
-        decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed)
+        decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed,
+                               mxfp4)
         if decode is not None:
             return ExpertsPlan(ExpertsPath.DECODE, decode)
     if isinstance(forced, MoeTiles):
@@ -135,13 +137,15 @@ def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, h
     return select_tiles(device, rows, 1, num_experts, ffn, hidden, dtype)
 
 
-def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed):
+def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed, mxfp4):
     if num_tokens * top_k > MAX_DECODE_ASSIGNMENTS or isinstance(forced, MoeTiles):
         return None
     if isinstance(forced, DecodeTiles):
+        if mxfp4 and not forced.down.dot:
+            raise ValueError("tiles: the decode down GEMV reads no MXFP4 weights; force a down tile with dot=True")
         return forced
     return select_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8=fp8,
-                               transposed=transposed)
+                               transposed=transposed, mxfp4=mxfp4)
 
 
 def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, schemes, block_shape, transposed, *,

@@ -312,14 +312,26 @@ def transposed_down_decode_tile(num_assignments: int) -> DecodeTile:
     return next(tile for limit, tile in TRANSPOSED_DOWN_DECODE_TILES if limit is None or num_assignments <= limit)
 
 
+# The decode down tile of MXFP4 down weights ([E, H, F / 2] bytes): the dot kernel (the GEMV kernel reads no MXFP4),
+# BLOCK_K 128 (four scale groups, 64 bytes of a row per step); the same split rule as the transposed tiles above. Not
+# tuned: chosen before any measurement.
+MXFP4_DOWN_DECODE_TILES = ((4, DecodeTile(64, 128, num_warps=4, num_stages=3, split_k=2, dot=True)),
+                           (None, DecodeTile(128, 128, num_warps=4, num_stages=3, dot=True)))
+
+
 def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
                         dtype: torch.dtype = torch.bfloat16, *, fp8: bool = False,
-                        transposed: bool = False) -> DecodeTiles | None:
+                        transposed: bool = False, mxfp4: bool = False) -> DecodeTiles | None:
     """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
     `decode` entry, or N = num_tokens * top_k past its last bucket). float8 weights (`fp8`) read the "fp8" section's
-    own `decode` entry (half the weight bytes move the point where the path stops winning). `transposed` weights
-    take the down tile of TRANSPOSED_DOWN_DECODE_TILES for float weights. Host-side arithmetic only."""
-    tiles = _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8)
+    own `decode` entry (half the weight bytes move the point where the path stops winning); MXFP4 weights (`mxfp4`)
+    read it too, with the down tile of MXFP4_DOWN_DECODE_TILES. `transposed` weights take the down tile of
+    TRANSPOSED_DOWN_DECODE_TILES for float weights. Host-side arithmetic only."""
+    tiles = _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8 or mxfp4)
+    if tiles is not None and mxfp4:
+        num_assignments = num_tokens * top_k
+        return DecodeTiles(tiles.gate_up, next(tile for limit, tile in MXFP4_DOWN_DECODE_TILES
+                                               if limit is None or num_assignments <= limit))
     if tiles is None or not transposed or fp8:
         return tiles
     down = transposed_down_decode_tile(num_tokens * top_k)
