@@ -1,0 +1,174 @@
+"""MXFP4 experts through `fused_experts` (mxfp4.py's format, gemm_jit.mxfp4_tile_dot in the loads): every path
+against the float64 reference of the dequantized weights, non-finite values where they must propagate, replays, and
+every bad input refused with the argument named. The CPU suite runs small widths through the interpreter; on a GPU
+the same cases run compiled, and the real GPT-OSS widths too."""
+
+import pytest
+import torch
+from helpers import DEVICE, assert_close, needs_gpu
+
+import moe_dispatch as md
+from moe_dispatch import _plan
+from moe_dispatch.moe import _FUSED_EXPERTS_PLANS
+from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref
+from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
+
+# Forced tiles, so each path runs whatever the device's table says: the decode path (its down GEMM the dot kernel,
+# split in two along F) and the grouped path; BLOCK_K 32 / 64 against K = 96 leaves a masked tail step.
+DECODE = DecodeTiles(DecodeTile(32, 64), DecodeTile(32, 32, split_k=2, dot=True))
+GROUPED = MoeTiles(16, GemmTile(32, 64), GemmTile(32, 32))
+
+
+def _experts(E, H, F, *, T, top_k, dtype=torch.float32, scale_dtype=torch.uint8, bias=True, seed=0):
+    """x, MXFP4 (blocks, scales) of gate/up [E, 2F, H] and down [E, H, F], ids, weights, biases."""
+    torch.manual_seed(seed)
+    x = torch.randn(T, H).to(DEVICE, dtype)
+    gate_up, gate_up_scale = md.quantize_experts_mxfp4(torch.randn(E, 2 * F, H, device=DEVICE) * 0.2,
+                                                       scale_dtype=scale_dtype)
+    down, down_scale = md.quantize_experts_mxfp4(torch.randn(E, H, F, device=DEVICE) * 0.2, scale_dtype=scale_dtype)
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)] or [torch.zeros(0, top_k, dtype=torch.int64)])
+    ids = ids.reshape(T, top_k).to(DEVICE)
+    weights = torch.rand(T, top_k, device=DEVICE)
+    biases = {}
+    if bias:
+        biases = dict(gate_up_bias=(torch.randn(E, 2 * F, device=DEVICE) * 0.1).to(dtype),
+                      down_bias=(torch.randn(E, H, device=DEVICE) * 0.1).to(dtype))
+    return x, (gate_up, gate_up_scale), (down, down_scale), ids, weights, biases
+
+
+def _reference(x, gate_up, down, ids, weights, **kwargs):
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("tiles", "validate")}
+    return fused_experts_ref(x.double(), dequantize_mxfp4_ref(*gate_up), dequantize_mxfp4_ref(*down), ids,
+                             weights.double(), **kwargs)
+
+
+def _run(x, gate_up, down, ids, weights, **kwargs):
+    return md.fused_experts(x, gate_up[0], down[0], ids, weights, w_gate_up_scale=gate_up[1],
+                            w_down_scale=down[1], validate=False, **kwargs)
+
+
+# (id, T, E, top_k, H, F, fused_experts options, why)
+CASES = [
+    ("decode-gpt-oss", 3, 4, 2, 64, 96, dict(tiles=DECODE, activation="swiglu_oai", interleaved=True),
+     "GPT-OSS's layout (interleaved rows read whole) on the decode path; F = 96 leaves a masked K step in the down "
+     "GEMM and its second split"),
+    ("decode-concatenated", 3, 4, 2, 96, 64, dict(tiles=DECODE),
+     "gate rows then up rows (two views, the up scales F rows on), silu; H = 96 a masked K step of gate/up"),
+    ("grouped-gpt-oss", 37, 5, 3, 64, 96, dict(tiles=GROUPED, activation="swiglu_oai", interleaved=True),
+     "the grouped path: dispatch, the pointer GEMMs dequantizing in their loads, combine; prime E, top-3"),
+    ("grouped-concatenated", 37, 5, 2, 96, 64, dict(tiles=GROUPED), "the grouped path on concatenated rows"),
+    ("table", 5, 4, 2, 64, 64, dict(activation="swiglu_oai", interleaved=True), "whatever the device's table picks"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu], ids=["u8", "e8m0"])
+def test_fused_experts_mxfp4_matches_float64(case, scale_dtype, poison_empty):
+    name, T, E, top_k, H, F, options, _ = case
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, scale_dtype=scale_dtype)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    assert_close(out, _reference(x, gate_up, down, ids, weights, **options, **biases), torch.float32)
+
+
+def test_both_block_forms_give_the_same_bits():
+    """[E, N, K/32, 16] blocks and their [E, N, K/2] bytes are one weight."""
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    first = _run(x, gate_up, down, ids, weights, **biases)
+    flat = tuple((blocks.flatten(2), scale) for blocks, scale in (gate_up, down))
+    assert torch.equal(_run(x, *flat[:1], flat[1], ids, weights, **biases), first)
+
+
+@pytest.mark.parametrize("tiles", [DECODE, GROUPED], ids=["decode", "grouped"])
+def test_non_finite_values_propagate(tiles):
+    """A NaN in x makes its token's row NaN and no other; an e8m0 NaN code (0xFF) makes every token routed to that
+    expert NaN and no other; inf in x stays non-finite."""
+    E, H, F, T = 4, 64, 64, 6
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=1, bias=False)
+    ids = torch.tensor([[0], [1], [2], [3], [0], [1]], device=DEVICE)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    gate_up_scale = gate_up[1].clone()
+    gate_up_scale[3, 0, 1] = 0xFF
+    out = _run(x, (gate_up[0], gate_up_scale), down, ids, weights, tiles=tiles)
+    nan_rows = out.isnan().any(dim=1)
+    assert nan_rows[1] and nan_rows[3], "a NaN input or a NaN scale lost"
+    assert not nan_rows[[0, 4, 5]].any(), "NaN reached tokens of other experts"
+    assert not out[2].isfinite().all()
+
+
+def test_replay_gives_each_calls_result():
+    """The second call of a signature replays the first's launches (the byte and scale views included) on new
+    values."""
+    _plan.clear()
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    _run(x, gate_up, down, ids, weights, **biases)
+    x2, gate_up2, down2, _, _, _ = _experts(4, 64, 64, T=3, top_k=2, seed=1)
+    replays = _FUSED_EXPERTS_PLANS.replays
+    out = _run(x2, gate_up2, down2, ids, weights, **biases)
+    assert _FUSED_EXPERTS_PLANS.replays == replays + 1, _FUSED_EXPERTS_PLANS.last_reason
+    assert_close(out, _reference(x2, gate_up2, down2, ids, weights, **biases), torch.float32)
+
+
+def test_no_gradient_reaches_quantized_weights():
+    """Forward only: an input that requires grad gets a warning and an output without a graph."""
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    x.requires_grad_(True)
+    with pytest.warns(UserWarning, match="quantized"):
+        out = _run(x, gate_up, down, ids, weights, **biases)
+    assert not out.requires_grad
+
+
+def _bad(x, gate_up, down, ids, weights, biases, defect):
+    """The call's arguments with one defect."""
+    args = dict(hidden_states=x, w_gate_up=gate_up[0], w_down=down[0], topk_ids=ids, topk_weights=weights,
+                w_gate_up_scale=gate_up[1], w_down_scale=down[1], validate=False, **biases)
+    args.update(defect(args))
+    return args
+
+
+# (id, defect, exception, message pattern)
+BAD_INPUTS = [
+    ("scale-missing", lambda a: dict(w_down_scale=None), ValueError, "w_down_scale is missing"),
+    ("scale-dtype", lambda a: dict(w_gate_up_scale=a["w_gate_up_scale"].float()), TypeError, "w_gate_up_scale"),
+    ("scale-shape", lambda a: dict(w_down_scale=a["w_down_scale"][:, :-1]), ValueError, "w_down_scale has shape"),
+    ("k-not-h", lambda a: dict(hidden_states=torch.randn(3, 96, device=DEVICE)), ValueError, "hidden_states has H"),
+    ("odd-packing", lambda a: dict(w_down=a["w_down"][..., :8]), ValueError, "w_down"),
+    ("down-rows", lambda a: dict(w_down=a["w_down"][:, :32], w_down_scale=a["w_down_scale"][:, :32]), ValueError,
+     "w_down has N = 32 rows"),
+    ("mixed-formats", lambda a: dict(w_down=torch.zeros(4, 64, 64, device=DEVICE), w_down_scale=None), TypeError,
+     "both expert weights must be MXFP4"),
+    ("strided-bytes", lambda a: dict(w_gate_up=torch.zeros(4, 128, 64, dtype=torch.uint8, device=DEVICE)[..., ::2]),
+     ValueError, "contiguous"),
+    ("transposed", lambda a: dict(transposed=True), ValueError, "transposed"),
+    ("w8a8", lambda a: dict(fp8_compute="w8a8"), ValueError, "w8a8"),
+    ("input-scale", lambda a: dict(gate_up_input_scale=torch.ones(1, device=DEVICE)), ValueError,
+     "MXFP4 weights take none"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
+def test_bad_inputs_are_refused_naming_the_argument(case):
+    """Refused on the first call and after a valid call of the same shapes (a planned signature)."""
+    _, defect, error, pattern = case
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    for _ in range(2):
+        with pytest.raises(error, match=pattern):
+            md.fused_experts(**_bad(x, gate_up, down, ids, weights, biases, defect))
+        _run(x, gate_up, down, ids, weights, **biases)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 4, 16, 200, 2048], ids=lambda T: f"T{T}")
+def test_gpt_oss_width_on_the_gpu(T):
+    """GPT-OSS-20B's widths (E 32, top-4, H = F = 2880) in bf16 through whatever the tables pick (decode up to the
+    decode bucket, then the grouped path) against float64 on the dequantized weights, rows sampled."""
+    E, H, F, top_k = 32, 2880, 2880, 4
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
+    weights = torch.softmax(torch.randn(T, top_k, device=DEVICE), dim=-1)
+    options = dict(activation="swiglu_oai", interleaved=True)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    rows = torch.arange(0, T, max(1, T // 64), device=DEVICE)
+    ref = _reference(x[rows], gate_up, down, ids[rows], weights[rows], **options,
+                     **{k: v.double() for k, v in biases.items()})
+    assert_close(out[rows], ref, torch.bfloat16)
+
