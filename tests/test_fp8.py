@@ -895,3 +895,34 @@ def test_quantize_bad_inputs():
     q, scale = quantize_experts_fp8(w, "channel")
     with pytest.raises(ValueError, match="scheme='block'"):
         dequantize_experts_fp8(q, scale, "block")
+
+
+# (id, fused_experts options, why)
+E8M0_PATHS = [
+    ("dequant-grouped", dict(fp8_compute="dequant", tiles=MoeTiles(16, GemmTile(32, 32), GemmTile(32, 32))),
+     "the grouped GEMMs' per-element block scales (BLOCK_STEP)"),
+    ("dequant-decode", dict(fp8_compute="dequant", tiles=DECODE), "the decode gate/up kernel and the down GEMV"),
+    ("dequant-decode-dot", dict(fp8_compute="dequant", tiles=DECODE_DOT), "the decode down dot kernel"),
+    ("auto", {}, "w8a8 where the device has FP8 tensor cores (its block scales per K step), else dequant"),
+]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("path", E8M0_PATHS, ids=lambda p: p[0])
+def test_e8m0_weight_scales_read_as_their_fp32_values(path, scheme):
+    """float8_e8m0fnu scales (powers of two, UE8M0 checkpoints) give the bits the same scales in float32 give, on
+    every path, and the e8m0 NaN code makes the rows of that expert NaN."""
+    _, options, _ = path
+    q_gate_up, q_down, scales = _fp8_experts(scheme, block_shape=(16, 32))
+    e8m0 = {k: (v.to(torch.float8_e8m0fnu) if k.endswith("_scale") else v) for k, v in scales.items()}
+    as_fp32 = {k: (v.float() if k.endswith("_scale") else v) for k, v in e8m0.items()}
+    x = torch.randn(4, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(4), torch.rand(4, TOP_K, device=DEVICE)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, **e8m0, **options)
+    assert torch.equal(out, md.fused_experts(x, q_gate_up, q_down, ids, weights, **as_fp32, **options))
+    poisoned = e8m0["w_down_scale"].view(torch.uint8).clone()
+    poisoned[int(ids[0, 0])] = 0xFF
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, **{**e8m0, "w_down_scale": poisoned.view(
+        torch.float8_e8m0fnu)}, **options)
+    hit = (ids == ids[0, 0]).any(dim=1)
+    assert out[hit].isnan().all() and not out[~hit].isnan().any()

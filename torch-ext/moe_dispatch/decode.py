@@ -48,9 +48,9 @@ from ._host_math import cdiv, next_power_of_2
 from .pdl import pdl_options, release_dependents, wait_for_producer
 from .gemm_args import (NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k,
                         weight_strides)
-from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, WeightScaleCode, add_bias,
-                       apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
-                       split_pairs, weight_scale_ptrs)
+from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, WeightScaleCode,
+                       add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact,
+                       scale_sums, scale_values, split_pairs, weight_scale_ptrs)
 from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from ._plan import launch
 
@@ -221,7 +221,8 @@ def _decode_down_kernel(
                 b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
             if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
-                b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n, other=0.0)
+                b_step *= scale_values(tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n,
+                                               other=0))
             b_y += b_step
             row_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_w_k
@@ -341,8 +342,8 @@ def _decode_down_dot_kernel(
         w_base = w_ptr + (k_begin // 2) * stride_w_k
     b_acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_rows, mask_n, expert, offs_n, offs_k,
-                               w_base, w_base, stride_w_e, stride_w_n, stride_w_k, s_base, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
-                               scale_up_row_offset, scale_block_n, scale_block_k, tl.minimum(split_len, F - k_begin),
+                               w_base, w_base, stride_w_e, stride_w_n, stride_w_k, s_base, stride_scale_e,
+                               stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k, tl.minimum(split_len, F - k_begin),
                                1, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
     if HAS_BIAS:
         if split == 0:

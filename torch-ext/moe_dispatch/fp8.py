@@ -49,6 +49,9 @@ from ._device import has_fp8_tensor_cores, is_hip
 from .gemm_jit import WeightScaleCode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# Scales of float8 weights: fp32, or e8m0 powers of two (DeepSeek-V3.1-style UE8M0 checkpoints, DeepGEMM), which the
+# kernels read as their uint8 codes (`kernel_scale`, gemm_jit.scale_values)
+WEIGHT_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 SCHEMES = ("block", "channel", "tensor")
 # The WEIGHT_SCALE code of each scheme (gemm_jit.WeightScaleCode; float weights have NONE).
 SCHEME_CODES = {"tensor": WeightScaleCode.TENSOR, "channel": WeightScaleCode.CHANNEL, "block": WeightScaleCode.BLOCK}
@@ -110,8 +113,8 @@ def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: to
         return None
     if scale is None:
         raise ValueError(f"{name} is {weight.dtype} but {scale_name} is missing: float8 weights need their fp32 scales")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"{scale_name} must be float32 (w ≈ w_fp8 * scale), got {scale.dtype}")
+    if scale.dtype not in WEIGHT_SCALE_DTYPES:
+        raise TypeError(f"{scale_name} must be float32 or float8_e8m0fnu (w ≈ w_fp8 * scale), got {scale.dtype}")
     scheme = infer_scheme(scale)
     if scheme == "unknown":
         raise ValueError(f"{scale_name} must have 1 (tensor), 2 (channel) or 3 (block) dimensions, got shape "
@@ -189,6 +192,13 @@ class WeightScale:
             return cls(scale, SCHEME_CODES[scheme], (scale.stride(0), scale.stride(1), 0), 1, 1, row_step,
                        up_row_offset)
         return cls(scale, SCHEME_CODES[scheme], (scale.stride(0), 0, 0))
+
+
+def kernel_scale(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight scale as the kernels take it: float32 as it is, float8_e8m0fnu as its uint8 codes (a view)."""
+    if scale is not None and scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    return scale
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .gemm_jit import (ACT_NONE, NAN_BITS, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight,
-                       add_bias, step_masks)
+                       add_bias, scale_values, step_masks)
 
 
 class AQuant(enum.IntEnum):
@@ -155,11 +155,11 @@ def load_block_scale(base, offs, mask_n, WEIGHT_SCALE: tl.constexpr, UNIFORM: tl
     if WEIGHT_SCALE != SCALE_BLOCK:
         return 1.0
     elif UNIFORM:
-        return tl.load(base + offs)
+        return scale_values(tl.load(base + offs))
     elif SWAP_AB:
-        return tl.load(base + offs, mask=mask_n, other=0.0)[:, None]
+        return scale_values(tl.load(base + offs, mask=mask_n, other=0))[:, None]
     else:
-        return tl.load(base + offs, mask=mask_n, other=0.0)[None, :]
+        return scale_values(tl.load(base + offs, mask=mask_n, other=0))[None, :]
 
 
 @triton.jit
@@ -222,10 +222,10 @@ def w8a8_epilogue(b_acc, b_acc_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n
     routing weight, and the masked store of the C tile in QUANT_OUT's form (rows outside mask_m never written)."""
     if WEIGHT_SCALE == SCALE_TENSOR or WEIGHT_SCALE == SCALE_CHANNEL:  # (stride_s_n = 0 per tensor) after the loop
         scale_rows = offs_n * scale_row_step
-        b_acc *= tl.load(s_base + scale_rows * stride_s_n, mask=mask_n, other=0.0)[None, :]
+        b_acc *= scale_values(tl.load(s_base + scale_rows * stride_s_n, mask=mask_n, other=0))[None, :]
         if ACTIVATION != ACT_NONE:
-            b_acc_up *= tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_s_n, mask=mask_n,
-                                other=0.0)[None, :]
+            b_acc_up *= scale_values(tl.load(s_base + (scale_rows + scale_up_row_offset) * stride_s_n, mask=mask_n,
+                                             other=0))[None, :]
     if A_QUANT == A_STATIC or A_QUANT == A_FP8_STATIC:
         b_acc *= a_static
         b_acc_up *= a_static

@@ -34,7 +34,7 @@ from ._host_math import cdiv
 from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
 from .fp8_jit import A_FP8_GROUPS, A_FP8_STATIC, block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 from .gemm_args import GemmWeights, routing_args, scale_args
-from .gemm_jit import ACT_NONE, SCALE_BLOCK, tile_coords, tile_rows, tile_setup_at
+from .gemm_jit import ACT_NONE, SCALE_BLOCK, scale_values, tile_coords, tile_rows, tile_setup_at
 from .pdl import wait_for_producer
 from .persistent_gemm import num_programs, weight_descriptors
 from ._plan import launch
@@ -69,10 +69,11 @@ def paired_block_scale(s_step, s_offs, s_up_offs, mask_n, WEIGHT_SCALE: tl.const
             is_gate = offs_pair < BLOCK_N
         else:
             is_gate = offs_pair % 2 == 0
-        b_scale = tl.where(is_gate, tl.load(s_step + s_offs), tl.load(s_step + s_up_offs))[None, :]
+        b_scale = tl.where(is_gate, scale_values(tl.load(s_step + s_offs)),
+                           scale_values(tl.load(s_step + s_up_offs)))[None, :]
     else:
-        b_pair = tl.join(tl.load(s_step + s_offs, mask=mask_n, other=0.0),
-                         tl.load(s_step + s_up_offs, mask=mask_n, other=0.0))  # [BLOCK_N, 2]
+        b_pair = tl.join(scale_values(tl.load(s_step + s_offs, mask=mask_n, other=0)),
+                         scale_values(tl.load(s_step + s_up_offs, mask=mask_n, other=0)))  # [BLOCK_N, 2]
         if PAIRING == PAIR_CONCAT:
             b_pair = tl.permute(b_pair, (1, 0))
         b_scale = tl.reshape(b_pair, (2 * BLOCK_N,))[None, :]

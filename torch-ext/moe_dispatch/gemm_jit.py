@@ -146,6 +146,16 @@ def gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K: tl.constexp
 
 
 @triton.jit
+def scale_values(b_scale):
+    """fp32 weight scales as loaded: float32 as they are, e8m0 codes (uint8: float8_e8m0fnu scales, passed as their
+    uint8 view) as 2^(code - 127) (`e8m0_to_f32`)."""
+    if b_scale.dtype == tl.uint8:
+        return e8m0_to_f32(b_scale)
+    else:
+        return b_scale
+
+
+@triton.jit
 def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, scale_block_k, a_ptrs,
                      DOT_FP32: tl.constexpr, WEIGHT_SCALE: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile ready for the dot with A: fp8 tiles converted to A's dtype, block-scaled
@@ -154,10 +164,11 @@ def load_weight_tile(w_ptrs, w_mask, mask_n, s_ptrs, k0, offs_k, stride_s_k, sca
     vector per step; BLOCK loads a scale per element (any block shape)."""
     b_w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if WEIGHT_SCALE == SCALE_BLOCK_STEP:
-        b_s = tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)
+        b_s = scale_values(tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0))
         b_w = (b_w.to(tl.float32) * b_s[None, :]).to(a_ptrs.dtype.element_ty)
     elif WEIGHT_SCALE == SCALE_BLOCK:
-        b_s = tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask, other=0.0)
+        b_s = scale_values(tl.load(s_ptrs[None, :] + (offs_k // scale_block_k)[:, None] * stride_s_k, mask=w_mask,
+                                   other=0))
         b_w = (b_w.to(tl.float32) * b_s).to(a_ptrs.dtype.element_ty)
     elif WEIGHT_SCALE != SCALE_NONE:
         b_w = b_w.to(a_ptrs.dtype.element_ty)
@@ -188,9 +199,9 @@ def scale_sums(b_acc, b_acc_up, s_ptrs, s_up_ptrs, mask_n, GATED: tl.constexpr, 
     """Per-tensor (stride_scale_n = 0) and per-channel scales (WEIGHT_SCALE TENSOR, CHANNEL) multiply the
     [.., BLOCK_N] sums once after the K loop; other codes return them as they are."""
     if WEIGHT_SCALE == SCALE_TENSOR or WEIGHT_SCALE == SCALE_CHANNEL:
-        b_acc *= tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        b_acc *= scale_values(tl.load(s_ptrs, mask=mask_n, other=0))[None, :]
         if GATED:
-            b_acc_up *= tl.load(s_up_ptrs, mask=mask_n, other=0.0)[None, :]
+            b_acc_up *= scale_values(tl.load(s_up_ptrs, mask=mask_n, other=0))[None, :]
     return b_acc, b_acc_up
 
 
@@ -259,13 +270,14 @@ def f16_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptr
     b_w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float16)
     b_step = tl.dot(b_a, b_w) * b_row_scale
     if WEIGHT_SCALE == SCALE_BLOCK_STEP:
-        b_step *= tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
+        b_step *= scale_values(tl.load(s_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0))[None, :]
     b_acc += b_step
     if GATED:
         b_wu = tl.load(w_up_ptrs, mask=w_mask, other=0.0).to(tl.float16)
         b_step_up = tl.dot(b_a, b_wu) * b_row_scale
         if WEIGHT_SCALE == SCALE_BLOCK_STEP:
-            b_step_up *= tl.load(s_up_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n, other=0.0)[None, :]
+            b_step_up *= scale_values(tl.load(s_up_ptrs + (k0 // scale_block_k) * stride_s_k, mask=mask_n,
+                                              other=0))[None, :]
         b_acc_up += b_step_up
     return b_acc, b_acc_up
 

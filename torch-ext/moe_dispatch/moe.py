@@ -30,7 +30,7 @@ from .dispatch import dispatch, segment_dispatch
 from .experts_backward import ExpertsGrads, experts_backward
 from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
                   check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
-                  input_scale_problems, is_fp8)
+                  input_scale_problems, is_fp8, kernel_scale)
 from .fp8_gemm import w8a8_experts
 from .gemm_args import weight_k
 from .grouped_gemm import check_segmented_rows, expert_gemm
@@ -159,10 +159,11 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=forced, save_preact=save_preact,
                         fp8=not float_weights, w8a8=not float_weights and fp8_compute == "w8a8", transposed=transposed,
                         mxfp4=is_mxfp4(w_gate_up))
-    fp8 = Fp8Scales(w_gate_up_scale, w_down_scale, tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE),
-                    gate_up_input_scale, down_input_scale, fp8_compute, w_gate_up_scale_layout)
+    fp8 = Fp8Scales(kernel_scale(w_gate_up_scale), kernel_scale(w_down_scale),
+                    tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE), gate_up_input_scale, down_input_scale,
+                    fp8_compute, w_gate_up_scale_layout)
     paired &= plan.path is not ExpertsPath.W8A8
-    gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired)
+    gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired, mxfp4=is_mxfp4(w_gate_up))
     if paired:
         w_gate, w_up, gate_bias, up_bias = w_gate_up, None, gate_up_bias, None
     if plan.path is ExpertsPath.DECODE:
@@ -226,13 +227,13 @@ def _no_backward_outputs(x):
     return x.new_empty((0,)), torch.empty(0, **index), torch.empty(0, **index), torch.empty(0, **index)
 
 
-def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed, paired=False):
+def _weight_scales(fp8: Fp8Scales, num_ffn, interleaved, transposed, paired=False, mxfp4=False):
     """fp8.WeightScale of each GEMM (None for a float weight). The gate and up views of w_gate_up read the one scale
     tensor of the unsplit weight: view column j is row 2j (+1 for up) interleaved, j (+F for up) concatenated (+F
     rounded up to whole blocks for "merged" block scales: fp8.gate_up_row_offset). `paired`: the interleaved weight
-    is read whole, column j is row j."""
+    is read whole, column j is row j. `mxfp4`: MXFP4 weights, their scales uint8 e8m0 codes."""
     gate_up = down = None
-    if fp8.w_gate_up_scale is not None and fp8.w_gate_up_scale.dtype == torch.uint8:  # MXFP4 e8m0 codes
+    if mxfp4:
         # interleaved rows are read whole (paired); concatenated ones as two views, up's rows F further on
         return (mxfp4_weight_scale(fp8.w_gate_up_scale, up_row_offset=0 if paired else num_ffn),
                 mxfp4_weight_scale(fp8.w_down_scale))

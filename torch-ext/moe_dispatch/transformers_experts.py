@@ -50,6 +50,7 @@ static scheme without its fp32 activation scales, gates other than SiLU or GPT-O
 """
 
 import functools
+import os
 import sys
 import types
 import weakref
@@ -60,6 +61,7 @@ import torch
 from ._checks import check_tensor
 from .fp8 import FP8_DTYPES
 from .moe import fused_experts
+from .mxfp4 import E8M0_NAN, MXFP4_GROUP, dequantize_experts_mxfp4, quantize_experts_mxfp4
 
 EXPERTS_IMPLEMENTATION = "moe_dispatch"
 """Default name under which `register_experts` puts `moe_dispatch_experts` in transformers' `ExpertsInterface`."""
@@ -201,6 +203,35 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     return options
 
 
+def mxfp4_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
+    """`fused_experts` keyword arguments for an `Mxfp4Experts`-style module (GPT-OSS's MXFP4 checkpoint tensors under
+    their names: `gate_up_proj_blocks` / `down_proj_blocks` uint8 with `gate_up_proj_scales` / `down_proj_scales`,
+    optional `gate_up_proj_bias` / `down_proj_bias`, the clamped SwiGLU's `alpha` and `limit`); the blocks themselves
+    are `fused_experts`' weight arguments. Shapes are `fused_experts`' to check; a missing tensor or another dtype
+    raises `NotImplementedError` naming the attribute."""
+    options = {"activation": "swiglu_oai", "interleaved": True}  # GPT-OSS: gate and up rows alternate, gate first
+    for name, key in (("gate_up_proj", "w_gate_up_scale"), ("down_proj", "w_down_scale")):
+        blocks, scales = getattr(experts, f"{name}_blocks", None), getattr(experts, f"{name}_scales", None)
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8:
+            what = getattr(blocks, "dtype", type(blocks).__name__)
+            raise NotImplementedError(f"moe_dispatch cannot run {type(experts).__name__}: `{name}_blocks` is {what}; "
+                                      f"uint8 MXFP4 blocks expected")
+        if not isinstance(scales, torch.Tensor):
+            raise NotImplementedError(f"moe_dispatch cannot run {type(experts).__name__}: `{name}_scales` (the e8m0 "
+                                      f"scales of `{name}_blocks`) is missing")
+        options[key] = scales
+    for name in ("alpha", "limit"):
+        if not isinstance(getattr(experts, name, None), (int, float)):
+            raise NotImplementedError(f"moe_dispatch cannot run {type(experts).__name__}: its clamped SwiGLU's "
+                                      f"`{name}` is missing")
+    options["swiglu_alpha"], options["swiglu_limit"] = float(experts.alpha), float(experts.limit)
+    for name, key in (("gate_up_proj_bias", "gate_up_bias"), ("down_proj_bias", "down_bias")):
+        bias = getattr(experts, name, None)
+        if bias is not None:
+            options[key] = bias
+    return options
+
+
 def _gate_up_scale_layout(weight, scale, block_size, transposed, interleaved) -> str:
     """"merged" or "fused": the layout transformers gave `gate_up_proj_scale_inv` (module docstring). Interleaved
     rows take "fused" (scales of the weight as stored: transformers merges separate projections by concatenating them),
@@ -219,8 +250,23 @@ def _is_fp8_experts(experts) -> bool:
     return hasattr(experts, "gate_up_proj_scale_inv")
 
 
-# id(module) -> (ids, kept, options, is_fp8, weakref): what `fused_experts_options` / `fp8_experts_options` found
-# for a module, valid while what they read is unchanged. Reading a module's parameters and flags through
+def _is_mxfp4_experts(experts) -> bool:
+    """An `Mxfp4Experts`-style module: GPT-OSS's MXFP4 tensors under the checkpoint's names (`*_blocks`, `*_scales`)."""
+    return hasattr(experts, "gate_up_proj_blocks")
+
+
+def _options_of(experts) -> tuple[dict[str, Any], str]:
+    """(the `fused_experts` keyword arguments of `experts`, its kind: "mxfp4", "fp8" or "float"); raises for what
+    cannot run."""
+    if _is_mxfp4_experts(experts):
+        return mxfp4_experts_options(experts), "mxfp4"
+    if _is_fp8_experts(experts):
+        return fp8_experts_options(experts), "fp8"
+    return fused_experts_options(experts), "float"
+
+
+# id(module) -> (ids, kept, options, kind, weakref): what `_options_of` found for a module, valid while what it read
+# is unchanged. Reading a module's parameters and flags through
 # nn.Module.__getattr__ costs about as much host time as the rest of an eager decode call.
 _OPTIONS = {}
 # what an entry keeps alive: not the module's containers or bound methods (hooks and methods refer to the module)
@@ -245,7 +291,7 @@ def _forget(key, _ref):
 
 
 def _experts_options(experts) -> tuple:
-    """(options, is_fp8) of `experts`, from the cache when nothing they are read from has changed (same ids). The
+    """(options, kind) of `experts`, from the cache when nothing they are read from has changed (same ids). The
     entry keeps every compared object alive but the module's own containers (hooks may refer to the module, which
     must stay collectable), so a changed attribute cannot reuse its predecessor's id; it is dropped when the module
     dies."""
@@ -255,12 +301,11 @@ def _experts_options(experts) -> tuple:
     cached = _OPTIONS.get(key)
     if cached is not None and cached[0] == ids:
         return cached[2], cached[3]
-    is_fp8 = _is_fp8_experts(experts)
-    options = fp8_experts_options(experts) if is_fp8 else fused_experts_options(experts)
+    options, kind = _options_of(experts)
     kept = tuple(v for v in read if isinstance(v, _KEPT))
     ref = cached[4] if cached is not None else weakref.ref(experts, functools.partial(_forget, key))
-    _OPTIONS[key] = (ids, kept, options, is_fp8, ref)
-    return options, is_fp8
+    _OPTIONS[key] = (ids, kept, options, kind, ref)
+    return options, kind
 
 
 def moe_dispatch_experts(
@@ -273,25 +318,27 @@ def moe_dispatch_experts(
 
     `top_k_weights` may be float32 (Mixtral, DeepSeek-V3) or the model dtype; ids >= E contribute nothing.
     `FP8Experts` modules (FP8 checkpoints) run with their float8 weights and scales (w8a8 on FP8 tensor cores where
-    the device has them), activations in and out in their own dtype.
+    the device has them), activations in and out in their own dtype. `Mxfp4Experts` modules (GPT-OSS MXFP4
+    checkpoints) run with their uint8 blocks and scales as stored, activations in their biases' dtype.
     """
     # checked by their names here: fused_experts calls them topk_ids and topk_weights
     for name, tensor in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                          ("top_k_weights", top_k_weights)):
         check_tensor(name, tensor)
     if torch.compiler.is_compiling():  # traced: no host-side cache (dynamo would guard on it)
-        options, is_fp8 = (fp8_experts_options(self), True) if _is_fp8_experts(self) else (
-            fused_experts_options(self), False)
+        options, kind = _options_of(self)
     else:
-        options, is_fp8 = _experts_options(self)
-    x = hidden_states
-    weight_dtype = self.gate_up_proj.dtype
+        options, kind = _experts_options(self)
+    if kind == "mxfp4":
+        w_gate_up, w_down = self.gate_up_proj_blocks, self.down_proj_blocks
+        bias = options.get("gate_up_bias")
+        compute_dtype = hidden_states.dtype if bias is None else bias.dtype
+    else:
+        w_gate_up, w_down = self.gate_up_proj, self.down_proj
+        compute_dtype = hidden_states.dtype if kind == "fp8" else w_gate_up.dtype
     # Mixed precision (autocast, an fp32 residual stream) can hand fp32 activations to half-precision experts.
-    if not is_fp8 and x.dtype != weight_dtype:
-        x = x.to(weight_dtype)
-    out = fused_experts(
-        x, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, validate=False, **options
-    )
+    x = hidden_states if hidden_states.dtype == compute_dtype else hidden_states.to(compute_dtype)
+    out = fused_experts(x, w_gate_up, w_down, top_k_index, top_k_weights, validate=False, **options)
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
 
@@ -315,3 +362,304 @@ def register_experts(name: str = EXPERTS_IMPLEMENTATION) -> str:
         return name
     FP8ExpertsInterface.register(name, moe_dispatch_experts)
     return name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GPT-OSS MXFP4 checkpoints: the experts as stored, loaded through a quantization method of transformers' registry
+
+MXFP4_QUANT_METHOD = "moe_dispatch_mxfp4"
+"""The `quant_method` `register_mxfp4` adds to transformers' quantization registry (config and quantizer)."""
+
+# What GPT-OSS hub checkpoints keep unquantized (their config.json's `modules_to_not_convert`): written back on save.
+_GPT_OSS_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+
+
+class Mxfp4Experts(torch.nn.Module):
+    """GPT-OSS's routed experts holding an MXFP4 checkpoint's tensors as stored, run by `fused_experts`.
+
+    Parameters, named as the checkpoint names them under `model.layers.N.mlp.experts.` (E experts, H hidden, F ffn;
+    mxfp4.py describes the format)::
+
+        gate_up_proj_blocks  uint8 [E, 2F, H/32, 16]  e2m1 pairs; gate and up rows alternate, gate first
+        gate_up_proj_scales  uint8 [E, 2F, H/32]      e8m0 codes: 2^(code - 127) per 32 values along H
+        gate_up_proj_bias    [E, 2F]                  in the activations' dtype
+        down_proj_blocks     uint8 [E, H, F/32, 16]
+        down_proj_scales     uint8 [E, H, F/32]
+        down_proj_bias       [E, H]
+
+    `alpha` and `limit` are the clamped SwiGLU's (`config.swiglu_alpha`, `config.swiglu_limit`, as `GptOssExperts`
+    reads them). `forward(hidden_states [T, H], router_indices [T, k], routing_weights [T, k]) -> [T, H]` has
+    `GptOssExperts`' signature, so the module takes the place of `GptOssMLP.experts` under the model's own router;
+    activations are cast to the biases' dtype and back. Inference only: no gradient reaches the weights. Built with
+    `device="meta"` it allocates nothing (what the loader fills).
+    """
+
+    def __init__(self, config: Any, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        num_experts, hidden, ffn = config.num_local_experts, config.hidden_size, config.intermediate_size
+        for name, size in (("hidden_size", hidden), ("intermediate_size", ffn)):
+            if size % MXFP4_GROUP:
+                raise ValueError(f"config.{name} = {size}: MXFP4 experts need it a multiple of {MXFP4_GROUP} (one "
+                                 f"scale per {MXFP4_GROUP} values)")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden, ffn
+        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        blocks = dict(dtype=torch.uint8, device=device)
+        bias = dict(dtype=dtype or torch.get_default_dtype(), device=device)
+
+        def frozen(tensor):
+            return torch.nn.Parameter(tensor, requires_grad=False)
+
+        self.gate_up_proj_blocks = frozen(torch.empty(num_experts, 2 * ffn, hidden // MXFP4_GROUP, 16, **blocks))
+        self.gate_up_proj_scales = frozen(torch.empty(num_experts, 2 * ffn, hidden // MXFP4_GROUP, **blocks))
+        self.gate_up_proj_bias = frozen(torch.empty(num_experts, 2 * ffn, **bias))
+        self.down_proj_blocks = frozen(torch.empty(num_experts, hidden, ffn // MXFP4_GROUP, 16, **blocks))
+        self.down_proj_scales = frozen(torch.empty(num_experts, hidden, ffn // MXFP4_GROUP, **blocks))
+        self.down_proj_bias = frozen(torch.empty(num_experts, hidden, **bias))
+
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        return moe_dispatch_experts(self, hidden_states, router_indices, routing_weights)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, alpha={self.alpha}, limit={self.limit}")
+
+
+def _gpt_oss_blocks(model) -> list:
+    """The `GptOssMLP` modules of `model`."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    return [module for module in model.modules() if isinstance(module, GptOssMLP)]
+
+
+@functools.cache
+def _mxfp4_quantization_classes() -> tuple[type, type]:
+    """(config class, quantizer class) of `MXFP4_QUANT_METHOD`, made once (they subclass transformers' bases)."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class MoeDispatchMxfp4Config(QuantizationConfigMixin):
+        """A GPT-OSS MXFP4 checkpoint (`quant_method: "mxfp4"` on the Hub) whose experts load as stored into
+        `Mxfp4Experts`. Serialised as the Hub's own MXFP4 config: a saved model is a stock MXFP4 checkpoint."""
+
+        def __init__(self, modules_to_not_convert: list[str] | None = None, **kwargs):
+            self.quant_method = MXFP4_QUANT_METHOD
+            self.modules_to_not_convert = modules_to_not_convert
+
+        def to_dict(self) -> dict[str, Any]:
+            return {"quant_method": "mxfp4", "modules_to_not_convert": self.modules_to_not_convert}
+
+    class MoeDispatchMxfp4Quantizer(HfQuantizer):
+        """Loads pre-quantized GPT-OSS MXFP4 checkpoints: each `GptOssMLP.experts` becomes an `Mxfp4Experts` on the
+        meta device before the weights are read, so the checkpoint's blocks, scales and biases load 1:1 into
+        parameters of the same names (uint8 kept as uint8, biases cast once to the model dtype). Needs nothing but
+        transformers: no accelerate, no `kernels`, no Hub kernel."""
+
+        requires_calibration = True  # pre-quantized checkpoints only
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            config = model.config.get_text_config()
+            blocks = _gpt_oss_blocks(model)
+            if not blocks:
+                raise NotImplementedError(f"{MXFP4_QUANT_METHOD} loads GPT-OSS checkpoints (GptOssMLP blocks); "
+                                          f"{type(model).__name__} has none")
+            for block in blocks:
+                block.experts = Mxfp4Experts(config, device="meta", dtype=block.experts.gate_up_proj_bias.dtype)
+            return model
+
+        def _dequantize(self, model, dtype=None):
+            return _dequantize_gpt_oss_experts(model, dtype)
+
+        def is_serializable(self) -> bool:
+            return True
+
+        @property
+        def is_trainable(self) -> bool:
+            return False
+
+    return MoeDispatchMxfp4Config, MoeDispatchMxfp4Quantizer
+
+
+def register_mxfp4() -> str:
+    """Register `MXFP4_QUANT_METHOD` ("moe_dispatch_mxfp4") in transformers' quantization registry (its config class
+    and quantizer) and return the name. Loading a GPT-OSS MXFP4 checkpoint whose config names it (what
+    `from_pretrained_mxfp4` arranges) puts `Mxfp4Experts` in every MoE block, filled with the checkpoint's tensors
+    as stored. Registering again replaces the entry (the local package and a `kernels.get_kernel` copy may both
+    register; the last one wins)."""
+    from transformers.quantizers import auto
+
+    config_class, quantizer_class = _mxfp4_quantization_classes()
+    # The registry's own dicts: transformers' register_* decorators refuse a second registration of a name.
+    auto.AUTO_QUANTIZATION_CONFIG_MAPPING[MXFP4_QUANT_METHOD] = config_class
+    auto.AUTO_QUANTIZER_MAPPING[MXFP4_QUANT_METHOD] = quantizer_class
+    return MXFP4_QUANT_METHOD
+
+
+# from_pretrained keyword arguments that say where the config comes from
+_CONFIG_SOURCE_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder",
+                         "token", "trust_remote_code")
+
+
+def from_pretrained_mxfp4(pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,
+                          model_class: Any = None, config: Any = None, **kwargs: Any) -> Any:
+    """Load a GPT-OSS MXFP4 checkpoint (a Hub repository or a local folder whose config says `quant_method: "mxfp4"`,
+    e.g. openai/gpt-oss-120b) with its experts as stored, run by this package; returns the model.
+
+    One call in place of `AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
+    **kwargs)` (`model_class` another auto or model class): it registers `MXFP4_QUANT_METHOD` (`register_mxfp4`),
+    points the config's quantization method at it and loads. Each `GptOssMLP` keeps its router (router logits,
+    `output_router_logits`, aux loss unchanged); its experts are an `Mxfp4Experts` holding the checkpoint's uint8
+    blocks and scales byte for byte, its biases in the model dtype. Nothing else is downloaded: no Hub kernel, and
+    neither `kernels` nor accelerate is needed. `save_pretrained` writes a stock MXFP4 checkpoint again;
+    `model.dequantize()` gives transformers' own bf16 `GptOssExperts`. Inference only.
+
+    Not for: `quantization_config=` (the checkpoint's config decides), `use_kernels=True` without a kernel mapping
+    naming this package's `MegaBlocksMoeMLP` (transformers' default mapping downloads a layer that reads float
+    weights), transformers' tensor- or expert-parallel plans.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register_mxfp4()
+    if config is None:
+        source = {key: kwargs[key] for key in _CONFIG_SOURCE_KWARGS if key in kwargs}
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **source)
+    quantization = getattr(config, "quantization_config", None)
+    quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else dict(quantization or {})
+    if quantization.get("quant_method") not in ("mxfp4", MXFP4_QUANT_METHOD):
+        raise ValueError(f"{pretrained_model_name_or_path} is not an MXFP4 checkpoint (quantization_config = "
+                         f"{quantization or None}); load it with from_pretrained and "
+                         f"experts_implementation=register_experts()")
+    config.quantization_config = {**quantization, "quant_method": MXFP4_QUANT_METHOD}
+    model_class = AutoModelForCausalLM if model_class is None else model_class
+    return model_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=config, **kwargs)
+
+
+def _attach_mxfp4_quantizer(model) -> None:
+    """Make a model holding `Mxfp4Experts` look as `from_pretrained_mxfp4` leaves it: its config's quantization
+    method, `hf_quantizer` (so `save_pretrained` writes a stock MXFP4 checkpoint and `dequantize()` works)."""
+    config_class, quantizer_class = _mxfp4_quantization_classes()
+    quantizer = getattr(model, "hf_quantizer", None)
+    if isinstance(quantizer, quantizer_class):
+        return
+    if quantizer is not None:
+        raise ValueError(f"the model is quantized by {type(quantizer).__name__}; MXFP4 experts cannot be added to it")
+    quantizer = quantizer_class(config_class(modules_to_not_convert=list(_GPT_OSS_NOT_CONVERTED)), pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = MXFP4_QUANT_METHOD
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+
+
+def use_mxfp4_experts(model: Any) -> Any:
+    """In place, for a GPT-OSS model built or loaded with float experts (transformers' `GptOssExperts`, e.g. from a
+    config, or `Mxfp4Config(dequantize=True)`): quantize each block's experts to MXFP4 (`quantize_experts_mxfp4`) into
+    an `Mxfp4Experts`, freeing the float weights; returns `model`. Blocks already holding `Mxfp4Experts` are left as
+    they are. Weights that are MXFP4 values already (a dequantized MXFP4 checkpoint) come back exactly, so the
+    outputs do not change; other weights take MXFP4's rounding. The router and biases are kept; `save_pretrained`
+    then writes a stock MXFP4 checkpoint. Needs the float weights in memory: for a checkpoint that is MXFP4 already,
+    `from_pretrained_mxfp4` loads the blocks directly."""
+    blocks = _gpt_oss_blocks(model)
+    if not blocks:
+        stock = [type(m).__name__ for m in model.modules() if type(m).__name__ == "Mxfp4GptOssMLP"]
+        if stock:
+            raise NotImplementedError("the model was loaded by transformers' own MXFP4 path (Mxfp4GptOssMLP, hub "
+                                      "kernel weights); load the checkpoint with from_pretrained_mxfp4 instead")
+        raise NotImplementedError(f"use_mxfp4_experts takes GPT-OSS models (GptOssMLP blocks); "
+                                  f"{type(model).__name__} has none")
+    config = model.config.get_text_config()
+    for block in blocks:
+        experts = block.experts
+        if _is_mxfp4_experts(experts):
+            continue
+        if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            raise NotImplementedError(f"use_mxfp4_experts cannot read {type(experts).__name__}: no float `gate_up_proj`")
+        bias = experts.gate_up_proj_bias
+        mxfp4 = Mxfp4Experts(config, device="meta", dtype=bias.dtype)
+        mxfp4.alpha, mxfp4.limit = float(experts.alpha), float(experts.limit)
+        with torch.no_grad():
+            # GptOssExperts holds [E, H, 2F] / [E, F, H]; MXFP4 groups run along the input dimension: [E, 2F, H] / [E, H, F]
+            tensors = dict(zip(("gate_up_proj_blocks", "gate_up_proj_scales"),
+                               quantize_experts_mxfp4(experts.gate_up_proj.transpose(1, 2))))
+            tensors.update(zip(("down_proj_blocks", "down_proj_scales"),
+                               quantize_experts_mxfp4(experts.down_proj.transpose(1, 2))))
+            tensors.update(gate_up_proj_bias=experts.gate_up_proj_bias.detach(),
+                           down_proj_bias=experts.down_proj_bias.detach())
+        for name, tensor in tensors.items():
+            setattr(mxfp4, name, torch.nn.Parameter(tensor, requires_grad=False))
+        block.experts = mxfp4
+    _attach_mxfp4_quantizer(model)
+    return model
+
+
+def _dequantize_gpt_oss_experts(model, dtype):
+    """Every `Mxfp4Experts` of `model` -> transformers' `GptOssExperts` with the dequantized weights in `dtype` (the
+    biases' dtype when None), as transformers' `Mxfp4Config(dequantize=True)` loads them; returns `model`."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = model.config.get_text_config()
+    for block in _gpt_oss_blocks(model):
+        experts = block.experts
+        if not _is_mxfp4_experts(experts):
+            continue
+        to = experts.gate_up_proj_bias.dtype if dtype is None else dtype
+        with torch.device("meta"):
+            dense = GptOssExperts(config)
+        dense.alpha, dense.limit = experts.alpha, experts.limit
+        tensors = {
+            "gate_up_proj": dequantize_experts_mxfp4(experts.gate_up_proj_blocks, experts.gate_up_proj_scales, to),
+            "down_proj": dequantize_experts_mxfp4(experts.down_proj_blocks, experts.down_proj_scales, to),
+        }
+        for name, weight in tensors.items():  # [E, N, K] -> GptOssExperts' [E, K, N]
+            setattr(dense, name, torch.nn.Parameter(weight.transpose(1, 2).contiguous()))
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            setattr(dense, name, torch.nn.Parameter(getattr(experts, name).detach().to(to)))
+        block.experts = dense
+    return model
+
+
+def build_random_gpt_oss_mxfp4(config: Any = None, *, device: torch.device | str = "cuda",
+                               dtype: torch.dtype = torch.bfloat16, seed: int = 0, scale_code: int = 120) -> Any:
+    """A GPT-OSS causal LM with random weights and MXFP4 experts, built on `device` without a float copy of the
+    experts ever existing; returns it in eval mode, as `from_pretrained_mxfp4` would leave it (it saves as a stock
+    MXFP4 checkpoint). Needs transformers.
+
+    `config` defaults to `GptOssConfig()` with the Hub's pad / eos ids: gpt-oss-120b's widths and depth (36 layers,
+    H = F = 2880, 128 experts, top-4), about 61 GiB (57 of them MXFP4 experts; the bf16 experts would be 214 GiB).
+    The model is made on the meta device, its experts dropped, the rest allocated on `device` in `dtype` and
+    initialised by transformers (`initialize_weights`: normal(0, initializer_range), norms 1, attention sinks, router,
+    rotary frequencies); then each block gets an `Mxfp4Experts` allocated on `device`: uniformly random bytes (any
+    byte is two valid e2m1 values), e8m0 scale codes drawn from [scale_code - 2, scale_code + 1] (code 120: weights
+    of standard deviation about 0.02-0.05), biases normal(0, initializer_range), all from `seed`.
+    """
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    if not isinstance(scale_code, int) or isinstance(scale_code, bool) or not 2 <= scale_code < E8M0_NAN - 1:
+        raise ValueError(f"scale_code must be an int in [2, {E8M0_NAN - 2}] (e8m0 code {E8M0_NAN} is NaN), "
+                         f"got {scale_code!r}")
+    if config is None:
+        config = GptOssConfig(pad_token_id=199999, eos_token_id=200002)
+    device = torch.device(device)
+    with torch.device("meta"):  # nothing allocated, nothing initialised
+        model = GptOssForCausalLM._from_config(config, dtype=dtype)
+    blocks = _gpt_oss_blocks(model)
+    for block in blocks:
+        block.experts = None  # before to_empty: the float experts are never allocated
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives tied parameters a tensor each
+    model.initialize_weights()
+    text_config = model.config.get_text_config()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for block in blocks:
+            experts = Mxfp4Experts(text_config, device=device, dtype=dtype)
+            for name, tensor in experts.named_parameters():
+                if name.endswith("_blocks"):
+                    tensor.random_(0, 256, generator=generator)
+                elif name.endswith("_scales"):
+                    tensor.random_(scale_code - 2, scale_code + 2, generator=generator)
+                else:
+                    tensor.normal_(0.0, text_config.initializer_range, generator=generator)
+            block.experts = experts
+    _attach_mxfp4_quantizer(model)
+    return model.eval()
