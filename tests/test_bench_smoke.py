@@ -12,6 +12,9 @@
   launchers of the GPU-only tools (`--help`), and the GPU suite's failure log.
 - The weight-layout benchmark (scripts/bench_layouts.py): its --smoke run at T = 1 (every layout agrees with the
   reference layout), its kernel-name -> stage mapping on made-up profiles, and the layouts it builds.
+- The MXFP4 benchmark (scripts/bench_mxfp4.py): its --cpu-smoke run (the package on MXFP4 weights and on their bf16
+  values against the float64 experts, the Hub peers skipped with a reason), its decode floor and prefill ratio, the
+  finegrained-fp8 layout it converts our weights into, and how it finds and imports the Hub peers.
 """
 
 import dataclasses
@@ -226,11 +229,11 @@ def test_results_name_no_machine_paths(tmp_path):
     assert str(tmp_path) not in text and str(ROOT) not in text
 
 
-@pytest.mark.parametrize("launcher", ["tune", "bench_train", "bench_ep", "bench_layouts"])
+@pytest.mark.parametrize("launcher", ["tune", "bench_train", "bench_ep", "bench_layouts", "bench_mxfp4"])
 def test_launchers_start(launcher):
     """The launchers of tools without a CPU run of their own here (the training and expert-parallel benchmarks need
-    GPUs; bench_ep starts through torchrun), and the layout benchmark's (its smoke test runs in-process), import their
-    script and parse its arguments on any machine; the tuner's launcher says its paths."""
+    GPUs; bench_ep starts through torchrun), and the layout and MXFP4 benchmarks' (their smoke tests run in-process),
+    import their script and parse its arguments on any machine; the tuner's launcher says its paths."""
     run = subprocess.run(["bash", str(ROOT / "scripts" / launcher), "--help"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "MOE_DISPATCH_RANKS": "1"})
     assert run.returncode == 0 and "--models" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
@@ -609,3 +612,98 @@ def test_layouts_lay_out_and_back():
         with torch.no_grad():
             outs.append(forward())
     assert bl.rel_diff(outs[1], outs[0]) > TOLERANCE[torch.float32] * 100
+
+
+# The MXFP4 benchmark (scripts/bench_mxfp4.py).
+
+
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
+def test_bench_mxfp4_cpu_smoke(tmp_path, capsys):
+    """--cpu-smoke on GPT-OSS-20B's routing at interpreter widths, T = 1 and 5: the package on MXFP4 weights and on
+    their bf16 values agree with the float64 experts on the dequantized weights (transformers' experts too where
+    transformers imports), the Hub peers, absent from --hub-dir, are skipped with the reason instead of failing the run,
+    the decode floor follows the target's formula with R of the same run, the JSON and Markdown have their structure
+    and name no machine path, and the short table is printed last."""
+    import bench_mxfp4 as bm
+
+    out = tmp_path / "out"
+    results = bm.main(["--cpu-smoke", "--models", "gpt-oss-20b", "--tokens", "1,5", "--out", str(out),
+                       "--hub-dir", str(tmp_path / "no-hub")])
+    cells = results["cells"]
+    assert [(c["model"], c["T"]) for c in cells] == [("gpt-oss-20b", 1), ("gpt-oss-20b", 5)]
+    read = results["ceilings"]["read_bytes_per_s"]
+    for c in cells:
+        impls = c["impls"]
+        assert set(impls) == set(bm.IMPLS)
+        for name in ("mxfp4", "bf16"):
+            assert "error" not in impls[name] and impls[name]["ok"], impls[name]
+            assert impls[name]["rel_err"] <= bm.TOLERANCE and impls[name]["us"] > 0
+        hf = impls["hf_grouped_mm"]
+        assert hf.get("ok") or hf.get("skipped"), hf  # transformers' experts compute the same function
+        for name in bm.HUB_IMPLS:
+            assert impls[name]["skipped"].startswith("needs a CUDA device"), impls[name]
+        assert 1 <= c["experts_hit"] <= min(c["T"] * c["top_k"], c["E"])
+        assert c["mxfp4_bytes"] == bm.mxfp4_bytes(bm.model_shape("gpt-oss-20b", True), c["experts_hit"])
+        assert c["target"] == "decode"
+        assert c["floor_us"] == pytest.approx(1.15 * c["mxfp4_bytes"] / read * 1e6 + 10)
+        assert c["mxfp4_over_floor"] == pytest.approx(impls["mxfp4"]["us"] / c["floor_us"])
+        assert c["mxfp4_over_bf16"] > 0
+    data = json.loads((out / "mxfp4.json").read_text())
+    assert set(data) == {"meta", "shapes", "ceilings", "cells"}
+    assert str(tmp_path) not in json.dumps(data["meta"]) and str(ROOT) not in json.dumps(data["meta"])
+    md = (out / "mxfp4.md").read_text()
+    assert "## Short table" in md and "| gpt-oss-20b | 5 |" in md
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert printed[-1].startswith("| gpt-oss-20b | 5 | ") and printed[-1].endswith("| ok |"), printed[-1]
+
+
+def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
+    """scripts/bench_mxfp4.py's pieces: the decode floor (1.15 x (MXFP4 + scale bytes of the experts hit) / R + 10 us)
+    and the prefill ratio (MXFP4 / bf16 <= 1.1 from T = 1024, the per-pair ratio preferred), the weights it builds
+    (its bf16 copy is the float64 dequantization exactly), finegrained-fp8's layout of them (the same values, gate
+    rows then up rows), its float64 reference a few experts at a time (= all at once), and the Hub peers' discovery (a
+    package in a kernel repo's torch-ext is found; one whose import fails is reported, not raised)."""
+    import bench_mxfp4 as bm
+
+    import moe_dispatch as md
+    from moe_dispatch import reference
+
+    shape = MODEL_SHAPES["gpt-oss-120b"]
+    values = 3 * 2880 * 2880
+    assert bm.mxfp4_bytes(shape, 4) == 4 * (values // 2 + values // 32)
+    ceilings = {"read_bytes_per_s": 4e12}
+    decode = bm.judge(1, 4, shape, {"mxfp4": 30.0, "bf16": 60.0}, ceilings)
+    assert decode["floor_us"] == pytest.approx(1.15 * bm.mxfp4_bytes(shape, 4) / 4e12 * 1e6 + 10)
+    assert decode["met"] == (30.0 <= decode["floor_us"]) and decode["mxfp4_over_bf16"] == 0.5
+    prefill = bm.judge(4096, 128, shape, {"mxfp4": 105.0, "bf16": 100.0}, ceilings, paired_ratio=1.12)
+    assert prefill["target"] == "prefill" and prefill["mxfp4_over_bf16"] == 1.12 and prefill["met"] is False
+    assert bm.judge(1024, 128, shape, {"mxfp4": 105.0, "bf16": 100.0}, ceilings)["met"] is True
+    assert "target" not in bm.judge(128, 100, shape, {"mxfp4": 1.0, "bf16": 1.0}, ceilings)
+
+    small = bm.model_shape("gpt-oss-20b", True)
+    w = bm.make_weights(small, torch.device(DEVICE), 0, md)
+    assert torch.equal(w.dq_gu.double(), reference.dequantize_mxfp4_ref(w.gu_blocks, w.gu_scales))
+    assert torch.equal(w.dq_d.double(), reference.dequantize_mxfp4_ref(w.d_blocks, w.d_scales))
+    gu, gu_scales, down, down_scales = bm.fg_weights(w)
+    F = small.ffn
+    theirs = md.dequantize_experts_mxfp4(gu.view(torch.uint8), gu_scales, torch.bfloat16)
+    assert gu.dtype == torch.int8 and gu.shape == (small.num_experts, 2 * F, small.hidden // 2)
+    assert torch.equal(theirs[:, :F], w.dq_gu[:, 0::2]) and torch.equal(theirs[:, F:], w.dq_gu[:, 1::2])
+    assert torch.equal(md.dequantize_experts_mxfp4(down.view(torch.uint8), down_scales, torch.bfloat16), w.dq_d)
+    inp = bm.make_inputs(small, 5, torch.device(DEVICE), 0)
+    whole = reference.fused_experts_ref(inp.x, w.dq_gu, w.dq_d, inp.ids, inp.weights, activation="swiglu_oai",
+                                        interleaved=True, gate_up_bias=w.gu_bias, down_bias=w.d_bias)
+    chunked = bm.float64_reference(w, inp.x, inp.ids, inp.weights, chunk=1)
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-15)
+
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # import_package prepends the peer's folder
+    hub = tmp_path / "hub"
+    package = hub / "gpt-oss-triton-kernels" / "torch-ext" / "gpt_oss_triton_kernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('built for another Triton')\n")
+    assert bm.find_package(hub, "gpt_oss_triton_kernels") == package
+    assert bm.find_package(hub, "finegrained_fp8") is None
+    module, why = bm.import_package(hub, "gpt_oss_triton_kernels")
+    assert module is None and "built for another Triton" in why
+    module, why = bm.import_package(hub, "finegrained_fp8")
+    assert module is None and why.startswith("no finegrained_fp8 package under")
