@@ -49,7 +49,8 @@ from .mxfp4 import dequantize_experts_mxfp4, quantize_experts_mxfp4
 from .routing import moe_router
 # bound by name: hub-loaded packages need explicit attributes
 from . import expert_parallel, fp8, layers, mxfp4, reference, transformers_experts
-from .transformers_experts import moe_dispatch_experts, register_experts
+from .transformers_experts import (Mxfp4Experts, from_pretrained_mxfp4, moe_dispatch_experts, register_experts,
+                                   use_mxfp4_experts)
 
 from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)
 
@@ -67,6 +68,10 @@ __all__ = [
     # transformers integration (experts interface; kernelize layers live in `moe_dispatch.layers`)
     "moe_dispatch_experts",
     "register_experts",
+    # GPT-OSS MXFP4 checkpoints through transformers (v1.x addition)
+    "from_pretrained_mxfp4",
+    "Mxfp4Experts",
+    "use_mxfp4_experts",
     # binned routing (MegaBlocks semantics; argument order as in megablocks.backend.kernels)
     "binned_gather",
     "binned_scatter",

@@ -24,7 +24,9 @@ class MegaBlocksMoeMLP(nn.Module):
     """GPT-OSS MoE block: router (top-k of biased logits, softmax over the k), then the experts' clamped SwiGLU."""
 
     router: nn.Module  # GptOssTopKRouter: (router_logits, router_scores [T, k], router_indices [T, k])
-    experts: nn.Module  # GptOssExperts: transposed, interleaved gate/up, biases, alpha / limit
+    # GptOssExperts (transposed, interleaved gate/up, biases, alpha / limit), or transformers_experts.Mxfp4Experts (an
+    # MXFP4 checkpoint's uint8 blocks and scales as stored)
+    experts: nn.Module
 
     # The experts run as torch custom operators with a registered backward (tests/test_transformers.py trains and
     # compiles through both layers).

@@ -47,8 +47,17 @@ ceil(2F/b0) blocks over its 2F rows ("fused"), made only where b0 divides 2F. So
 b0 does not divide 2F, so only loading can have made them. Refused with `NotImplementedError`: UE8M0
 (`float8_e8m0fnu`) scales, FP4-packed int8 weights, `block_size=None` (per-tensor scales stored per gate/up half), a
 static scheme without its fp32 activation scales, gates other than SiLU or GPT-OSS's SwiGLU.
+
+GPT-OSS MXFP4 checkpoints (`quant_method: "mxfp4"`: uint8 e2m1 blocks and e8m0 scales per expert projection):
+`from_pretrained_mxfp4(repo)` loads one with its experts as stored, through a quantization method registered in
+transformers (`register_mxfp4`, "moe_dispatch_mxfp4"), into `Mxfp4Experts` modules that replace `GptOssMLP.experts`
+under the model's own router and run `fused_experts` on the bytes as stored; nothing else is downloaded.
+`use_mxfp4_experts(model)` converts a model holding float GPT-OSS experts; `build_random_gpt_oss_mxfp4` builds a
+random one on a device without a float copy of the experts. The experts function runs `Mxfp4Experts` too
+(`mxfp4_experts_options`), so the kernelize layer `MegaBlocksMoeMLP` takes such blocks as well.
 """
 
+import copy
 import functools
 import os
 import sys
@@ -478,6 +487,10 @@ def _mxfp4_quantization_classes() -> tuple[type, type]:
         def is_trainable(self) -> bool:
             return False
 
+        @property
+        def is_compileable(self) -> bool:
+            return True  # the experts are a torch custom operator: generate may compile a static-cache decode step
+
     return MoeDispatchMxfp4Config, MoeDispatchMxfp4Quantizer
 
 
@@ -510,9 +523,9 @@ def from_pretrained_mxfp4(pretrained_model_name_or_path: str | os.PathLike, *mod
     **kwargs)` (`model_class` another auto or model class): it registers `MXFP4_QUANT_METHOD` (`register_mxfp4`),
     points the config's quantization method at it and loads. Each `GptOssMLP` keeps its router (router logits,
     `output_router_logits`, aux loss unchanged); its experts are an `Mxfp4Experts` holding the checkpoint's uint8
-    blocks and scales byte for byte, its biases in the model dtype. Nothing else is downloaded: no Hub kernel, and
-    neither `kernels` nor accelerate is needed. `save_pretrained` writes a stock MXFP4 checkpoint again;
-    `model.dequantize()` gives transformers' own bf16 `GptOssExperts`. Inference only.
+    blocks and scales byte for byte, its biases in the model dtype. Nothing else is downloaded: no Hub kernel and no
+    `kernels` package (accelerate only for `device_map=`, as for any model). `save_pretrained` writes a stock MXFP4
+    checkpoint again; `model.dequantize()` gives transformers' own `GptOssExperts`. Inference only.
 
     Not for: `quantization_config=` (the checkpoint's config decides), `use_kernels=True` without a kernel mapping
     naming this package's `MegaBlocksMoeMLP` (transformers' default mapping downloads a layer that reads float
@@ -521,9 +534,11 @@ def from_pretrained_mxfp4(pretrained_model_name_or_path: str | os.PathLike, *mod
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_mxfp4()
-    if config is None:
+    if config is None or isinstance(config, (str, os.PathLike)):
         source = {key: kwargs[key] for key in _CONFIG_SOURCE_KWARGS if key in kwargs}
-        config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **source)
+        config = AutoConfig.from_pretrained(pretrained_model_name_or_path if config is None else config, **source)
+    else:
+        config = copy.deepcopy(config)  # the caller's config keeps its quantization method
     quantization = getattr(config, "quantization_config", None)
     quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else dict(quantization or {})
     if quantization.get("quant_method") not in ("mxfp4", MXFP4_QUANT_METHOD):
@@ -573,12 +588,14 @@ def use_mxfp4_experts(model: Any) -> Any:
         if _is_mxfp4_experts(experts):
             continue
         if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-            raise NotImplementedError(f"use_mxfp4_experts cannot read {type(experts).__name__}: no float `gate_up_proj`")
+            raise NotImplementedError(f"use_mxfp4_experts cannot read {type(experts).__name__}: no float "
+                                      f"`gate_up_proj`")
         bias = experts.gate_up_proj_bias
         mxfp4 = Mxfp4Experts(config, device="meta", dtype=bias.dtype)
         mxfp4.alpha, mxfp4.limit = float(experts.alpha), float(experts.limit)
         with torch.no_grad():
-            # GptOssExperts holds [E, H, 2F] / [E, F, H]; MXFP4 groups run along the input dimension: [E, 2F, H] / [E, H, F]
+            # GptOssExperts holds [E, H, 2F] / [E, F, H]; MXFP4 groups run along the input dimension, so
+            # [E, 2F, H] / [E, H, F] are quantized
             tensors = dict(zip(("gate_up_proj_blocks", "gate_up_proj_scales"),
                                quantize_experts_mxfp4(experts.gate_up_proj.transpose(1, 2))))
             tensors.update(zip(("down_proj_blocks", "down_proj_scales"),
