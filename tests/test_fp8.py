@@ -291,17 +291,26 @@ def test_fused_experts_fp8_e4m3fnuz_default_block(act_dtype):
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales))
 
 
-def test_fused_experts_fp8_mixed_and_no_gradient():
-    """Only w_down in fp8 (gate_up stays bf16); inputs that require grad give an output without grad_fn and a
-    one-time warning (FP8 weights are forward-only)."""
+def test_fused_experts_fp8_mixed_weights_and_gradients():
+    """Only w_down in fp8 (gate_up stays float and trainable): the frozen fp8 weight gets no gradient (a one-time
+    warning when it asks for one), hidden_states, the routing weights and the float gate/up weight get theirs,
+    against float64 autograd on the dequantized weights."""
     _, q_down, scales = _fp8_experts("channel")
-    w_gate_up = (torch.randn(E, 2 * F, H, device=DEVICE) * 0.2).bfloat16()
-    x = torch.randn(T, H, device=DEVICE).bfloat16().requires_grad_()
-    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
-    with pytest.warns(UserWarning, match="forward-only"):
-        out = md.fused_experts(x, w_gate_up, q_down, ids, weights, w_down_scale=scales["w_down_scale"])
-    assert out.grad_fn is None
-    assert_close(out, fused_experts_fp8_ref(x, w_gate_up, q_down, ids, weights, w_down_scale=scales["w_down_scale"]))
+    w_gate_up = (torch.randn(E, 2 * F, H, device=DEVICE) * 0.2).requires_grad_()
+    x = torch.randn(T, H, device=DEVICE).requires_grad_()
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE).requires_grad_()
+    out = md.fused_experts(x, w_gate_up, q_down, ids, weights, w_down_scale=scales["w_down_scale"])
+    grad_out = torch.randn(T, H, device=DEVICE)
+    grads = torch.autograd.grad(out, [x, weights, w_gate_up], grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (x, weights, w_gate_up)]
+    ref = fused_experts_fp8_ref(leaves[0], leaves[2], q_down, ids, leaves[1], w_down_scale=scales["w_down_scale"])
+    assert_close(out, ref, torch.float32)
+    for what, g, r in zip(("d hidden_states", "d topk_weights", "d w_gate_up"), grads,
+                          torch.autograd.grad(ref, leaves, grad_out.double())):
+        assert_close(g, r, torch.float32, what=what)
+    with pytest.warns(UserWarning, match="frozen"):
+        md.fused_experts(x, w_gate_up, q_down.float().requires_grad_().to(q_down.dtype), ids, weights,
+                         w_down_scale=scales["w_down_scale"])
 
 
 def test_fused_experts_fp8_matches_bf16_weights():
@@ -926,3 +935,32 @@ def test_e8m0_weight_scales_read_as_their_fp32_values(path, scheme):
         torch.float8_e8m0fnu)}, **options)
     hit = (ids == ids[0, 0]).any(dim=1)
     assert out[hit].isnan().all() and not out[~hit].isnan().any()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_gradients_through_frozen_fp8_experts(layout, scheme):
+    """Frozen float8 weights (QLoRA-style fine-tuning around them): hidden_states, the routing weights and the biases
+    get the gradients of the experts with the dequantized weights (the backward's dX and dA GEMMs dequantize in
+    their loads, block scales with their sides swapped, channel scales along K), on the dequant path that "auto"
+    takes when a gradient is needed."""
+    _, options, _ = layout
+    options = dict(options)
+    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
+                                             block_shape=(16, 32))
+    x = torch.randn(T, H, device=DEVICE)
+    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+    leaves = [x, weights, torch.randn(E, 2 * F, device=DEVICE) * 0.1, torch.randn(E, H, device=DEVICE) * 0.1]
+    for t in leaves:
+        t.requires_grad_(True)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, gate_up_bias=leaves[2], down_bias=leaves[3],
+                           **scales, **options)
+    grad_out = torch.randn(T, H, device=DEVICE)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = fused_experts_fp8_ref(ref_leaves[0], q_gate_up, q_down, ids, ref_leaves[1], gate_up_bias=ref_leaves[2],
+                                down_bias=ref_leaves[3], **scales, **options)
+    assert_close(out, ref, torch.float32)
+    names = ("d hidden_states", "d topk_weights", "d gate_up_bias", "d down_bias")
+    for name, g, r in zip(names, grads, torch.autograd.grad(ref, ref_leaves, grad_out.double())):
+        assert_close(g, r, torch.float32, what=name)

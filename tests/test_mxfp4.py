@@ -109,13 +109,27 @@ def test_replay_gives_each_calls_result():
     assert_close(out, _reference(x2, gate_up2, down2, ids, weights, **biases), torch.float32)
 
 
-def test_no_gradient_reaches_quantized_weights():
-    """Forward only: an input that requires grad gets a warning and an output without a graph."""
-    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
-    x.requires_grad_(True)
-    with pytest.warns(UserWarning, match="quantized"):
-        out = _run(x, gate_up, down, ids, weights, **biases)
-    assert not out.requires_grad
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "concatenated"])
+def test_gradients_through_frozen_mxfp4_experts(interleaved):
+    """The weights stay frozen (no gradient); hidden_states, the routing weights and both biases get theirs (the
+    backward's dX and dA GEMMs read the MXFP4 weights along their packed axis), against float64 autograd on the
+    dequantized weights. T = 37 over prime E: partial row tiles; F = 96 a partial column tile of scale groups."""
+    E, H, F = 5, 64, 96
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=37, top_k=2)
+    leaves = [x, weights, biases["gate_up_bias"], biases["down_bias"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    options = dict(activation="swiglu_oai", interleaved=interleaved)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = fused_experts_ref(ref_leaves[0], dequantize_mxfp4_ref(*gate_up), dequantize_mxfp4_ref(*down), ids,
+                            ref_leaves[1], gate_up_bias=ref_leaves[2], down_bias=ref_leaves[3], **options)
+    assert_close(out, ref, torch.float32)
+    names = ("d hidden_states", "d topk_weights", "d gate_up_bias", "d down_bias")
+    for name, g, r in zip(names, grads, torch.autograd.grad(ref, ref_leaves, grad_out.double())):
+        assert_close(g, r, torch.float32, what=name)
 
 
 def _bad(x, gate_up, down, ids, weights, biases, defect):

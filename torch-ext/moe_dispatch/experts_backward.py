@@ -45,8 +45,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._host_math import cdiv
 from .combine import combine
 from .dispatch import segment_dispatch
-from .gemm_args import dot_options, same_strides, weight_strides
-from .gemm_jit import ACT_SILU, Activation, gathered_rows, split_pairs, tile_dot, tile_setup
+from .fp8 import WeightScale
+from .mxfp4 import MXFP4_GROUP
+from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
+from .gemm_jit import (ACT_SILU, Activation, WeightScaleCode, expert_tile_dot, gathered_rows, split_pairs, tile_dot,
+                       tile_setup)
 from .gemm_args import rows_fit_descriptor
 from .persistent_gemm import num_programs
 from .planner import plan_backward, weight_grad_kernel
@@ -80,6 +83,9 @@ def _down_grad_kernel(
     grad_out_ptr, stride_grad_t, stride_grad_h,
     # W_down as [E, F, H] by strides (n = F, K = H)
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
+    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, gemm_jit.WeightScaleCode)
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n,
+    scale_block_k,
     # preact [N, 2F] from the forward; d_preact [N, 2F]; act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
     preact_ptr, stride_preact_m,
     d_preact_ptr, stride_d_preact_m,
@@ -97,6 +103,7 @@ def _down_grad_kernel(
     STORE_ACT: tl.constexpr,
     STORE_PARTIAL: tl.constexpr,
     PAIRED: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -117,10 +124,11 @@ def _down_grad_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :] * stride_grad_h
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # g = dout_t @ W_down[e], before the routing weight
-    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_ptrs, w_ptrs, mask_m, mask_n, K, stride_grad_h, stride_w_k,
-                         False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k, w_ptr, w_ptr,
+                               stride_w_e, stride_w_n, stride_w_k, scale_ptr, stride_scale_e, stride_scale_n,
+                               stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k, K,
+                               stride_grad_h, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
 
     b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
                      mask=mask_m, other=0.0).to(tl.float32)
@@ -186,11 +194,15 @@ def _gate_up_grad_kernel(
     # the whole gate/up weight as [E, H, 2F] by strides (n = H, K = 2F); SEPARATE: W_gate and W_up as [E, H, F], one
     # set of strides for both (d_preact's gate columns [0, F), up columns [F, 2F))
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, gemm_jit.WeightScaleCode)
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n,
+    scale_block_k,
     # dx rows [N, H] in sorted order
     out_ptr, stride_out_m,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
     num_rows, n_cols, K, E, max_tiles,
     SEPARATE: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -210,11 +222,13 @@ def _gate_up_grad_kernel(
     rows = tl.where(mask_m, offs_m, 0)[:, None].to(tl.int64)
 
     a_ptrs = d_preact_ptr + rows * stride_d_preact_m + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_offs = expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs, w_gate_ptr + w_offs, w_gate_ptr + w_offs, mask_m, mask_n, K, 1,
-                         stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
-    if SEPARATE:
+    b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k, w_gate_ptr, w_gate_ptr,
+                               stride_w_e, stride_w_n, stride_w_k, scale_ptr, stride_scale_e, stride_scale_n,
+                               stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k, K, 1,
+                               False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+    if SEPARATE:  # float weights only
+        w_offs = expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k
         b_acc, _ = tile_dot(b_acc, b_acc, a_ptrs + K, w_up_ptr + w_offs, w_up_ptr + w_offs, mask_m, mask_n, K, 1,
                              stride_w_k, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
     tl.store(out_ptr + rows * stride_out_m + offs_n[None, :], b_acc.to(out_ptr.dtype.element_ty),
@@ -518,6 +532,11 @@ def out_descriptor(out, tile: WeightGradTile):
     return TensorDescriptor(out, [E * n_i, n_j], [out.stride(1), 1], [tile.block_i, tile.block_j])
 
 
+def _mxfp4_n_tile(tile):
+    """A GEMM tile whose columns cover whole MXFP4 scale groups (BLOCK_N >= 32; tiles' BLOCK_N are powers of two)."""
+    return dataclasses.replace(tile, block_n=max(tile.block_n, MXFP4_GROUP))
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertsGrads:
     """Output buffers of one backward; None where no gradient was asked for. Weight-shaped buffers have the layout
@@ -535,7 +554,8 @@ class ExpertsGrads:
 def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
                      gather_idx, scatter_idx, grads: ExpertsGrads, *, activation, transposed, interleaved=False, alpha,
                      limit, tiles: MoeTiles | None = None, weight_tile: WeightGradTile | None = None,
-                     reuse_preact: bool = False):
+                     reuse_preact: bool = False, gate_up_scale: WeightScale | None = None,
+                     down_scale: WeightScale | None = None):
     """Fill `grads` from grad_out [T, H]. `w_gate_up` is the forward's whole gate/up weight [E, 2F, H] ([E, H, 2F]
     when `transposed`), gate rows then up rows or, `interleaved`, alternating (gate first); with `w_up` (separate
     up weights, never interleaved) it is the gate weight alone [E, F, H]. `preact` [N, 2F] holds the pre-activations
@@ -558,6 +578,11 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     needs_partial = grads.topk_weights is not None
     plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
     tiles, weight_tile = plan.tiles, plan.weight_tile
+    # Quantized weights (frozen: no weight gradient) are dequantized in the dX and dA GEMMs' loads; MXFP4 read along
+    # its packed axis needs whole scale groups per column tile
+    gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
+    if WeightScaleCode.MXFP4_N in (gate_up_ws.code, down_ws.code):
+        tiles = dataclasses.replace(tiles, gate_up=_mxfp4_n_tile(tiles.gate_up), down=_mxfp4_n_tile(tiles.down))
     info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
                                                 top_k=top_k), scatter_idx=scatter_idx)
     device = x.device
@@ -573,9 +598,10 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
     if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
         dot_fp32, precision = dot_options(x.dtype)
+        down_code, down_block_k = dequant_scale_code(down_ws, tile.block_k)
         launch(_down_grad_kernel, (info.max_tiles * n_partials,),
             grad_out, grad_out.stride(0), grad_out.stride(1),
-            w_down, *weight_strides(w_down, not transposed),
+            w_down, *weight_strides(w_down, not transposed), *scale_args(down_ws),
             preact, preact.stride(0),
             d_preact, d_preact.stride(0) if needs_d_preact else 0,
             act, act.stride(0) if needs_act else 0,
@@ -590,10 +616,11 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
             STORE_ACT=needs_act,
             STORE_PARTIAL=needs_partial,
             PAIRED=paired,
+            WEIGHT_SCALE=int(down_code),
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
-            EVEN_K=H % tile.block_k == 0,
-            BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+            EVEN_K=H % down_block_k == 0,
+            BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=down_block_k, GROUP_M=tile.group_m,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
     elif needs_d_preact:  # nothing kept (or F = 0): every gradient through the experts is zero
@@ -622,17 +649,19 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
             w_gate_v, w_up_v = same_strides(w_gate_up, w_up) if separate else (w_gate_up, w_gate_up)
             k_size = F if separate else 2 * F
             dot_fp32, precision = dot_options(x.dtype)
+            gate_up_code, gate_up_block_k = dequant_scale_code(gate_up_ws, tile.block_k)
             launch(_gate_up_grad_kernel, (info.max_tiles * cdiv(H, tile.block_n),),
                 d_preact, d_preact.stride(0),
-                w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed),
+                w_gate_v, w_up_v, *weight_strides(w_gate_v, not transposed), *scale_args(gate_up_ws),
                 rows, rows.stride(0),
                 info.tile_expert, info.tile_row_start, info.expert_offsets,
                 N, H, k_size, E, info.max_tiles,
                 SEPARATE=separate,
+                WEIGHT_SCALE=int(gate_up_code),
                 DOT_FP32=dot_fp32,
                 DOT_PRECISION=precision,
-                EVEN_K=k_size % tile.block_k == 0,
-                BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                EVEN_K=k_size % gate_up_block_k == 0,
+                BLOCK_M=info.block_m, BLOCK_N=tile.block_n, BLOCK_K=gate_up_block_k, GROUP_M=tile.group_m,
                 num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
         combine(rows, scatter_idx, T, top_k, out=grads.x)

@@ -51,6 +51,10 @@ class WeightScaleCode(enum.IntEnum):
     # values (scale_block_k 32); each K step's [BLOCK_N, BLOCK_K / 2] bytes are unpacked, times 2^(code - 127) in
     # fp32, converted to A's dtype and dotted (`mxfp4_tile_dot`; BLOCK_K a multiple of 32)
     MXFP4 = 5
+    # MXFP4 weights read the other way round (the backward's dX and dA GEMMs): the GEMM's K runs along the stored
+    # rows, its N along the packed axis (`mxfp4_n_tile_dot`; BLOCK_N a multiple of 32, a tile's columns start on a
+    # scale group)
+    MXFP4_N = 6
 
 
 ACT_NONE = tl.constexpr(Activation.NONE.value)
@@ -61,6 +65,7 @@ SCALE_CHANNEL = tl.constexpr(WeightScaleCode.CHANNEL.value)
 SCALE_BLOCK = tl.constexpr(WeightScaleCode.BLOCK.value)
 SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 SCALE_MXFP4 = tl.constexpr(WeightScaleCode.MXFP4.value)
+SCALE_MXFP4_N = tl.constexpr(WeightScaleCode.MXFP4_N.value)
 MXFP4_GROUP = tl.constexpr(32)  # K values per e8m0 scale (mxfp4.MXFP4_GROUP)
 # fp32 bit patterns: 0.5 (e2m1's subnormal, and the exponent base of its normals), 2^-127 (e8m0 code 0)
 F32_HALF_BITS = tl.constexpr(0x3F000000)
@@ -351,6 +356,42 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
 
 
 @triton.jit
+def mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr, s_ptr, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
+                     stride_s_n, stride_s_k, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """b_acc + A @ W over all of K for an MXFP4 weight whose packed axis is the GEMM's N (SCALE_MXFP4_N): w_ptr and
+    s_ptr at the expert's bytes and scale codes, byte j of row k holding columns 2j and 2j + 1 (stride_w_n per byte,
+    stride_w_k per row), scale group g of row k columns [32 g, 32 g + 32); offs_n the tile's columns, starting on a
+    scale group, mask_n whole groups (the packed axis is a multiple of 32)."""
+    HALF: tl.constexpr = offs_n.shape[0] // 2
+    n0 = tl.min(offs_n, axis=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_byte = n0 // 2 + tl.arange(0, HALF)
+    offs_group = n0 // MXFP4_GROUP + tl.arange(0, HALF // (MXFP4_GROUP // 2))
+    mask_pairs = tl.reshape(mask_n.to(tl.int32), (HALF, 2))
+    mask_byte = tl.max(mask_pairs, axis=1) > 0
+    mask_group = tl.max(tl.reshape(mask_pairs, (HALF // (MXFP4_GROUP // 2), MXFP4_GROUP)), axis=1) > 0
+    w_ptrs = w_ptr + offs_k[:, None] * stride_w_k + offs_byte[None, :] * stride_w_n  # [BLOCK_K, BLOCK_N / 2]
+    s_ptrs = s_ptr + offs_k[:, None] * stride_s_k + offs_group[None, :] * stride_s_n  # [BLOCK_K, BLOCK_N / 32]
+    a_dtype = tl.float32 if DOT_FP32 else a_ptrs.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_byte, EVEN_K)
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)
+        b_bytes = tl.load(w_ptrs, mask=mask_k[:, None] & mask_byte[None, :], other=0)
+        b_codes = tl.load(s_ptrs, mask=mask_k[:, None] & mask_group[None, :], other=0)
+        b_values = tl.join(e2m1_to_f32(b_bytes & 15), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_K, BLOCK_N / 2, 2]
+        b_values = tl.reshape(b_values, (BLOCK_K, HALF // (MXFP4_GROUP // 2), MXFP4_GROUP))
+        b_values = b_values * e8m0_to_f32(b_codes)[:, :, None]
+        b_w = tl.reshape(b_values, (BLOCK_K, 2 * HALF)).to(a_dtype)
+        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += BLOCK_K * stride_w_k
+        s_ptrs += BLOCK_K * stride_s_k
+    return b_acc
+
+
+@triton.jit
 def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k,
                     w_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
                     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
@@ -368,7 +409,11 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
     if WEIGHT_SCALE != SCALE_NONE:
         s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
                                               scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
-    if WEIGHT_SCALE == SCALE_MXFP4:
+    if WEIGHT_SCALE == SCALE_MXFP4_N:  # not gated: the backward's GEMMs
+        b_acc = mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr + expert_base, scale_ptr + expert.to(tl.int64) * stride_scale_e,
+                                 offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
+                                 stride_scale_n, stride_scale_k, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    elif WEIGHT_SCALE == SCALE_MXFP4:
         b_acc, b_acc_up = mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base, w_up_ptr + expert_base, s_ptrs,
                                          s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
                                          stride_scale_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)

@@ -34,7 +34,8 @@ from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, che
 from .fp8_gemm import w8a8_experts
 from .gemm_args import weight_k
 from .grouped_gemm import check_segmented_rows, expert_gemm
-from .mxfp4 import check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
+from .gemm_jit import WeightScaleCode
+from .mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
 from .routing import check_router_args, route_with_grad
 from .planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
 from .tiles import DecodeTiles, MoeTiles, tiles_from_list
@@ -279,24 +280,27 @@ def _fused_experts_backward_op(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None, preact: torch.Tensor, expert_offsets: torch.Tensor, gather_idx: torch.Tensor,
     scatter_idx: torch.Tensor, activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
-    needs: list[bool],
+    needs: list[bool], w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
+    fp8_block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere. The
-    operator reads `preact` only (`_experts_grads` with reuse_preact=False)."""
+    operator reads `preact` only (`_experts_grads` with reuse_preact=False). Quantized (frozen) weights come with
+    their scales and get no gradient."""
     return _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                           expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit,
-                          needs, reuse_preact=False)
+                          needs, w_gate_up_scale, w_down_scale, fp8_block_shape, reuse_preact=False)
 
 
 def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
-                   expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs, *,
-                   reuse_preact):
+                   expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs,
+                   w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None, *, reuse_preact):
     """The backward operator's work; `reuse_preact` lets the backward write d_preact over `preact`
     (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`).
     Planned per signature (`_plan.py`): every training step repeats the same launches."""
     tensors = (grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
-               expert_offsets, gather_idx, scatter_idx)
-    options = (activation, interleaved, transposed, alpha, limit, tuple(bool(need) for need in needs), reuse_preact)
+               expert_offsets, gather_idx, scatter_idx, w_gate_up_scale, w_down_scale)
+    options = (activation, interleaved, transposed, alpha, limit, tuple(bool(need) for need in needs), reuse_preact,
+               None if fp8_block_shape is None else tuple(fp8_block_shape))
     return _BACKWARD_PLANS.run(_experts_grads_launches, tensors, options)
 
 
@@ -304,9 +308,11 @@ _BACKWARD_PLANS = PlanCache("fused_experts backward")
 
 
 def _experts_grads_launches(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
-                            preact, expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha,
-                            limit, needs, reuse_preact):
+                            preact, expert_offsets, gather_idx, scatter_idx, w_gate_up_scale, w_down_scale, activation,
+                            interleaved, transposed, alpha, limit, needs, reuse_preact, fp8_block_shape):
     """`_experts_grads` in full (tensors first, then options)."""
+    gate_up_scale, down_scale = _backward_weight_scales(w_gate_up, w_down, kernel_scale(w_gate_up_scale),
+                                                        kernel_scale(w_down_scale), fp8_block_shape, transposed)
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     experts_backward(
@@ -314,8 +320,29 @@ def _experts_grads_launches(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk
         gather_idx, scatter_idx,
         ExpertsGrads(*(g if need else None for g, need in zip(grads, needs))),
         activation=activation, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit,
-        reuse_preact=reuse_preact)
+        reuse_preact=reuse_preact, gate_up_scale=gate_up_scale, down_scale=down_scale)
     return grads
+
+
+def _backward_weight_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale, block_shape, transposed):
+    """fp8.WeightScale of each quantized weight as the backward's GEMMs read it (dX: the whole gate/up weight with K
+    along its 2F rows; dA: the down weight with K along H): the forward's [E, n, K] read the other way round, so
+    block scales swap their sides, a per-channel scale becomes a per-K-column one (a block scale of 1 x all rows) and
+    MXFP4 is read along its packed axis (WeightScaleCode.MXFP4_N). None for float weights."""
+    scales = []
+    for weight, scale in ((w_gate_up, w_gate_up_scale), (w_down, w_down_scale)):
+        if scale is None:
+            scales.append(None)
+        elif is_mxfp4(weight):
+            stride_e, stride_row, stride_group = scale.stride()
+            scales.append(WeightScale(scale, WeightScaleCode.MXFP4_N, (stride_e, stride_group, stride_row), 1,
+                                      MXFP4_GROUP))
+        elif infer_scheme(scale) == "channel":
+            scales.append(WeightScale(scale, WeightScaleCode.BLOCK, (scale.stride(0), 0, scale.stride(1))))
+        else:
+            scales.append(WeightScale.of(scale, infer_scheme(scale), tuple(block_shape or DEFAULT_FP8_BLOCK_SHAPE),
+                                         transposed=not transposed))
+    return tuple(scales)
 
 
 def _needed(*inputs_and_needs):
@@ -333,17 +360,21 @@ def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down
 
 @_fused_experts_backward_op.register_fake
 def _(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact, expert_offsets,
-      gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs):
+      gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs, w_gate_up_scale=None,
+      w_down_scale=None, fp8_block_shape=None):
     return _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
 
 
 _SAVED = ("x", "w_gate_up", "w_up", "w_down", "topk_ids", "topk_weights", "gate_up_bias", "down_bias")
+_SAVED_SCALES = ("w_gate_up_scale", "w_down_scale")  # saved after the forward's outputs (None for float weights)
 
 
 def _fused_experts_setup_context(ctx, inputs, output):
     a = dict(zip(_EXPERTS_SLOTS, inputs))
     _, preact, expert_offsets, gather_idx, scatter_idx = output
-    ctx.save_for_backward(*(a[name] for name in _SAVED), preact, expert_offsets, gather_idx, scatter_idx)
+    ctx.save_for_backward(*(a[name] for name in _SAVED), preact, expert_offsets, gather_idx, scatter_idx,
+                          *(a[name] for name in _SAVED_SCALES))
+    ctx.fp8_block_shape = a["fp8_block_shape"]
     ctx.spec = ExpertsSpec(a["activation"], a["interleaved"], a["transposed"], a["alpha"], a["limit"])
     ctx.save_preact = a["save_preact"]
 
@@ -353,7 +384,9 @@ def _fused_experts_backward(ctx, grad_out, *_):
         raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
                            "cannot backward through it")
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_SLOTS]
-    args = (grad_out, *ctx.saved_tensors, *ctx.spec.to_args(), needs)
+    saved = ctx.saved_tensors
+    args = (grad_out, *saved[:-len(_SAVED_SCALES)], *ctx.spec.to_args(), needs, *saved[-len(_SAVED_SCALES):],
+            ctx.fp8_block_shape)
     if getattr(ctx, "preact_private", False) and _may_reuse_preact(args):
         grads = _experts_grads(*args, reuse_preact=True)
     else:
@@ -383,19 +416,26 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
                  fp8: Fp8Scales | None = None):
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
-    With float8 weights (forward only; `fp8` their scales, its `compute` resolved by planner.choose_fp8_compute)
-    every input is detached: the output carries no gradient (warned once)."""
-    inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
-    float8 = is_fp8(w_gate_up) or is_fp8(w_down) or is_mxfp4(w_gate_up)
-    if float8:
-        warn_if_gradient_cut("fused_experts with quantized (float8 or MXFP4) weights", hidden_states=x,
-                             topk_weights=topk_weights, gate_up_bias=gate_up_bias, down_bias=down_bias)
-        x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias = (
-            t.detach() if t is not None else None for t in inputs)
+    Quantized weights (float8 or MXFP4; `fp8` their scales, its `compute` resolved by planner.choose_fp8_compute)
+    are frozen: they and their scales are detached (a weight that requires grad is warned about once), and on the
+    dequant path the other inputs (hidden_states, routing weights, biases) get their gradients, those of the experts
+    with the dequantized weights. The w8a8 path is forward only: every input is detached (warned once)."""
+    quantized = is_fp8(w_gate_up) or is_fp8(w_down) or is_mxfp4(w_gate_up)
+    if quantized:
         fp8 = (fp8 or Fp8Scales(None, None)).detached()
+        if fp8.compute == "w8a8":
+            warn_if_gradient_cut("fused_experts with fp8_compute='w8a8'", hidden_states=x, topk_weights=topk_weights,
+                                 gate_up_bias=gate_up_bias, down_bias=down_bias)
+            x, topk_weights, gate_up_bias, down_bias = (t.detach() if t is not None else None
+                                                        for t in (x, topk_weights, gate_up_bias, down_bias))
+        frozen = {name: w for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)) if is_fp8(w) or is_mxfp4(w)}
+        warn_if_gradient_cut("fused_experts with quantized (float8 or MXFP4) weights (frozen)", **frozen)
+        w_gate_up, w_down = (w.detach() if name in frozen else w for name, w in (("w_gate_up", w_gate_up),
+                                                                              ("w_down", w_down)))
     else:
         fp8 = None
-    save_preact = not float8 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    inputs = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
+    save_preact = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     args = _experts_op_args(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec, tiles,
                             save_preact, fp8)
     out = call(_fused_experts_op, *args)[0]
@@ -542,11 +582,14 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
 
     FP8 expert weights (v1.x addition, forward only; see fp8.py and docs/usage.md, "FP8 expert weights"): w_gate_up
-    and/or w_down in float8_e4m3fn / float8_e4m3fnuz with fp32 scales `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 *
-    scale), the scheme read from the scale's shape: [E, ceil(d1/b1), ceil(d2/b2)] block scales over the weight as
-    stored ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per output channel (N = 2F for w_gate_up, H for
-    w_down); [E] per tensor. hidden_states and the output stay bf16/fp16/fp32. The output carries no gradient (a
-    warning says so once when an input requires grad).
+    and/or w_down in float8_e4m3fn / float8_e4m3fnuz with fp32 (or float8_e8m0fnu: powers of two) scales
+    `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 * scale), the scheme read from the scale's shape: [E, ceil(d1/b1),
+    ceil(d2/b2)] block scales over the weight as stored ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per
+    output channel (N = 2F for w_gate_up, H for w_down); [E] per tensor. hidden_states and the output stay
+    bf16/fp16/fp32. Quantized weights are frozen: they get no gradient (a warning says so once when one requires
+    grad), while hidden_states, topk_weights and the biases get the gradients of the experts with the dequantized
+    weights (fine-tuning around frozen quantized experts); "auto" then takes "dequant", and a forced "w8a8" is
+    forward only (its output carries no gradient, warned once).
     `w_gate_up_scale_layout` says how w_gate_up_scale's block scales cover the 2F rows (the layouts differ where F is
     not a multiple of the block's N side b, and are never guessed from shapes): "fused" (default) ceil(2F/b) blocks over
     the rows as stored; "merged" gate's ceil(F/b) blocks, then up's, each over its own F rows (a checkpoint's separate
@@ -561,6 +604,13 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     hidden_states and for the intermediate), fp32 of shape [] or [1] (per tensor) or [E] (per expert), used by
     "w8a8" instead of the dynamic scales (values beyond 448 * scale saturate); "dequant" does not quantize
     activations and ignores them.
+
+    MXFP4 expert weights (v1.x addition; mxfp4.py): w_gate_up and w_down as uint8 blocks, as GPT-OSS checkpoints
+    store them ([E, 2F, H/32, 16] and [E, H, F/32, 16], or those bytes as [E, 2F, H/2] and [E, H, F/2]: two e2m1
+    values per byte, low nibble first), with their e8m0 scales `w_gate_up_scale` [E, 2F, H/32] and `w_down_scale`
+    [E, H, F/32] (uint8 or float8_e8m0fnu); not transposed; interleaved or concatenated gate/up rows. They are
+    dequantized in the loads and dotted in hidden_states' dtype ("dequant"; "w8a8" raises); frozen like float8
+    weights above.
 
     Eager inference calls are planned (`_plan.py`): the first call of an input signature runs in full and is recorded,
     later ones replay its launches through Triton's compiled launcher (same results, a fraction of the host time).
@@ -613,6 +663,14 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         w_gate_up, w_gate_up_scale = check_mxfp4_weight("w_gate_up", w_gate_up, "w_gate_up_scale", w_gate_up_scale)
         w_down, w_down_scale = check_mxfp4_weight("w_down", w_down, "w_down_scale", w_down_scale)
         fp8_compute = "dequant"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (hidden_states, topk_weights, gate_up_bias, down_bias)):
+        # gradients through frozen quantized weights: the dequant path (the w8a8 path is forward only)
+        fp8_compute = "dequant" if fp8_compute == "auto" else fp8_compute
+        if (w_gate_up_scale_layout == "merged" and w_gate_up_scale is not None and w_gate_up_scale.dim() == 3
+                and (w_gate_up.shape[2 if transposed else 1] // 2) % fp8_block_shape[0 if not transposed else 1]):
+            raise ValueError("w_gate_up_scale_layout='merged' with F not a multiple of the block's N side has no "
+                             "backward: run it without gradients, or pass the scales of the fused weight")
     fp8_compute = _choose_fp8_compute(fp8_compute, tiles, x, topk_ids.shape[1], w_gate_up, w_down,
                                       (w_gate_up_scale, w_down_scale), tuple(fp8_block_shape), transposed)
     for name, scale in (("gate_up_input_scale", gate_up_input_scale), ("down_input_scale", down_input_scale)):
