@@ -309,18 +309,31 @@ def e8m0_to_f32(b_codes):
 
 
 @triton.jit
-def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] weight tile in a_dtype from MXFP4 bytes: w_ptrs [BLOCK_N, BLOCK_K / 2] (byte j of a row
-    holds K values 2j (low nibble) and 2j + 1), s_ptrs [BLOCK_N, BLOCK_K / 32] the e8m0 codes of those values;
-    k_left values of K remain from this step on (a multiple of 32), the rest read as zero."""
+def mxfp4_half_tiles(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K: tl.constexpr):
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] in a_dtype: the weight values at this K step's even and odd K indices, from
+    MXFP4 bytes w_ptrs [BLOCK_N, BLOCK_K / 2] (byte j of a row: K index 2j in the low nibble, 2j + 1 in the high)
+    times the e8m0 scales at s_ptrs [BLOCK_N, BLOCK_K / 32] (one per 16 bytes); k_left values of K remain from this
+    step on (a multiple of 32), the rest read as zero. The two halves are never interleaved back into K order: the
+    dot takes each against A's matching columns."""
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
     b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] < k_left // 2), other=0)
     b_codes = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_group[None, :] < k_left // MXFP4_GROUP), other=0)
-    b_values = tl.join(e2m1_to_f32(b_bytes & 15), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_N, BLOCK_K / 2, 2]
-    b_values = tl.reshape(b_values, (b_bytes.shape[0], BLOCK_K // MXFP4_GROUP, MXFP4_GROUP))
-    b_values = b_values * e8m0_to_f32(b_codes)[:, :, None]
-    return tl.trans(tl.reshape(b_values, (b_bytes.shape[0], BLOCK_K)).to(a_dtype))
+    rows: tl.constexpr = b_bytes.shape[0]
+    b_scale = tl.broadcast_to(e8m0_to_f32(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+    b_scale = tl.reshape(b_scale, (rows, BLOCK_K // 2))
+    return (e2m1_to_f32(b_bytes & 15) * b_scale).to(a_dtype), (e2m1_to_f32(b_bytes >> 4) * b_scale).to(a_dtype)
+
+
+@triton.jit
+def mxfp4_step_dot(b_acc_t, b_a_even_t, b_a_odd_t, w_ptrs, s_ptrs, mask_n, k_left, a_dtype,
+                   DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """b_acc_t [BLOCK_N, rows] plus this K step's W @ A^T, operands swapped: the dequantized weight is the MMA's
+    first operand straight from registers (its columns K-contiguous, no transpose of the large tile), A's few rows
+    the second; b_a_even_t / b_a_odd_t [BLOCK_K / 2, rows] are A's even and odd K columns."""
+    b_even, b_odd = mxfp4_half_tiles(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K)
+    b_acc_t = tl.dot(b_even, b_a_even_t, b_acc_t, input_precision=DOT_PRECISION)
+    return tl.dot(b_odd, b_a_odd_t, b_acc_t, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -328,7 +341,8 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
                    stride_w_n, stride_w_k, stride_s_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """`tile_dot` for MXFP4 weights: w_ptr (w_up_ptr) at the expert's bytes [n, K / 2], s_ptrs (s_up_ptrs) [BLOCK_N]
-    at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked)."""
+    at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked). Sums the
+    transposed tile [BLOCK_N, rows] (`mxfp4_step_dot`) and adds its transpose to the accumulators at the end."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
@@ -339,19 +353,27 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
     s_tile_ptrs = s_ptrs[:, None] + s_offs  # [BLOCK_N, BLOCK_K / 32]
     s_up_tile_ptrs = s_up_ptrs[:, None] + s_offs
     a_dtype = tl.float32 if DOT_FP32 else a_ptrs.dtype.element_ty
+    b_acc_t = tl.zeros((b_acc.shape[1], b_acc.shape[0]), dtype=tl.float32)
+    b_acc_up_t = tl.zeros((b_acc_up.shape[1], b_acc_up.shape[0]), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
-        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)
-        b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype, BLOCK_K)
-        b_acc = tl.dot(b_a, b_w, b_acc, input_precision=DOT_PRECISION)
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)  # [rows, BLOCK_K], read whole
+        b_a_even, b_a_odd = tl.split(tl.reshape(b_a, (b_a.shape[0], BLOCK_K // 2, 2)))
+        b_a_even_t = tl.trans(b_a_even)
+        b_a_odd_t = tl.trans(b_a_odd)
+        b_acc_t = mxfp4_step_dot(b_acc_t, b_a_even_t, b_a_odd_t, w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype,
+                                 DOT_PRECISION, BLOCK_K)
         if GATED:
-            b_wu = mxfp4_weight_tile(w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0, a_dtype, BLOCK_K)
-            b_acc_up = tl.dot(b_a, b_wu, b_acc_up, input_precision=DOT_PRECISION)
+            b_acc_up_t = mxfp4_step_dot(b_acc_up_t, b_a_even_t, b_a_odd_t, w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0,
+                                        a_dtype, DOT_PRECISION, BLOCK_K)
             w_up_ptrs += (BLOCK_K // 2) * stride_w_k
             s_up_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += (BLOCK_K // 2) * stride_w_k
         s_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
+    b_acc += tl.trans(b_acc_t)
+    if GATED:
+        b_acc_up += tl.trans(b_acc_up_t)
     return b_acc, b_acc_up
 
 
