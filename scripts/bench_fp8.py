@@ -97,14 +97,8 @@ def parse_args(argv):
         args.tokens = tuple(int(t) for t in args.tokens.split(","))
     if args.cpu_smoke and args.fp8_compute == "auto":
         args.fp8_compute = "w8a8"  # the interpreter runs it when asked; "auto" would pick dequant on the CPU
-    args.impls = tuple(s for s in args.impls.split(",") if s)
-    for impl in args.impls:
-        if impl not in IMPLS:
-            p.error(f"unknown impl {impl!r}; choose from {IMPLS}")
-    args.models = tuple(s for s in args.models.split(",") if s)
-    for name in args.models:
-        if name not in MODEL_SHAPES:
-            p.error(f"unknown model {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    args.impls = harness.comma_choices(p, "--impls", args.impls, IMPLS)
+    args.models = harness.comma_choices(p, "--models", args.models, MODEL_SHAPES)
     on_cpu = args.device == "cpu"
     args.ceiling_mib = args.ceiling_mib or (1 if on_cpu else 4096)
     args.matmul_size = args.matmul_size or (64 if on_cpu else 8192)

@@ -138,14 +138,8 @@ def parse_args(argv):
     args.device = "cpu" if args.cpu_smoke else "cuda"
     args.tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (
         SMOKE_TOKENS if args.cpu_smoke else TOKENS)
-    args.models = tuple(m for m in args.models.split(",") if m)
-    for name in args.models:
-        if name not in MODELS:
-            p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    args.impls = tuple(i for i in args.impls.split(",") if i)
-    for impl in args.impls:
-        if impl not in IMPLS:
-            p.error(f"unknown impl {impl!r}; choose from {', '.join(IMPLS)}")
+    args.models = harness.comma_choices(p, "--models", args.models, MODELS)
+    args.impls = harness.comma_choices(p, "--impls", args.impls, IMPLS)
     if "mxfp4" not in args.impls or "bf16" not in args.impls:
         p.error("--impls must keep mxfp4 and bf16 (the ratio and the targets are theirs)")
     if args.no_hub:

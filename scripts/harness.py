@@ -70,6 +70,15 @@ def select_models(spec, shapes):
     return out
 
 
+def comma_choices(parser, flag, text, known):
+    """The names of a comma list option (`flag` its name in messages), each one of `known`; else parser.error."""
+    names = tuple(name for name in text.split(",") if name)
+    for name in names:
+        if name not in known:
+            parser.error(f"unknown {flag} value {name!r}; known: {', '.join(known)}")
+    return names
+
+
 def load_kernel(kernel_dir=None):
     """The package: torch-ext/moe_dispatch by default, else a build variant folder or a kernel repo root."""
     if kernel_dir is None:
