@@ -186,3 +186,10 @@ def test_gpt_oss_width_on_the_gpu(T):
                      **{k: v.double() for k, v in biases.items()})
     assert_close(out[rows], ref, torch.bfloat16)
 
+
+
+def test_expert_parallelism_refuses_mxfp4_naming_the_argument():
+    """ep_fused_experts takes float weights only: MXFP4 blocks are refused before any exchange."""
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    with pytest.raises(TypeError, match="w_gate_up_local is torch.uint8"):
+        md.ep_fused_experts(x, gate_up[0], down[0], ids, weights)

@@ -67,6 +67,7 @@ from ._checks import check_finite_number, check_ids_in_range, check_int, check_t
 from .ep_plan import count_rows, route_rows
 from .fp8 import is_fp8
 from .moe import check_experts_args, fused_experts
+from .mxfp4 import is_mxfp4
 from .transformers_experts import fused_experts_options
 
 
@@ -288,9 +289,9 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     """
     W, _ = _group_size_and_rank(group)
     for name, weight in (("w_gate_up_local", w_gate_up_local), ("w_down_local", w_down_local)):
-        if is_fp8(weight):
-            raise TypeError(f"{name} is {weight.dtype}: ep_fused_experts takes float weights only for now (float8 "
-                            "experts run through fused_experts on one GPU, see docs/usage.md, 'FP8 expert weights')")
+        if is_fp8(weight) or is_mxfp4(weight):
+            raise TypeError(f"{name} is {weight.dtype}: ep_fused_experts takes float weights only for now (float8 and "
+                            "MXFP4 experts run through fused_experts on one GPU, see docs/usage.md)")
     T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
                                           activation=activation, gate_up_bias=gate_up_bias_local,
                                           down_bias=down_bias_local, transposed=transposed, suffix="_local")
