@@ -15,6 +15,13 @@ Build (what kernel-builder's noarch build writes, without nix), one variant per 
 
     rev = first 7 hex digits of HEAD, `_dirty` appended when tracked files have changes; id = _moe_dispatch_<backend>_<rev>
 
+Version of a build: from what the tree records, git tags only confirming it (recorded_release, build_version)::
+
+    _version.py X.Y.Z + CHANGELOG.md's [X.Y.Z] dated  -> the tree is release X.Y.Z or past it
+        clean, HEAD tagged vX.Y.Z                  -> X.Y.Z
+        anything else (a clone without tags too)   -> X.Y.(Z+1).dev0+g<rev7>[.dirty]
+    CHANGELOG.md's [X.Y.Z] unreleased              -> X.Y.Z.dev0+g<rev7>[.dirty] (before the first release)
+
 Release (scripts/release X.Y.Z)::
 
     checks -> _version.py = X.Y.Z and CHANGELOG.md's [X.Y.Z] dated -> commit "Release vX.Y.Z" -> branch v<major> at it
@@ -23,7 +30,8 @@ Release (scripts/release X.Y.Z)::
 Publish (tag vX.Y.Z -> Hub)::
 
     checks (nothing is sent when one fails): tag format, tag major == build.toml version, git tag on HEAD,
-    clean tree, build/ fresh for HEAD and its __version__ the tag's, HF_TOKEN set, huggingface_hub able to commit
+    the tree records the tag's release (_version.py, CHANGELOG.md's date), clean tree, build/ fresh for HEAD and its
+    __version__ the tag's, HF_TOKEN set, huggingface_hub able to commit
     create_repo(kernel) -> README card on main -> branch v<major> -> commit build/<variant>/** and benchmarks/*.py
     (+ deletions) -> Hub tag named like the git tag on that commit
 """
@@ -66,8 +74,12 @@ VERSION_FILE = "_version.py"
 SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 TAG_PATTERN = re.compile(r"v(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
-# The versions a source _version.py may hold (a PEP 440 subset): a release X.Y.Z, or X.Y.Z.devN on the way to it.
-SOURCE_VERSION_PATTERN = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:\.dev(0|[1-9]\d*))?")
+# The version a source _version.py holds: the release X.Y.Z the tree is or follows (scripts/release writes it).
+SOURCE_VERSION_PATTERN = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
+# A CHANGELOG.md heading: `## [X.Y.Z]`, then ` - <date>` once released (scripts/release writes the date) or
+# ` - unreleased`.
+CHANGELOG_HEADING = re.compile(r"^## \[(?P<version>[^\]]+)\](?: - (?P<date>\S+))?[ \t]*$", re.M)
+RELEASE_DATE = re.compile(r"\d{4}-\d\d-\d\d")
 CARD_PATH = "README.md"
 CHANGELOG = "CHANGELOG.md"
 BENCHMARKS_DIR = "benchmarks"  # the Hub's benchmark convention: committed beside build/ on the release branch
@@ -170,8 +182,7 @@ class Revision:
     dirty: bool  # tracked files differ from `commit` (always True outside git: nothing shows they match)
     in_git: bool
     builder_dirty: bool  # scripts/_hub_release.py or scripts/build differ from `commit`
-    tags_on_head: tuple[str, ...] = ()
-    tags: tuple[str, ...] = ()  # every tag of the repository
+    tags_on_head: tuple[str, ...] = ()  # confirm a release build (build_version); a clone may have none
 
     @property
     def rev(self) -> str:
@@ -202,7 +213,6 @@ def source_revision(project: Project) -> Revision:
         in_git=True,
         builder_dirty=tracked_changes(root, *BUILDER_FILES),
         tags_on_head=tuple(git(root, "tag", "--points-at", "HEAD").split()),
-        tags=tuple(git(root, "tag", "--list").split()),
     )
 
 
@@ -305,8 +315,8 @@ __doc__ = _package.__doc__
 
 
 def source_version(project: Project) -> str:
-    """`__version__` of torch-ext/<module>/_version.py, read without importing; refuses a version outside
-    SOURCE_VERSION_PATTERN or of another API major than build.toml's."""
+    """`__version__` of torch-ext/<module>/_version.py, read without importing: the release X.Y.Z the tree is or
+    follows. Refuses a version outside SOURCE_VERSION_PATTERN or of another API major than build.toml's."""
     path = project.source_dir / VERSION_FILE
     tree = ast.parse(path.read_text())
     values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
@@ -317,44 +327,97 @@ def source_version(project: Project) -> str:
     version = values[0]
     match = SOURCE_VERSION_PATTERN.fullmatch(version)
     if match is None:
-        raise ReleaseError(f"{path.relative_to(project.root)} says __version__ = {version!r}: not X.Y.Z or X.Y.Z.devN")
+        raise ReleaseError(f"{path.relative_to(project.root)} says __version__ = {version!r}: not X.Y.Z (the release "
+                           "the tree is or follows; scripts/build derives development versions)")
     if int(match.group(1)) != project.version:
         raise ReleaseError(f"{path.relative_to(project.root)} says {version} but build.toml has version = "
                            f"{project.version} (the API major): they must agree")
     return version
 
 
-def build_version(project: Project, revision: Revision) -> str:
-    """The package's `__version__` in a build (PEP 440).
+def _release_key(version: str) -> tuple[int, int, int]:
+    return tuple(int(part) for part in SOURCE_VERSION_PATTERN.fullmatch(version).groups())  # type: ignore[return-value]
 
-    - A release build: a clean tree whose HEAD carries the tag v<source version> -> the source version ("1.2.0").
-    - Otherwise a development build, "<next>.dev0+g<rev>[.dirty]" (or "<source>+g<rev>[.dirty]" when the source
-      already says X.Y.Z.devN): <next> is the source version while no tag v<source> exists (the release being
-      prepared), else its next patch (the release is out and the tree has moved on: "1.0.1.dev0+g1a2b3c4")."""
+
+def changelog_entries(text: str) -> dict[str, str | None]:
+    """CHANGELOG.md's release entries: X.Y.Z -> its date (YYYY-MM-DD), or None while it says `unreleased`."""
+    entries = {}
+    for heading in CHANGELOG_HEADING.finditer(text):
+        if SOURCE_VERSION_PATTERN.fullmatch(heading["version"]):
+            date = heading["date"]
+            entries[heading["version"]] = date if date and RELEASE_DATE.fullmatch(date) else None
+    return entries
+
+
+def recorded_release(project: Project) -> tuple[str, bool]:
+    """What the tree records of its releases, needing no git tag: (X.Y.Z, released).
+
+    X.Y.Z is `__version__` of _version.py; `released` says whether CHANGELOG.md dates its entry (scripts/release
+    writes both in the release commit, so a tree that dates it is that release or a later commit). An undated entry
+    (`unreleased`) is a tree before that release: the first one, or a version set by hand. Without CHANGELOG.md (a
+    copy of the package alone) _version.py counts as released. Refuses records that disagree: no entry for X.Y.Z, a
+    dated X.Y.Z below the newest dated entry, or an undated X.Y.Z not above it."""
     version = source_version(project)
+    path = project.root / CHANGELOG
+    if not path.is_file():
+        return version, True
+    entries = changelog_entries(path.read_text())
+    source = f"torch-ext/{project.module}/{VERSION_FILE}"
+    if version not in entries:
+        raise ReleaseError(f"{source} says {version} but {CHANGELOG} has no `## [{version}]` entry: the two record the "
+                           "last release together (scripts/release writes both)")
+    dated = [v for v, date in entries.items() if date is not None]
+    newest = max(dated, key=_release_key) if dated else None
+    if newest is not None and _release_key(newest) > _release_key(version):
+        raise ReleaseError(f"{source} says {version} but {CHANGELOG} dates the later release {newest} "
+                           f"({entries[newest]}): its release commit sets __version__ = \"{newest}\" (scripts/release "
+                           "writes both); set it so")
+    return version, entries[version] is not None
+
+
+def _next_patch(version: str) -> str:
+    major, minor, patch = _release_key(version)
+    return f"{major}.{minor}.{patch + 1}"
+
+
+def build_version(project: Project, revision: Revision, log=None) -> str:
+    """The package's `__version__` in a build (PEP 440), from the tree's records (recorded_release) and HEAD's tags.
+
+    - Release X.Y.Z recorded (CHANGELOG.md dates it): a clean tree whose HEAD carries the tag vX.Y.Z builds "X.Y.Z";
+      any other tree, a clone without tags included, "X.Y.(Z+1).dev0+g<rev>[.dirty]" ("1.0.1.dev0+g1a2b3c4").
+    - X.Y.Z not released yet (its entry says `unreleased`): "X.Y.Z.dev0+g<rev>[.dirty]", tagged or not.
+
+    Tags only confirm: a release tag on HEAD that the records do not back (another version, or one CHANGELOG.md does
+    not date) changes nothing and is reported through `log` as a warning; scripts/publish refuses that tag."""
+    version, released = recorded_release(project)
     local = f"+g{revision.commit[:7]}{'.dirty' if revision.dirty else ''}"
-    major, minor, patch, dev = SOURCE_VERSION_PATTERN.fullmatch(version).groups()
-    if dev is not None:
-        return version + local
-    if not revision.dirty and f"v{version}" in revision.tags_on_head:
+    tag = f"v{version}"
+    unbacked = sorted(t for t in revision.tags_on_head if TAG_PATTERN.fullmatch(t) and (t != tag or not released))
+    for other in unbacked if log is not None else ():
+        record = (f"{CHANGELOG} does not date {version}" if other == tag
+                  else f"the tree says {version} ({VERSION_FILE})")
+        log(f"warning: HEAD carries the tag {other} but {record}: the tag is ignored (this is a development build) "
+            "and scripts/publish refuses it here")
+    if not released:
+        return f"{version}.dev0{local}"
+    if not revision.dirty and tag in revision.tags_on_head:
         return version
-    if f"v{version}" in revision.tags:
-        return f"{major}.{minor}.{int(patch) + 1}.dev0{local}"
-    return f"{version}.dev0{local}"
+    return f"{_next_patch(version)}.dev0{local}"
 
 
 def render_version_py(version: str) -> str:
-    return f'''"""Version of this build, written by scripts/build (a release's X.Y.Z, or X.Y.Z.devN+g<commit>); do not edit."""
+    return f'''"""Version of this build, written by scripts/build (a release's X.Y.Z, or X.Y.Z.dev0+g<commit>); do not edit."""
 
 __version__ = "{version}"
 '''
 
 
 def render_source_version_py(version: str) -> str:
-    return f'''"""Version of the package: the release it is (a tagged commit) or the last one it follows.
+    return f'''"""Version of the package: the last release this tree is or follows, X.Y.Z.
 
-scripts/release sets it; scripts/build writes each build's own `__version__` from it and git (docs/releasing.md):
-the release X.Y.Z on a clean commit tagged vX.Y.Z, a development version X.Y.(Z+1).dev0+g<commit> after it."""
+scripts/release sets it, and dates CHANGELOG.md's entry, in the release commit. scripts/build derives each build's own
+`__version__` from these two records, git tags only confirming (docs/releasing.md): X.Y.Z on a clean commit tagged
+vX.Y.Z, X.Y.(Z+1).dev0+g<commit> on any other commit after it, a clone without tags included."""
 
 __version__ = "{version}"
 '''
@@ -412,7 +475,7 @@ def build(root: Path, out: Path | None = None, log=print) -> list[Path]:
     project = load_project(root)
     out = out if out is not None else root / "build"
     revision = source_revision(project)
-    version = build_version(project, revision)
+    version = build_version(project, revision, log=log)
     written = []
     for variant in project.variants:
         variant_dir = out / variant
@@ -510,7 +573,9 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
 
     Refuses (changing nothing) when: `version` is not X.Y.Z or its major is not build.toml's `version`; the tree is
     dirty; tag vX.Y.Z exists; a release tag of the same major is not older; CHANGELOG.md has no `## [X.Y.Z]` entry;
-    branch v<major> exists and is not an ancestor of HEAD (the release would rewrite its history)."""
+    the tree's records (recorded_release) disagree, or record X.Y.Z or a later release as made already (a clone
+    without tags included); branch v<major> exists and is not an ancestor of HEAD (the release would rewrite its
+    history)."""
     project = load_project(root)
     tag = f"v{version}"
     parsed = parse_release_tag(tag)
@@ -533,6 +598,11 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
     if entry is None:
         raise ReleaseError(f"{CHANGELOG} has no entry for {version}: add a `## [{version}] - unreleased` section "
                            "saying what changed, commit it, and run this again")
+    recorded, released = recorded_release(project)
+    if _release_key(version) < _release_key(recorded) or (released and version == recorded):
+        state = "records release" if released else "says"
+        raise ReleaseError(f"the tree {state} {recorded} (torch-ext/{project.module}/{VERSION_FILE}, {CHANGELOG}): "
+                           f"{version} is not after it; releases only go forward")
     branch = f"v{project.version}"
     branches = git(root, "branch", "--list", "--format=%(refname:short)").split()
     if branch in branches:
@@ -776,10 +846,13 @@ def publish(
                            f"(scripts/release {tag[1:]})") from None
     if tagged != commit:
         raise ReleaseError(f"git tag {tag} points to {tagged[:7]}, not HEAD {commit[:7]}; check out the tag")
-    source = source_version(project)
+    source, released = recorded_release(project)
     if source != tag[1:]:
         raise ReleaseError(f"tag {tag} is on HEAD but torch-ext/{project.module}/{VERSION_FILE} says {source}; "
                            f"scripts/release {tag[1:]} sets it in the release commit it tags")
+    if not released:
+        raise ReleaseError(f"tag {tag} is on HEAD but {CHANGELOG} does not date {source} (its entry says unreleased); "
+                           f"scripts/release {tag[1:]} dates it in the release commit it tags")
     revision = source_revision(project)
     version = build_version(project, revision)
     if version != tag[1:]:  # a clean tree with the tag on HEAD: only another check above failing gets here

@@ -129,6 +129,25 @@ def test_results_text_speaks_of_the_project_not_of_how_it_was_made():
     assert not any(p.search(line) for p in ORGANISATION[2:] for line in source.splitlines())
 
 
+def _version_key(name):
+    """("v1.1") -> (1, 1): the order of the kernels' development versions."""
+    return tuple(int(part) for part in name.lstrip("v").split("."))
+
+
+def test_versions_page_lists_every_version_in_order():
+    """docs/versions.md lists the development versions in order, in its table and in its sections alike, and every
+    page that gives their range ("v0-vN") names the first and the last."""
+    text = (DOCS / "versions.md").read_text()
+    sections = re.findall(r"^## (v\d+(?:\.\d+)?):", text, re.M)
+    rows = re.findall(r"^\| (v\d+(?:\.\d+)?) \|", text, re.M)
+    assert sections == sorted(sections, key=_version_key), sections
+    assert rows == sections, (rows, sections)
+    span = f"{sections[0]}-{sections[-1]}"
+    for page in PAGES:
+        for found in re.findall(r"\bv0-v\d+\b", page.read_text()):
+            assert found == span, f"{page.relative_to(ROOT)} says {found}; docs/versions.md lists {span}"
+
+
 def test_the_checks_can_fail():
     """Positive controls for the patterns and the slugs the tests above rely on."""
     for text in ("see issue 12", "issues #4 and #5", "(#13)", "this session's table", "in this round",

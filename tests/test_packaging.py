@@ -230,7 +230,20 @@ def built(build_run) -> Path:
 
 # written by scripts/build for each variant: the op namespace, the build's version, the compatibility package, metadata
 GENERATED = {"_ops.py", "_version.py", "moe_dispatch/__init__.py", "metadata.json"}
-DEV_VERSION = r"1\.0\.[01]\.dev0\+g{rev}(\.dirty)?"  # before the v1.0.0 tag exists (1.0.0.dev0), or after it
+
+
+def checkout_record() -> tuple[str, str | None]:
+    """The last release this checkout records, read here without scripts/: (_version.py's X.Y.Z, the date of its
+    CHANGELOG.md entry or None while it says unreleased)."""
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text())[1]
+    heading = re.search(rf"^## \[{re.escape(version)}\] - (\S+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    date = heading[1] if heading and re.fullmatch(r"\d{4}-\d\d-\d\d", heading[1]) else None
+    return version, date
+
+
+def next_patch(version: str) -> str:
+    major, minor, patch = map(int, version.split("."))
+    return f"{major}.{minor}.{patch + 1}"
 
 
 def package_files() -> set[str]:
@@ -276,7 +289,11 @@ def test_build_writes_each_variant(build_run):
         assert f'NAMESPACE = f"_moe_dispatch_{{_torch_backend()}}_{metadata.id.removeprefix(f"_moe_dispatch_{backend}_")}"' in ops
         version = built_version(vdir)
         Version(version)  # PEP 440, or this raises
-        assert re.fullmatch(DEV_VERSION.format(rev=match.group(1)), version) or version == "1.0.0", version
+        # The version the tree records, the release itself only where its tag is on a clean HEAD: with no tags (a
+        # fresh clone) a checkout past release X.Y.Z builds X.Y.(Z+1).dev0+g<commit>.
+        recorded, date = checkout_record()
+        dev = rf"{re.escape(next_patch(recorded) if date else recorded)}\.dev0\+g{match.group(1)}(\.dirty)?"
+        assert re.fullmatch(dev, version) or (date and version == recorded), version
 
 
 def test_kernels_validation_passes_on_every_variant(built, caplog):
@@ -364,34 +381,76 @@ def test_reference_ships_and_launches_nothing_on_import(built):
     assert report == {"loaded": [], "ids": [3, 2], "dtype": "torch.float64"}, report
 
 
-def test_source_version_is_pep440_with_a_changelog_entry():
-    """A checkout's __version__ is the release it is or follows: PEP 440, build.toml's major, in CHANGELOG.md."""
+def test_checkout_records_its_last_release():
+    """A checkout's __version__ is the last release, what its builds' versions come from without any git tag: X.Y.Z of
+    build.toml's major, and the newest release CHANGELOG.md dates. CHANGELOG.md lists its entries newest first."""
     with open(ROOT / "build.toml", "rb") as f:
         major = tomllib.load(f)["general"]["version"]
-    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text())[1]
+    version, date = checkout_record()
     assert Version(version).major == major and re.fullmatch(r"\d+\.\d+\.\d+", version), version
-    changelog = (ROOT / "CHANGELOG.md").read_text()
-    assert re.search(rf"^## \[{re.escape(version)}\]( - (unreleased|\d{{4}}-\d\d-\d\d))?$", changelog, re.M), version
+    headings = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\S+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    versions = [Version(v) for v, _ in headings]
+    assert versions == sorted(versions, reverse=True), headings
+    assert all(when == "unreleased" or re.fullmatch(r"\d{4}-\d\d-\d\d", when) for _, when in headings), headings
+    dated = [v for v, when in headings if when != "unreleased"]
+    assert date is not None and dated[0] == version, (version, dated)
 
 
-@pytest.mark.parametrize("source,tags_on_head,tags,dirty,want", [
-    ("1.0.0", ("v1.0.0",), ("v1.0.0",), False, "1.0.0"),  # the release build
-    ("1.0.0", ("v1.0.0",), ("v1.0.0",), True, "1.0.1.dev0+g0123456.dirty"),  # edits on the release: after it
-    ("1.0.0", (), (), False, "1.0.0.dev0+g0123456"),  # on the way to 1.0.0 (not tagged yet)
-    ("1.0.0", (), ("v1.0.0",), False, "1.0.1.dev0+g0123456"),  # past the release
-    ("1.2.0.dev3", (), ("v1.0.0",), True, "1.2.0.dev3+g0123456.dirty"),  # a development version stays itself
-])
-def test_build_versions_are_pep440(tmp_path, source, tags_on_head, tags, dirty, want):
+CHANGELOG_RELEASED = "# Changelog\n\n## [1.1.0] - unreleased\n\n## [1.0.0] - 2026-12-02\n"
+CHANGELOG_UNRELEASED = "# Changelog\n\n## [1.0.0] - unreleased\n"
+
+
+def version_project(tmp_path, source: str, changelog: str | None):
+    """A project holding only what decides a build's version: build.toml, _version.py and CHANGELOG.md (or none)."""
     release_module = hub_release()
     root = tmp_path / "repo"
     (root / "torch-ext" / "moe_dispatch").mkdir(parents=True)
     shutil.copy2(ROOT / "build.toml", root / "build.toml")
     (root / "torch-ext" / "moe_dispatch" / "_version.py").write_text(release_module.render_source_version_py(source))
-    project = release_module.load_project(root)
+    if changelog is not None:
+        (root / "CHANGELOG.md").write_text(changelog)
+    return release_module.load_project(root)
+
+
+@pytest.mark.parametrize("changelog,tags_on_head,dirty,want,warned", [
+    (CHANGELOG_RELEASED, ("v1.0.0",), False, "1.0.0", None),  # the release build: recorded and confirmed
+    (CHANGELOG_RELEASED, ("v1.0.0",), True, "1.0.1.dev0+g0123456.dirty", None),  # edits on the release: after it
+    (CHANGELOG_RELEASED, (), False, "1.0.1.dev0+g0123456", None),  # past the release; a clone without tags too
+    (CHANGELOG_RELEASED, ("v1.0.1",), False, "1.0.1.dev0+g0123456", "v1.0.1"),  # a tag the tree does not back
+    (CHANGELOG_RELEASED, ("nightly",), False, "1.0.1.dev0+g0123456", None),  # not a release tag: nothing to say
+    (None, (), False, "1.0.1.dev0+g0123456", None),  # _version.py alone: it holds the last release
+    (CHANGELOG_UNRELEASED, (), False, "1.0.0.dev0+g0123456", None),  # before the first release
+    (CHANGELOG_UNRELEASED, ("v1.0.0",), False, "1.0.0.dev0+g0123456", "v1.0.0"),  # a tag on an undated entry
+], ids=["release", "release-dirty", "after-release", "other-tag", "other-name", "no-changelog", "before-release",
+        "undated-tag"])
+def test_build_versions_come_from_the_tree(tmp_path, changelog, tags_on_head, dirty, want, warned):
+    release_module = hub_release()
+    project = version_project(tmp_path, "1.0.0", changelog)
     revision = release_module.Revision(commit="0123456789" * 4, dirty=dirty, in_git=True, builder_dirty=False,
-                                       tags_on_head=tags_on_head, tags=tags)
-    version = release_module.build_version(project, revision)
+                                       tags_on_head=tags_on_head)
+    logged = []
+    version = release_module.build_version(project, revision, log=logged.append)
     assert version == want and str(Version(version)) == want
+    if warned is None:
+        assert logged == []
+    else:
+        assert len(logged) == 1 and f"tag {warned}" in logged[0] and "scripts/publish refuses it" in logged[0], logged
+
+
+@pytest.mark.parametrize("source,changelog,reason", [
+    ("1.0.0", "## [1.1.0] - 2026-12-09\n\n## [1.0.0] - 2026-12-02\n", "dates the later release 1.1.0"),
+    ("1.0.0", "## [1.1.0] - 2026-12-09\n\n## [1.0.0] - unreleased\n", "dates the later release 1.1.0"),
+    ("1.2.0", CHANGELOG_RELEASED, "no `## [1.2.0]` entry"),
+    ("1.2.0.dev0", CHANGELOG_RELEASED, "not X.Y.Z"),
+])
+def test_build_versions_refuse_records_that_disagree(tmp_path, source, changelog, reason):
+    """_version.py and CHANGELOG.md record the last release together (scripts/release writes both): a tree where they
+    disagree has no version, and every script refuses it."""
+    release_module = hub_release()
+    project = version_project(tmp_path, source, changelog)
+    revision = release_module.Revision(commit="0123456789" * 4, dirty=False, in_git=True, builder_dirty=False)
+    with pytest.raises(release_module.ReleaseError, match=re.escape(reason)):
+        release_module.build_version(project, revision)
 
 
 @requires_git
@@ -417,7 +476,7 @@ def test_build_id_marks_a_dirty_tree(tmp_path):
 
 def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
     tree = tmp_path / "tree"
-    for rel in ("build.toml", "scripts/_hub_release.py", "scripts/build", "torch-ext/moe_dispatch"):
+    for rel in ("build.toml", "CHANGELOG.md", "scripts/_hub_release.py", "scripts/build", "torch-ext/moe_dispatch"):
         copy = shutil.copytree if (ROOT / rel).is_dir() else shutil.copy2
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         copy(ROOT / rel, tree / rel)
@@ -427,7 +486,9 @@ def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
     metadata = json.loads((tree / "build" / "torch-rocm" / "metadata.json").read_text())
     assert metadata["id"] == "_moe_dispatch_rocm_0123456_dirty"
     assert "kernel" not in metadata["provenance"]  # no git: the kernel's revision is unknown
-    assert re.fullmatch(r"1\.0\.0\.dev0\+g0123456\.dirty", built_version(tree / "build" / "torch-rocm"))
+    recorded, date = checkout_record()
+    want = f"{next_patch(recorded) if date else recorded}.dev0+g0123456.dirty"
+    assert built_version(tree / "build" / "torch-rocm") == want  # no git, no tags: what the tree records
 
 
 @requires_git
@@ -683,10 +744,13 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     git(clone, "commit", "-q", "-am", "another change")
     before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
     version_file = clone / "torch-ext" / "moe_dispatch" / "_version.py"
+    changelog = clone / "CHANGELOG.md"
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
-        git(clone, "tag", "-d", "v1.1.0")  # the tag under test is the one on HEAD, and the source's version
+        git(clone, "tag", "-d", "v1.1.0")  # the tag under test is the one on HEAD, and the release the tree records
         if version_file.read_text() != hub_release().render_source_version_py(tag[1:]):
             version_file.write_text(hub_release().render_source_version_py(tag[1:]))
+            # The records of a 1.0.1 made on a tree that never had 1.1.0: its dated entry is the newest.
+            changelog.write_text(re.sub(r"^## \[1\.1\.0\]", f"## [{tag[1:]}]", changelog.read_text(), flags=re.M))
             git(clone, "commit", "-q", "-am", f"source version {tag[1:]}")
         git(clone, "tag", tag)
         assert run_script(clone, "build", env=clean_env()).returncode == 0
@@ -718,19 +782,27 @@ def _tag_not_on_head(repo):
     return ["--tag", "v1.0.0"], "not HEAD"
 
 
+def _release_commit(repo):
+    """The commit scripts/release 1.0.0 makes, without its tag: CHANGELOG.md dates 1.0.0 (_version.py says it already)."""
+    changelog = repo / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace("## [1.0.0] - unreleased", "## [1.0.0] - 2026-12-02", 1))
+    git(repo, "commit", "-q", "-am", "Release v1.0.0")
+
+
 def _stale_commit(repo):
-    git(repo, "commit", "-q", "--allow-empty", "-m", "after the build")
+    _release_commit(repo)  # after the build
     git(repo, "tag", "v1.0.0")
     return [], "build is stale"
 
 
 def _tag_and_build(repo, tag):
-    """A build of a tagged commit: a release build when the tag is the source's version."""
+    """A build of a tagged commit: a release build when the tree records the tag's release."""
     git(repo, "tag", tag)
     assert run_script(repo, "build", env=clean_env()).returncode == 0
 
 
 def _stale_files(repo):
+    _release_commit(repo)
     _tag_and_build(repo, "v1.0.0")
     with open(repo / "build" / "torch-rocm" / "moe.py", "a") as f:
         f.write("# edited after the build\n")
@@ -738,8 +810,19 @@ def _stale_files(repo):
 
 
 def _build_before_the_tag(repo):
-    git(repo, "tag", "v1.0.0")  # the build (made before) says 1.0.0.dev0+g<commit>, not 1.0.0 (and so its digest)
+    _release_commit(repo)
+    assert run_script(repo, "build", env=clean_env()).returncode == 0  # says 1.0.1.dev0+g<commit>: no tag confirms it
+    git(repo, "tag", "v1.0.0")  # the build (made before) is not 1.0.0's (and so its digest)
     return [], "torch-cpu differs from torch-ext/moe_dispatch in ['_version.py', 'metadata.json']"
+
+
+def _tag_the_tree_does_not_record(repo):
+    git(repo, "tag", "v1.0.0")  # on the tree before its release: CHANGELOG.md says 1.0.0 is unreleased
+    result = run_script(repo, "build", env=clean_env())
+    assert result.returncode == 0 and "warning: HEAD carries the tag v1.0.0 but CHANGELOG.md does not date 1.0.0" \
+        in result.stdout, result.stdout + result.stderr
+    assert re.fullmatch(r"1\.0\.0\.dev0\+g[0-9a-f]{7}", built_version(repo / "build" / "torch-cpu"))
+    return [], "CHANGELOG.md does not date 1.0.0 (its entry says unreleased)"
 
 
 def _tag_other_than_the_source_version(repo):
@@ -748,12 +831,13 @@ def _tag_other_than_the_source_version(repo):
 
 
 def _missing_token(repo):
+    _release_commit(repo)
     _tag_and_build(repo, "v1.0.0")
     return [], "HF_TOKEN is not set"
 
 
 REFUSALS = [_tag_major_mismatch, _malformed_tag, _dirty_tree, _tag_not_on_head, _stale_commit, _stale_files,
-            _build_before_the_tag, _tag_other_than_the_source_version, _missing_token]
+            _build_before_the_tag, _tag_other_than_the_source_version, _tag_the_tree_does_not_record, _missing_token]
 
 
 @requires_git
@@ -792,6 +876,14 @@ def _release_older_than_a_tag(repo):
     return "1.0.0", "release tags newer than v1.0.0 exist (v1.2.0)"
 
 
+def _release_again_in_a_clone_without_tags(repo):
+    assert run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV)).returncode == 0
+    git(repo, "tag", "-d", "v1.0.0")
+    git(repo, "branch", "-D", "v1")  # what a clone of main alone has: the release commit, no tag, no branch v1
+    return "1.0.0", ("the tree records release 1.0.0 (torch-ext/moe_dispatch/_version.py, CHANGELOG.md): "
+                     "1.0.0 is not after")
+
+
 def _release_rewriting_branch_v1(repo):
     git(repo, "branch", "v1")
     git(repo, "checkout", "-q", "v1")
@@ -801,7 +893,8 @@ def _release_rewriting_branch_v1(repo):
 
 
 RELEASE_REFUSALS = [_release_major_mismatch, _release_dirty_tree, _release_without_changelog_entry,
-                    _release_tag_exists, _release_older_than_a_tag, _release_rewriting_branch_v1]
+                    _release_tag_exists, _release_older_than_a_tag, _release_again_in_a_clone_without_tags,
+                    _release_rewriting_branch_v1]
 
 
 @requires_git
@@ -835,10 +928,31 @@ def test_release_dates_the_changelog_and_sets_the_version(tmp_path):
 
 
 @requires_git
+def test_a_clone_without_tags_builds_after_the_recorded_release(tmp_path):
+    """The version comes from the tree: a clone that has neither the tags nor branch v1 (they live where the release
+    was made and on the Hub) builds X.Y.(Z+1).dev0+g<commit> after the release X.Y.Z its files record, the release
+    commit included (no tag confirms it), and scripts/publish refuses the untagged tree."""
+    repo = make_release_repo(tmp_path / "repo")
+    assert run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV)).returncode == 0
+    git(repo, "commit", "-q", "--allow-empty", "-m", "after the release")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-tags", "--single-branch", "--branch", "main", str(repo), str(clone)],
+                   check=True, capture_output=True)
+    assert git(clone, "tag", "--list") == "" and git(clone, "branch", "--list", "v1") == ""
+    for rev in ("HEAD", "HEAD~1"):  # after the release, then the release commit itself
+        git(clone, "checkout", "-q", "--detach", rev)
+        result = run_script(clone, "build", env=clean_env())
+        assert result.returncode == 0 and "warning: HEAD carries" not in result.stdout, result.stdout + result.stderr
+        assert built_version(clone / "build" / "torch-cpu") == f"1.0.1.dev0+g{git(clone, 'rev-parse', 'HEAD')[:7]}"
+    result = run_script(clone, "publish", "--dry-run", env=clean_env())
+    assert result.returncode == 2 and "HEAD carries no git tag" in result.stderr, result.stderr
+
+
+@requires_git
 def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
     repo = make_release_repo(tmp_path / "repo")
-    git(repo, "tag", "v1.0.0")
-    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    _release_commit(repo)
+    _tag_and_build(repo, "v1.0.0")
     n_requests = len(hub.state.requests)
     result = publish(repo, hub, "--dry-run", token=None)
     assert result.returncode == 0, result.stderr

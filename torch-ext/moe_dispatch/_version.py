@@ -1,6 +1,7 @@
-"""Version of the package: the release it is (a tagged commit) or the last one it follows.
+"""Version of the package: the last release this tree is or follows, X.Y.Z.
 
-scripts/release sets it; scripts/build writes each build's own `__version__` from it and git (docs/releasing.md):
-the release X.Y.Z on a clean commit tagged vX.Y.Z, a development version X.Y.(Z+1).dev0+g<commit> after it."""
+scripts/release sets it, and dates CHANGELOG.md's entry, in the release commit. scripts/build derives each build's own
+`__version__` from these two records, git tags only confirming (docs/releasing.md): X.Y.Z on a clean commit tagged
+vX.Y.Z, X.Y.(Z+1).dev0+g<commit> on any other commit after it, a clone without tags included."""
 
 __version__ = "1.0.0"
