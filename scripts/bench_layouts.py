@@ -85,7 +85,7 @@ GPT_OSS_20B = dataclasses.replace(MODEL_SHAPES["gpt-oss-120b"], name="gpt-oss-20
 SHAPES = {"gpt-oss-20b": GPT_OSS_20B, **MODEL_SHAPES}  # MODEL_SHAPES' own entries win
 # --smoke: interpreter-sized, top_k 2 of 4 experts so that routing still chooses
 SMOKE_SIZES = dict(num_experts=4, top_k=2, hidden=64, ffn=32)
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GPT-OSS's (transformers' GptOssConfig defaults)
+SWIGLU_ALPHA, SWIGLU_LIMIT = harness.SWIGLU_ALPHA, harness.SWIGLU_LIMIT
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODES = ("inference", "training")
 PEER = "transformers_grouped_mm"

@@ -84,9 +84,8 @@ IMPLS = ("mxfp4", "bf16", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
 HUB_IMPLS = {"tk_matmul_ogs": "gpt_oss_triton_kernels", "fg_mxfp4": "finegrained_fp8"}
 LABELS = {"mxfp4": "mxfp4", "bf16": "bf16", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
 DTYPE = torch.bfloat16
-ALPHA, LIMIT = bench_layouts.SWIGLU_ALPHA, bench_layouts.SWIGLU_LIMIT
-SCALE_CODE = 120  # e8m0 code of the weights' scales (+-1): 2^-7 times e2m1 values of RMS 2.9 (uniform bytes)
-MXFP4_GROUP = 32
+ALPHA, LIMIT = harness.SWIGLU_ALPHA, harness.SWIGLU_LIMIT
+MXFP4_GROUP = harness.MXFP4_GROUP
 DECODE_MAX_T = 16
 PREFILL_MIN_T = 1024
 READ_SLACK = 1.15
@@ -94,7 +93,6 @@ LAUNCH_ALLOWANCE_US = 10.0
 PREFILL_MAX_RATIO = 1.1
 TOLERANCE = reference.TOLERANCE[DTYPE]
 FG_TOLERANCE = reference.W8A8_TOLERANCE
-REFERENCE_EXPERTS_PER_CHUNK = 8  # float64 dequantized experts at a time (GPT-OSS-120B: ~4 GB of float64 temporaries)
 
 
 def parse_args(argv):
@@ -155,46 +153,9 @@ def parse_args(argv):
 # the experts' weights and the float64 reference
 
 
-@dataclasses.dataclass
-class Weights:
-    """One layer's experts: MXFP4 as GPT-OSS checkpoints store them, and their exact bf16 values."""
-
-    shape: object
-    gu_blocks: torch.Tensor  # uint8 [E, 2F, H/32, 16], gate and up rows alternating (gate at even)
-    gu_scales: torch.Tensor  # uint8 [E, 2F, H/32]
-    d_blocks: torch.Tensor  # uint8 [E, H, F/32, 16]
-    d_scales: torch.Tensor  # uint8 [E, H, F/32]
-    gu_bias: torch.Tensor  # bf16 [E, 2F], interleaved like the rows
-    d_bias: torch.Tensor  # bf16 [E, H]
-    dq_gu: torch.Tensor  # bf16 [E, 2F, H], interleaved
-    dq_d: torch.Tensor  # bf16 [E, H, F]
-
-
 def model_shape(name, smoke):
     shape = MODEL_SHAPES[name]
     return dataclasses.replace(shape, **SMOKE_SIZES) if smoke else shape
-
-
-def make_weights(shape, device, seed, kernel):
-    """Random MXFP4 experts built directly (uniform bytes, scale codes SCALE_CODE +- 1), biases randn * 0.02, and the
-    bf16 dequantization of the blocks (exact: e2m1 values times 2^-8 .. 2^-6)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    E, H, F = shape.num_experts, shape.hidden, shape.ffn
-
-    def blocks(n, k):
-        return torch.randint(0, 256, (E, n, k // MXFP4_GROUP, MXFP4_GROUP // 2), dtype=torch.uint8, device=device,
-                             generator=gen)
-
-    def scales(n, k):
-        return torch.randint(SCALE_CODE - 1, SCALE_CODE + 2, (E, n, k // MXFP4_GROUP), dtype=torch.uint8,
-                             device=device, generator=gen)
-
-    gu_blocks, gu_scales, d_blocks, d_scales = blocks(2 * F, H), scales(2 * F, H), blocks(H, F), scales(H, F)
-    gu_bias = torch.empty(E, 2 * F, device=device, dtype=DTYPE).normal_(0.0, 0.02, generator=gen)
-    d_bias = torch.empty(E, H, device=device, dtype=DTYPE).normal_(0.0, 0.02, generator=gen)
-    return Weights(shape, gu_blocks, gu_scales, d_blocks, d_scales, gu_bias, d_bias,
-                   kernel.dequantize_experts_mxfp4(gu_blocks, gu_scales, DTYPE),
-                   kernel.dequantize_experts_mxfp4(d_blocks, d_scales, DTYPE))
 
 
 def mxfp4_bytes(shape, experts_hit):
@@ -202,28 +163,6 @@ def mxfp4_bytes(shape, experts_hit):
     step must read."""
     values = 3 * shape.hidden * shape.ffn
     return experts_hit * (values // 2 + values // MXFP4_GROUP)
-
-
-def float64_reference(w, x, ids, weights, *, biases=True, chunk=REFERENCE_EXPERTS_PER_CHUNK):
-    """float64 experts on the float64 dequantized MXFP4 weights (reference.dequantize_mxfp4_ref) for the rows x:
-    the experts hit, `chunk` at a time (each chunk's ids mapped to its local numbering, the others -1, which
-    fused_experts_ref skips)."""
-    E = w.shape.num_experts
-    hit = torch.unique(ids)
-    local = torch.full((E,), -1, dtype=torch.long, device=ids.device)
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for start in range(0, hit.numel(), chunk):
-        part = hit[start:start + chunk]
-        local.fill_(-1)
-        local[part] = torch.arange(part.numel(), device=ids.device)
-        w1 = reference.dequantize_mxfp4_ref(w.gu_blocks[part], w.gu_scales[part])
-        w2 = reference.dequantize_mxfp4_ref(w.d_blocks[part], w.d_scales[part])
-        out += reference.fused_experts_ref(x, w1, w2, local[ids.long()], weights, activation="swiglu_oai",
-                                           interleaved=True, gate_up_bias=w.gu_bias[part] if biases else None,
-                                           down_bias=w.d_bias[part] if biases else None, swiglu_alpha=ALPHA,
-                                           swiglu_limit=LIMIT)
-        del w1, w2
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -264,8 +203,8 @@ def package_impls(kernel, w):
                   swiglu_alpha=ALPHA, swiglu_limit=LIMIT, validate=False)
 
     def mxfp4(inp):
-        return lambda: kernel.fused_experts(inp.x, w.gu_blocks, w.d_blocks, inp.ids, inp.weights,
-                                            w_gate_up_scale=w.gu_scales, w_down_scale=w.d_scales, **common)
+        return lambda: kernel.fused_experts(inp.x, topk_ids=inp.ids, topk_weights=inp.weights, validate=False,
+                                            **w.call_kwargs())
 
     def bf16(inp):
         return lambda: kernel.fused_experts(inp.x, w.dq_gu, w.dq_d, inp.ids, inp.weights, **common)
@@ -565,7 +504,7 @@ def run_cell(args, w, impls, T, device, peer_warmup):
 
     def ref(biases):
         if biases not in refs:
-            refs[biases] = float64_reference(w, inp.x[rows], inp.ids[rows], inp.weights[rows], biases=biases)
+            refs[biases] = harness.mxfp4_reference(w, inp.x[rows], inp.ids[rows], inp.weights[rows], biases=biases)
         return refs[biases]
 
     fns = {}
@@ -768,7 +707,7 @@ def meta(args, device, kernel, hub):
         "args": {k: harness.portable_path(v) if k in ("out", "hub_dir", "kernel_dir") else v
                  for k, v in vars(args).items() if k not in ("argv", "ceilings", "fg_configs")},
         "hub": {impl: status for impl, (_, status) in hub.items()},
-        "weights": f"random MXFP4: uniform e2m1 bytes, e8m0 scale codes {SCALE_CODE - 1}..{SCALE_CODE + 1}; biases "
+        "weights": f"random MXFP4: uniform e2m1 bytes, e8m0 scale codes {harness.MXFP4_SCALE_CODE} +- 1; biases "
                    "bf16 randn * 0.02; x randn bf16; routing top-k of randn fp32 logits, softmax over the k",
         "tolerance": {"bf16": TOLERANCE, "fg_mxfp4 (w4a8)": FG_TOLERANCE},
         "targets": {"read_slack": READ_SLACK, "launch_allowance_us": LAUNCH_ALLOWANCE_US,
@@ -803,7 +742,7 @@ def main(argv=None, *, kernel=None):
             continue
         shape = model_shape(name, args.cpu_smoke)
         results["shapes"][name] = dataclasses.asdict(shape)
-        w = make_weights(shape, device, args.seed + 1000 * index, kernel)
+        w = harness.make_mxfp4_weights(shape, device, args.seed + 1000 * index, kernel)
         impls = model_impls(args, kernel, hub, w)
         results["meta"]["impl_status"][name] = {n: i.status for n, i in impls.items()}
         for n, impl in impls.items():

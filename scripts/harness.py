@@ -48,6 +48,10 @@ QUICK_TOKENS = (1, 4, 16, 128, 1024, 4096, 16384)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight block shape, the one the FP8 tools quantize with
 QUANTIZE_CHUNK = 8  # experts generated and quantized at a time (DeepSeek-V3's fp32 temporaries stay ~2 GB)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GPT-OSS's clamped SwiGLU (transformers' GptOssConfig defaults)
+MXFP4_GROUP = 32  # values per e8m0 scale
+MXFP4_SCALE_CODE = 120  # e8m0 code of random MXFP4 weights' scales (+-1): 2^-7 times e2m1 values of RMS 2.9
+MXFP4_REFERENCE_CHUNK = 8  # float64 dequantized experts at a time (GPT-OSS-120B: ~4 GB of float64 temporaries)
 
 
 # Loading the package, the device and the model shapes.
@@ -583,6 +587,91 @@ def make_fp8_problem(shape, max_tokens, device, seed, kernel):
     w_down, q_down, s_down = _random_quantized(E, H, F, device, gen, kernel.quantize_experts_fp8)
     return Fp8Problem(shape, x, w_gate_up, w_down, q_gate_up, q_down,
                       dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, fp8_block_shape=FP8_BLOCK))
+
+
+@dataclasses.dataclass
+class Mxfp4Weights:
+    """One layer's experts: MXFP4 as GPT-OSS checkpoints store them, and their exact bf16 values."""
+
+    shape: ModelShape
+    gu_blocks: torch.Tensor  # uint8 [E, 2F, H/32, 16], gate and up rows alternating (gate at even)
+    gu_scales: torch.Tensor  # uint8 [E, 2F, H/32]
+    d_blocks: torch.Tensor  # uint8 [E, H, F/32, 16]
+    d_scales: torch.Tensor  # uint8 [E, H, F/32]
+    gu_bias: torch.Tensor  # bf16 [E, 2F], interleaved like the rows
+    d_bias: torch.Tensor  # bf16 [E, H]
+    dq_gu: torch.Tensor | None  # bf16 [E, 2F, H], interleaved (None once a tool has dropped it)
+    dq_d: torch.Tensor | None  # bf16 [E, H, F]
+
+    def call_kwargs(self):
+        """fused_experts' arguments besides the activations and the routing: GPT-OSS's experts on the blocks."""
+        return dict(w_gate_up=self.gu_blocks, w_down=self.d_blocks, w_gate_up_scale=self.gu_scales,
+                    w_down_scale=self.d_scales, activation="swiglu_oai", interleaved=True, gate_up_bias=self.gu_bias,
+                    down_bias=self.d_bias, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=SWIGLU_LIMIT)
+
+
+@dataclasses.dataclass
+class Mxfp4Problem:
+    """One model's tensors with MXFP4 expert weights (the tuner's problem; hidden states sliced per T)."""
+
+    shape: ModelShape
+    x: torch.Tensor  # [T_max, H] bf16
+    weights: Mxfp4Weights
+    dtype: torch.dtype = torch.bfloat16
+
+
+def make_mxfp4_problem(shape, max_tokens, device, seed, kernel):
+    """`Mxfp4Problem` of `shape`: make_mxfp4_weights without their bf16 copies (the float64 check dequantizes the
+    blocks), hidden states randn."""
+    weights = make_mxfp4_weights(shape, device, seed, kernel)
+    weights.dq_gu = weights.dq_d = None
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    x = torch.empty(max_tokens, shape.hidden, device=device, dtype=torch.bfloat16).normal_(0.0, 1.0, generator=gen)
+    return Mxfp4Problem(shape, x, weights)
+
+
+def make_mxfp4_weights(shape, device, seed, kernel):
+    """Random MXFP4 experts built directly (uniform bytes, scale codes MXFP4_SCALE_CODE +- 1), biases randn * 0.02,
+    and the bf16 dequantization of the blocks (exact: e2m1 values times 2^-8 .. 2^-6)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    E, H, F = shape.num_experts, shape.hidden, shape.ffn
+
+    def blocks(n, k):
+        return torch.randint(0, 256, (E, n, k // MXFP4_GROUP, MXFP4_GROUP // 2), dtype=torch.uint8, device=device,
+                             generator=gen)
+
+    def scales(n, k):
+        return torch.randint(MXFP4_SCALE_CODE - 1, MXFP4_SCALE_CODE + 2, (E, n, k // MXFP4_GROUP), dtype=torch.uint8,
+                             device=device, generator=gen)
+
+    gu_blocks, gu_scales, d_blocks, d_scales = blocks(2 * F, H), scales(2 * F, H), blocks(H, F), scales(H, F)
+    gu_bias = torch.empty(E, 2 * F, device=device, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+    d_bias = torch.empty(E, H, device=device, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+    return Mxfp4Weights(shape, gu_blocks, gu_scales, d_blocks, d_scales, gu_bias, d_bias,
+                        kernel.dequantize_experts_mxfp4(gu_blocks, gu_scales, torch.bfloat16),
+                        kernel.dequantize_experts_mxfp4(d_blocks, d_scales, torch.bfloat16))
+
+
+def mxfp4_reference(w, x, ids, weights, *, biases=True, chunk=MXFP4_REFERENCE_CHUNK):
+    """float64 experts on the float64 dequantized MXFP4 weights `w` (Mxfp4Weights; reference.dequantize_mxfp4_ref)
+    for the rows x: the experts hit, `chunk` at a time (each chunk's ids mapped to its local numbering, the others -1,
+    which fused_experts_ref skips)."""
+    E = w.shape.num_experts
+    hit = torch.unique(ids)
+    local = torch.full((E,), -1, dtype=torch.long, device=ids.device)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for start in range(0, hit.numel(), chunk):
+        part = hit[start:start + chunk]
+        local.fill_(-1)
+        local[part] = torch.arange(part.numel(), device=ids.device)
+        w1 = reference.dequantize_mxfp4_ref(w.gu_blocks[part], w.gu_scales[part])
+        w2 = reference.dequantize_mxfp4_ref(w.d_blocks[part], w.d_scales[part])
+        out += reference.fused_experts_ref(x, w1, w2, local[ids.long()], weights, activation="swiglu_oai",
+                                           interleaved=True, gate_up_bias=w.gu_bias[part] if biases else None,
+                                           down_bias=w.d_bias[part] if biases else None, swiglu_alpha=SWIGLU_ALPHA,
+                                           swiglu_limit=SWIGLU_LIMIT)
+        del w1, w2
+    return out
 
 
 def fp8_reference(prob, x, ids, weights, rows):

@@ -5,6 +5,8 @@ the package reads, torch-ext/moe_dispatch/configs/<device_key>.json (tiles.py do
     scripts/tune --models mixtral-8x7b,qwen3-30b-a3b --budget-s 400         # the general path's buckets
     scripts/tune --path decode --out "$OUT/NVIDIA_H200.json"                # the decode path's entry
     scripts/tune --path decode --fp8                                        # ... for block-scaled float8 weights
+    scripts/tune --path decode --mxfp4                                      # ... for MXFP4 weights (GPT-OSS)
+    scripts/tune --path general --mxfp4 --tokens 128,1024,4096              # MXFP4's grouped-path buckets
     scripts/tune --path fp8 --models deepseek-v3 --tokens 128,1,16,1024     # the w8a8 path's buckets
     scripts/tune --path backward --models mixtral-8x7b --tokens 4096        # the experts backward's tiles
     scripts/tune --path fp8 --cpu-smoke --out table.json                    # plumbing on a CPU (interpreter)
@@ -14,12 +16,12 @@ The paths (PATHS below: each one's candidates, defaults and the part of the tabl
   general   the four-launch forward: BLOCK_M and each grouped GEMM's tiles per bucket of rows per expert,
             ceil(T * top_k / E). Writes the model shape's bucket list ("shapes": {"E,F,H": [...]}), a bucket ending
             at each tuned rows per expert (--generic-from MODEL: that model's list is also the generic "buckets"),
-            and the table's device, measured and note fields.
+            and the table's device, measured and note fields; --mxfp4: on MXFP4 weights, into the "mxfp4" section.
   decode    the two-launch decode path (small T, inference) against the general path at each T <=
             --max-assignments / top_k. Writes the "decode" entry (--fp8: block-scaled float8 weights, the "fp8"
-            section's "decode" entry): per shape, buckets up to the largest N = T * top_k at which the decode path won
-            at every measured T up to it (an empty list: it never did), and one generic bucket with the tiles best over
-            all cells, up to the smallest shape's limit.
+            section's "decode" entry; --mxfp4: MXFP4 weights, the "mxfp4" section's): per shape, buckets up to the
+            largest N = T * top_k at which the decode path won at every measured T up to it (an empty list: it never
+            did), and one generic bucket with the tiles best over all cells, up to the smallest shape's limit.
   fp8       the w8a8 path on block-scaled float8 weights (DeepSeek-V3's 128 x 128 format, harness.make_fp8_problem).
             Writes the "fp8" section's per-shape buckets, split at every measured rows per expert so that no winner
             changes the tiles another measured T runs.
@@ -93,6 +95,16 @@ GENERAL_PERSISTENT = {
     "down": ((256, 64, 8, 3, 8, "ON"), (128, 64, 8, 4, 8, "ON"), (128, 64, 4, 4, 8, "ON"), (256, 64, 8, 4, 8, "ON"),
              (128, 128, 8, 3, 8, "ON")),
 }
+# --mxfp4 (MXFP4 weights, the pointer kernel dequantizing byte tiles in its loads; no persistent kernel reads them):
+# a K step of BLOCK_K values reads BLOCK_K / 2 bytes per weight row, so wider K steps than the bf16 tiles' come first.
+MXFP4_GENERAL_TILES = {
+    "small": ((32, 256, 4, 3, 1), (64, 256, 4, 3, 1), (32, 128, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1),
+              (128, 256, 8, 3, 1), (16, 512, 4, 3, 1), (32, 512, 4, 3, 1)),
+    "mid": ((64, 128, 4, 4, 8), (128, 128, 8, 3, 8), (128, 128, 4, 3, 8), (64, 256, 4, 3, 8), (128, 256, 8, 3, 8),
+            (256, 128, 8, 3, 8), (128, 64, 4, 4, 8)),
+    "large": ((128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (256, 128, 8, 3, 8), (128, 256, 8, 3, 8), (64, 128, 4, 4, 8),
+              (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (64, 256, 4, 3, 8)),
+}
 # w8a8, per GEMM and BLOCK_M regime; block_k is the activation group (a power of two dividing the 128-wide weight
 # block). small, BLOCK_M 16 / 32: mma.sync, weight streaming, so the number of programs (narrow N tiles for small F)
 # and the bytes in flight matter; mid (64) and large (128): wgmma, where a gated 128 x 128 tile holds two fp32
@@ -123,6 +135,15 @@ DECODE_TILES = {
              (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1), (128, 256, 8, 3, 2),
              (64, 128, 4, 3, 1, True), (64, 128, 4, 3, 2, True), (64, 128, 4, 3, 4, True), (128, 128, 4, 3, 1, True)),
 }
+# --mxfp4: the gate/up kernel's tiles with wider K steps too; the down kernel only as the dot kernel (the GEMV reads
+# no MXFP4), the first one tiles.MXFP4_DOWN_DECODE_TILES' (held while the gate/up tiles are measured).
+MXFP4_DECODE_TILES = {
+    "gate_up": ((32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 512, 4, 3), (32, 128, 4, 4),
+                (64, 128, 4, 4), (32, 256, 8, 3), (64, 512, 8, 2), (128, 256, 8, 3)),
+    "down": ((64, 128, 4, 3, 2, True), (128, 128, 4, 3, 1, True), (64, 128, 4, 3, 4, True), (32, 128, 4, 3, 2, True),
+             (64, 256, 4, 3, 2, True), (32, 256, 4, 3, 4, True), (128, 256, 8, 3, 1, True), (64, 128, 4, 3, 8, True),
+             (32, 128, 4, 3, 8, True), (128, 128, 4, 3, 2, True)),
+}
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).
 BACKWARD_WEIGHT_TILES = ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
@@ -151,6 +172,8 @@ def parse_args(argv):
                    help="general: also use this model's tuned buckets as the table's generic `buckets`")
     p.add_argument("--fp8", action="store_true",
                    help="decode: block-scaled float8 weights (the fp8 decode entry)")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="general, decode: MXFP4 weights as GPT-OSS stores them (the table's mxfp4 section)")
     p.add_argument("--persistent", action="store_true",
                    help="general, fp8: also try the persistent descriptor kernel's tiles from BLOCK_M 64 (SM90)")
     p.add_argument("--block-m", default="", help="general, fp8: comma list of BLOCK_M tried in place of the path's "
@@ -194,7 +217,9 @@ def parse_args(argv):
         p.error("--cpu-smoke needs --out (a plumbing run must not rewrite the package's interpreter table)")
     if args.fp8 and args.path != "decode":
         p.error("--fp8 is the decode path's (the fp8 path always runs float8 weights)")
-    args.models = args.models or spec.models
+    if args.mxfp4 and (args.path not in ("general", "decode") or args.fp8):
+        p.error("--mxfp4 is the general and decode paths' (and not with --fp8)")
+    args.models = args.models or (MXFP4_MODELS if args.mxfp4 else spec.models)
     if args.tokens is None:
         args.tokens = spec.smoke_tokens if args.cpu_smoke else spec.tokens
     else:
@@ -202,6 +227,9 @@ def parse_args(argv):
     args.block_m = tuple(int(m) for m in args.block_m.split(",") if m)
     args.min_gain = spec.min_gain if args.min_gain is None else args.min_gain
     return args
+
+
+MXFP4_MODELS = "gpt-oss-120b,gpt-oss-20b"  # the models that ship MXFP4 experts
 
 
 # The timings a candidate can be ranked by, and which paired replay re-times each (the hot or the flushed graph).
@@ -482,6 +510,19 @@ class TunerPath:
         return prob.x[:num_tokens], ids, weights, seed
 
     @staticmethod
+    def mxfp4_case(run, prob, num_tokens):
+        """A cell of --mxfp4: GPT-OSS's experts on the MXFP4 blocks (harness.Mxfp4Weights.call_kwargs) against the
+        float64 experts on their dequantized values."""
+        x, ids, weights, seed = TunerPath.cell(run, prob, num_tokens)
+        rows = harness.check_rows(num_tokens, run.args.check_rows, run.device, seed)
+        ref = harness.mxfp4_reference(prob.weights, x[rows], ids[rows], weights[rows])
+        return Case(num_tokens,
+                    lambda tiles: lambda: run.kernel.fused_experts(x, topk_ids=ids, topk_weights=weights,
+                                                                   validate=False, tiles=tiles,
+                                                                   **prob.weights.call_kwargs()),
+                    lambda out: reference.relative_error(out[rows], ref), reference.TOLERANCE[prob.dtype])
+
+    @staticmethod
     def as_run(run, prob, tiles):
         """What the path runs for `tiles` (the same tiles, unless a path normalises them)."""
         return tiles
@@ -508,10 +549,14 @@ class GeneralPath(TunerPath):
 
     @staticmethod
     def problem(run, shape, max_tokens):
+        if run.args.mxfp4:
+            return harness.make_mxfp4_problem(shape, max_tokens, run.device, run.args.seed, run.kernel)
         return harness.make_problem(shape, max_tokens, harness.DTYPES[run.args.dtype], run.device, run.args.seed)
 
     @staticmethod
     def case(run, prob, num_tokens):
+        if run.args.mxfp4:
+            return TunerPath.mxfp4_case(run, prob, num_tokens)
         x, ids, weights, seed = TunerPath.cell(run, prob, num_tokens)
         rows = harness.check_rows(num_tokens, run.args.check_rows, run.device, seed)
         ref = reference.fused_experts_ref(x[rows], prob.w_gate_up, prob.w_down, ids[rows], weights[rows])
@@ -524,7 +569,7 @@ class GeneralPath(TunerPath):
     def baseline(run, unit, prob):
         shape = unit.shape
         return run.tiles.select_tiles(run.device, max(unit.tokens), shape.top_k, shape.num_experts, shape.ffn,
-                                      shape.hidden, prob.dtype)
+                                      shape.hidden, prob.dtype, mxfp4=run.args.mxfp4)
 
     @staticmethod
     def block_m_candidates(rows):
@@ -540,17 +585,18 @@ class GeneralPath(TunerPath):
     def gemm_candidates(cls, run, block_m, gemm):
         tiles_module, limit = run.tiles, smem_limit(run.device)
         regime = "small" if block_m <= 32 else "mid" if block_m <= 64 else "large"
-        values = GENERAL_TILES[regime]
-        if run.args.persistent and block_m >= 64:
+        values = (MXFP4_GENERAL_TILES if run.args.mxfp4 else GENERAL_TILES)[regime]
+        if run.args.persistent and block_m >= 64 and not run.args.mxfp4:
             values = values + GENERAL_PERSISTENT[gemm]
         b_tiles = 2 if gemm == "gate_up" else 1  # gate and up weight tiles per K step
+        weight_bytes = 0.5 if run.args.mxfp4 else 2  # per weight value (an MXFP4 byte holds two)
         return [gemm_tile(tiles_module, v) for v in values
-                if v[3] * (block_m * v[1] + b_tiles * v[1] * v[0]) * 2 <= limit]
+                if v[3] * (block_m * v[1] * 2 + b_tiles * v[1] * v[0] * weight_bytes) <= limit]
 
     @classmethod
     def stages(cls, run, unit, prob, base_table, baseline):
         block_ms = run.args.block_m or cls.block_m_candidates(unit.key)
-        table_buckets = base_table.get("shapes", {}).get(shape_key(unit.shape)) or base_table.get("buckets", [])
+        table_buckets = cls.section_buckets(run, base_table, shape_key(unit.shape))
         return (
             ("block_m", lambda held: [start_tiles(run.tiles, table_buckets, m, held) for m in block_ms]),
             ("gate_up", lambda held: [dataclasses.replace(held, gate_up=g)
@@ -560,23 +606,36 @@ class GeneralPath(TunerPath):
         )
 
     @staticmethod
-    def table(run, base, records):
+    def section_buckets(run, table, key):
+        """The buckets the package reads for shape `key` (tiles.select_tiles): the shape's, else the generic ones; with
+        --mxfp4 the "mxfp4" section's first, else the float weights' (without their persistent kernels: the pointer
+        kernel is the one that reads MXFP4)."""
+        mxfp4 = table.get("mxfp4", {}) if run.args.mxfp4 else {}
+        buckets = (mxfp4.get("shapes", {}).get(key) or mxfp4.get("buckets")
+                   or table.get("shapes", {}).get(key) or table.get("buckets", []))
+        if not run.args.mxfp4:
+            return buckets
+        return [{k: {f: v for f, v in g.items() if f != "persistent"} if k in ("gate_up", "down") else g
+                 for k, g in b.items()} for b in buckets]
+
+    @classmethod
+    def table(cls, run, base, records):
         """The base table with each unit's chosen tiles as the bucket ending at its rows per expert (tune's merge),
-        and the table's head (device, measured, note)."""
+        and the table's head (device, measured, note); with --mxfp4 into the "mxfp4" section's shapes."""
         table = copy.deepcopy(base)
         key = run.modules["_device"].device_key(run.device)
         table.update({"device": key, "measured": True,
                       "note": f"measured by scripts/tune; the runs are logged in docs/results/tuning-{key}.json"})
-        table.setdefault("shapes", {})
+        section = table.setdefault("mxfp4", {}) if run.args.mxfp4 else table
+        section.setdefault("shapes", {})
         for record in records:
             if "best" not in record:
                 continue
-            buckets = [dict(b) for b in table["shapes"].get(record["shape"], table["buckets"])
-                       if "max_rows_per_expert" in b]
+            buckets = [dict(b) for b in cls.section_buckets(run, table, record["shape"]) if "max_rows_per_expert" in b]
             entry = {"max_rows_per_expert": record["max_rows_per_expert"], **record["best"]}
-            table["shapes"][record["shape"]] = merge_bucket(buckets, entry)
+            section["shapes"][record["shape"]] = merge_bucket(buckets, entry)
             if run.args.generic_from == record["model"]:
-                table["buckets"] = table["shapes"][record["shape"]]
+                section["buckets"] = section["shapes"][record["shape"]]
         return table
 
 
@@ -762,10 +821,14 @@ class DecodePath(TunerPath):
     def problem(run, shape, max_tokens):
         if run.args.fp8:
             return harness.make_fp8_problem(shape, max_tokens, run.device, run.args.seed, run.kernel)
+        if run.args.mxfp4:
+            return harness.make_mxfp4_problem(shape, max_tokens, run.device, run.args.seed, run.kernel)
         return harness.make_problem(shape, max_tokens, harness.DTYPES[run.args.dtype], run.device, run.args.seed)
 
     @staticmethod
     def case(run, prob, num_tokens):
+        if run.args.mxfp4:
+            return TunerPath.mxfp4_case(run, prob, num_tokens)
         x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
         if run.args.fp8:
             operands = dict(w_gate_up=prob.q_gate_up, w_down=prob.q_down, **prob.scales)
@@ -783,12 +846,13 @@ class DecodePath(TunerPath):
 
     @staticmethod
     def baseline(run, unit, prob):
-        """The four-launch path with the table's tiles (the w8a8 path's "fp8" ones for float8 weights)."""
+        """The four-launch path with the table's tiles (the w8a8 path's "fp8" ones for float8 weights, the "mxfp4"
+        section's for MXFP4 ones)."""
         shape, T = unit.shape, unit.tokens[0]
         if run.args.fp8:
             return run.tiles.select_fp8_tiles(run.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden)
         return run.tiles.select_tiles(run.device, T, shape.top_k, shape.num_experts, shape.ffn, shape.hidden,
-                                      prob.x.dtype)
+                                      prob.x.dtype, mxfp4=run.args.mxfp4)
 
     @staticmethod
     def held(tiles):
@@ -807,8 +871,9 @@ class DecodePath(TunerPath):
         gate/up tile held (two launches whose times add: the sum of the lists is measured, not their product)."""
         decode_tile, smem = run.tiles.DecodeTile, smem_limit(run.device)
         block_t = max(16, 1 << (unit.tokens[0] - 1).bit_length())
-        gate_ups = [decode_tile(*v) for v in DECODE_TILES["gate_up"]]
-        downs = [decode_tile(*v) for v in DECODE_TILES["down"]]
+        candidates = MXFP4_DECODE_TILES if run.args.mxfp4 else DECODE_TILES
+        gate_ups = [decode_tile(*v) for v in candidates["gate_up"]]
+        downs = [decode_tile(*v) for v in candidates["down"]]
         return (
             ("gate_up", lambda held: [run.tiles.DecodeTiles(g, downs[0]) for g in gate_ups
                                       if cls.fits(g, block_t, smem, gated=True)]),
@@ -821,6 +886,8 @@ class DecodePath(TunerPath):
         entry = cls.entry([r for r in records if "best" in r])
         if run.args.fp8:
             return dict(base, fp8=dict(base.get("fp8", {}), decode=entry))
+        if run.args.mxfp4:
+            return dict(base, mxfp4=dict(base.get("mxfp4", {}), decode=entry))
         return dict(base, decode=entry)
 
     @classmethod
@@ -978,8 +1045,8 @@ def dump_table(table):
             lines.append(f'  "buckets": {buckets_text(value, 2)}')
         elif key == "shapes":
             lines.append(f'  "shapes": {shapes_text(value, 2)}')
-        elif key in ("decode", "fp8"):  # the decode path's and the w8a8 path's entries (tiles.py), same layout one
-            parts = []  # level down; an empty `shapes` is left out
+        elif key in ("decode", "fp8", "mxfp4"):  # the entries of tiles.py's sections: the same layout one level down
+            parts = []  # (an empty `shapes` is left out)
             for k, v in value.items():
                 if k == "shapes" and not v:
                     continue

@@ -275,9 +275,9 @@ class CostTimer:
         return 1.0 if self.first.setdefault(tokens, tiles) == tiles else self.others
 
 
-def _tune(tmp_path, path, models, tokens, timer, kernel, shapes=TINY):
+def _tune(tmp_path, path, models, tokens, timer, kernel, shapes=TINY, extra=()):
     argv = ["--path", path, "--cpu-smoke", "--models", models, "--tokens", tokens, "--max-candidates", "1",
-            "--finalists", "1", "--pairs", "1", "--out", str(tmp_path / "table.json")]
+            "--finalists", "1", "--pairs", "1", "--out", str(tmp_path / "table.json"), *extra]
     table = tune.main(argv, timer=timer, kernel=kernel, shapes=shapes)
     (run,) = json.loads((tmp_path / "tuning-interpreter.json").read_text())["runs"]  # the log, beside --out
     assert run["path"] == path and str(tmp_path) not in json.dumps(run["argv"])
@@ -357,6 +357,41 @@ def test_tune_fp8_path(tmp_path, monkeypatch):
         chosen = package.tiles.select_fp8_tiles(torch.device(DEVICE), t, shape.top_k, shape.num_experts, shape.ffn,
                                                 shape.hidden)
         assert chosen == package.tiles.MoeTiles.from_dict(unit["winner"])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("path,tokens", [("decode", "1,2"), ("general", "1,8")])
+def test_tune_mxfp4(tmp_path, monkeypatch, path, tokens):
+    """--mxfp4 on a tiny GPT-OSS (H = 64, F = 32: whole e8m0 groups; E = 8) at two T (two units): every candidate runs
+    the MXFP4 blocks and passes the float64 check on their dequantized values, a candidate beats the table's tiles
+    (the stub's costs), and the table's "mxfp4" section gives each T the chosen tiles through the package's
+    selection with mxfp4=True, while the float weights' entries and selection stay as shipped."""
+    package = harness.load_kernel()
+    tiles, device = package.tiles, torch.device(DEVICE)
+    kernel = RecordingKernel(package)
+    small = {"gpt-oss-120b": shrunk(MODEL_SHAPES["gpt-oss-120b"], hidden=64, ffn=32, num_experts=8)}
+    shape = small["gpt-oss-120b"]
+    table, units = _tune(tmp_path, path, "gpt-oss-120b", tokens, CostTimer(kernel), kernel, shapes=small,
+                         extra=["--mxfp4"])
+    shipped = tiles.load_table("interpreter")
+    head = ("mxfp4", "device", "measured", "note")
+    assert {k: v for k, v in table.items() if k not in head} == {k: v for k, v in shipped.items() if k not in head}
+    assert len(units) == 2
+    dims = (shape.top_k, shape.num_experts, shape.ffn, shape.hidden)
+    _read_back(monkeypatch, tiles, table)
+    for unit in units:
+        assert all("error" not in t and t["rel_err"] <= TOLERANCE[torch.bfloat16] for t in unit["tried"]), unit
+        assert unit["changed"]
+        (t,) = unit["tokens"]
+        if path == "decode":
+            chosen = tiles.select_decode_tiles(device, t, *dims, mxfp4=True)
+            assert chosen == tiles.DecodeTiles.from_dict(unit["best"]) and chosen.down.dot
+        else:
+            assert tiles.select_tiles(device, t, *dims, mxfp4=True) == tiles.MoeTiles.from_dict(unit["best"])
+            assert all(b[g].get("persistent", "off") == "off" for b in table["mxfp4"]["shapes"][tune.shape_key(shape)]
+                       for g in ("gate_up", "down"))
+    monkeypatch.setattr(tiles, "load_table", lambda key: shipped)
+    assert tiles.select_tiles(device, 1, *dims) == tiles.select_tiles(device, 1, *dims, mxfp4=True)
 
 
 @needs_interpreter
@@ -681,7 +716,7 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     assert "target" not in bm.judge(128, 100, shape, {"mxfp4": 1.0, "bf16": 1.0}, ceilings)
 
     small = bm.model_shape("gpt-oss-20b", True)
-    w = bm.make_weights(small, torch.device(DEVICE), 0, md)
+    w = harness.make_mxfp4_weights(small, torch.device(DEVICE), 0, md)
     assert torch.equal(w.dq_gu.double(), reference.dequantize_mxfp4_ref(w.gu_blocks, w.gu_scales))
     assert torch.equal(w.dq_d.double(), reference.dequantize_mxfp4_ref(w.d_blocks, w.d_scales))
     gu, gu_scales, down, down_scales = bm.fg_weights(w)
@@ -693,7 +728,7 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     inp = bm.make_inputs(small, 5, torch.device(DEVICE), 0)
     whole = reference.fused_experts_ref(inp.x, w.dq_gu, w.dq_d, inp.ids, inp.weights, activation="swiglu_oai",
                                         interleaved=True, gate_up_bias=w.gu_bias, down_bias=w.d_bias)
-    chunked = bm.float64_reference(w, inp.x, inp.ids, inp.weights, chunk=1)
+    chunked = harness.mxfp4_reference(w, inp.x, inp.ids, inp.weights, chunk=1)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-15)
 
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # import_package prepends the peer's folder

@@ -29,6 +29,11 @@ assignments N = T * top_k, optionally per model shape::
 The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
 the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`, in the same form.
 `scripts/tune --path decode` measures the entries.
+
+MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}}`, each part in
+the forms above (the grouped path's buckets, the decode entry; every decode down tile `dot`); a part it lacks falls
+back to the float weights' buckets and to the "fp8" decode entry (`select_tiles`, `select_decode_tiles`).
+`scripts/tune --mxfp4` measures it.
 """
 
 import dataclasses
@@ -280,14 +285,18 @@ def _pick_bucket(buckets, rows_per_expert):
 
 
 def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
-                 dtype: torch.dtype = torch.bfloat16) -> MoeTiles:
+                 dtype: torch.dtype = torch.bfloat16, *, mxfp4: bool = False) -> MoeTiles:
     """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads).
 
     Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes of shared
-    memory (the full tile would not fit the pipeline on the H200; `_wide_k`).
+    memory (the full tile would not fit the pipeline on the H200; `_wide_k`). MXFP4 weights (`mxfp4`) read the
+    table's "mxfp4" buckets of the shape where it has them, else the float weights' buckets.
     """
     table = load_table(device_key(device))
-    buckets = table.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", table["buckets"])
+    key = f"{num_experts},{ffn},{hidden}"
+    section = table.get("mxfp4", {}) if mxfp4 else {}
+    buckets = (section.get("shapes", {}).get(key) or section.get("buckets")
+               or table.get("shapes", {}).get(key, table["buckets"]))
     rows_per_expert = -(-num_tokens * top_k // num_experts)
     tiles = MoeTiles.from_dict(_pick_bucket(buckets, rows_per_expert))
     if dtype.itemsize <= 2:
@@ -325,9 +334,14 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
     """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
     `decode` entry, or N = num_tokens * top_k past its last bucket). float8 weights (`fp8`) read the "fp8" section's
     own `decode` entry (half the weight bytes move the point where the path stops winning); MXFP4 weights (`mxfp4`)
-    read it too, with the down tile of MXFP4_DOWN_DECODE_TILES. `transposed` weights take the down tile of
+    read the "mxfp4" section's where the table has one (its down tiles all `dot`: the GEMV reads no MXFP4), else the
+    "fp8" one with the down tile of MXFP4_DOWN_DECODE_TILES. `transposed` weights take the down tile of
     TRANSPOSED_DOWN_DECODE_TILES for float weights. Host-side arithmetic only."""
-    tiles = _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8 or mxfp4)
+    table = load_table(device_key(device))
+    if mxfp4 and "decode" in table.get("mxfp4", {}):
+        return _table_decode_tiles(table["mxfp4"]["decode"], num_tokens, top_k, num_experts, ffn, hidden, dtype)
+    decode = table.get("fp8", {}).get("decode") if fp8 or mxfp4 else table.get("decode")
+    tiles = _table_decode_tiles(decode, num_tokens, top_k, num_experts, ffn, hidden, dtype)
     if tiles is not None and mxfp4:
         num_assignments = num_tokens * top_k
         return DecodeTiles(tiles.gate_up, next(tile for limit, tile in MXFP4_DOWN_DECODE_TILES
@@ -339,9 +353,8 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
         down, block_k=_wide_k(down.block_k, dtype)))
 
 
-def _table_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8) -> DecodeTiles | None:
-    table = load_table(device_key(device))
-    decode = table.get("fp8", {}).get("decode") if fp8 else table.get("decode")
+def _table_decode_tiles(decode, num_tokens, top_k, num_experts, ffn, hidden, dtype) -> DecodeTiles | None:
+    """The tiles of a table's `decode` entry (None: no entry) for this problem, or None past its buckets."""
     if decode is None:
         return None
     buckets = decode.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", decode["buckets"])
