@@ -665,9 +665,10 @@ def public_api(project: Project) -> tuple[str, list[tuple[str, str]]]:
 
 
 def public_layers(project: Project) -> list[str]:
-    """The classes of layers.py when `__all__` exports `layers` (the builder's card lists them as its layers)."""
+    """The classes of integrations/layers.py when `__all__` exports `layers` (the builder's card lists them as its
+    layers)."""
     _, api = public_api(project)
-    layers = project.source_dir / "layers.py"
+    layers = project.source_dir / "integrations" / "layers.py"
     if "layers" not in {name for name, _ in api} or not layers.is_file():
         return []
     return [node.name for node in ast.parse(layers.read_text()).body if isinstance(node, ast.ClassDef)]

@@ -23,7 +23,8 @@ import torch
 
 # Imported by name: scripts/ (this folder), benchmarks/ and torch-ext/ are on PYTHONPATH (scripts/_env.sh).
 from harness import measure_copy_bandwidth
-from moe_dispatch import binned, reference, row_copies  # reference: the float64 references and the tolerance table
+from moe_dispatch import reference  # the float64 references and the tolerance table
+from moe_dispatch.dispatch import binned, row_copies
 from moe_dispatch.reference import TOLERANCE
 
 TARGET = 0.80  # fraction of the copy ceiling

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time of an eager call beside its GPU time: `fused_experts` with and without plans (`moe_dispatch._plan`),
+"""Host time of an eager call beside its GPU time: `fused_experts` with and without plans (`moe_dispatch.host.replay`),
 the transformers experts interface (`moe_dispatch_experts`), and transformers' own `batched_mm` and `grouped_mm`
 experts functions, for the six models of MODEL_SHAPES at T = 1, 4, 16, 128, in one run.
 
@@ -43,7 +43,7 @@ def implementations(md, prob, tokens, topk_ids, topk_weights):
 
     x = prob.x[:tokens]
     module = TransformersExperts(prob.w_gate_up, prob.w_down, _default_apply_gate)
-    plan_module = md._plan
+    plan_module = md.host.replay
 
     def fused(enabled):
         def call():
@@ -110,16 +110,16 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
         return md.fused_experts(x, prob.w_gate_up, prob.w_down, topk_ids, topk_weights)
 
     for enabled in (False, True):
-        md._plan.ENABLED = enabled
+        md.host.replay.ENABLED = enabled
         out.write(f"\n=== cProfile, {calls} calls, plans {'on' if enabled else 'off'} ===\n")
         out.write(harness.cprofile_text(call, calls))
-    md._plan.ENABLED = True
+    md.host.replay.ENABLED = True
     cache = md.moe._FUSED_EXPERTS_PLANS
     plans = [p for p in cache._plans.values() if p is not None]
     launch_costs = []
     if plans:
         plan = plans[-1]
-        from moe_dispatch._plan import _Launch, _buffers, _tensor
+        from moe_dispatch.host.replay import _Launch, _buffers, _tensor
 
         for step in plan.steps:
             if type(step) is not _Launch or any(f[4] is not None for f in step.fast_fills):
@@ -198,7 +198,7 @@ def main(argv=None):
                     print(json.dumps(launch_costs, indent=1))
             del prob
             torch.cuda.empty_cache()
-    md._plan.ENABLED = True
+    md.host.replay.ENABLED = True
     table = markdown(results)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

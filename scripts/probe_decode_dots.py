@@ -1,4 +1,4 @@
-"""Probe: the decode gate/up kernel's ways of dotting float8 weight tiles (gemm_jit.StepDot, chosen by
+"""Probe: the decode gate/up kernel's ways of dotting float8 weight tiles (gemm.jit.StepDot, chosen by
 decode.step_dot), A/B at the table's tiles. For each model and T, `fused_experts` on the decode path with each mode
 forced, timed as paired one-call graph replays (hot and L2-flushed, harness.paired_graph_times), with each variant's
 per-kernel GPU times and its error against the float64 experts on the same weights (128 x 128 block scales):
@@ -10,7 +10,7 @@ per-kernel GPU times and its error against the float64 experts on the same weigh
 the tiles converted to bf16 unscaled, the down GEMV as a tensor-core dot with the row as the one nonzero column, and
 the fp16 dots with one factor per x row for the whole K loop from a first pass over the row.)
 
-The package's eager plans are off for the run (`_plan.ENABLED`): a recorded call would replay the first variant's
+The package's eager plans are off for the run (`replay.ENABLED`): a recorded call would replay the first variant's
 launches for every variant of the same signature.
 
 The decode target beside each fp8 cell: 1.15 x (hit experts' fp8 bytes + scales) / R + 10 us, R given (--read-tbps).
@@ -27,8 +27,10 @@ import torch
 import harness
 import moe_dispatch
 from model_shapes import MODEL_SHAPES
-from moe_dispatch import _plan, decode, reference, tiles
-from moe_dispatch.gemm_jit import StepDot
+from moe_dispatch import reference
+from moe_dispatch.gemm import decode
+from moe_dispatch.host import replay, tiles
+from moe_dispatch.gemm.jit import StepDot
 
 VARIANTS = {"tile": StepDot.SCALED_TILE, "f16": StepDot.F16_SUMS}
 FALLBACK = tiles.DecodeTiles(tiles.DecodeTile(64, 256, 4, 3, 1), tiles.DecodeTile(64, 128, 4, 3, 1))
@@ -87,7 +89,7 @@ def main():
     parser.add_argument("--read-tbps", type=float, default=4.25, help="R, the read bandwidth in TB/s")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    _plan.ENABLED = False
+    replay.ENABLED = False
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     for name in args.models.split(","):

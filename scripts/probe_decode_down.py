@@ -1,11 +1,11 @@
 """Probe: the decode path's down GEMM as a GEMV per assignment (the table's tiles) against one tensor-core dot per
-expert hit over all its tokens' rows (tiles.DecodeTile.dot, decode.py's `_decode_down_dot_kernel`), at the table's
+expert hit over all its tokens' rows (tiles.DecodeTile.dot, gemm/decode.py's `_decode_down_dot_kernel`), at the table's
 gate/up tile, and the general path the device's table picks ("auto") beside them. For each model and T:
 `fused_experts` with each variant, timed as paired one-call graph replays (hot and L2-flushed,
 harness.paired_graph_times), per-kernel GPU times of the decode variants, the error against the float64 experts.
 float8 weights (128 x 128 block scales, weight-only dequantization on the decode path) or bf16 weights (--bf16).
 
-The package's eager plans are off for the run (`_plan.ENABLED`): a recorded call would replay the first variant's
+The package's eager plans are off for the run (`replay.ENABLED`): a recorded call would replay the first variant's
 launches for every variant of the same signature.
 
     scripts/_env.sh's PYTHONPATH; python scripts/probe_decode_down.py [--models ...] [--tokens 1,4,16] [--bf16]
@@ -22,7 +22,8 @@ import torch
 import harness
 import moe_dispatch
 from model_shapes import MODEL_SHAPES
-from moe_dispatch import _plan, reference, tiles
+from moe_dispatch import reference
+from moe_dispatch.host import replay, tiles
 
 FALLBACK = tiles.DecodeTiles(tiles.DecodeTile(64, 256, 4, 3, 1), tiles.DecodeTile(64, 128, 4, 3, 1))
 # the dot kernel's candidates: (block_n, block_k, num_warps, num_stages, split_k)
@@ -83,7 +84,7 @@ def main():
     parser.add_argument("--read-tbps", type=float, default=4.25, help="R, the read bandwidth in TB/s")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    _plan.ENABLED = False
+    replay.ENABLED = False
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     for name in args.models.split(","):

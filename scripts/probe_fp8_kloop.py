@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_dispatch.gemm_jit import tile_coords
+from moe_dispatch.gemm.jit import tile_coords
 
 MODES = {"scaled": 0, "pure": 1, "fold_bf16": 2, "fold_fp8": 3, "scaled_pair": 4}
 FP8_MAX = 448.0

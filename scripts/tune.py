@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tile tuner: measure the launch configurations of one path of the package on this device and write the tile table
-the package reads, torch-ext/moe_dispatch/configs/<device_key>.json (tiles.py documents its format).
+the package reads, torch-ext/moe_dispatch/configs/<device_key>.json (host/tiles.py documents its format).
 
     scripts/tune --models mixtral-8x7b,qwen3-30b-a3b --budget-s 400         # the general path's buckets
     scripts/tune --path decode --out "$OUT/NVIDIA_H200.json"                # the decode path's entry
@@ -317,7 +317,7 @@ def rows_per_expert(num_tokens, top_k, num_experts):
 
 
 def shape_key(shape):
-    """"E,F,H": the key of a model's per-shape bucket lists in the tile tables (tiles.py)."""
+    """"E,F,H": the key of a model's per-shape bucket lists in the tile tables (host/tiles.py)."""
     return f"{shape.num_experts},{shape.ffn},{shape.hidden}"
 
 
@@ -374,8 +374,8 @@ class Run:
 
     def __init__(self, args, kernel, timer, device):
         self.args, self.kernel, self.timer, self.device = args, kernel, timer, device
-        self.modules = {name: importlib.import_module(f"{kernel.__name__}.{name}")
-                        for name in ("tiles", "_device", "fp8", "fp8_gemm", "planner")}
+        self.modules = {name.rpartition(".")[2]: importlib.import_module(f"{kernel.__name__}.{name}")
+                        for name in ("host.tiles", "host.device", "formats.fp8", "gemm.w8a8", "gemm.planner")}
         self.tiles = self.modules["tiles"]
         self.started = time.monotonic()
         self.spec = PATHS[args.path]
@@ -623,7 +623,7 @@ class GeneralPath(TunerPath):
         """The base table with each unit's chosen tiles as the bucket ending at its rows per expert (tune's merge),
         and the table's head (device, measured, note); with --mxfp4 into the "mxfp4" section's shapes."""
         table = copy.deepcopy(base)
-        key = run.modules["_device"].device_key(run.device)
+        key = run.modules["device"].device_key(run.device)
         table.update({"device": key, "measured": True,
                       "note": f"measured by scripts/tune; the runs are logged in docs/results/tuning-{key}.json"})
         section = table.setdefault("mxfp4", {}) if run.args.mxfp4 else table
@@ -655,7 +655,7 @@ def merge_bucket(buckets, entry):
 
 
 class Fp8Path(TunerPath):
-    """The w8a8 path's tiles (fp8_gemm.py) per (model, T), on block-scaled float8 weights (see the module doc)."""
+    """The w8a8 path's tiles (gemm/w8a8.py) per (model, T), on block-scaled float8 weights (see the module doc)."""
 
     name = "fp8"
     models = "mixtral-8x7b,qwen3-30b-a3b,deepseek-v3,gpt-oss-120b,qwen2-57b-a14b,mixtral-8x22b"  # important first
@@ -698,12 +698,12 @@ class Fp8Path(TunerPath):
 
     @staticmethod
     def as_run(run, prob, tiles):
-        """What the path runs for `tiles` (fp8_gemm.w8a8_tiles: BLOCK_K is the activation group, GEMM1's BLOCK_N a
+        """What the path runs for `tiles` (gemm.w8a8.w8a8_tiles: BLOCK_K is the activation group, GEMM1's BLOCK_N a
         multiple of GEMM2's group), so that each distinct configuration is measured once."""
         scales = tuple(run.modules["fp8"].WeightScale.of(prob.scales[name], "block", harness.FP8_BLOCK,
                                                          transposed=False)
                        for name in ("w_gate_up_scale", "w_down_scale"))
-        return run.modules["fp8_gemm"].w8a8_tiles(tiles, *scales)
+        return run.modules["w8a8"].w8a8_tiles(tiles, *scales)
 
     @staticmethod
     def block_m_candidates(rows):
@@ -730,7 +730,7 @@ class Fp8Path(TunerPath):
         def with_gate_up(held, tile):
             """A pointer gate_up candidate narrower than the held down GEMM's group takes the group down to its BLOCK_N
             (w8a8_tiles would otherwise round the BLOCK_N up to the group); a persistent one keeps both (a pass
-            quantizes its intermediate: fp8_gemm.w8a8_gemm1)."""
+            quantizes its intermediate: gemm.w8a8.w8a8_gemm1)."""
             tiles = dataclasses.replace(held, gate_up=tile)
             if not tile.persistent and tiles.down.block_k > tile.block_n:
                 tiles = dataclasses.replace(tiles, down=dataclasses.replace(tiles.down, block_k=tile.block_n))
@@ -753,7 +753,7 @@ class Fp8Path(TunerPath):
 
 
 def bucket_index(buckets, rows):
-    """Index of the bucket `rows` per expert select (tiles.py: the first with rows <= its max, else the last)."""
+    """Index of the bucket `rows` per expert select (host/tiles.py: the first with rows <= its max, else the last)."""
     return next((i for i, b in enumerate(buckets) if rows <= b["max_rows_per_expert"]), len(buckets) - 1)
 
 
@@ -800,7 +800,7 @@ def patched_table(table, cells, min_gain):
 
 
 class DecodePath(TunerPath):
-    """The decode path's tiles (decode.py) per (model, T) against the general path (see the module doc)."""
+    """The decode path's tiles (gemm/decode.py) per (model, T) against the general path (see the module doc)."""
 
     name = "decode"
     models, tokens, smoke_tokens = "all", (1, 2, 4, 8, 16, 32), (1, 2)
@@ -892,7 +892,7 @@ class DecodePath(TunerPath):
 
     @classmethod
     def entry(cls, records):
-        """The `decode` entry (tiles.py) from the units' records: per shape, buckets up to the largest N where the
+        """The `decode` entry (host/tiles.py) from the units' records: per shape, buckets up to the largest N where the
         decode path won at every measured T up to it (equal neighbours merged); one generic bucket up to the smallest
         shape limit, with each kernel's tile best over all cells (mean log time ratio to each cell's best)."""
         shapes, limits = {}, []
@@ -963,7 +963,7 @@ class BackwardPath(TunerPath):
         gradient of the output; `call` runs experts_backward under forced tiles into fresh gradient buffers."""
         shape, device, kernel = prob.shape, run.device, run.kernel
         moe = importlib.import_module(kernel.__name__ + ".moe")
-        backward = importlib.import_module(kernel.__name__ + ".experts_backward")
+        backward = importlib.import_module(kernel.__name__ + ".backward.experts")
         x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
         _, preact, offsets, gather_idx, scatter_idx = moe._fused_experts_impl(
             x=x, w_gate_up=prob.w_gate_up, w_up=None, w_down=prob.w_down, topk_ids=ids, topk_weights=weights,
@@ -1045,7 +1045,7 @@ def dump_table(table):
             lines.append(f'  "buckets": {buckets_text(value, 2)}')
         elif key == "shapes":
             lines.append(f'  "shapes": {shapes_text(value, 2)}')
-        elif key in ("decode", "fp8", "mxfp4"):  # the entries of tiles.py's sections: the same layout one level down
+        elif key in ("decode", "fp8", "mxfp4"):  # host/tiles.py's section entries: the same layout one level down
             parts = []  # (an empty `shapes` is left out)
             for k, v in value.items():
                 if k == "shapes" and not v:
@@ -1142,7 +1142,7 @@ def main(argv=None, *, timer=None, kernel=None, shapes=None):
         timer = GpuTimer(args.warmup_ms, args.rep_ms) if device.type == "cuda" else CpuTimer()
     run = Run(args, kernel, timer, device)
     spec = run.spec
-    key = run.modules["_device"].device_key(device)
+    key = run.modules["device"].device_key(device)
     out_path = Path(args.out) if args.out else ROOT / "torch-ext" / "moe_dispatch" / "configs" / f"{key}.json"
     base = load_base(args, out_path, run.tiles, key)
     if args.history:

@@ -91,12 +91,12 @@ def _seed(request):
 @pytest.fixture(autouse=True)
 def _fresh_plans():
     """No test replays a plan another test recorded: tests patch module attributes and functions a path reads
-    (tiles, dispatch limits, spies), which a plan's key does not see (moe_dispatch._plan)."""
+    (tiles, dispatch limits, spies), which a plan's key does not see (moe_dispatch.host.replay)."""
     import moe_dispatch
 
-    moe_dispatch._plan.clear()
+    moe_dispatch.host.replay.clear()
     yield
-    moe_dispatch._plan.clear()
+    moe_dispatch.host.replay.clear()
 
 
 def pytest_runtest_logreport(report):

@@ -245,7 +245,7 @@ def test_capacity_drops_get_no_gradient():
     w_gate, w_up, w_down = (torch.randn(*s, device=DEVICE).mul(0.2).requires_grad_()
                             for s in ((E, F, H), (E, F, H), (E, H, F)))
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, top_k, capacity_factor=0.5)
-    kept_ids = md.binned.drop_over_capacity(ids, E, 0.5)
+    kept_ids = md.dispatch.binned.drop_over_capacity(ids, E, 0.5)
     assert (kept_ids == E).any()
     grads = torch.autograd.grad(out.sum(), [x, w_gate, w_up, w_down])
     leaves = [t.detach().double().requires_grad_() for t in (x, w_gate, w_up, w_down)]
@@ -262,9 +262,9 @@ def test_weight_grad_kernels_against_float64(persistent):
     column sums), both kernels: experts with no rows, with fewer rows than block_p and with a partial last block;
     out contiguous with n_i a multiple of block_i (the descriptor store) and not (masked stores), and a transposed
     view. Poisoned outputs: every element must be written."""
-    from moe_dispatch.dispatch import segment_dispatch
-    from moe_dispatch.experts_backward import _weight_grad
-    from moe_dispatch.tiles import WeightGradTile
+    from moe_dispatch.dispatch.segments import segment_dispatch
+    from moe_dispatch.backward.experts import _weight_grad
+    from moe_dispatch.host.tiles import WeightGradTile
 
     tile = WeightGradTile(16, 16, 16, persistent=persistent)  # a GPU's dot needs K >= 16
     generator = torch.Generator().manual_seed(5)
@@ -289,9 +289,9 @@ def test_weight_grad_kernels_against_float64(persistent):
 
 def test_weight_grad_kernel_choice():
     """The persistent kernel runs where the tile asks for it and the operands fit descriptors; else the pointer one."""
-    from moe_dispatch._device import has_tma
-    from moe_dispatch.planner import weight_grad_kernel
-    from moe_dispatch.tiles import WeightGradTile
+    from moe_dispatch.host.device import has_tma
+    from moe_dispatch.gemm.planner import weight_grad_kernel
+    from moe_dispatch.host.tiles import WeightGradTile
 
     left, right = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16)
     out = torch.zeros(2, 16, 24, dtype=torch.bfloat16)

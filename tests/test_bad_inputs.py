@@ -8,7 +8,8 @@ Each test names the defect it guards:
   4 errors that name their argument
   5 forward-only v1 functions warn once when they cut a gradient
   6 a non-tensor or a meta tensor for a tensor argument, a float or a bool for an int one: an error naming the argument
-    from every public function, on a first call and after a valid one (a planned function then replays, see _plan.py)
+    from every public function, on a first call and after a valid one (a planned function then replays, see
+    host/replay.py)
 Shapes are tiny (the interpreter runs every kernel); values are compared with the float64 references.
 """
 
@@ -26,7 +27,7 @@ from conftest import ROOT
 from helpers import DEVICE, ON_GPU, assert_close, make_weights
 
 import moe_dispatch as md
-from moe_dispatch import _checks, _plan
+from moe_dispatch.host import checks, replay
 from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
 from moe_dispatch.reference import (binned_routing_ref, fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref,
                                     moe_router_ref, permute_tokens_ref, unpermute_tokens_ref)
@@ -296,7 +297,7 @@ def test_wide_ids_get_no_row_in_permute_tokens():
 
 def test_wide_ids_in_the_capacity_helpers():
     ids = torch.tensor([[2**32 + 1, 0], [-2**40, 1], [2, 2**31]], device=DEVICE)
-    keep = md.binned.capacity_keep_mask(ids, E, 1)
+    keep = md.dispatch.binned.capacity_keep_mask(ids, E, 1)
     assert keep.cpu().tolist() == [[False, True], [False, True], [True, False]]
     assert md.histogram(ids.reshape(-1), E).cpu().tolist() == [1, 1, 1, 0]
 
@@ -372,7 +373,7 @@ def test_float64_topk_weights_are_accepted():
 
 @pytest.fixture
 def fresh_gradient_warnings(monkeypatch):
-    monkeypatch.setattr(_checks, "_GRADIENT_WARNED", set())
+    monkeypatch.setattr(checks, "_GRADIENT_WARNED", set())
 
 
 def _forward_only_calls(x):
@@ -467,7 +468,7 @@ class PublicCall:
     arguments: Callable[[types.SimpleNamespace], dict]  # _inputs() -> {argument: valid value}
     optional: tuple = ()
     ints: tuple = ()  # int arguments
-    plans: _plan.PlanCache | None = None  # where a valid call records a plan
+    plans: replay.PlanCache | None = None  # where a valid call records a plan
 
 
 PUBLIC_CALLS = [

@@ -17,7 +17,7 @@ import torch
 
 from helpers import DEVICE, assert_close, needs_gpu
 from moe_dispatch import reference as ref
-from moe_dispatch import row_copies, binned
+from moe_dispatch.dispatch import binned, row_copies
 
 
 TINY_TILES = row_copies.CopyConfig(block_rows=4, block_h=16, num_warps=1)

@@ -1,4 +1,4 @@
-"""The integer codes the kernels branch on (gemm_jit.Activation and WeightScaleCode, fp8_jit.AQuant and QuantOut,
+"""The integer codes the kernels branch on (gemm.jit.Activation and WeightScaleCode, gemm.w8a8_jit.AQuant and QuantOut,
 tiles.Persistent) as the GPU compiler needs them, which the interpreter does not check: jit code reads no module
 global but a `tl.constexpr` (Triton's GPU compiler refuses the rest, an enum class included: "Cannot access global
 variable ... from within @jit'ed function"), and launches pass each code as a plain int, so that Triton's cache key
@@ -20,14 +20,14 @@ import triton.language as tl
 from helpers import DEVICE
 
 import moe_dispatch as md
-from moe_dispatch import _plan
-from moe_dispatch._device import has_wgmma
-from moe_dispatch.fp8 import quantize_experts_fp8
-from moe_dispatch.gemm_jit import ACT_SILU, Activation
-from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
+from moe_dispatch.host import replay
+from moe_dispatch.host.device import has_wgmma
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm.jit import ACT_SILU, Activation
+from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
 
-MODULES = [importlib.import_module(f"moe_dispatch.{info.name}") for info in pkgutil.iter_modules(md.__path__)
-           if not info.name.startswith("_ops")]
+MODULES = [importlib.import_module(info.name) for info in pkgutil.walk_packages(md.__path__, "moe_dispatch.")
+           if info.name != "moe_dispatch._ops"]
 
 
 def _is_jit(value):
@@ -92,11 +92,11 @@ def test_jit_code_reads_only_constexpr_globals():
 
 
 class _LaunchSpy:
-    """Every launch of the package (each module's `launch`, _plan.launch) recorded as (kernel name, kwargs)."""
+    """Every launch of the package (each module's `launch`, replay.launch) recorded as (kernel name, kwargs)."""
 
     def __init__(self, monkeypatch):
         self.launches = []
-        real = _plan.launch
+        real = replay.launch
 
         def spy(kernel, grid, *args, **kwargs):
             self.launches.append((kernel.fn.__name__, kwargs))

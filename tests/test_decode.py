@@ -1,4 +1,5 @@
-"""The two-launch decode path of `fused_experts` (decode.py) against the float64 reference and the four-launch path.
+"""The two-launch decode path of `fused_experts` (gemm/decode.py) against the float64 reference and the four-launch
+path.
 
 Every case runs the decode path twice (bit-identical), the general path once with the same inputs, and the reference.
 The expert weights are views into storage with NaN-filled guard experts on both sides (an id outside [0, E) that
@@ -14,10 +15,11 @@ import torch
 from helpers import DEVICE, assert_close, capture_cuda_graph, needs_gpu
 
 import moe_dispatch as md
-from moe_dispatch import moe, tiles
-from moe_dispatch.fp8 import quantize_experts_fp8
+from moe_dispatch import moe
+from moe_dispatch.host import tiles
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import fused_experts_ref
-from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
+from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
 # Small tiles: several column tiles and K steps at these sizes (the interpreter ignores warps and stages).
 DECODE = DecodeTiles(DecodeTile(16, 16), DecodeTile(16, 16))

@@ -1,4 +1,5 @@
-"""Expert parallelism (expert_parallel.py) on the CPU: gloo process groups of 2 and 4 ranks, Triton's interpreter.
+"""Expert parallelism (parallel/expert_parallel.py) on the CPU: gloo process groups of 2 and 4 ranks, Triton's
+interpreter.
 
 One spawn per world size runs every case of that size (each spawned rank imports torch and triton once, the slow
 part). Every rank builds the same global problem from the case's seed (all ranks' tokens, all E experts), runs
@@ -26,8 +27,8 @@ import torch.multiprocessing as mp
 from helpers import DEVICE, assert_close, needs_interpreter
 
 import moe_dispatch as md
-from moe_dispatch.ep_plan import count_rows
-from moe_dispatch.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _Dispatch, _new_packed,
+from moe_dispatch.parallel.ep_plan import count_rows
+from moe_dispatch.parallel.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _Dispatch, _new_packed,
                                           _packing, _plan, _plan_from_counts, _token_rows, _unpack, ep_capacity,
                                           ep_fused_experts)
 from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref, ep_plan_ref
@@ -305,7 +306,7 @@ class PlanCase:
     routing: str = "random"  # "random": distinct ids in [0, E); "outside": some ids < 0 or >= E; "one-rank": all on 0
 
 
-# ep_plan.py chunks tokens by 16 under the interpreter: T = 33 is three chunks, the last one partial.
+# parallel/ep_plan.py chunks tokens by 16 under the interpreter: T = 33 is three chunks, the last one partial.
 PLAN_CASES = [
     PlanCase("w1-dropless", "one rank: every pair on rank 0, slots in token order", 1, 3, 2, 7),
     PlanCase("w1-capacity", "one rank, C = 3 < T: the tail dropped, no padding", 1, 2, 1, 7, capacity=3),
@@ -348,7 +349,7 @@ def _received_counts(case):
 
 @pytest.mark.parametrize("case", PLAN_CASES, ids=lambda case: case.id)
 def test_plan_kernels_match_reference(case, poison_empty):
-    """ep_plan.py's kernels give exactly the reference plan: every field and the stats, integers equal (outputs
+    """parallel/ep_plan.py's kernels give exactly the reference plan: every field and the stats, integers equal (outputs
     start poisoned, so an element no kernel writes shows)."""
     ids = _plan_ids(case).to(DEVICE)
     W, E_local = case.world_size, case.experts_per_rank

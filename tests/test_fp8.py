@@ -20,17 +20,18 @@ import torch
 from helpers import DEVICE, assert_close
 
 import moe_dispatch as md
-from moe_dispatch import decode, fp8_gemm, moe, planner
-from moe_dispatch import fp8 as fp8_module
-from moe_dispatch._device import has_tma
-from moe_dispatch.dispatch import dispatch
-from moe_dispatch.gemm_args import gemm_weights
-from moe_dispatch.gemm_jit import StepDot
-from moe_dispatch.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
-from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
+from moe_dispatch import moe
+from moe_dispatch.formats import fp8 as fp8_module
+from moe_dispatch.gemm import decode, planner, w8a8
+from moe_dispatch.host.device import has_tma
+from moe_dispatch.dispatch.segments import dispatch
+from moe_dispatch.gemm.args import gemm_weights
+from moe_dispatch.gemm.jit import StepDot
+from moe_dispatch.formats.fp8 import FP8_DTYPES, WeightScale, dequantize_experts_fp8, fp8_max, quantize_experts_fp8
+from moe_dispatch.gemm.w8a8 import quantize_fp8_rows, w8a8_gemm1, w8a8_groups, w8a8_tiles
 from moe_dispatch.reference import (TOLERANCE, W8A8_TOLERANCE, w8a8_model_tolerance, dequantize_fp8_ref, fused_experts_fp8_ref,
                                     fused_experts_ref, fused_experts_w8a8_ref, quantize_fp8_groups_ref, relative_error)
-from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
+from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 E, TOP_K, H, F, T = 4, 2, 40, 24, 9
@@ -340,7 +341,7 @@ def _w8a8_block(transposed):
 def _groups(scales, transposed):
     """(G1, G2): the K steps (activation groups) of the two GEMMs for these scales on this device's table (at the
     module's T, top_k, E, F, H: channel and tensor scales take the tile's BLOCK_K, which a GPU table sets)."""
-    tiles = md.tiles.select_fp8_tiles(torch.device(DEVICE), T, TOP_K, E, F, H)
+    tiles = md.host.tiles.select_fp8_tiles(torch.device(DEVICE), T, TOP_K, E, F, H)
     return w8a8_groups(tiles, scales["w_gate_up_scale"], scales["w_down_scale"],
                        scales.get("fp8_block_shape", (128, 128)), transposed=transposed)
 
@@ -409,7 +410,7 @@ def test_w8a8_half_precision_and_default_block(act_dtype, mode):
 def test_w8a8_uniform_block_scale_tiles(interleaved):
     """F = H = 64 with blocks whose N side holds whole column tiles (32, or 64 for the interleaved view's doubled
     rows): each tile reads one scale per K step (the scalar path of `load_block_scale`)."""
-    from moe_dispatch.fp8_gemm import _uniform_block_scale
+    from moe_dispatch.gemm.w8a8 import _uniform_block_scale
 
     block_shape = (64, 32) if interleaved else (32, 32)
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=block_shape, ffn=64, hidden=64)
@@ -450,8 +451,8 @@ SWAPPED_FFN, SWAPPED_HIDDEN = 64, 72
 def _swap_flags(monkeypatch):
     """The SWAP_AB of every w8a8 pointer launch from here on, in order."""
     flags = []
-    launch = fp8_gemm.launch
-    monkeypatch.setattr(fp8_gemm, "launch",
+    launch = w8a8.launch
+    monkeypatch.setattr(w8a8, "launch",
                         lambda kernel, grid, *a, **k: flags.append(k.get("SWAP_AB")) or launch(kernel, grid, *a, **k))
     return flags
 
@@ -478,7 +479,7 @@ def test_w8a8_swapped_small_tiles(scheme, block_shape, mode, poison_empty, monke
     groups = w8a8_groups(SWAPPED, scales["w_gate_up_scale"], scales["w_down_scale"], block_shape)
     _check_w8a8(swapped, x, q_gate_up, q_down, ids, weights, scales, {}, groups=groups)
     monkeypatch.setattr(planner, "has_wgmma", lambda device: False)
-    md._plan.clear()
+    md.host.replay.clear()
     plain = md.fused_experts(x, q_gate_up, q_down, ids, weights, fp8_compute="w8a8", tiles=SWAPPED, **scales)
     assert flags[-2:] == [False, False]
     # the same products in the same K steps, summed in another order inside each dot (here too: numpy's matmul of
@@ -524,7 +525,7 @@ def test_w8a8_intermediate_is_quantized_in_gemm1_epilogue(static):
     x = torch.randn(T, H, device=DEVICE)
     ids = _ids(T)
     ws = WeightScale.of(scales["w_gate_up_scale"], "block", (16, 32), transposed=False, up_row_offset=F)
-    tiles = w8a8_tiles(md.tiles.select_fp8_tiles(torch.device("cpu"), T, TOP_K, E, F, H), ws, ws)
+    tiles = w8a8_tiles(md.host.tiles.select_fp8_tiles(torch.device("cpu"), T, TOP_K, E, F, H), ws, ws)
     info = dispatch(ids, E, tiles.block_m)
     down_input_scale = torch.tensor(0.05, device=DEVICE) if static else None
     h, h_scale = w8a8_gemm1(x, q_gate_up[:, :F], q_gate_up[:, F:], info, tiles, ws, down_input_scale=down_input_scale)
@@ -632,8 +633,8 @@ def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
     bf16 experts do, on every FP8 path (never a finite made-up row: the e4m3 clamp and the group amax must not drop
     them); every other token's row is bit for bit the output of the same call without them."""
     persistent_launches = []
-    persistent = fp8_gemm.persistent_w8a8_gemm
-    monkeypatch.setattr(fp8_gemm, "persistent_w8a8_gemm",
+    persistent = w8a8.persistent_w8a8_gemm
+    monkeypatch.setattr(w8a8, "persistent_w8a8_gemm",
                         lambda *a, **k: persistent_launches.append(1) or persistent(*a, **k))
     q_gate_up, q_down, scales = _fp8_experts(case.scheme, block_shape=(16, 32), ffn=case.ffn, hidden=case.hidden)
     x = torch.randn(T, case.hidden, device=DEVICE)
@@ -716,7 +717,7 @@ def test_gate_up_scale_layouts(case):
         assert_close(out, reference)
     else:
         # the w8a8 model on the dequantized weights, given as "float8" weights with unit per-tensor scales
-        tiles_ = tiles or md.tiles.select_fp8_tiles(torch.device(DEVICE), T_, TOP_K, E, LAYOUT_FFN, H)
+        tiles_ = tiles or md.host.tiles.select_fp8_tiles(torch.device(DEVICE), T_, TOP_K, E, LAYOUT_FFN, H)
         groups = w8a8_groups(tiles_, s_gate_up, s_down, transposed=transposed)
         ones = torch.ones(E, device=DEVICE)
         model = fused_experts_w8a8_ref(x, w_gate_up, w_down64, ids, weights, w_gate_up_scale=ones, w_down_scale=ones,
@@ -737,7 +738,7 @@ def test_transformers_fp8_experts_pass_their_scale_layout(monkeypatch):
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     from transformers import MixtralConfig
 
-    from moe_dispatch import transformers_experts
+    from moe_dispatch.integrations import transformers_experts
 
     options_of = transformers_experts.fp8_experts_options
     monkeypatch.setattr(transformers_experts, "fp8_experts_options",

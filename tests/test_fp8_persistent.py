@@ -1,5 +1,5 @@
-"""The persistent descriptor-fed w8a8 GEMM (fp8_persistent.py) against the model of its arithmetic, the dequantized
-float64 experts and the pointer kernel, and the gathering quantization pass that feeds it.
+"""The persistent descriptor-fed w8a8 GEMM (gemm/w8a8_persistent.py) against the model of its arithmetic, the
+dequantized float64 experts and the pointer kernel, and the gathering quantization pass that feeds it.
 
 Tiles are forced through `fused_experts(tiles=...)` with block_m 64 and `Persistent.ON` on both GEMMs; a spy records
 which GEMMs ran the persistent kernel, so a silent fallback to the pointer kernel fails the test instead of passing it.
@@ -17,14 +17,14 @@ import torch
 from helpers import DEVICE, ON_GPU, assert_close
 
 import moe_dispatch as md
-from moe_dispatch import fp8_gemm, fp8_persistent
-from moe_dispatch._device import has_tma
-from moe_dispatch.dispatch import dispatch
-from moe_dispatch.fp8 import quantize_experts_fp8
-from moe_dispatch.fp8_gemm import quantize_fp8_rows, w8a8_groups
+from moe_dispatch.gemm import w8a8, w8a8_persistent
+from moe_dispatch.host.device import has_tma
+from moe_dispatch.dispatch.segments import dispatch
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm.w8a8 import quantize_fp8_rows, w8a8_groups
 from moe_dispatch.reference import (W8A8_TOLERANCE, w8a8_model_tolerance, fused_experts_fp8_ref, fused_experts_w8a8_ref,
                                     quantize_fp8_groups_ref)
-from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
+from moe_dispatch.host.tiles import GemmTile, MoeTiles, Persistent
 
 MODEL_TOLERANCE = w8a8_model_tolerance(DEVICE)  # the tight bound against fused_experts_w8a8_ref here
 
@@ -43,7 +43,7 @@ class FCase:
     static: str = "dynamic"  # or "static-tensor", "static-expert": the checkpoint's input scales
     layout: dict = dataclasses.field(default_factory=dict)
     persistent_gemms: tuple = ("gemm1", "gemm2")  # which GEMMs must run the persistent kernel
-    pairing: int = fp8_persistent.PAIR_CONCAT.value  # how the persistent GEMM1 reads gate and up (pair_descriptor)
+    pairing: int = w8a8_persistent.PAIR_CONCAT.value  # how the persistent GEMM1 reads gate and up (pair_descriptor)
     gate_up_block_n: int = 64  # GEMM1's output tile (with G2 = 32, a multiple: quantized in the epilogue)
     down_block_k: int = 32
 
@@ -55,10 +55,10 @@ CASES = [
           "path of load_block_scale)", H=64, F=64, block_shape=(64, 32)),
     FCase("channel-interleaved", "per-channel scales after the K loop; gate/up rows alternate (descriptor row stride "
           "2H, scale rows 2j and 2j + 1): the [E * F, 2, K] pair view", scheme="channel", layout={"interleaved": True},
-          pairing=fp8_persistent.PAIR_INTERLEAVED.value),
+          pairing=w8a8_persistent.PAIR_INTERLEAVED.value),
     FCase("block-interleaved", "block scales with alternating gate/up rows: a paired tile's scales alternate column by "
           "column (rows 2j and 2j + 1 in blocks of 32)", layout={"interleaved": True},
-          pairing=fp8_persistent.PAIR_INTERLEAVED.value),
+          pairing=w8a8_persistent.PAIR_INTERLEAVED.value),
     FCase("intermediate-pass", "GEMM1's output tile of 32 columns under GEMM2's group of 64: the intermediate is "
           "written in x's dtype and quantized by the pass (the pointer kernel, its tile widened to 64, quantizes in "
           "its epilogue)", gate_up_block_n=32, down_block_k=64),
@@ -84,16 +84,16 @@ class _Spy:
     def __init__(self, monkeypatch):
         self.calls = []
         self.pairing = None
-        real = fp8_gemm.persistent_w8a8_gemm  # the launcher's own reference to fp8_persistent's function
+        real = w8a8.persistent_w8a8_gemm  # the launcher's own reference to w8a8_persistent's function
 
         def spy(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile, meta):
             gemm = "gemm2" if meta["MUL_ROUTED_WEIGHT"] else "gemm1"
             self.calls.append(gemm)
             if gemm == "gemm1":
-                self.pairing = fp8_persistent.pair_descriptor(w, a.shape[1], tile)[0]
+                self.pairing = w8a8_persistent.pair_descriptor(w, a.shape[1], tile)[0]
             return real(a, a_scale_args, w, ws, c, c_scale_args, info, topk_weights, alpha, limit, tile, meta)
 
-        monkeypatch.setattr(fp8_gemm, "persistent_w8a8_gemm", spy)
+        monkeypatch.setattr(w8a8, "persistent_w8a8_gemm", spy)
 
 
 def _tiles(persistent, block_m=64, case=None):

@@ -82,10 +82,10 @@ def test_cuda_graph_capture_and_replay(path, T):
 
 @pytest.mark.parametrize("T", [1, 4, 64, 2048])
 def test_programmatic_dependent_launch_changes_nothing(T, monkeypatch):
-    """Kernels launched with PDL (pdl.py) give bit-identical outputs to plain launches, eager and replayed from a CUDA
-    graph, on the decode path (T = 1, 4) and the general one; calls back to back on one stream, so buffers the
+    """Kernels launched with PDL (host/pdl.py) give bit-identical outputs to plain launches, eager and replayed from a
+    CUDA graph, on the decode path (T = 1, 4) and the general one; calls back to back on one stream, so buffers the
     allocator hands out again are reused while the previous call's kernels may still be draining."""
-    from moe_dispatch.pdl import pdl_enabled
+    from moe_dispatch.host.pdl import pdl_enabled
 
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) >= (9, 0):
@@ -101,7 +101,7 @@ def test_programmatic_dependent_launch_changes_nothing(T, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     monkeypatch.setenv("MOE_DISPATCH_PDL", "0")
-    md._plan.clear()  # the setting is read when a plan is recorded
+    md.host.replay.clear()  # the setting is read when a plan is recorded
     assert not pdl_enabled(device)
     plain = run()
     for got, want in zip(with_pdl + static, plain + plain):

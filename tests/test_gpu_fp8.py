@@ -18,11 +18,11 @@ from helpers import TOLERANCE, assert_close, capture_cuda_graph, needs_gpu
 from model_shapes import MODEL_SHAPES
 
 import moe_dispatch as md
-from moe_dispatch._device import fp8_dtype, has_fp8_tensor_cores
-from moe_dispatch.fp8 import quantize_experts_fp8
-from moe_dispatch.fp8_gemm import w8a8_groups
+from moe_dispatch.host.device import fp8_dtype, has_fp8_tensor_cores
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm.w8a8 import w8a8_groups
 from moe_dispatch.reference import W8A8_TOLERANCE, fused_experts_fp8_ref, fused_experts_w8a8_ref
-from moe_dispatch.tiles import select_fp8_tiles
+from moe_dispatch.host.tiles import select_fp8_tiles
 
 pytestmark = needs_gpu
 DTYPE = torch.bfloat16

@@ -9,7 +9,7 @@ from helpers import assert_close, needs_gpu
 from model_shapes import MODEL_SHAPES
 
 import moe_dispatch as md
-from moe_dispatch import persistent_gemm
+from moe_dispatch.gemm import persistent
 from moe_dispatch.reference import fused_experts_fp8_ref, fused_experts_ref
 
 pytestmark = needs_gpu
@@ -48,8 +48,8 @@ def test_gpt_oss_stored_layout_forward(T, monkeypatch):
     transposed weights, the interleaved pair read whole)."""
     x, ids, weights, stored, reference = _gpt_oss(T)
     persistent_calls = []
-    real = persistent_gemm.persistent_expert_gemm
-    monkeypatch.setattr(persistent_gemm, "persistent_expert_gemm",
+    real = persistent.persistent_expert_gemm
+    monkeypatch.setattr(persistent, "persistent_expert_gemm",
                         lambda *a, **kw: persistent_calls.append(kw.get("transposed")) or real(*a, **kw))
     out = _run(x, ids, weights, stored)
     if T == 4096:

@@ -6,8 +6,8 @@ from cases import FORWARD_CASES, Case
 from helpers import DEVICE, ON_GPU, assert_close, make_weights
 
 import moe_dispatch as md
-from moe_dispatch import dispatch as dispatch_module
-from moe_dispatch.dispatch import SINGLE_MAX, dispatch
+from moe_dispatch.dispatch import segments
+from moe_dispatch.dispatch.segments import SINGLE_MAX, dispatch
 from moe_dispatch.reference import (capacity_keep_mask_ref, experts_ref, expert_ffn_ref, fused_expert_ffn_ref,
                                     fused_experts_ref, fused_moe_forward_ref, grouped_gemm_ref, moe_router_ref,
                                     permute_tokens_ref, unpermute_tokens_ref)
@@ -162,10 +162,10 @@ def dispatch_path(request, monkeypatch):
     by SINGLE_MAX = 0, with the prefix kernel scanning 2 chunks at a time, so that every case walks several blocks of
     each expert's row). The one-program kernels scan their tile map 16 entries at a time here, so the scan's carries
     from one block to the next are exercised. Returns the path's name."""
-    monkeypatch.setattr(dispatch_module, "BLOCK_TILES", 16)
+    monkeypatch.setattr(segments, "BLOCK_TILES", 16)
     if request.param == "chunked":
-        monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
-        monkeypatch.setattr(dispatch_module, "BLOCK_CHUNKS", 2)
+        monkeypatch.setattr(segments, "SINGLE_MAX", 0)
+        monkeypatch.setattr(segments, "BLOCK_CHUNKS", 2)
     return request.param
 
 
@@ -176,7 +176,7 @@ def dispatch_path(request, monkeypatch):
 def test_dispatch_metadata(T, E, top_k, kind, block_m, dispatch_path):
     """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once, on both
     paths (the cases past SINGLE_MAX run the chunked one either way; on the one-program fixture the largest runs it
-    with the default dispatch.BLOCK_CHUNKS)."""
+    with the default dispatch.segments.BLOCK_CHUNKS)."""
     ids = _routing(T, E, top_k, kind).to(DEVICE)
     info = dispatch(ids, E, block_m)
     _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)
@@ -403,7 +403,7 @@ def test_validate_ids_is_a_deprecated_spelling_of_validate():
 def test_launch_with_an_undeclared_keyword_fails_as_on_a_gpu():
     """tests/conftest.py makes the interpreter refuse a launch keyword that is neither a kernel parameter nor a GPU
     compile option, as a GPU does (the PDL flag once reached a kernel that did not declare it)."""
-    from moe_dispatch.combine import _combine_kernel
+    from moe_dispatch.dispatch.combine import _combine_kernel
 
     y = torch.zeros(2, 4, device=DEVICE)
     row_idx = torch.arange(2, dtype=torch.int32, device=DEVICE)

@@ -1,4 +1,4 @@
-"""MXFP4 experts through `fused_experts` (mxfp4.py's format, gemm_jit.mxfp4_tile_dot in the loads): every path
+"""MXFP4 experts through `fused_experts` (formats/mxfp4.py's format, gemm.jit.mxfp4_tile_dot in the loads): every path
 against the float64 reference of the dequantized weights, non-finite values where they must propagate, replays, and
 every bad input refused with the argument named. The CPU suite runs small widths through the interpreter; on a GPU
 the same cases run compiled, and the real GPT-OSS widths too."""
@@ -8,10 +8,10 @@ import torch
 from helpers import DEVICE, assert_close, needs_gpu
 
 import moe_dispatch as md
-from moe_dispatch import _plan
+from moe_dispatch.host import replay
 from moe_dispatch.moe import _FUSED_EXPERTS_PLANS
 from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref
-from moe_dispatch.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
+from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 
 # Forced tiles, so each path runs whatever the device's table says: the decode path (its down GEMM the dot kernel,
 # split in two along F) and the grouped path; BLOCK_K 32 / 64 against K = 96 leaves a masked tail step.
@@ -99,7 +99,7 @@ def test_non_finite_values_propagate(tiles):
 def test_replay_gives_each_calls_result():
     """The second call of a signature replays the first's launches (the byte and scale views included) on new
     values."""
-    _plan.clear()
+    replay.clear()
     x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
     _run(x, gate_up, down, ids, weights, **biases)
     x2, gate_up2, down2, _, _, _ = _experts(4, 64, 64, T=3, top_k=2, seed=1)

@@ -1,5 +1,5 @@
-"""MXFP4 expert weights, host side (mxfp4.py): decoding against the float64 reference and against values written out
-by hand (every e2m1 code, the nibble order, the e8m0 scale codes), the quantizer's rules (nearest value, ties to the
+"""MXFP4 expert weights, host side (formats/mxfp4.py): decoding against the float64 reference and against values written
+out by hand (every e2m1 code, the nibble order, the e8m0 scale codes), the quantizer's rules (nearest value, ties to the
 even mantissa, saturation, zero and non-finite groups, the e8m0 range), both block forms and both scale dtypes, and
 every error of `check_mxfp4_weight` naming its argument. CPU only: no kernel runs here.
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import moe_dispatch as md
-from moe_dispatch import mxfp4
-from moe_dispatch.mxfp4 import (E2M1_MAX, E8M0_BIAS, E8M0_NAN, MXFP4_GROUP, SCALE_DTYPES, check_mxfp4_weight,
+from moe_dispatch.formats import mxfp4
+from moe_dispatch.formats.mxfp4 import (E2M1_MAX, E8M0_BIAS, E8M0_NAN, MXFP4_GROUP, SCALE_DTYPES, check_mxfp4_weight,
                                 dequantize_experts_mxfp4, is_mxfp4, mxfp4_k, quantize_experts_mxfp4)
 from moe_dispatch.reference import dequantize_mxfp4_ref, quantize_mxfp4_ref
 

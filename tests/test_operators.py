@@ -9,12 +9,13 @@ from helpers import DEVICE
 from torch._dynamo.utils import counters
 
 import moe_dispatch as md
-from moe_dispatch import _ops, moe, routing
-from moe_dispatch import binned as binned_ops
-from moe_dispatch.fp8 import quantize_experts_fp8
-from moe_dispatch.grouped_gemm import _grouped_gemm_op
-from moe_dispatch.row_copies import BINNED, PADDED
-from moe_dispatch.tiles import select_tiles
+from moe_dispatch import _ops, moe
+from moe_dispatch.dispatch import binned as binned_ops
+from moe_dispatch.routing import router
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm.grouped import _grouped_gemm_op
+from moe_dispatch.dispatch.row_copies import BINNED, PADDED
+from moe_dispatch.host.tiles import select_tiles
 
 E, TOP_K, H, F = 4, 2, 16, 8
 
@@ -98,7 +99,7 @@ def _operator_case(name):
         ("fused_experts_backward", moe._fused_experts_backward_op,
          (torch.randn(5, H, device=DEVICE), x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
           *forward[1:], "silu", False, False, 1.702, 7.0, [True] * 7)),
-        ("route", routing._route_op, (torch.randn(5, H, device=DEVICE, requires_grad=True),
+        ("route", router._route_op, (torch.randn(5, H, device=DEVICE, requires_grad=True),
                                       torch.randn(E, H, device=DEVICE, requires_grad=True), None, None, TOP_K,
                                       "softmax", True, 1, 1, 1.0)),
         ("grouped_gemm", _grouped_gemm_op, (permuted, w_gate, offsets)),

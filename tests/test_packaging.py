@@ -507,6 +507,9 @@ def test_each_variant_loads_with_get_local_kernel(built):
         assert module.__name__ == json.loads((built / variant / "metadata.json").read_text())["id"]
         assert Path(module.__file__).parent == built / variant
         check_forward(module)
+        # v1 module paths under the variant's own module name (its __init__ registers them in sys.modules)
+        assert importlib.import_module(f"{module.__name__}.fp8") is module.formats.fp8 is module.fp8
+        assert importlib.import_module(f"{module.__name__}.tiles") is module.host.tiles is module.tiles
     # The build root: the loader picks this machine's variant.
     assert Path(get_local_kernel(built).__file__).parent.name == PREFERRED_VARIANT
 
@@ -967,18 +970,34 @@ def test_dry_run_prints_every_step_and_sends_nothing(hub, tmp_path):
     assert "benchmarks/benchmark_moe.py" in out
 
 
-def _package_imports(source: str) -> set:
-    """Modules of the package that a module imports at its top level (function-level imports are not counted: they
-    are how a cycle hides, and the test below wants none of those either)."""
+def _package_modules() -> dict:
+    """The package's modules by dotted name below it ("moe", "gemm.jit"; a sub-package is its __init__.py, the top one
+    "__init__") -> (source, its own package as dotted parts)."""
+    folder = ROOT / "torch-ext" / "moe_dispatch"
+    modules = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "__init__"
+        modules[name] = (path.read_text(), parts[:-1])
+    return modules
+
+
+def _package_imports(source: str, package: tuple, modules) -> dict:
+    """{module of the package: names imported from it} for a module's top-level relative imports (function-level
+    imports are not counted: they are how a cycle hides, and the test below wants none of those either);
+    `from .gemm import jit` counts as an import of gemm.jit."""
     import ast
 
-    found = set()
+    found = {}
     for node in ast.parse(source).body:
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(alias.name for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[:len(package) - (node.level - 1)]) + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                submodule = ".".join(base + [alias.name])
+                if submodule in modules:
+                    found.setdefault(submodule, set())
+                else:
+                    found.setdefault(".".join(base) or "__init__", set()).add(alias.name)
     return found
 
 
@@ -993,27 +1012,37 @@ def _jit_functions(source: str) -> set:
     return found
 
 
-def _imported_names(source: str, module: str) -> set:
-    """The names `source` imports from the package's module `module` (`from .module import a, b`)."""
+# The layers of the package (the top __init__.py's docstring draws them): a module imports only from its own
+# sub-package and from layers before its own.
+LAYERS = (("_ops", "_version", "reference"), ("host",), ("formats",), ("routing", "dispatch"), ("gemm",),
+          ("backward",), ("moe",), ("integrations",), ("parallel",), ("__init__",))
+
+
+def test_package_import_graph_is_layered_without_cycles_and_the_kernels_floor_imports_nothing():
+    """The package's modules import each other without a cycle and along its layers, no module imports another inside
+    a function to dodge one, the sub-packages' __init__.py files import nothing (each says what its files hold), and
+    the `@triton.jit` floor (gemm/jit.py) imports only the WEIGHT_SCALE codes, which import nothing."""
     import ast
 
-    return {alias.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
-            and node.level == 1 and node.module == module for alias in node.names}
-
-
-def test_package_import_graph_has_no_cycle_and_the_kernels_floor_imports_nothing():
-    """The package's modules import each other without a cycle, no module imports another inside a function to dodge
-    one, and the `@triton.jit` floor (gemm_jit.py) imports nothing of the package."""
-    import ast
-
-    folder = Path(__file__).resolve().parents[1] / "torch-ext" / "moe_dispatch"
-    sources = {path.stem: path.read_text() for path in folder.glob("*.py")}
-    graph = {name: _package_imports(text) & set(sources) for name, text in sources.items()}
-    assert graph["gemm_jit"] == set()
+    modules = _package_modules()
+    sources = {name: source for name, (source, _) in modules.items()}
+    imports = {name: _package_imports(source, package, modules) for name, (source, package) in modules.items()}
+    graph = {name: set(found) for name, found in imports.items()}
+    assert {"gemm.jit", "host.replay", "dispatch.segments", "gemm.planner"} <= set(graph), sorted(graph)
+    assert graph["gemm.jit"] == {"formats.scale_codes"} and graph["formats.scale_codes"] == set()
     for name, text in sources.items():
         nested = [node.module for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)
-                  and node.level == 1 and node.col_offset > 0]
+                  and node.level and node.col_offset > 0]
         assert name == "__init__" or not nested, (name, nested)
+        if name != "__init__" and "." not in name and modules[name][1]:  # a sub-package's __init__.py
+            assert not graph[name] and ast.get_docstring(ast.parse(text)), name
+
+    layer = {top: index for index, tops in enumerate(LAYERS) for top in tops}
+    assert {name.split(".")[0] for name in graph} == set(layer), "a module outside LAYERS"
+    for name, deps in graph.items():
+        for dep in deps:
+            top, dep_top = name.split(".")[0], dep.split(".")[0]
+            assert top == dep_top or layer[dep_top] < layer[top], f"{name} imports {dep}: against the layers"
 
     done, path = set(), []
 
@@ -1031,29 +1060,28 @@ def test_package_import_graph_has_no_cycle_and_the_kernels_floor_imports_nothing
         visit(name)
 
     # The planner decides which kernel runs and launches nothing: no module under it starts a kernel.
-    below, stack = set(), ["planner"]
+    below, stack = set(), ["gemm.planner"]
     while stack:
         for dep in graph[stack.pop()] - below:
             below.add(dep)
             stack.append(dep)
-    launchers = {name for name in below | {"planner"} if re.search(r"\blaunch(_gather)?\(", sources[name])}
+    launchers = {name for name in below | {"gemm.planner"} if re.search(r"\blaunch(_gather)?\(", sources[name])}
     assert not launchers, f"the planner reaches modules that launch kernels: {sorted(launchers)}"
 
     # The kernels floor: modules whose `@triton.jit` helpers other modules import hold no launcher and import only
     # the floor and host-side base modules (no stage, no launcher); every launcher lives beside its own kernels.
     floor = {name for name, text in sources.items()
-             for user, used in ((u, _imported_names(sources[u], name)) for u in sources)
-             if used & _jit_functions(text)}
-    assert {"gemm_jit", "fp8_jit"} <= floor, floor
+             if any(imports[user].get(name, set()) & _jit_functions(text) for user in sources)}
+    assert {"gemm.jit", "gemm.w8a8_jit"} <= floor, floor
     for name in floor:
         assert not re.search(r"\blaunch\(", sources[name]), f"{name} holds shared jit code and launches kernels"
-        above = graph[name] - floor - {"_device", "_host_math"}
+        above = graph[name] - floor - {"host.device", "host.host_math", "formats.scale_codes"}
         assert not above, f"the jit floor module {name} imports {sorted(above)}"
 
-    # The tile choice has one home: only the planner asks the tables (tiles.py's select_* functions).
-    choosers = {name for name, text in sources.items() if name not in ("planner", "tiles")
+    # The tile choice has one home: only the planner asks the tables (host/tiles.py's select_* functions).
+    choosers = {name for name, text in sources.items() if name not in ("gemm.planner", "host.tiles")
                 and re.search(r"\bselect_\w*tiles?\(", text)}
-    assert not choosers, f"modules choosing tiles outside planner.py: {sorted(choosers)}"
+    assert not choosers, f"modules choosing tiles outside gemm/planner.py: {sorted(choosers)}"
 
 
 def test_python_minimum_is_stated_everywhere_and_checked():

@@ -1,4 +1,4 @@
-"""The persistent descriptor-fed grouped GEMM (persistent_gemm.py) against the float64 reference and the pointer kernel.
+"""The persistent descriptor-fed grouped GEMM (gemm/persistent.py) against the float64 reference and the pointer kernel.
 
 The interpreter emulates tensor descriptors, so the CPU suite runs the same kernel the H200 runs at prefill. Tiles are
 forced through `fused_experts(tiles=...)` with `persistent=1` on both GEMMs; a spy records which launcher ran, so a
@@ -12,10 +12,10 @@ import torch
 from helpers import DEVICE, ON_GPU, assert_close
 
 import moe_dispatch as md
-from moe_dispatch import persistent_gemm
+from moe_dispatch.gemm import persistent
 from moe_dispatch.moe import _run_experts  # the seed layout's entry (fused_moe_forward routes first)
 from moe_dispatch.reference import fused_experts_ref
-from moe_dispatch.tiles import GemmTile, MoeTiles, Persistent
+from moe_dispatch.host.tiles import GemmTile, MoeTiles, Persistent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +56,13 @@ CASES = [
 class _Spy:
     def __init__(self, monkeypatch):
         self.calls = []
-        real = persistent_gemm.persistent_expert_gemm
+        real = persistent.persistent_expert_gemm
 
         def spy(*args, **kwargs):
             self.calls.append(kwargs["gather_a"])
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(persistent_gemm, "persistent_expert_gemm", spy)
+        monkeypatch.setattr(persistent, "persistent_expert_gemm", spy)
 
 
 def _problem(case, gen):
@@ -167,6 +167,6 @@ def test_layouts_without_descriptors_fall_back(layout, monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's answer; a GPU answers by its compute capability")
 def test_interpreter_reports_descriptor_support():
-    from moe_dispatch._device import has_tma
+    from moe_dispatch.host.device import has_tma
 
     assert has_tma(torch.device("cpu"))

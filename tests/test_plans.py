@@ -1,4 +1,4 @@
-"""Plans (moe_dispatch._plan): a replayed call computes what the full path computes, for new data in the same
+"""Plans (moe_dispatch.host.replay): a replayed call computes what the full path computes, for new data in the same
 signature, and a new signature, a bad input or a call that cannot be replayed goes through the full path.
 
 On the CPU the replays re-launch through the interpreter (the recorded arguments, the package's Python skipped); on
@@ -10,18 +10,18 @@ import torch
 from helpers import DEVICE, assert_close, make_weights
 
 import moe_dispatch as md
-from moe_dispatch import _plan
+from moe_dispatch.host import replay
 from moe_dispatch.moe import _BACKWARD_PLANS, _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS, _OPERATOR_PLANS
 from moe_dispatch.reference import fused_experts_ref, fused_moe_forward_ref
-from moe_dispatch.tiles import select_tiles
+from moe_dispatch.host.tiles import select_tiles
 
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(_plan, "ENABLED", True)
-    _plan.clear()
+    monkeypatch.setattr(replay, "ENABLED", True)
+    replay.clear()
     yield
-    _plan.clear()
+    replay.clear()
 
 
 def _inputs(T, E, top_k, H, F, dtype=torch.float32, seed=0, transposed=False):
@@ -71,9 +71,9 @@ def test_replay_matches_reference_on_new_data(case, poison_empty):
 
 def test_replay_is_bit_identical_to_the_full_path():
     x, w_gate_up, w_down, ids, weights = _inputs(4, 8, 2, 32, 32)
-    _plan.ENABLED = False
+    replay.ENABLED = False
     full = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
-    _plan.ENABLED = True
+    replay.ENABLED = True
     md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)  # records
     replayed = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
     assert _FUSED_EXPERTS_PLANS.replayable_count() == 1
@@ -237,7 +237,7 @@ def test_foreign_ops_refuse_a_plan():
     def reads_outside(x):
         return outside
 
-    cache = _plan.PlanCache("test")
+    cache = replay.PlanCache("test")
     x = torch.ones(4, device=DEVICE)
     for fn, reason in ((computes, "torch op"), (reads_outside, "outside the call")):
         for _ in range(2):
@@ -255,7 +255,7 @@ def test_an_output_nothing_wrote_refuses_a_plan():
             out.copy_(x)
         return out
 
-    cache = _plan.PlanCache("test")
+    cache = replay.PlanCache("test")
     x = torch.arange(4.0, device=DEVICE)
     for _ in range(3):
         assert torch.equal(cache.run(unseen_writer, (x,), ()), x)
@@ -274,10 +274,10 @@ def test_disabled_plans_and_user_dispatch_modes_run_in_full():
 
     T, E, top_k, H, F = 2, 4, 2, 32, 16
     x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
-    _plan.ENABLED = False
+    replay.ENABLED = False
     md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
     assert len(_FUSED_EXPERTS_PLANS) == 0
-    _plan.ENABLED = True
+    replay.ENABLED = True
     md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
     replays = _FUSED_EXPERTS_PLANS.replays
     with Counting():

@@ -2,6 +2,7 @@
 the public submodules and the methods of the public classes annotate each parameter and the return, the annotations
 resolve, and each `Literal` of string choices lists exactly what the function's own check accepts."""
 
+import importlib
 import inspect
 import types
 import typing
@@ -9,13 +10,14 @@ import typing
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch import expert_parallel, fp8, layers, moe, mxfp4, routing, transformers_experts
+from moe_dispatch import expert_parallel, fp8, layers, moe, mxfp4, transformers_experts
+from moe_dispatch.routing import router
 
 PUBLIC_SUBMODULES = (layers, transformers_experts, fp8, mxfp4, expert_parallel)
 
 # Parameters whose values a check restricts to a set of strings: the Literal of their annotation must be that set.
 CHOICES = {
-    "gating": set(routing.GATINGS),
+    "gating": set(router.GATINGS),
     "activation": set(moe.EXPERT_ACTIVATIONS),
     "scheme": set(fp8.SCHEMES),
     "fp8_compute": set(fp8.FP8_COMPUTE),
@@ -115,3 +117,29 @@ def test_package_ships_the_py_typed_marker():
     from importlib.resources import files
 
     assert files(md).joinpath("py.typed").is_file()
+
+
+# The public modules' v1 paths (flat, before the sub-packages) -> where they live now.
+V1_MODULE_PATHS = {"fp8": "formats.fp8", "mxfp4": "formats.mxfp4", "tiles": "host.tiles",
+                   "layers": "integrations.layers", "transformers_experts": "integrations.transformers_experts",
+                   "expert_parallel": "parallel.expert_parallel", "reference": "reference"}
+
+
+@pytest.mark.parametrize("old,new", V1_MODULE_PATHS.items(), ids=list(V1_MODULE_PATHS))
+def test_v1_module_paths_are_the_moved_modules(old, new):
+    """`import moe_dispatch.fp8`, `from moe_dispatch.tiles import MoeTiles`, `moe_dispatch.layers`: each v1 path of a
+    public module gives the one module object of its new home, as an import and as an attribute."""
+    module = importlib.import_module(f"moe_dispatch.{new}")
+    assert importlib.import_module(f"moe_dispatch.{old}") is module
+    assert getattr(md, old) is module
+    assert module.__name__ == f"moe_dispatch.{new}"
+
+
+def test_v1_from_imports_still_work():
+    from moe_dispatch.fp8 import quantize_experts_fp8
+    from moe_dispatch.host import tiles
+    from moe_dispatch.mxfp4 import quantize_experts_mxfp4
+    from moe_dispatch.tiles import DecodeTiles, MoeTiles
+
+    assert quantize_experts_fp8 is md.quantize_experts_fp8 and quantize_experts_mxfp4 is md.quantize_experts_mxfp4
+    assert (MoeTiles, DecodeTiles) == (tiles.MoeTiles, tiles.DecodeTiles)

@@ -8,9 +8,10 @@ import os
 import pytest
 import torch
 
-from moe_dispatch import decode, tiles
+from moe_dispatch.gemm import decode
+from moe_dispatch.host import tiles
 
-CONFIG_DIR = os.path.join(os.path.dirname(tiles.__file__), "configs")
+CONFIG_DIR = tiles._CONFIG_DIR
 # Shared memory per block each table's device offers (bytes): SM90 227 KB, SM80 163 KB, gfx942 LDS 64 KB.
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
@@ -153,9 +154,9 @@ def test_fp8_tiles_are_valid_and_fit_shared_memory(name, monkeypatch):
     multiple of GEMM2's group: `w8a8_tiles` changes nothing), and fit shared memory: GEMM1 holds an A tile (bf16 when
     x is quantized in its loads, below BLOCK_M 64; e4m3 from the quantization pass above) and two e4m3 weight tiles
     per stage, GEMM2 an e4m3 A tile and one weight tile."""
-    from moe_dispatch.fp8 import WeightScale
-    from moe_dispatch.fp8_gemm import w8a8_tiles
-    from moe_dispatch.planner import PREQUANTIZE_MIN_BLOCK_M
+    from moe_dispatch.formats.fp8 import WeightScale
+    from moe_dispatch.gemm.w8a8 import w8a8_tiles
+    from moe_dispatch.gemm.planner import PREQUANTIZE_MIN_BLOCK_M
 
     monkeypatch.setattr(tiles, "device_key", lambda device: name)
     table = tiles.load_table(name)
@@ -223,7 +224,7 @@ def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", TABLES)
 def test_selected_decode_tiles_fit_shared_memory(name, dtype, fp8, monkeypatch):
-    """At each bucket's largest N with top_k = 1 (the most x rows, BLOCK_T = N): the stages decode.py launches
+    """At each bucket's largest N with top_k = 1 (the most x rows, BLOCK_T = N): the stages gemm/decode.py launches
     (`pipeline_stages` of the table's, for the device's shared memory) of the x tile and the gate and up tiles
     (gate/up kernel), of the weight tile (down kernel, pipelined loads), x in the dtype's bytes, weights in the dtype's
     or (float8) one byte, fit; and they are the table's own wherever those fit."""
@@ -257,7 +258,7 @@ def test_host_integer_helpers_match_triton():
     host, which cost microseconds per call)."""
     import triton
 
-    from moe_dispatch._host_math import cdiv, next_power_of_2
+    from moe_dispatch.host.host_math import cdiv, next_power_of_2
 
     for n in range(0, 4100):
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
@@ -278,6 +279,6 @@ def test_transposed_down_weights_take_the_dot_decode_tile(num_tokens, limit_tile
     assert chosen.down == tiles.TRANSPOSED_DOWN_DECODE_TILES[limit_tile][1] and chosen.down.dot
     assert chosen.gate_up == table.gate_up
     assert tiles.select_decode_tiles(*args, fp8=True, transposed=True) == tiles.select_decode_tiles(*args, fp8=True)
-    from moe_dispatch.planner import ExpertsPath, plan_experts
+    from moe_dispatch.gemm.planner import ExpertsPath, plan_experts
     plan = plan_experts(device, num_tokens, 4, 8, 64, 32, torch.bfloat16, transposed=True)
     assert plan.path is ExpertsPath.DECODE and plan.tiles == chosen

@@ -685,7 +685,7 @@ def _fp8_experts_model(quant_block=(16, 16), activation_scheme="dynamic", **expe
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     from transformers.integrations.moe import use_experts_implementation
 
-    from moe_dispatch.fp8 import dequantize_experts_fp8, quantize_experts_fp8
+    from moe_dispatch.formats.fp8 import dequantize_experts_fp8, quantize_experts_fp8
 
     class TinyFP8Experts(finegrained.FP8Experts):  # a subclass: wrapping FP8Experts itself would patch it globally
         pass

@@ -1,5 +1,5 @@
 """GPT-OSS MXFP4 checkpoints through moe_dispatch: `from_pretrained_mxfp4`, `Mxfp4Experts`, `use_mxfp4_experts` and
-`build_random_gpt_oss_mxfp4` (transformers_experts.py).
+`build_random_gpt_oss_mxfp4` (integrations/transformers_experts.py).
 
 A tiny GPT-OSS with random MXFP4 experts (H = F = 64, E = 4, top-2, 2 layers, eager attention, fp32 so that the
 comparisons are tight) is built by `build_random_gpt_oss_mxfp4` and saved as a stock MXFP4 checkpoint (uint8 blocks
@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_dispatch
 from helpers import DEVICE, assert_close, needs_gpu
-from moe_dispatch import layers
-from moe_dispatch.mxfp4 import dequantize_experts_mxfp4
+from moe_dispatch.integrations import layers
+from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

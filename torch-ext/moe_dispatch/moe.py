@@ -1,10 +1,10 @@
 """The MoE layer composed from the stages (no kernels here), as torch custom operators with a backward:
 
   fused_moe_forward = routing's `route` operator -> the experts operator
-  fused_experts     = operator `fused_experts`: dispatch.dispatch -> GEMM1 (gather + gate/up + activation, the
+  fused_experts     = operator `fused_experts`: dispatch.segments.dispatch -> GEMM1 (gather + gate/up + activation, the
                       pre-activations saved when a gradient is needed) -> GEMM2 (down, routed weight) -> combine;
                       at a few tokens in inference, decode.decode_experts instead (two launches, no dispatch)
-                      backward: operator `fused_experts_backward` (kernels in experts_backward.py)
+                      backward: operator `fused_experts_backward` (kernels in backward/experts.py)
   fused_expert_ffn / expert_ffn_triton: the v1 functions that start from already-permuted rows (forward only).
 
 Nothing here reads device data on the host: every size is known from shapes, so a forward (and a backward) can be
@@ -18,27 +18,27 @@ from typing import Literal
 
 import torch
 
-from ._checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
-                      check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
-                      raise_problems, reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
-from ._library import call, custom_op, needs_operator
-from ._plan import PlanCache
-from .binned import drop_over_capacity, expert_capacity
-from .combine import combine
-from .decode import decode_experts
-from .dispatch import dispatch, segment_dispatch
-from .experts_backward import ExpertsGrads, experts_backward
-from .fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
-                  check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
-                  input_scale_problems, is_fp8, kernel_scale)
-from .fp8_gemm import w8a8_experts
-from .gemm_args import weight_k
-from .grouped_gemm import check_segmented_rows, expert_gemm
-from .gemm_jit import WeightScaleCode
-from .mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
-from .routing import check_router_args, route_with_grad
-from .planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
-from .tiles import DecodeTiles, MoeTiles, tiles_from_list
+from .backward.experts import ExpertsGrads, experts_backward
+from .dispatch.binned import drop_over_capacity, expert_capacity
+from .dispatch.combine import combine
+from .dispatch.segments import dispatch, segment_dispatch
+from .formats.fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
+                          check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
+                          input_scale_problems, is_fp8, kernel_scale)
+from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
+from .formats.scale_codes import WeightScaleCode
+from .gemm.args import weight_k
+from .gemm.decode import decode_experts
+from .gemm.grouped import check_segmented_rows, expert_gemm
+from .gemm.planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
+from .gemm.w8a8 import w8a8_experts
+from .host.checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
+                          check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
+                          raise_problems, reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
+from .host.library import call, custom_op, needs_operator
+from .host.replay import PlanCache
+from .host.tiles import DecodeTiles, MoeTiles, tiles_from_list
+from .routing.router import check_router_args, route_with_grad
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -61,7 +61,7 @@ class ExpertsSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Scales:
-    """The scales of float8 expert weights and how a call computes with them (fp8.py; the arguments of the same
+    """The scales of float8 expert weights and how a call computes with them (formats/fp8.py; the arguments of the same
     names of `fused_experts`). `compute` is resolved ("w8a8" or "dequant", planner.choose_fp8_compute). Crosses the
     operator boundary as seven slots (`to_args`)."""
 
@@ -121,16 +121,16 @@ def _fused_experts_impl(
 
     w_up given: w_gate_up is the gate weight alone (seed layout [E, F, H]); else the concatenated or interleaved
     [E, 2F, H] ([E, H, 2F] transposed). The last four outputs are what the backward needs; without save_preact they
-    are empty ([0]) and the decode path (decode.py) may run instead of the four launches (planner.plan_experts).
+    are empty ([0]) and the decode path (gemm/decode.py) may run instead of the four launches (planner.plan_experts).
     `tiles`: None (the device's tables choose), or a forced `MoeTiles` / `DecodeTiles` as flat ints.
     The slots are the flattening of `ExpertsSpec` (activation .. limit) and `Fp8Scales` (w_gate_up_scale ..
-    w_gate_up_scale_layout; `_experts_op_args` builds them). float8 weights come with their fp32 scales (fp8.py;
+    w_gate_up_scale_layout; `_experts_op_args` builds them). float8 weights come with their fp32 scales (formats/fp8.py;
     checked by `fused_experts`), forward only: the caller passes inputs that need no gradient and save_preact False.
-    `fp8_compute` is already resolved to "w8a8" (fp8_gemm.py, with the static input scales if any) or "dequant"
-    (grouped_gemm.py).
+    `fp8_compute` is already resolved to "w8a8" (gemm/w8a8.py, with the static input scales if any) or "dequant"
+    (gemm/grouped.py).
 
-    The operator's launches are planned (`_plan.py`) like the entry points': a training step's forward (which cannot
-    replay at `fused_experts`, its inputs requiring gradients) replays them here, below autograd, where the
+    The operator's launches are planned (`host/replay.py`) like the entry points': a training step's forward (which
+    cannot replay at `fused_experts`, its inputs requiring gradients) replays them here, below autograd, where the
     operator's inputs are plain tensors under no-grad.
     """
     tensors = (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
@@ -295,8 +295,8 @@ def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights,
                    expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs,
                    w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None, *, reuse_preact):
     """The backward operator's work; `reuse_preact` lets the backward write d_preact over `preact`
-    (experts_backward.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`).
-    Planned per signature (`_plan.py`): every training step repeats the same launches."""
+    (backward/experts.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`).
+    Planned per signature (`host/replay.py`): every training step repeats the same launches."""
     tensors = (grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                expert_offsets, gather_idx, scatter_idx, w_gate_up_scale, w_down_scale)
     options = (activation, interleaved, transposed, alpha, limit, tuple(bool(need) for need in needs), reuse_preact,
@@ -527,7 +527,7 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
 
 
 def _check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H, *, transposed, suffix, input_scales):
-    """MXFP4 expert weights (mxfp4.py: uint8 blocks with e8m0 scales, as checkpoints store them) -> (E, F): both
+    """MXFP4 expert weights (formats/mxfp4.py: uint8 blocks with e8m0 scales, as checkpoints store them) -> (E, F): both
     weights MXFP4, [E, 2F, H] and [E, H, F] unpacked, not transposed, no static input scales."""
     w_gate_up_name, w_down_name = "w_gate_up" + suffix, "w_down" + suffix
     for name, w, other in ((w_gate_up_name, w_gate_up, w_down_name), (w_down_name, w_down, w_gate_up_name)):
@@ -573,16 +573,16 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     only when the ids are on the CPU; True always checks, False never (expert-parallel sentinels). `validate_ids` is
     the deprecated v1.0 spelling of `validate`.
     `tiles` forces a tile configuration (tuning and tests): a `tiles.MoeTiles` the four-launch path (dispatch, two
-    grouped GEMMs, combine), a `tiles.DecodeTiles` the two-launch decode path (decode.py) wherever that applies (no
+    grouped GEMMs, combine), a `tiles.DecodeTiles` the two-launch decode path (gemm/decode.py) wherever that applies (no
     gradient needed, fp8_compute not "w8a8", T * top_k <= tiles.MAX_DECODE_ASSIGNMENTS = 256; elsewhere the tables' tiles
     run); by default the device's tile table chooses. Returns out [..., H] in hidden_states' dtype.
 
     Differentiable in hidden_states, w_gate_up, w_down, topk_weights and both biases (Triton backward, see
-    experts_backward.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
+    backward/experts.py; only the gradients asked for are computed); ids outside [0, E) get no gradient. When a
     gradient will be needed the forward also saves the [T * top_k, 2F] pre-activations (input dtype).
 
-    FP8 expert weights (v1.x addition, forward only; see fp8.py and docs/usage.md, "FP8 expert weights"): w_gate_up
-    and/or w_down in float8_e4m3fn / float8_e4m3fnuz with fp32 (or float8_e8m0fnu: powers of two) scales
+    FP8 expert weights (v1.x addition, forward only; see formats/fp8.py and docs/usage.md, "FP8 expert weights"):
+    w_gate_up and/or w_down in float8_e4m3fn / float8_e4m3fnuz with fp32 (or float8_e8m0fnu: powers of two) scales
     `w_gate_up_scale` / `w_down_scale` (w ≈ w_fp8 * scale), the scheme read from the scale's shape: [E, ceil(d1/b1),
     ceil(d2/b2)] block scales over the weight as stored ([E, d1, d2]) with `fp8_block_shape` (b1, b2); [E, N] per
     output channel (N = 2F for w_gate_up, H for w_down); [E] per tensor. hidden_states and the output stay
@@ -595,8 +595,8 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     the rows as stored; "merged" gate's ceil(F/b) blocks, then up's, each over its own F rows (a checkpoint's separate
     gate and up scales stacked, as transformers' FP8Experts holds them; concatenated gate/up rows only). Channel and
     tensor scales read alike in both. A scale whose shape does not match the declared layout raises ValueError.
-    `fp8_compute` picks how they are computed (fp8.py): "w8a8" quantizes the activations to e4m3 too and runs FP8
-    tensor-core dots (activations per token and K step of 128 columns, amax / 448, dynamically; the intermediate
+    `fp8_compute` picks how they are computed (formats/fp8.py): "w8a8" quantizes the activations to e4m3 too and runs
+    FP8 tensor-core dots (activations per token and K step of 128 columns, amax / 448, dynamically; the intermediate
     quantized in GEMM1's epilogue), "dequant" converts the weights to the activation dtype in the loads; "auto"
     (default) takes "w8a8" on NVIDIA GPUs with FP8 tensor cores (SM89+) for float8_e4m3fn weights whose block K side
     is a power of two >= 32, and "dequant" elsewhere. Forcing "w8a8" where it cannot run raises ValueError.
@@ -605,15 +605,16 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     "w8a8" instead of the dynamic scales (values beyond 448 * scale saturate); "dequant" does not quantize
     activations and ignores them.
 
-    MXFP4 expert weights (v1.x addition; mxfp4.py): w_gate_up and w_down as uint8 blocks, as GPT-OSS checkpoints
+    MXFP4 expert weights (v1.x addition; formats/mxfp4.py): w_gate_up and w_down as uint8 blocks, as GPT-OSS checkpoints
     store them ([E, 2F, H/32, 16] and [E, H, F/32, 16], or those bytes as [E, 2F, H/2] and [E, H, F/2]: two e2m1
     values per byte, low nibble first), with their e8m0 scales `w_gate_up_scale` [E, 2F, H/32] and `w_down_scale`
     [E, H, F/32] (uint8 or float8_e8m0fnu); not transposed; interleaved or concatenated gate/up rows. They are
     dequantized in the loads and dotted in hidden_states' dtype ("dequant"; "w8a8" raises); frozen like float8
     weights above.
 
-    Eager inference calls are planned (`_plan.py`): the first call of an input signature runs in full and is recorded,
-    later ones replay its launches through Triton's compiled launcher (same results, a fraction of the host time).
+    Eager inference calls are planned (`host/replay.py`): the first call of an input signature runs in full and is
+    recorded, later ones replay its launches through Triton's compiled launcher (same results, a fraction of the host
+    time).
     """
     tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)

@@ -42,20 +42,20 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._host_math import cdiv
-from .combine import combine
-from .dispatch import segment_dispatch
-from .fp8 import WeightScale
-from .mxfp4 import MXFP4_GROUP
-from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
-from .gemm_jit import (ACT_SILU, Activation, WeightScaleCode, expert_tile_dot, gathered_rows, split_pairs, tile_dot,
-                       tile_setup)
-from .gemm_args import rows_fit_descriptor
-from .persistent_gemm import num_programs
-from .planner import plan_backward, weight_grad_kernel
-from .row_copies import PLAIN, Layout, launch_gather
-from .tiles import MoeTiles, WeightGradTile
-from ._plan import launch
+from ..dispatch.combine import combine
+from ..dispatch.row_copies import PLAIN, Layout, launch_gather
+from ..dispatch.segments import segment_dispatch
+from ..formats.fp8 import WeightScale
+from ..formats.mxfp4 import MXFP4_GROUP
+from ..formats.scale_codes import WeightScaleCode
+from ..gemm.args import (NO_SCALE, dequant_scale_code, dot_options, rows_fit_descriptor, same_strides, scale_args,
+                         weight_strides)
+from ..gemm.jit import ACT_SILU, Activation, expert_tile_dot, gathered_rows, split_pairs, tile_dot, tile_setup
+from ..gemm.persistent import num_programs
+from ..gemm.planner import plan_backward, weight_grad_kernel
+from ..host.host_math import cdiv
+from ..host.replay import launch
+from ..host.tiles import MoeTiles, WeightGradTile
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _down_grad_kernel(
     grad_out_ptr, stride_grad_t, stride_grad_h,
     # W_down as [E, F, H] by strides (n = F, K = H)
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
-    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, gemm_jit.WeightScaleCode)
+    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, scale_codes.WeightScaleCode)
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n,
     scale_block_k,
     # preact [N, 2F] from the forward; d_preact [N, 2F]; act [N, F]; partials [cdiv(F, BLOCK_N), N] fp32
@@ -194,7 +194,7 @@ def _gate_up_grad_kernel(
     # the whole gate/up weight as [E, H, 2F] by strides (n = H, K = 2F); SEPARATE: W_gate and W_up as [E, H, F], one
     # set of strides for both (d_preact's gate columns [0, F), up columns [F, 2F))
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, gemm_jit.WeightScaleCode)
+    # quantized (frozen) weights: their scales in this GEMM's orientation (fp8.WeightScale, scale_codes.WeightScaleCode)
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n,
     scale_block_k,
     # dx rows [N, H] in sorted order
@@ -238,7 +238,7 @@ def _gate_up_grad_kernel(
 @triton.jit
 def _rows_dot(b_acc, b_left_t, b_right, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """b_acc + left^T [BLOCK_I, BLOCK_P] @ right [BLOCK_P, BLOCK_J] (fp32 operands on the interpreter)."""
-    if DOT_FP32:  # see _device.dot_needs_fp32
+    if DOT_FP32:  # see host.device.dot_needs_fp32
         b_left_t = b_left_t.to(tl.float32)
         b_right = b_right.to(tl.float32)
     return tl.dot(b_left_t, b_right, b_acc, input_precision=DOT_PRECISION)
@@ -252,7 +252,7 @@ def _bias_dot(b_cols, b_left_t, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.conste
     still reads the buffer the next copy overwrites, which made the weight gradients of biased experts differ from
     run to run."""
     b_ones = tl.full((b_left_t.shape[1], 16), 1.0, b_left_t.dtype)
-    if DOT_FP32:  # see _device.dot_needs_fp32
+    if DOT_FP32:  # see host.device.dot_needs_fp32
         return tl.dot(b_left_t.to(tl.float32), b_ones.to(tl.float32), b_cols, input_precision=DOT_PRECISION)
     return tl.dot(b_left_t, b_ones, b_cols, input_precision=DOT_PRECISION)
 
@@ -399,7 +399,7 @@ def _persistent_weight_grad_kernel(
             b_right = right_desc.load([p0, j0])  # [BLOCK_P, BLOCK_J]
             if HAS_BIAS_GRAD:
                 b_bias_cols = _bias_dot(b_bias_cols, b_left.T, DOT_FP32, DOT_PRECISION)
-            if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
+            if DOT_FP32:  # the interpreter (see host.device.dot_needs_fp32)
                 b_left = b_left.to(tl.float32)
                 b_right = b_right.to(tl.float32)
             b_acc = tl.dot(b_left.T, b_right, b_acc, input_precision=DOT_PRECISION)

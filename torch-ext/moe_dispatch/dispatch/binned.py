@@ -16,7 +16,7 @@ The three layouts differ only in where sorted position p (of expert e, j = p - s
   padded   row padded_start_e + j                         padded_gather/scatter[_wgrad]       buffer [R, H]
   binned   row e * C + j, DROPPED when j >= C             binned_gather/scatter[_wgrad]       buffer [E, C, H]
 
-One kernel family in `row_copies.py` serves all three (the `LAYOUT` constexpr):
+One kernel family in `dispatch/row_copies.py` serves all three (the `LAYOUT` constexpr):
 
   _gather_kernel        grid over buffer rows: buffer[r] = x[a // top_k] * weights[a] (zeros where r holds nothing)
   _buffer_rows_kernel   grid over sorted positions: buffer_row[a] = row of assignment a in the buffer, -1 if dropped
@@ -31,7 +31,7 @@ accumulate in fp32 (fp64 for fp64 inputs); offsets are int64. Output shapes come
 Autograd and compile: the three copies are torch custom operators (`row_gather`, `row_scatter`, `row_wgrad`, under the
 build's namespace like the experts' operators), so every function here compiles with fullgraph=True; gather and
 scatter register their backward, so every gather/scatter function is differentiable with respect to `x` and
-`weights` (eager inference calls the kernels directly, see _library.call). Backward:
+`weights` (eager inference calls the kernels directly, see host.library.call). Backward:
 gather's dx = scatter of the gradient with the same weights (unweighted when weights is None), d(weights) = wgrad;
 scatter's dx = gather of the gradient with the same weights, d(weights) = wgrad. The `*_wgrad` functions themselves
 are not differentiable.
@@ -47,8 +47,8 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 
 import torch
 
-from ._checks import check_finite_number, check_int, check_same_device, check_tensor, reads_values
-from ._library import call, custom_op
+from ..host.checks import check_finite_number, check_int, check_same_device, check_tensor, reads_values
+from ..host.library import call, custom_op
 from .row_copies import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -186,7 +186,7 @@ def _check_num_tokens(name, value, num_assignments, top_k):
 
 def _check_values(validate, indices, bins, *, bin_ids=None, padded_bins=None, n_rows=None, n_rows_name=None):
     """Value checks that read device memory: only on the CPU, or anywhere with validate=True (never under
-    torch.compile: see _checks.reads_values)."""
+    torch.compile: see host.checks.reads_values)."""
     if not reads_values(validate, indices):
         return
     num_assignments = indices.shape[0]

@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_dim, check_float, check_index, check_kernel_device, check_same_device, check_token_weights,
-                      index_map_problems, raise_problems, reads_values, warn_if_gradient_cut)
-from ._host_math import cdiv, next_power_of_2
-from .pdl import pdl_options, wait_for_producer
-from ._plan import launch
+from ..host.checks import (check_dim, check_float, check_index, check_kernel_device, check_same_device,
+                           check_token_weights, index_map_problems, raise_problems, reads_values, warn_if_gradient_cut)
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.pdl import pdl_options, wait_for_producer
+from ..host.replay import launch
 
 
 @triton.jit

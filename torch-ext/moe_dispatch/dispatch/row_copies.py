@@ -1,6 +1,6 @@
-"""Row copies between token order and expert order: the kernels and raw launchers shared by dispatch.py
-(`permute_tokens`' plain gather) and binned.py (MegaBlocks' plain, padded and capacity-limited copies, whose public API,
-checks and autograd live there; binned.py's docstring draws the layouts and the kernel family).
+"""Row copies between token order and expert order: the kernels and raw launchers shared by dispatch/segments.py
+(`permute_tokens`' plain gather) and dispatch/binned.py (MegaBlocks' plain, padded and capacity-limited copies, whose
+public API, checks and autograd live there; dispatch/binned.py's docstring draws the layouts and the kernel family).
 
 Launchers here trust their arguments (contiguous tensors, consistent routing) and allocate every output with
 `torch.empty`: each kernel writes all of its output. They trust them for results only, not for memory: every index
@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import is_interpreter
-from ._host_math import cdiv, next_power_of_2
-from ._plan import launch
+from ..host.device import is_interpreter
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.replay import launch
 
-# LAYOUT: where sorted position p lives in the expert buffer (see binned.py); jit code may only read constexprs
+# LAYOUT: where sorted position p lives in the expert buffer (see dispatch/binned.py); jit code may only read constexprs
 PLAIN, PADDED, BINNED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 

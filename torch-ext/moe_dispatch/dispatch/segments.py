@@ -27,12 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_float, check_ids_in_range, check_index, check_int, check_kernel_device,
-                      check_same_device, validate_option, warn_if_gradient_cut)
-from ._host_math import cdiv, next_power_of_2
-from .pdl import pdl_options, wait_for_producer
+from ..host.checks import (check_float, check_ids_in_range, check_index, check_int, check_kernel_device,
+                           check_same_device, validate_option, warn_if_gradient_cut)
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.pdl import pdl_options, wait_for_producer
+from ..host.replay import launch
 from .row_copies import PLAIN, Layout, launch_gather
-from ._plan import launch
 
 CHUNK = 128  # assignments per program in the multi-chunk path; the rank step compares CHUNK x CHUNK ids
 SINGLE_MAX = 1024  # most assignments the one-program path takes (its sort holds them all in one block)
@@ -400,7 +400,7 @@ def segment_dispatch(expert_offsets: torch.Tensor, num_rows: int, num_experts: i
 
     gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None). The offsets the
     kernels see are a sanitised copy made by the tile-map kernel (clamped into [0, num_rows], non-decreasing; equal to
-    the input when valid): launches only, so the backward and the segment entry points replay (`_plan.py`).
+    the input when valid): launches only, so the backward and the segment entry points replay (`host/replay.py`).
     """
     device = expert_offsets.device
     clean_offsets = torch.empty(num_experts + 1, device=device, dtype=expert_offsets.dtype)

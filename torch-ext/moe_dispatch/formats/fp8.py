@@ -16,16 +16,16 @@ differ, even where their shapes agree, as at F = 96, b = 128):
   "merged"  2 * ceil(F/b) row blocks: gate's ceil(F/b), then up's, each over its own F rows (a checkpoint's separate
             gate and up scales stacked, as transformers merges them); concatenated gate/up rows only
 
-Two ways to compute with them (`fp8_compute`, chosen by planner.choose_fp8_compute from device facts, `_device.py`):
+Two ways to compute with them (`fp8_compute`, chosen by planner.choose_fp8_compute from device facts, `host/device.py`):
 
-  "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (grouped_gemm.py, WEIGHT_SCALE) loads
+  "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (gemm/grouped.py, WEIGHT_SCALE) loads
              the fp8 weight tile, converts it to the activation dtype and runs the dot in that dtype with fp32
              accumulation; block scales multiply the tile in fp32 before that conversion (each element by the scale
              of its block, so any tile and weight shape work), per-channel and per-tensor scales multiply the fp32
              accumulator once after the K loop. Activations stay bf16/fp16/fp32: weight-only FP8 (half the weight
              bytes of bf16 at decode, the dot at the activation dtype's rate).
   "w8a8"     float8_e4m3fn weights on GPUs with FP8 tensor cores (NVIDIA SM89+; `has_fp8_tensor_cores`). Activations
-             are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (fp8_gemm.py): x per token
+             are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (gemm/w8a8.py): x per token
              and K step (in GEMM1's loads, or one pass first for prefill tiles), the intermediate per row and K step
              of GEMM2 in GEMM1's epilogue.
              It needs the K side of a block scale to be a power of two >= 32 (one weight scale per K step);
@@ -44,16 +44,16 @@ from typing import Literal
 
 import torch
 
-from ._checks import check_choice, check_tensor
-from ._device import has_fp8_tensor_cores, is_hip
-from .gemm_jit import WeightScaleCode
+from ..host.checks import check_choice, check_tensor
+from ..host.device import has_fp8_tensor_cores, is_hip
+from .scale_codes import WeightScaleCode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # Scales of float8 weights: fp32, or e8m0 powers of two (DeepSeek-V3.1-style UE8M0 checkpoints, DeepGEMM), which the
-# kernels read as their uint8 codes (`kernel_scale`, gemm_jit.scale_values)
+# kernels read as their uint8 codes (`kernel_scale`, gemm.jit.scale_values)
 WEIGHT_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 SCHEMES = ("block", "channel", "tensor")
-# The WEIGHT_SCALE code of each scheme (gemm_jit.WeightScaleCode; float weights have NONE).
+# The WEIGHT_SCALE code of each scheme (scale_codes.WeightScaleCode; float weights have NONE).
 SCHEME_CODES = {"tensor": WeightScaleCode.TENSOR, "channel": WeightScaleCode.CHANNEL, "block": WeightScaleCode.BLOCK}
 FP8_COMPUTE = ("auto", "w8a8", "dequant")
 GATE_UP_SCALE_LAYOUTS = ("fused", "merged")  # `w_gate_up_scale_layout` (module docstring)
@@ -161,8 +161,8 @@ def check_fp8_dtype_on_device(name: str, weight: torch.Tensor, device: torch.dev
     compile the dequant loads), so it is refused naming the weight rather than failing in the compiler."""
     if weight.dtype == torch.float8_e4m3fnuz and device.type == "cuda" and not is_hip():
         raise TypeError(f"{name} is torch.float8_e4m3fnuz, AMD's float8 format, which Triton cannot load on NVIDIA "
-                        f"GPUs; pass torch.float8_e4m3fn weights (`_device.fp8_dtype(device)` names the format of a "
-                        f"device; quantize_experts_fp8 writes either)")
+                        f"GPUs; pass torch.float8_e4m3fn weights (`host.device.fp8_dtype(device)` names the format of "
+                        f"a device; quantize_experts_fp8 writes either)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +328,6 @@ def check_input_scale(name: str, scale: torch.Tensor | None, weight_name: str, w
 
 
 def input_scale_problems(name: str, scale: torch.Tensor) -> list[tuple[torch.Tensor, Callable[[], str]]]:
-    """(flag, message) pairs for _checks.raise_problems: a static scale must be positive and finite."""
+    """(flag, message) pairs for host.checks.raise_problems: a static scale must be positive and finite."""
     return [(~(torch.isfinite(scale) & (scale > 0)).all(),
              lambda: f"{name} must be positive and finite, got {scale.flatten()[:8].tolist()}")]

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from ._checks import check_tensor
+from ..host.checks import check_tensor
 from .fp8 import WeightScale
-from .gemm_jit import WeightScaleCode
+from .scale_codes import WeightScaleCode
 
 MXFP4_GROUP = 32  # values per e8m0 scale, consecutive along K
 E2M1_MAX = 6.0  # the largest e2m1 magnitude: 1.5 * 2^2

@@ -1,17 +1,19 @@
-"""Host-side argument packing shared by the grouped-GEMM launchers (grouped_gemm.py, persistent_gemm.py,
-experts_backward.py, fp8_gemm.py, fp8_persistent.py, decode.py): weight strides as [E, n, K], the weight-side operands
-(`GemmWeights`), routing and scale arguments, and the constexprs every grouped-GEMM kernel shares."""
+"""Host-side argument packing shared by the grouped-GEMM launchers (gemm/grouped.py, gemm/persistent.py,
+backward/experts.py, gemm/w8a8.py, gemm/w8a8_persistent.py, gemm/decode.py): weight strides as [E, n, K], the
+weight-side operands (`GemmWeights`), routing and scale arguments, and the constexprs every grouped-GEMM kernel
+shares."""
 
 import dataclasses
 
 import torch
 
-from ._device import dot_input_precision, dot_needs_fp32
-from .fp8 import WeightScale
-from .gemm_jit import Activation, WeightScaleCode
-from .mxfp4 import MXFP4_GROUP, is_mxfp4
-from .pdl import pdl_options
-from .tiles import GemmTile
+from ..formats.fp8 import WeightScale
+from ..formats.mxfp4 import MXFP4_GROUP, is_mxfp4
+from ..formats.scale_codes import WeightScaleCode
+from ..host.device import dot_input_precision, dot_needs_fp32
+from ..host.pdl import pdl_options
+from ..host.tiles import GemmTile
+from .jit import Activation
 
 NO_SCALE = WeightScale(None, WeightScaleCode.NONE, (0, 0, 0))  # float weights: the scale arguments unused
 
@@ -50,7 +52,7 @@ class GemmWeights:
 
     `paired`: a gated GEMM over one interleaved gate/up weight (rows 2j gate, 2j + 1 up of [E, 2n, K]), passed whole
     with its strides and its whole [E, 2n] bias; `weight_up` and `bias_up` are then None and the pointer kernels read
-    [BLOCK_K, 2 BLOCK_N] tiles of it (grouped_gemm.py's PAIRED)."""
+    [BLOCK_K, 2 BLOCK_N] tiles of it (gemm/grouped.py's PAIRED)."""
 
     weight: torch.Tensor
     weight_up: torch.Tensor | None  # None unless the activation is gated (and not paired)
@@ -128,7 +130,7 @@ def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, top
                 **pdl_options(info.tile_expert.device))
 
 
-# Tensor-descriptor facts (what TMA needs of a layout): planner.py decides with them, persistent_gemm.py builds the
+# Tensor-descriptor facts (what TMA needs of a layout): gemm/planner.py decides with them, gemm/persistent.py builds the
 # descriptors.
 
 
@@ -138,7 +140,7 @@ def aligned(t):
 
 
 def descriptor_rows(weight, n_cols):
-    """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see persistent_gemm.py's docstring) and rows per
+    """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see gemm/persistent.py's docstring) and rows per
     expert;
     None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
     whole number of rows apart)."""
@@ -161,7 +163,7 @@ def fits_k_outer_descriptor(weight):
 
 def weights_fit_descriptors(w: GemmWeights, transposed=False):
     """Whether the weights (and the up view of a gated GEMM) of a GemmWeights can be read through
-    persistent_gemm.weight_descriptors: [E, n, K] rows (a paired weight's 2n rows), or, `transposed`, [E, K, n]
+    gemm.persistent.weight_descriptors: [E, n, K] rows (a paired weight's 2n rows), or, `transposed`, [E, K, n]
     through 3-D descriptors (`fits_k_outer_descriptor`)."""
     if w.weight.shape[0] == 0:
         return False

@@ -25,15 +25,16 @@ and round trips through memory than the arithmetic they order. Here the assignme
 Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and add nothing; their intermediate rows are
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
 
-float8 weights (fp8.py) run here too, dequantized in the loads as grouped_gemm's dequant path does (same WEIGHT_SCALE
-codes; the activations are not quantized): at a few tokens the GEMMs are weight-bound, so reading half the bytes is the
-whole gain and quantizing the activations would add work without saving any. From F16_DOTS_FROM_TOKENS tokens the
-gate/up kernel dots the unscaled tiles in fp16 with x's rows rescaled per K step (gemm_jit.StepDot, `step_dot`).
+float8 weights (formats/fp8.py) run here too, dequantized in the loads as gemm/grouped.py's dequant path does (same
+WEIGHT_SCALE codes; the activations are not quantized): at a few tokens the GEMMs are weight-bound, so reading half the
+bytes is the whole gain and quantizing the activations would add work without saving any. From F16_DOTS_FROM_TOKENS
+tokens the gate/up kernel dots the unscaled tiles in fp16 with x's rows rescaled per K step (gemm.jit.StepDot,
+`step_dot`).
 
 The path applies to inference with at most MAX_DECODE_ASSIGNMENTS assignments (the gate/up program compares
-its id with every earlier one); `moe._fused_experts_op` chooses between it and the general path (tiles.py:
+its id with every earlier one); `moe._fused_experts_op` chooses between it and the general path (host/tiles.py:
 `select_decode_tiles`, the `decode` entries of the tile tables). Weights are addressed through strides as in
-grouped_gemm.py, so every layout `fused_experts` takes (concatenated, interleaved, separate up, transposed) runs without
+gemm/grouped.py, so every layout `fused_experts` takes (concatenated, interleaved, separate up, transposed) runs without
 copies.
 """
 
@@ -43,16 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import smem_per_program
-from ._host_math import cdiv, next_power_of_2
-from .pdl import pdl_options, release_dependents, wait_for_producer
-from .gemm_args import (NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k,
-                        weight_strides)
-from .gemm_jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, WeightScaleCode,
-                       add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact,
-                       scale_sums, scale_values, split_pairs, weight_scale_ptrs)
-from .tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
-from ._plan import launch
+from ..formats.scale_codes import WeightScaleCode
+from ..host.device import smem_per_program
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.pdl import pdl_options, release_dependents, wait_for_producer
+from ..host.replay import launch
+from ..host.tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
+from .args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k, weight_strides
+from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, add_bias,
+                  apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums, scale_values,
+                  split_pairs, weight_scale_ptrs)
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 # From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
@@ -75,11 +76,11 @@ def owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K: tl.c
 def _decode_gate_up_kernel(
     # x: [T, H], every row read (no gather)
     x_ptr, stride_x_t, stride_x_h,
-    # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see grouped_gemm.same_strides);
+    # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see gemm.grouped.same_strides);
     # PAIRED: w_gate_ptr is one interleaved [E, 2F, H] weight (gate at even rows) and bias_gate_ptr its [E, 2F] bias
     w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_gate_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-    # float8 weights: their scales as grouped_gemm's dequant path reads them (fp8.WeightScale, WEIGHT_SCALE codes)
+    # float8 weights: their scales as gemm/grouped.py's dequant path reads them (fp8.WeightScale, WEIGHT_SCALE codes)
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
     scale_block_n, scale_block_k,
     # intermediate: [N, F] in assignment order, unit stride along F
@@ -128,7 +129,7 @@ def _decode_gate_up_kernel(
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h  # [BLOCK_T, BLOCK_K]
-    # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (grouped_gemm.py's PAIRED)
+    # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (gemm/grouped.py's PAIRED)
     b_gate, b_up, offs_pair, mask_pair = gate_up_tile_dot(
         a_ptrs, mask_t, expert, pid_n, offs_n, mask_n, offs_k, F, w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n,
         stride_w_k, scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
@@ -370,7 +371,7 @@ def _decode_down_dot_kernel(
 
 
 def step_dot(num_tokens, x_dtype, weight_dtype):
-    """The gate/up kernel's gemm_jit.StepDot: float8 weights under half-precision activations dot in fp16 from
+    """The gate/up kernel's gemm.jit.StepDot: float8 weights under half-precision activations dot in fp16 from
     F16_DOTS_FROM_TOKENS tokens (e4m3 -> fp16 is one instruction per two elements, against three conversions and a
     multiply per element for a scaled bf16 tile), the scaled tile below. Measured on the H200 at the table's tiles
     (docs/performance.md, FP8 decode): at T = 4 the fp16 dots took 3-7% off the gate/up kernel of five models, at

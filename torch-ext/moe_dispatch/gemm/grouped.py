@@ -1,10 +1,10 @@
 """Grouped GEMMs over expert-sorted rows: the two MoE projections, their input gradients, and the v1 `grouped_gemm`.
 
-Each program owns a BLOCK_M x BLOCK_N output tile of one expert (tiles come from `dispatch.DispatchInfo`: a tile never
-spans two experts, tiles past the real work exit at once). The forward kernel's variants are constexpr flags:
+Each program owns a BLOCK_M x BLOCK_N output tile of one expert (tiles come from `dispatch.segments.DispatchInfo`: a
+tile never spans two experts, tiles past the real work exit at once). The forward kernel's variants are constexpr flags:
 
   GATHER_A           A row of sorted position p is x[gather_idx[p] // TOP_K]: the permutation happens in the loads
-  ACTIVATION         gemm_jit.Activation: NONE; SILU, silu(gate) * up; SWIGLU_OAI, GPT-OSS's clamped SwiGLU. Gated
+  ACTIVATION         gemm.jit.Activation: NONE; SILU, silu(gate) * up; SWIGLU_OAI, GPT-OSS's clamped SwiGLU. Gated
                      variants load two weight tiles per K step (gate columns and up columns) against the same A tile
                      and combine them in the epilogue
   PAIRED             the gate/up weight is one interleaved tensor (gate and up rows alternating, GPT-OSS): one
@@ -14,15 +14,15 @@ spans two experts, tiles past the real work exit at once). The forward kernel's 
   HAS_BIAS           per-expert bias added to the accumulator(s) before the activation
   STORE_PREACT       also store the gate/up pre-activations [rows, 2F] (saved for the backward)
   MUL_ROUTED_WEIGHT  multiply each output row by its assignment's routing weight (GEMM2's epilogue)
-  WEIGHT_SCALE       float8 weights on the dequant path (see fp8.py; the w8a8 path is fp8_gemm.py), a
-                     gemm_jit.WeightScaleCode: NONE (float weights); TENSOR and CHANNEL scales, the fp8 tile converted
-                     to the activation dtype for the dot and the fp32 accumulator scaled after the K loop; BLOCK
-                     scales, each tile element multiplied in fp32 by its block's scale before the conversion (any
+  WEIGHT_SCALE       float8 weights on the dequant path (see formats/fp8.py; the w8a8 path is gemm/w8a8.py), a
+                     scale_codes.WeightScaleCode: NONE (float weights); TENSOR and CHANNEL scales, the fp8 tile
+                     converted to the activation dtype for the dot and the fp32 accumulator scaled after the K loop;
+                     BLOCK scales, each tile element multiplied in fp32 by its block's scale before the conversion (any
                      BLOCK_N / BLOCK_K against any block shape); BLOCK_STEP the same when each K step lies inside one
                      scale block (the launcher narrows BLOCK_K to a divisor of the block's K side, >= 16): one scale
                      per column per step, so no [BLOCK_K, BLOCK_N] fp32 scale tile takes shared memory
 
-The backward of the experts path (see `experts_backward.py`) reuses the same tile walk and K loop:
+The backward of the experts path (see `backward/experts.py`) reuses the same tile walk and K loop:
   _down_grad_kernel     dA = dout[token] @ W_down[e] with the activation's backward in its epilogue
   _gate_up_grad_kernel  dX rows = d_gate @ W_gate[e] + d_up @ W_up[e]
 
@@ -39,20 +39,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_dim, check_float, check_index, check_int, check_same_device, expert_offsets_problems,
-                      raise_problems, reads_values, warn_if_gradient_cut)
-from ._host_math import cdiv
-from ._library import call, custom_op
-from .dispatch import segment_dispatch
-from . import persistent_gemm
-from .fp8 import WeightScale
-from .gemm_args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import ACT_NONE, gate_up_tile_dot, tile_epilogue, tile_rows, tile_setup
-from .pdl import release_dependents, wait_for_producer
-from .row_copies import PLAIN, Layout, launch_gather
+from ..dispatch.row_copies import PLAIN, Layout, launch_gather
+from ..dispatch.segments import segment_dispatch
+from ..formats.fp8 import WeightScale
+from ..host.checks import (check_dim, check_float, check_index, check_int, check_same_device, expert_offsets_problems,
+                           raise_problems, reads_values, warn_if_gradient_cut)
+from ..host.host_math import cdiv
+from ..host.library import call, custom_op
+from ..host.pdl import release_dependents, wait_for_producer
+from ..host.replay import launch
+from ..host.tiles import GemmTile
+from . import persistent
+from .args import NO_SCALE, dequant_scale_code, dot_options, gemm_weights, routing_args, scale_args, tile_meta
+from .jit import ACT_NONE, gate_up_tile_dot, tile_epilogue, tile_rows, tile_setup
 from .planner import GemmKernel, expert_gemm_kernel, plan_segments
-from .tiles import GemmTile
-from ._plan import launch
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -141,9 +141,9 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
         a = launch_gather(a, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), num_rows)
         gather_a = False
     if kernel is not GemmKernel.POINTER:
-        return persistent_gemm.persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
-                                                      topk_weights=topk_weights, alpha=alpha, limit=limit,
-                                                      preact=preact, transposed=transposed)
+        return persistent.persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
+                                                 topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact,
+                                                 transposed=transposed)
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
@@ -170,8 +170,8 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
 
 def check_segmented_rows(name, rows, expert_offsets, num_experts, validate=None, *, more_problems=None):
     """Validation shared by the v1 functions that take already-permuted rows and `expert_offsets` [E+1]. Offset
-    values, and the problems `more_problems()` returns (see _checks.raise_problems), are read per `validate`
-    (_checks.reads_values), all in one transfer."""
+    values, and the problems `more_problems()` returns (see host.checks.raise_problems), are read per `validate`
+    (host.checks.reads_values), all in one transfer."""
     check_float(name, rows, ndim=2)
     check_index("expert_offsets", expert_offsets, ndim=1)
     check_int("num_experts", num_experts, 1)

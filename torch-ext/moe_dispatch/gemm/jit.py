@@ -1,19 +1,23 @@
 """The Triton device functions every grouped-GEMM kernel of the package is built from (the kernels floor: `@triton.jit`
-code only, importing nothing of the package): the tile walk (`tile_coords`, `tile_setup`, `tile_setup_at`), gathered
-row indices, the K loop with float or float8-dequantized weights (`tile_dot`, `expert_tile_dot`, `load_weight_tile`,
-`weight_scale_ptrs`, `scale_sums`, `step_masks`), and the epilogue (`add_bias`, `apply_activation`,
-`activate_and_weight`, `tile_epilogue`). The kernels that use them: grouped_gemm.py, persistent_gemm.py, decode.py,
-experts_backward.py, fp8_gemm.py / fp8_jit.py / fp8_persistent.py. Index bounds: see grouped_gemm.py's module doc.
+code only, importing nothing of the package but the WEIGHT_SCALE codes, formats/scale_codes.py): the tile walk
+(`tile_coords`, `tile_setup`, `tile_setup_at`), gathered row indices, the K loop with float or float8-dequantized
+weights (`tile_dot`, `expert_tile_dot`, `load_weight_tile`, `weight_scale_ptrs`, `scale_sums`, `step_masks`), and the
+epilogue (`add_bias`, `apply_activation`, `activate_and_weight`, `tile_epilogue`). The kernels that use them:
+gemm/grouped.py, gemm/persistent.py, gemm/decode.py, backward/experts.py, gemm/w8a8.py / gemm/w8a8_jit.py /
+gemm/w8a8_persistent.py. Index bounds: see gemm/grouped.py's module doc.
 
-Also the codes of the two constexprs every GEMM kernel branches on, ACTIVATION (`Activation`) and WEIGHT_SCALE
-(`WeightScaleCode`). Launchers pass `int(member)`; jit code compares with the `tl.constexpr` aliases below them (a
-kernel may read a module global only when it is a `tl.constexpr`: Triton's GPU compiler refuses an enum class).
+Also the codes of the two constexprs every GEMM kernel branches on, ACTIVATION (`Activation`, here) and WEIGHT_SCALE
+(`WeightScaleCode`, in formats/scale_codes.py beside the weight formats that name it). Launchers pass `int(member)`; jit
+code compares with the `tl.constexpr` aliases below (a kernel may read a module global only when it is a
+`tl.constexpr`: Triton's GPU compiler refuses an enum class).
 """
 
 import enum
 
 import triton
 import triton.language as tl
+
+from ..formats.scale_codes import WeightScaleCode
 
 
 class Activation(enum.IntEnum):
@@ -30,31 +34,6 @@ class Activation(enum.IntEnum):
     def of(cls, name: str) -> "Activation":
         """The member of an activation name: "none", "silu" or "swiglu_oai"."""
         return cls[name.upper()]
-
-
-class WeightScaleCode(enum.IntEnum):
-    """The WEIGHT_SCALE constexpr: how a GEMM applies the fp32 scales of float8 weights (fp8.WeightScale.code; the
-    dequant path converts the weight tile to A's dtype for the dot, the w8a8 path (fp8_jit.py) dots e4m3 operands)."""
-
-    NONE = 0  # float weights: no scales, the scale arguments unused
-    TENSOR = 1  # one scale per expert (stride_scale_n 0): the fp32 sums times it once after the K loop
-    CHANNEL = 2  # one scale per output column: the fp32 sums times it once after the K loop
-    # one scale per (block_n, block_k) block of the weight: dequant path, each weight tile element times its block's
-    # scale in fp32 before the conversion (any tile against any block shape); w8a8, each K step's partial sum times
-    # the scale of the block its columns lie in (a K step never spans two blocks there)
-    BLOCK = 3
-    # dequant path and decode only (gemm_args.dequant_scale_code): BLOCK where each K step lies inside one scale
-    # block (BLOCK_K narrowed to divide the block's K side): one [BLOCK_N] scale vector per step, no [BLOCK_K,
-    # BLOCK_N] fp32 scale tile in shared memory
-    BLOCK_STEP = 4
-    # MXFP4 weights (mxfp4.py): uint8 bytes of two e2m1 values each along K, one e8m0 scale (uint8 code) per 32 K
-    # values (scale_block_k 32); each K step's [BLOCK_N, BLOCK_K / 2] bytes are unpacked, times 2^(code - 127) in
-    # fp32, converted to A's dtype and dotted (`mxfp4_tile_dot`; BLOCK_K a multiple of 32)
-    MXFP4 = 5
-    # MXFP4 weights read the other way round (the backward's dX and dA GEMMs): the GEMM's K runs along the stored
-    # rows, its N along the packed axis (`mxfp4_n_tile_dot`; BLOCK_N a multiple of 32, a tile's columns start on a
-    # scale group)
-    MXFP4_N = 6
 
 
 ACT_NONE = tl.constexpr(Activation.NONE.value)
@@ -422,7 +401,7 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
                     BLOCK_K: tl.constexpr, WEIGHT_SCALE: tl.constexpr, STEP_DOT: tl.constexpr = STEP_SCALED_TILE):
     """b_acc (and b_acc_up, GATED) plus A @ W[expert]'s columns offs_n (and W_up's) over all of K, float8 weights
     scaled as the dequant path's WEIGHT_SCALE code says (per element or per K step in the loop, per column after it):
-    everything on the weight side of a forward tile, shared by `_grouped_gemm_kernel` and decode.py's gate/up
+    everything on the weight side of a forward tile, shared by `_grouped_gemm_kernel` and gemm/decode.py's gate/up
     kernel. a_ptrs [rows, BLOCK_K] point at A's k = 0; scale_ptr is None for float weights."""
     # One expert's matrix stays below 2^31 elements: 64-bit only for the expert's base offset.
     expert_base = expert.to(tl.int64) * stride_w_e

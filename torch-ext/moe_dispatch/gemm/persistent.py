@@ -1,6 +1,6 @@
 """The grouped GEMM as a persistent kernel fed by tensor descriptors (TMA on Hopper): the prefill variant.
 
-`_grouped_gemm_kernel` (grouped_gemm.py) launches one program per output tile and loads every operand through
+`_grouped_gemm_kernel` (gemm/grouped.py) launches one program per output tile and loads every operand through
 pointers; on an H200 that shape of kernel stays near 70% of the tensor cores on a plain GEMM, while a persistent
 kernel (one program per SM walking tiles in grouped order) whose operands arrive through descriptors matches cuBLAS.
 This kernel is that variant of the same computation (../docs/performance.md, "Prefill (large T)", says where it runs
@@ -15,15 +15,15 @@ and what it gained):
   [1, BLOCK_K, BLOCK_N] tiles (W_K_OUTER): the expert is a dimension of its own, so a K tail reads the zero fill,
   and the tile enters the dot as it is (wgmma reads an N-major B from shared memory).
 - An interleaved gate/up weight (gate and up rows alternating, PAIRED) comes whole, 2 BLOCK_N rows (or columns) per
-  tile, into one accumulator that the epilogue splits (grouped_gemm.py's PAIRED).
+  tile, into one accumulator that the epilogue splits (gemm/grouped.py's PAIRED).
 - A rows: gathered through gather_idx with pointer loads when GATHER_A (Hopper's TMA has no row gather), else
   [BLOCK_M, BLOCK_K] descriptor tiles of the expert-sorted rows starting at the tile's first row; rows of the next
   expert that such a tile reaches are computed and never stored (the epilogue's row mask).
-- The epilogue (bias, saved pre-activations, activation, routing weight, masked pointer store) is grouped_gemm's.
+- The epilogue (bias, saved pre-activations, activation, routing weight, masked pointer store) is gemm/grouped.py's.
 
-It takes the same tile map (dispatch.DispatchInfo) and the same flags as `_grouped_gemm_kernel` minus float8 weights,
-and requires what descriptors require: K contiguous (stride 1), the other strides and the base 16-byte aligned, and
-rows_per_expert = stride_e / stride_n an integer (or, transposed, n contiguous and the other strides and the base
+It takes the same tile map (dispatch.segments.DispatchInfo) and the same flags as `_grouped_gemm_kernel` minus float8
+weights, and requires what descriptors require: K contiguous (stride 1), the other strides and the base 16-byte aligned,
+and rows_per_expert = stride_e / stride_n an integer (or, transposed, n contiguous and the other strides and the base
 aligned); `expert_gemm` falls back to the pointer kernel otherwise.
 """
 
@@ -31,12 +31,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._device import num_sms
-from ._host_math import cdiv
-from .pdl import wait_for_producer
-from .gemm_args import GemmWeights, descriptor_rows, dot_options, routing_args, tile_meta
-from .gemm_jit import ACT_NONE, pair_columns, tile_coords, tile_epilogue, tile_rows, tile_setup_at
-from ._plan import launch
+from ..host.device import num_sms
+from ..host.host_math import cdiv
+from ..host.pdl import wait_for_producer
+from ..host.replay import launch
+from .args import GemmWeights, descriptor_rows, dot_options, routing_args, tile_meta
+from .jit import ACT_NONE, pair_columns, tile_coords, tile_epilogue, tile_rows, tile_setup_at
 
 INTERPRETER_PROGRAMS = 3  # the interpreter: a few programs, so each walks several tiles
 
@@ -47,7 +47,7 @@ def _persistent_grouped_gemm_kernel(
     a_ptr, a_desc, stride_a_m, stride_a_k, num_a_rows,
     # weights through descriptors of [BLOCK_W, BLOCK_K] tiles (expert e's row j is row e * w_rows_per_expert + j),
     # or, W_K_OUTER, 3-D descriptors of [1, BLOCK_K, BLOCK_W] tiles of [E, K, n] weights; BLOCK_W is BLOCK_N, or
-    # 2 BLOCK_N for a PAIRED weight (interleaved gate/up, read whole: grouped_gemm.py's PAIRED)
+    # 2 BLOCK_N for a PAIRED weight (interleaved gate/up, read whole: gemm/grouped.py's PAIRED)
     w_desc, w_up_desc, w_rows_per_expert,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
     c_ptr, stride_c_m, stride_c_n, num_rows,
@@ -102,7 +102,7 @@ def _persistent_grouped_gemm_kernel(
                     a_ptrs += BLOCK_K * stride_a_k
                 else:
                     b_a = a_desc.load([row_start, k0])
-                if DOT_FP32:  # the interpreter (see _device.dot_needs_fp32)
+                if DOT_FP32:  # the interpreter (see host.device.dot_needs_fp32)
                     b_a = b_a.to(tl.float32)
                 b_acc = tl.dot(b_a, _weight_step(w_desc, expert, w_row, w_col, k0, DOT_FP32, W_K_OUTER, BLOCK_K,
                                                  BLOCK_W), b_acc)
@@ -163,7 +163,7 @@ def num_programs(device, num_tiles):
 
 def persistent_expert_gemm(a, w: GemmWeights, info, tile, c, *, gather_a, activation, topk_weights, alpha, limit,
                            preact, transposed=False):
-    """Launch `_persistent_grouped_gemm_kernel` (arguments as grouped_gemm.expert_gemm, which runs it where
+    """Launch `_persistent_grouped_gemm_kernel` (arguments as gemm.grouped.expert_gemm, which runs it where
     planner.expert_gemm_kernel chose it; w.weight is [E, n, K], or [E, K, n] when `transposed`). Returns c."""
     K = a.shape[1]
     w_desc, w_up_desc, rows_per_expert = weight_descriptors(w, K, tile, transposed)

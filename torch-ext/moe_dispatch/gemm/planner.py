@@ -2,17 +2,17 @@
 tile tables), the path of an experts call and the kernel variant of each of its GEMMs. The launchers execute what it
 decides; it launches nothing and imports no launcher.
 
-  plan_experts         the experts call (moe.py): the decode path (decode.py: two launches, no dispatch), the
-                       grouped path (dispatch, grouped_gemm.expert_gemm twice, combine; float weights, or float8 on
-                       the dequant path) or the w8a8 path (fp8_gemm.w8a8_experts), with its tiles
-  plan_backward        the tiles of the experts backward (experts_backward.py): its input-gradient GEMMs and its
+  plan_experts         the experts call (moe.py): the decode path (gemm/decode.py: two launches, no dispatch), the
+                       grouped path (dispatch, gemm.grouped.expert_gemm twice, combine; float weights, or float8 on
+                       the dequant path) or the w8a8 path (gemm.w8a8.w8a8_experts), with its tiles
+  plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
                        after a copy of the rows into expert order (Persistent.GATHER_FIRST tiles)
   w8a8_gemm_kernel     one w8a8 GEMM: the pointer kernel (its operands swapped for small tiles on Hopper) or the
-                       persistent descriptor kernel (fp8_persistent.py)
+                       persistent descriptor kernel (gemm/w8a8_persistent.py)
   w8a8_input           how GEMM1 of the w8a8 path gets its float8 input: quantized in the loads, or by a pass over x
                        first (in token order, or gathered into expert order for the persistent kernel)
 
@@ -25,20 +25,20 @@ from collections.abc import Callable
 
 import torch
 
-from ._checks import check_choice
-from ._device import has_tma, has_wgmma, is_interpreter
-from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
-from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
-from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
-                    select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
-                    select_weight_grad_tile)
+from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
+from ..host.checks import check_choice
+from ..host.device import has_tma, has_wgmma, is_interpreter
+from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
+                          select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
+                          select_weight_grad_tile)
+from .args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 
 DESCRIPTOR_DTYPES = (torch.bfloat16, torch.float16)  # what the bf16 persistent kernel's dots take
 # wgmma, the instruction the FP8 persistent kernel exists for, works on 64-row slabs per warpgroup; smaller tiles
 # (decode) keep the pointer kernel, which the tables tune for them.
 W8A8_PERSISTENT_MIN_BLOCK_M = 64
-# The same slab: a w8a8 pointer tile of fewer rows swaps its operands (W^T A^T, fp8_jit.scaled_dot) on Hopper when its
-# BLOCK_N fills at least one such slab; the few rows become the MMA's narrow side.
+# The same slab: a w8a8 pointer tile of fewer rows swaps its operands (W^T A^T, gemm.w8a8_jit.scaled_dot) on Hopper when
+# its BLOCK_N fills at least one such slab; the few rows become the MMA's narrow side.
 W8A8_SWAP_MIN_BLOCK_N = 64
 # From this BLOCK_M up (prefill tiles) a pass quantizes x once before GEMM1 of the w8a8 path; below it (decode) the
 # GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch, unless its tiles swap
@@ -50,8 +50,8 @@ class ExpertsPath(enum.Enum):
     """The path of one experts call."""
 
     DECODE = "decode"  # decode.decode_experts: a few tokens, inference, no dispatch
-    GROUPED = "grouped"  # dispatch -> grouped_gemm.expert_gemm x 2 -> combine
-    W8A8 = "w8a8"  # dispatch -> fp8_gemm.w8a8_experts -> combine (float8 weights and activations)
+    GROUPED = "grouped"  # dispatch -> gemm.grouped.expert_gemm x 2 -> combine
+    W8A8 = "w8a8"  # dispatch -> gemm.w8a8.w8a8_experts -> combine (float8 weights and activations)
 
 
 class GemmKernel(enum.Enum):
@@ -76,12 +76,12 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
                  fp8: bool = False, w8a8: bool = False, transposed: bool = False, mxfp4: bool = False) -> ExpertsPlan:
     """The path and tiles of one experts call (`fp8`: float8 weights; `w8a8`: on the w8a8 path, already resolved
     by `fp8_compute`; `transposed`: the weights' layout, and `mxfp4`: MXFP4 weights, which read the table's "mxfp4"
-    section: tiles.py). The decode path takes
+    section: host/tiles.py). The decode path takes
     inference calls (`save_preact` False, not w8a8) of at most
     MAX_DECODE_ASSIGNMENTS assignments when forced by a DecodeTiles, never when forced by a MoeTiles, and otherwise
     where the device's table has a decode bucket; every other call takes the forced MoeTiles or the table's.
-    Not cached: an eager call's plan is recorded with its launches and replayed (_plan.py), torch.compile traces it
-    once, and the tests may swap the tables underneath."""
+    Not cached: an eager call's plan is recorded with its launches and replayed (host/replay.py), torch.compile traces
+    it once, and the tests may swap the tables underneath."""
     if not save_preact and not w8a8:
         decode = _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8, transposed,
                                mxfp4)
@@ -131,7 +131,7 @@ def weight_grad_kernel(left, right, out, tile: WeightGradTile) -> bool:
 
 def plan_segments(device: torch.device, rows: int, num_experts: int, ffn: int, hidden: int,
                   dtype: torch.dtype) -> MoeTiles:
-    """The tiles of the v1 functions that start from `rows` rows already in expert order (grouped_gemm.grouped_gemm,
+    """The tiles of the v1 functions that start from `rows` rows already in expert order (gemm.grouped.grouped_gemm,
     moe.expert_ffn_triton, moe.fused_expert_ffn): the forward's table at one assignment per row; a single GEMM
     takes the `down` tile (its output is not activated)."""
     return select_tiles(device, rows, 1, num_experts, ffn, hidden, dtype)
@@ -181,7 +181,7 @@ def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -
 
 
 def expert_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, transposed, gather_a, weight_scale) -> GemmKernel:
-    """The kernel of grouped_gemm.expert_gemm for these operands: what the tile asks for (`tile.persistent`) where
+    """The kernel of gemm.grouped.expert_gemm for these operands: what the tile asks for (`tile.persistent`) where
     the operands allow it, else the pointer kernel. A GATHER_FIRST tile on gathered rows sorts them first when the
     sorted copy (a fresh [rows, K] buffer in a's dtype) fits a descriptor: K * itemsize a multiple of 16 bytes."""
     if tile.persistent == Persistent.OFF:
@@ -196,7 +196,7 @@ def expert_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, transposed, gather_
 
 
 def w8a8_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, block_m, transposed, gather_a) -> GemmKernel:
-    """The kernel of fp8_gemm.w8a8_gemm: the persistent descriptor kernel where the tile asks for it and it can run
+    """The kernel of gemm.w8a8.w8a8_gemm: the persistent descriptor kernel where the tile asks for it and it can run
     (float8 A already in sorted order and readable as descriptor tiles, weights [E, n, K] that descriptors can
     address, TMA, at least W8A8_PERSISTENT_MIN_BLOCK_M rows per tile); else the pointer kernel, with its operands
     swapped where a tile of fewer rows would leave Hopper's FP8 MMA (wgmma, 64-row slabs) for mma.sync: fewer than

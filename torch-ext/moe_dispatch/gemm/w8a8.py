@@ -1,9 +1,9 @@
-"""w8a8 grouped GEMMs: float8 activations times float8 weights on FP8 tensor cores, fp32 sums (fp8.py: "w8a8").
+"""w8a8 grouped GEMMs: float8 activations times float8 weights on FP8 tensor cores, fp32 sums (formats/fp8.py: "w8a8").
 
 The experts path on this kernel (moe.py runs it when `planner.choose_fp8_compute` says "w8a8")::
 
     x [T, H] bf16 / fp16 / fp32
-      -> GEMM1  rows gathered as in grouped_gemm.py and quantized to e4m3 per token and G1 columns, one scale per
+      -> GEMM1  rows gathered as in gemm/grouped.py and quantized to e4m3 per token and G1 columns, one scale per
                 row and K step (amax / 448: dynamic, as DeepSeek-V3 does; or the static input scale): in GEMM1's
                 loads for decode-sized tiles (BLOCK_M < planner.PREQUANTIZE_MIN_BLOCK_M) that do not swap their
                 operands, by `quantize_fp8_rows`, a pass over x, for prefill tiles and swapped ones (see below and
@@ -16,15 +16,15 @@ The experts path on this kernel (moe.py runs it when `planner.choose_fp8_compute
                 GEMM1's output tile is not a multiple of G2 columns (persistent tiles, whose gate and up rows
                 pair into one dot twice the output's width), h in x's dtype, then `quantize_fp8_rows` per G2
       -> GEMM2  h read as it is (no quantization pass), its scale per K step of G2 columns; routed weight in the
-                epilogue -> y [N, H] in x's dtype -> combine.py
+                epilogue -> y [N, H] in x's dtype -> dispatch/combine.py
 
 Groups are K steps: G1 = GEMM1's BLOCK_K, G2 = GEMM2's BLOCK_K, powers of two >= 32 that divide the weight's K block
 (block scales; `w8a8_tiles` picks them from the tile table). Because GEMM1's epilogue must see whole groups of the
 intermediate, GEMM1's BLOCK_N is a multiple of G2 when the intermediate is quantized dynamically.
 
 Prefill tiles with `persistent` set (tiles.GemmTile) run both GEMMs on `_persistent_w8a8_gemm_kernel`
-(fp8_persistent.py) where the device has TMA and the layouts allow descriptors: the pass over x then also gathers the
-rows into expert-sorted order (A of a descriptor is contiguous rows), and both kernels share this module's K-step
+(gemm/w8a8_persistent.py) where the device has TMA and the layouts allow descriptors: the pass over x then also gathers
+the rows into expert-sorted order (A of a descriptor is contiguous rows), and both kernels share this module's K-step
 arithmetic and `w8a8_epilogue`, so the choice changes speed, not results.
 
 Why two places for x's quantization: in the loads, every column tile of GEMM1 quantizes its A tiles again (F / BLOCK_N
@@ -40,8 +40,8 @@ promotion interval).
 Triton's interpreter rounds fp32 -> e4m3 wrongly (half up, and a carry into the exponent is lost: 31.1 -> 16), so
 under the interpreter values are first rounded to the e4m3 grid in fp32 (ROUND_IN_FP32); GPUs convert in hardware
 (round to nearest even, saturating). The interpreter knows no e4m3 NaN either (its conversions and dots read NaN's
-code as 480), so there `fp8_jit.to_fp8` writes the code itself and the dots decode their operands to fp32 first
-(`fp8_jit.dot_operand`): NaN and inf in the activations come out NaN on both, as on bf16 dots.
+code as 480), so there `gemm.w8a8_jit.to_fp8` writes the code itself and the dots decode their operands to fp32 first
+(`gemm.w8a8_jit.dot_operand`): NaN and inf in the activations come out NaN on both, as on bf16 dots.
 """
 
 import dataclasses
@@ -50,18 +50,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import is_interpreter
-from ._host_math import cdiv
-from .fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
-from .fp8_jit import (A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, AQuant, QuantOut, block_scale_offsets, quantize_rows,
-                      to_fp8, w8a8_epilogue, w8a8_tile_dot)
-from .fp8_persistent import persistent_w8a8_gemm
-from .gemm_args import gemm_weights, routing_args, scale_args, tile_meta
-from .gemm_jit import ACT_NONE, WeightScaleCode, gathered_rows, tile_rows, tile_setup
-from .pdl import wait_for_producer
+from ..formats.fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
+from ..formats.scale_codes import WeightScaleCode
+from ..host.device import is_interpreter
+from ..host.host_math import cdiv
+from ..host.pdl import wait_for_producer
+from ..host.replay import launch
+from ..host.tiles import GemmTile, MoeTiles
+from .args import gemm_weights, routing_args, scale_args, tile_meta
+from .jit import ACT_NONE, gathered_rows, tile_rows, tile_setup
 from .planner import GemmKernel, w8a8_gemm_kernel, w8a8_input
-from .tiles import GemmTile, MoeTiles
-from ._plan import launch
+from .w8a8_jit import (A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, AQuant, QuantOut, block_scale_offsets, quantize_rows,
+                       to_fp8, w8a8_epilogue, w8a8_tile_dot)
+from .w8a8_persistent import persistent_w8a8_gemm
 
 QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
 
@@ -113,7 +114,7 @@ def _w8a8_gemm_kernel(
     """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program writes one [BLOCK_M, BLOCK_N] tile of C (and, with
     QUANT_OUT DYNAMIC, the [BLOCK_M, BLOCK_N // OUT_GROUP] scales of its groups). SWAP_AB (planner.w8a8_gemm_kernel:
     tiles of fewer than 64 rows on Hopper) sums the transposed tile W^T A^T on the 64-row side of the FP8 MMA and
-    transposes it back for the epilogue (fp8_jit.scaled_dot)."""
+    transposes it back for the epilogue (gemm.w8a8_jit.scaled_dot)."""
     wait_for_producer(PDL)
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N,
@@ -197,7 +198,7 @@ def fp8_rows(num_rows, K, device):
 def quantize_fp8_rows(x, group, static_scale=None, info=None):
     """x [T, K] (unit column stride) -> (e4m3 [M, K], scales fp32 [M, cdiv(K, group)] or None with a per-tensor
     `static_scale`): the quantization GEMM1 otherwise does in its loads, once per row and group. M = T, rows as in x;
-    with `info` (dispatch.DispatchInfo) M = info.num_assignments, rows in its expert-sorted order (row p is
+    with `info` (dispatch.segments.DispatchInfo) M = info.num_assignments, rows in its expert-sorted order (row p is
     x[info.gather_idx[p] // top_k], zeros past the kept assignments): A of the persistent kernel, which cannot
     gather. The e4m3 rows come from `fp8_rows`."""
     T, K = x.shape
@@ -278,8 +279,8 @@ def w8a8_gemm(a, weight, info, tile: GemmTile, weight_scale: WeightScale, *, a_s
     [rows, cdiv(n, out_group)] (tile.block_n a multiple of out_group). Rows of C past info.expert_offsets[E] are left
     unwritten.
 
-    The kernel: `_persistent_w8a8_gemm_kernel` (fp8_persistent.py) when the tile asks for it (`tile.persistent`) and
-    the operands allow it (planner.w8a8_gemm_kernel: float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor
+    The kernel: `_persistent_w8a8_gemm_kernel` (gemm/w8a8_persistent.py) when the tile asks for it (`tile.persistent`)
+    and the operands allow it (planner.w8a8_gemm_kernel: float8 A in sorted order, TMA, BLOCK_M >= 64, descriptor
     layouts); else `_w8a8_gemm_kernel`, with its operands swapped (SWAP_AB) for tiles of fewer than 64 rows on
     Hopper. All round alike (same K steps, scales and epilogue), so the choice changes speed only.
     """

@@ -1,9 +1,9 @@
-"""The w8a8 kernels' shared jit pieces (fp8_gemm.py's pointer kernel and fp8_persistent.py's descriptor kernel):
+"""The w8a8 kernels' shared jit pieces (gemm/w8a8.py's pointer kernel and gemm/w8a8_persistent.py's descriptor kernel):
 e4m3 rounding and quantization of tiles, the scaled per-K-step dot, block-scale addressing, the pointer K loop, and
-the epilogue after it. fp8_gemm.py's docstring describes the arithmetic they implement.
+the epilogue after it. gemm/w8a8.py's docstring describes the arithmetic they implement.
 
 Also the codes of the w8a8 kernels' own constexprs, A_QUANT (`AQuant`) and QUANT_OUT (`QuantOut`), with `tl.constexpr`
-aliases for jit code as gemm_jit.py has for ACTIVATION and WEIGHT_SCALE.
+aliases for jit code as gemm/jit.py has for ACTIVATION and WEIGHT_SCALE.
 """
 
 import enum
@@ -11,8 +11,8 @@ import enum
 import triton
 import triton.language as tl
 
-from .gemm_jit import (ACT_NONE, NAN_BITS, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight,
-                       add_bias, scale_values, step_masks)
+from .jit import (ACT_NONE, NAN_BITS, SCALE_BLOCK, SCALE_CHANNEL, SCALE_TENSOR, activate_and_weight, add_bias,
+                  scale_values, step_masks)
 
 
 class AQuant(enum.IntEnum):

@@ -1,16 +1,16 @@
 """The w8a8 grouped GEMM as a persistent kernel fed by tensor descriptors (TMA on Hopper): the FP8 prefill variant.
 
-`_w8a8_gemm_kernel` (fp8_gemm.py) launches one program per output tile and loads both float8 operands through
+`_w8a8_gemm_kernel` (gemm/w8a8.py) launches one program per output tile and loads both float8 operands through
 pointers; on an H200 it stays at 345-615 TFLOP/s at prefill sizes, about what the bf16 path reaches, where FP8 tensor
-cores have twice the rate. This kernel is to it what persistent_gemm.py's is to the bf16 pointer kernel: one program
+cores have twice the rate. This kernel is to it what gemm/persistent.py's is to the bf16 pointer kernel: one program
 per SM walks the output tiles in grouped order, and both operands arrive as descriptor tiles:
 
 - A: float8 rows in expert-sorted order [num_a_rows, K] (Hopper's TMA has no row gather, so GEMM1's rows are
-  gathered and quantized by one pass first, `fp8_gemm.quantize_fp8_rows(..., info=...)`; GEMM2's A is the
+  gathered and quantized by one pass first, `gemm.w8a8.quantize_fp8_rows(..., info=...)`; GEMM2's A is the
   intermediate GEMM1 wrote, already sorted). A tile's [BLOCK_M, BLOCK_K] box starts at its first row; rows of the next
   expert it reaches are computed and never stored (the epilogue's row mask), rows past the end read the zero fill.
-- Weights: [BLOCK_N, BLOCK_K] tiles of the expert-stacked [E, n, K] float8 weight through persistent_gemm's
-  `weight_descriptors` (expert e's row j is descriptor row e * rows_per_expert + j; see persistent_gemm.py).
+- Weights: [BLOCK_N, BLOCK_K] tiles of the expert-stacked [E, n, K] float8 weight through gemm/persistent.py's
+  `weight_descriptors` (expert e's row j is descriptor row e * rows_per_expert + j; see gemm/persistent.py).
 - Gate and up paired (PAIRING, `pair_descriptor`): where the gate and up views are two halves of one [E, 2F, K]
   weight (concatenated or interleaved rows), one 3-D descriptor tile brings the BLOCK_N gate rows and the BLOCK_N up
   rows of the output tile together as one [2 BLOCK_N, BLOCK_K] operand, and each K step is one dot of N = 2 BLOCK_N
@@ -30,14 +30,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._host_math import cdiv
-from .fp8 import W8A8_DTYPE, WeightScale, fp8_max
-from .fp8_jit import A_FP8_GROUPS, A_FP8_STATIC, block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
-from .gemm_args import GemmWeights, routing_args, scale_args
-from .gemm_jit import ACT_NONE, SCALE_BLOCK, scale_values, tile_coords, tile_rows, tile_setup_at
-from .pdl import wait_for_producer
-from .persistent_gemm import num_programs, weight_descriptors
-from ._plan import launch
+from ..formats.fp8 import W8A8_DTYPE, WeightScale, fp8_max
+from ..host.host_math import cdiv
+from ..host.pdl import wait_for_producer
+from ..host.replay import launch
+from .args import GemmWeights, routing_args, scale_args
+from .jit import ACT_NONE, SCALE_BLOCK, scale_values, tile_coords, tile_rows, tile_setup_at
+from .persistent import num_programs, weight_descriptors
+from .w8a8_jit import A_FP8_GROUPS, A_FP8_STATIC, block_scale_offsets, load_block_scale, scaled_dot, w8a8_epilogue
 
 PAIR_NONE = tl.constexpr(0)  # gate and up through their own descriptors, two dots per K step (or not gated)
 PAIR_CONCAT = tl.constexpr(1)  # [E, 2F, K] gate rows then up rows: a [2, BLOCK_N, BLOCK_K] tile of a [2E, F, K] view
@@ -176,7 +176,7 @@ def _persistent_w8a8_gemm_kernel(
                 b_acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     b_a, b_a_s = a_step(a_desc, a_s_ptrs, row_start, k0, mask_m, A_QUANT, BLOCK_K)
-                    # the K step lies inside one weight block: BLOCK_K divides scale_block_k (fp8_gemm._group)
+                    # the K step lies inside one weight block: BLOCK_K divides scale_block_k (gemm.w8a8._group)
                     s_step = s_base + (k0 // scale_block_k) * stride_scale_k
                     b_w_s = load_block_scale(s_step, s_offs, mask_n, WEIGHT_SCALE, SCALE_UNIFORM, False)
                     b_w = w_desc.load([w_row, k0])  # [BLOCK_N, BLOCK_K] e4m3, K-major as FP8 wgmma wants it
@@ -226,7 +226,7 @@ def pair_descriptor(w: GemmWeights, K, tile):
 
 def persistent_w8a8_gemm(a, a_scale_args, w: GemmWeights, ws: WeightScale, c, c_scale_args, info, topk_weights, alpha,
                          limit, tile, meta):
-    """Launch `_persistent_w8a8_gemm_kernel` for `fp8_gemm.w8a8_gemm`, which runs it where planner.w8a8_gemm_kernel
+    """Launch `_persistent_w8a8_gemm_kernel` for `gemm.w8a8.w8a8_gemm`, which runs it where planner.w8a8_gemm_kernel
     chose it and prepared the scale arguments (a_scale_args: ptr, stride_e, stride_m; c_scale_args likewise) and the
     constexprs `meta`. Fills c (and the output scales in c_scale_args)."""
     K = a.shape[1]

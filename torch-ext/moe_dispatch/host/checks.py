@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from . import _device
+from . import device as _device
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -69,7 +69,7 @@ def check_same_device(**tensors):
 
 def check_kernel_device(name, tensor):
     """ValueError naming `name` when `tensor` is where Triton kernels cannot take it: the CPU without the interpreter.
-    `_library.call` checks each operator call's first tensor; public functions that launch kernels without `call`
+    `host.library.call` checks each operator call's first tensor; public functions that launch kernels without `call`
     check theirs after validating."""
     if not _device.kernels_run_on(tensor.device):
         raise ValueError(f"{name} is on the CPU, where moe_dispatch's Triton kernels run only through Triton's "

@@ -93,7 +93,7 @@ def has_wgmma(device: torch.device) -> bool:
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
     (MI300X has FP8 matrix cores, in e4m3fnuz; the w8a8 path is not built for them) and on the interpreter.
-    fp8_compute="auto" runs the w8a8 path (fp8_gemm.py) where this holds, the dequant path elsewhere."""
+    fp8_compute="auto" runs the w8a8 path (gemm/w8a8.py) where this holds, the dequant path elsewhere."""
     if device.type != "cuda" or not is_cuda():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)

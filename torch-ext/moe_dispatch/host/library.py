@@ -9,9 +9,9 @@ implementation directly: the same code, without the ~10 us the dispatcher adds p
 import torch
 from torch._library.custom_ops import OPDEFS
 
-from . import _device
-from ._checks import check_kernel_device
-from ._ops import add_op_namespace_prefix
+from .._ops import add_op_namespace_prefix
+from . import device as _device
+from .checks import check_kernel_device
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import is_cuda, is_interpreter
+from .device import is_cuda, is_interpreter
 
 HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 

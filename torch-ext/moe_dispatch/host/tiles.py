@@ -1,7 +1,7 @@
 """Tile tables: which GEMM tiles each problem size gets, as data.
 
-`configs/<device_key>.json` (see `_device.device_key`) holds, per device, a list of buckets keyed by the expected number
-of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,F,H"`::
+`configs/<device_key>.json` (see `host.device.device_key`) holds, per device, a list of buckets keyed by the expected
+number of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,F,H"`::
 
     {"device": "NVIDIA_H200", "measured": true, "note": "how and where it was measured", "fp8_note": "...",
      "buckets": [{"max_rows_per_expert": 16, "block_m": 16,
@@ -12,14 +12,14 @@ of rows per expert (`T * top_k / E`), optionally overridden per model shape `"E,
 The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A GEMM's
 optional `persistent` names a `Persistent` member in lower case ("off", the default; "on"; "gather_first"); the
 integers 0, 1, 2 of older tables load too. Provenance ("measured", "note", "fp8_note") stays at the top level, which
-no selection reads. The w8a8 FP8 path (fp8_gemm.py) reads its own buckets,
+no selection reads. The w8a8 FP8 path (gemm/w8a8.py) reads its own buckets,
 `"fp8": {"buckets": [...], "shapes": {...}}`, in the same form (BLOCK_K there is the activation group;
-`fp8_gemm.w8a8_tiles` applies the path's constraints); a table without them lends the FP8 path its bf16 buckets with
+`gemm.w8a8.w8a8_tiles` applies the path's constraints); a table without them lends the FP8 path its bf16 buckets with
 BLOCK_K 128. A table also serves device names it prefixes (`NVIDIA_A100.json` for `NVIDIA_A100_SXM4_80GB`); unknown
 devices fall back to `configs/default.json` (logged once). `scripts/tune` regenerates a table on a new device.
 
-An optional `decode` entry turns on the two-launch decode path (decode.py) for small problems, keyed by the number of
-assignments N = T * top_k, optionally per model shape::
+An optional `decode` entry turns on the two-launch decode path (gemm/decode.py) for small problems, keyed by the number
+of assignments N = T * top_k, optionally per model shape::
 
     "decode": {"buckets": [{"max_assignments": 64,
                             "gate_up": {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
@@ -45,9 +45,9 @@ import os
 
 import torch
 
-from ._device import device_key, has_tma, has_wgmma, is_hip, smem_per_program
+from .device import device_key, has_tma, has_wgmma, is_hip, smem_per_program
 
-_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")  # the package's configs/
 _log = logging.getLogger(__name__)
 
 
@@ -57,10 +57,10 @@ MAX_DECODE_ASSIGNMENTS = 256
 
 class Persistent(enum.IntEnum):
     """`GemmTile.persistent`: which GEMM kernel a tile asks for, where the device and the operands allow it
-    (planner.py decides). Tables name the member in lower case (`parse`)."""
+    (gemm/planner.py decides). Tables name the member in lower case (`parse`)."""
 
     OFF = 0  # the pointer kernel (one program per output tile)
-    ON = 1  # the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on w8a8)
+    ON = 1  # the persistent kernel fed by tensor descriptors (gemm/persistent.py; gemm/w8a8_persistent.py on w8a8)
     GATHER_FIRST = 2  # bf16/fp16 gate_up GEMM: the token rows copied into expert order, then the persistent kernel
 
     @classmethod
@@ -96,7 +96,7 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
-    # Persistent.ON: the persistent kernel fed by tensor descriptors (persistent_gemm.py; fp8_persistent.py on the
+    # Persistent.ON: the persistent kernel fed by tensor descriptors (gemm/persistent.py; gemm/w8a8_persistent.py on the
     # w8a8 path, from block_m 64) where the device and layout allow it; Persistent.GATHER_FIRST (bf16/fp16 gate_up
     # GEMM): the same, after a copy of the token rows into expert order, so that A's tiles come through a descriptor
     # too instead of gathered loads. A plain int after `from_list` (equal to its member)
@@ -153,9 +153,9 @@ class DecodeTile:
     num_warps: int = 4
     num_stages: int = 3
     # the down kernel only: programs per (assignment, H tile) along F, so that few experts with a long F still put
-    # enough loads in flight (summed in a fixed order, see decode.py)
+    # enough loads in flight (summed in a fixed order, see gemm/decode.py)
     split_k: int = 1
-    # the down kernel only: one tensor-core dot per expert hit over the rows of all its tokens (decode.py's
+    # the down kernel only: one tensor-core dot per expert hit over the rows of all its tokens (gemm/decode.py's
     # `_decode_down_dot_kernel`) instead of a GEMV per assignment; what wins once several tokens share experts
     dot: bool = False
 
@@ -169,7 +169,7 @@ DECODE_MARKER = 0
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTiles:
-    """Tiles of the two-launch decode path (decode.py): the gate/up kernel's and the down kernel's."""
+    """Tiles of the two-launch decode path (gemm/decode.py): the gate/up kernel's and the down kernel's."""
 
     gate_up: DecodeTile
     down: DecodeTile
@@ -200,7 +200,7 @@ def tiles_from_list(values) -> "MoeTiles | DecodeTiles":
 class WeightGradTile:
     """Launch parameters of the per-expert weight-gradient GEMM: a [block_i, block_j] tile of dW[e], reduced over the
     expert's rows block_p at a time. `persistent`: one program per SM walking the tiles with both operands through
-    tensor descriptors (experts_backward.py; planner.weight_grad_kernel says where it can run)."""
+    tensor descriptors (backward/experts.py; planner.weight_grad_kernel says where it can run)."""
 
     block_i: int
     block_j: int
@@ -242,7 +242,7 @@ DOWN_GRAD_STAGES = 4
 
 
 def select_down_grad_tile(device: torch.device, gate_up: GemmTile, block_m: int, itemsize: int) -> GemmTile:
-    """The dA GEMM's tile (experts_backward.py's `_down_grad_kernel`): the forward's gate_up tile, with
+    """The dA GEMM's tile (backward/experts.py's `_down_grad_kernel`): the forward's gate_up tile, with
     DOWN_GRAD_STAGES stages on Hopper where they fit the device's shared memory; elsewhere (SM80, AMD, the
     interpreter; not measured) the forward's own."""
     stage_bytes = (block_m + gate_up.block_n) * gate_up.block_k * itemsize
@@ -370,7 +370,7 @@ def _table_decode_tiles(decode, num_tokens, top_k, num_experts, ffn, hidden, dty
 
 def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
                      hidden: int) -> MoeTiles:
-    """Tiles of the w8a8 FP8 path (before `fp8_gemm.w8a8_tiles` fixes its groups): the table's "fp8" buckets, else
+    """Tiles of the w8a8 FP8 path (before `gemm.w8a8.w8a8_tiles` fixes its groups): the table's "fp8" buckets, else
     its bf16 buckets with BLOCK_K 128 (one K step of 128 fp8 bytes = DeepSeek-V3's activation group) and the pointer
     kernel (`persistent` measured for bf16 says nothing of the FP8 kernel: an "fp8" section opts in)."""
     table = load_table(device_key(device))

@@ -35,8 +35,8 @@ under the same name, so `experts_implementation="moe_dispatch"` covers both. It 
     activation_scheme                       "dynamic", or "static" with fp32 per-expert activation scales
     gate_up_proj_activation_scale, down_proj_activation_scale   [E] (static only)
 
-and runs `fused_experts` with `fp8_compute="auto"` (fp8.py): on GPUs with FP8 tensor cores (NVIDIA SM89+) the w8a8
-path, activations quantized to e4m3 per token and 128-column group (dynamic) or with the module's static scales,
+and runs `fused_experts` with `fp8_compute="auto"` (formats/fp8.py): on GPUs with FP8 tensor cores (NVIDIA SM89+) the
+w8a8 path, activations quantized to e4m3 per token and 128-column group (dynamic) or with the module's static scales,
 as transformers' own FP8 kernels do; elsewhere weights are dequantized in the GEMMs' loads and activations stay in
 the model dtype (static scales unused). `gate_up_proj_scale_inv` is passed with the layout transformers gave it
 (`fused_experts`' `w_gate_up_scale_layout`, the layouts differing only where F is not a multiple of b0): loading a
@@ -67,10 +67,10 @@ from typing import Any
 
 import torch
 
-from ._checks import check_tensor
-from .fp8 import FP8_DTYPES
-from .moe import fused_experts
-from .mxfp4 import E8M0_NAN, MXFP4_GROUP, dequantize_experts_mxfp4, quantize_experts_mxfp4
+from ..formats.fp8 import FP8_DTYPES
+from ..formats.mxfp4 import E8M0_NAN, MXFP4_GROUP, dequantize_experts_mxfp4, quantize_experts_mxfp4
+from ..host.checks import check_tensor
+from ..moe import fused_experts
 
 EXPERTS_IMPLEMENTATION = "moe_dispatch"
 """Default name under which `register_experts` puts `moe_dispatch_experts` in transformers' `ExpertsInterface`."""
@@ -387,7 +387,7 @@ class Mxfp4Experts(torch.nn.Module):
     """GPT-OSS's routed experts holding an MXFP4 checkpoint's tensors as stored, run by `fused_experts`.
 
     Parameters, named as the checkpoint names them under `model.layers.N.mlp.experts.` (E experts, H hidden, F ffn;
-    mxfp4.py describes the format)::
+    formats/mxfp4.py describes the format)::
 
         gate_up_proj_blocks  uint8 [E, 2F, H/32, 16]  e2m1 pairs; gate and up rows alternate, gate first
         gate_up_proj_scales  uint8 [E, 2F, H/32]      e8m0 codes: 2^(code - 127) per 32 values along H

@@ -1,4 +1,5 @@
-"""The expert-parallel routing plan on the device: which rows a rank sends where (expert_parallel.py's `_plan`).
+"""The expert-parallel routing plan on the device: which rows a rank sends where (parallel/expert_parallel.py's
+`_plan`).
 
 Rank d of W holds experts [d * E_local, (d + 1) * E_local). A pair (destination d, token t) is wanted when one of
 t's top_k ids lives on d (ids outside [0, E) live nowhere); d's rows are its wanted tokens in token order, and the
@@ -6,7 +7,7 @@ plan gives each kept pair a slot of the send buffer, slots grouped by destinatio
 
     topk_ids [T, top_k]
       -> _count_rows_kernel     (dropless only) counts[d] = wanted pairs of d            -> counts [2W] (send half)
-         ... counts exchange and the one host read of the split sizes, in expert_parallel.py ...
+         ... counts exchange and the one host read of the split sizes, in parallel/expert_parallel.py ...
       -> _route_rows_kernel     per destination, a running prefix over the tokens: slot of each kept pair,
                                 slot_token / slot_local_ids of each slot, padding, stats  -> pair_slot [W, T]
       -> _token_slots_kernel    per token, its kept slots in rank order                 -> token_slots [R, T]
@@ -21,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import is_interpreter
-from ._host_math import cdiv, next_power_of_2
-from ._plan import launch
+from ..host.device import is_interpreter
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.replay import launch
 
 
 @triton.jit

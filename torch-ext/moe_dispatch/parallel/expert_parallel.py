@@ -4,7 +4,7 @@ Rank r of the group (W ranks) holds experts [r * E_local, (r + 1) * E_local), so
 global ids. Every rank runs the same steps on its own tokens (T may differ per rank in dropless mode)::
 
     hidden_states [T, H], topk_ids / topk_weights [T, k] (global ids)
-      -> plan        (device, ep_plan.py's kernels: 2 launches, 3 in dropless mode) pair (destination d,
+      -> plan        (device, parallel/ep_plan.py's kernels: 2 launches, 3 in dropless mode) pair (destination d,
                      token t) wanted when one of t's k experts lives on d;
                      rows per destination in token order, the slot of each kept pair       -> slot_token [n_slots]
                      dropless: counts exchanged (all_to_all_single of [W] int64), ONE host read of the split sizes
@@ -63,12 +63,12 @@ from typing import Any, Literal, NamedTuple, Self
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite_number, check_ids_in_range, check_int, check_tensor
+from ..formats.fp8 import is_fp8
+from ..formats.mxfp4 import is_mxfp4
+from ..host.checks import check_finite_number, check_ids_in_range, check_int, check_tensor
+from ..integrations.transformers_experts import fused_experts_options
+from ..moe import check_experts_args, fused_experts
 from .ep_plan import count_rows, route_rows
-from .fp8 import is_fp8
-from .moe import check_experts_args, fused_experts
-from .mxfp4 import is_mxfp4
-from .transformers_experts import fused_experts_options
 
 
 class ExpertParallelStats(NamedTuple):
@@ -178,8 +178,8 @@ def _sum_token_slots(slot_rows, token_slots, dtype):
 
 
 def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
-    """Routing -> `_Plan` on the device (ep_plan.py's kernels). capacity None: dropless (counts the rows, exchanges
-    the counts, one host read); else C rows per destination, no host read and no collective."""
+    """Routing -> `_Plan` on the device (parallel/ep_plan.py's kernels). capacity None: dropless (counts the rows,
+    exchanges the counts, one host read); else C rows per destination, no host read and no collective."""
     counts = None
     if capacity is None:
         counts = count_rows(topk_ids, world_size, experts_per_rank)  # [2W]: send counts, then the received ones
@@ -192,7 +192,8 @@ def _plan(topk_ids, world_size, experts_per_rank, capacity, group):
 
 def _plan_from_counts(topk_ids, world_size, experts_per_rank, capacity, counts):
     """`_plan` after the counts exchange: `counts` int64 [2W] (rows sent to, then received from, each rank) in
-    dropless mode, None in capacity mode. Launches ep_plan.py's route and token-slot kernels (none when T = 0)."""
+    dropless mode, None in capacity mode. Launches parallel/ep_plan.py's route and token-slot kernels (none when
+    T = 0)."""
     W = world_size
     if capacity is None:
         # The one device-to-host read of dropless mode: split sizes must be host ints for all_to_all_single.

@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_choice, check_dim, check_float, check_hidden_size, check_int, check_same_device,
-                      check_top_k)
-from ._device import dot_needs_fp32
-from ._host_math import cdiv, next_power_of_2
-from ._library import call, custom_op
-from ._plan import launch
+from ..host.checks import (check_choice, check_dim, check_float, check_hidden_size, check_int, check_same_device,
+                           check_top_k)
+from ..host.device import dot_needs_fp32
+from ..host.host_math import cdiv, next_power_of_2
+from ..host.library import call, custom_op
+from ..host.replay import launch
 
 GATINGS = {"softmax": 0, "sigmoid": 1}
 
