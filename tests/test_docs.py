@@ -98,6 +98,19 @@ def test_figure_is_what_its_data_gives():
             assert values == [cells[t]["results"][key]["us"] / cells[t]["floor_us"] for t in tokens], (model, key)
 
 
+def test_file_map_names_every_module_of_the_package():
+    """docs/internals.md's file map names each module of the package by its path below torch-ext/moe_dispatch/
+    (`gemm/grouped.py`), and each file it names exists (there, or below the project root: `tests/test_moe.py`)."""
+    package = ROOT / "torch-ext" / "moe_dispatch"
+    text = (DOCS / "internals.md").read_text()
+    section = text[text.index("## File map"):text.index("## Where shared code lives")]
+    named = set(re.findall(r"`((?:[a-z_]+/)?[a-z_0-9]+\.py)`", section))
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name != "__init__.py"}
+    assert "gemm/grouped.py" in modules and modules <= named, f"not in the file map: {sorted(modules - named)}"
+    stale = sorted(name for name in named if not (package / name).is_file() and not (ROOT / name).is_file())
+    assert not stale, f"the file map names files that do not exist: {stale}"
+
+
 _BLOCK = re.compile(r"(?:^<!--\s*needs:\s*(?P<needs>[^>]*?)\s*-->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```$", re.M | re.S)
 
 
