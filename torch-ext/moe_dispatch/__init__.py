@@ -71,8 +71,8 @@ from .parallel.expert_parallel import ExpertParallelExperts, ep_fused_experts
 from .routing.router import moe_router
 from .integrations.transformers_experts import (Mxfp4Experts, from_pretrained_mxfp4, moe_dispatch_experts,
                                                 register_experts, use_mxfp4_experts)
-# bound by name: hub-loaded packages need explicit attributes
-from . import reference
+# bound by name: hub-loaded packages need explicit attributes (a second load of one build reuses its submodules)
+from . import backward, dispatch, formats, gemm, host, integrations, parallel, reference, routing
 from .formats import fp8, mxfp4
 from .host import tiles
 from .integrations import layers, transformers_experts
