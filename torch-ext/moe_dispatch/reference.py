@@ -439,6 +439,26 @@ def dequantize_fp8_ref(w_fp8, scale, block_shape=(128, 128), *, n_axis=1):
     return out
 
 
+
+def fp8_block_gemm_ref(a, a_scale, b, b_scale, block=128):
+    """-> out [M, N] float64 = (a * a_scale) @ (b * b_scale)^T, DeepSeek-style block-scaled fp8 operands: a [M, K] with
+    a_scale [M, ceil(K/block)] (one scale per row and K block), b [N, K] with b_scale [ceil(N/block), ceil(K/block)]."""
+    a64 = dequantize_fp8_ref(a[None], a_scale[None], (1, block))[0]
+    b64 = dequantize_fp8_ref(b[None], b_scale[None], (block, block))[0]
+    return a64 @ b64.T
+
+
+def fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets, block=128):
+    """-> out [expert_offsets[-1], N] float64: rows [o_e, o_{e+1}) of a (sorted by expert) times expert e's b[e]
+    [N, K] with b_scale[e] (`fp8_block_gemm_ref`); expert_offsets [E + 1]."""
+    offsets = expert_offsets.tolist()
+    out = torch.zeros(offsets[-1], b.shape[1], dtype=torch.float64, device=a.device)
+    for e in range(b.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            out[lo:hi] = fp8_block_gemm_ref(a[lo:hi], a_scale[lo:hi], b[e], b_scale[e], block)
+    return out
+
 # e2m1 (MXFP4's element type) by 4-bit code: bit 3 the sign, bits 1-2 the exponent (bias 1), bit 0 the mantissa; code
 # 8 is -0.
 E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -533,6 +553,9 @@ FP8_E4M3_MAX = 448.0
 # scale (a factor 2 in one group or one K step moves the output by far more) but not a misrounding of single
 # elements, which the comparison with the w8a8 model below (fused_experts_w8a8_ref) catches.
 W8A8_TOLERANCE = 0.08
+# A block-scaled fp8 GEMM against fp8_block_gemm_ref (the operands already fp8): bf16 output rounding (2^-9) and the FP8
+# tensor cores' own accumulation within each 128-wide K block (narrower than fp32), over sums of a few thousand products.
+FP8_GEMM_TOLERANCE = 1e-2
 
 # Tight bound of the w8a8 kernels against their model (fused_experts_w8a8_ref) with fp32 activations: kernel and model
 # round the same fp32 values to e4m3 with the same fp32 operations, so they differ by the order of fp32 sums (~1e-7)

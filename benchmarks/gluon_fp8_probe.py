@@ -1,0 +1,212 @@
+"""Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gluon_fp8) on a Hopper GPU with Triton 3.6.
+
+    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py        (from the repository root)
+
+1. Correctness against the float64 references (moe_dispatch.reference, norm-wise relative error): dense at odd M
+   (1, 77, 4097) and N, K tails; grouped with an empty expert, a one-row expert and tiles ending mid-expert; a NaN in
+   A reaching its own output row and no other.
+2. Speed (triton.testing.do_bench, median ms; TFLOP/s = 2 M N K / time): dense M = N = K in {4096, 8192} beside
+   torch._scaled_mm with per-row / per-column scales (one scale per row of A and column of B: no promotion in the K
+   loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192. The MoE shape: 16384 expert-sorted
+   rows over E = 8 experts (2048 each), N = 4096, K = 7168, beside _scaled_mm on the dense [16384, 7168] x [7168, 4096]
+   of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose gate/up GEMM this is (H = 7168,
+   2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of both GEMMs counted).
+   The timed shapes are checked too, on a sample of rows (a float64 reference of the whole is slow).
+
+Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
+Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from moe_dispatch import gluon_fp8  # noqa: E402
+
+ROWS = []  # (part, shape, ms, TFLOP/s, note)
+FAILURES = []
+
+
+def part(name):
+    """Run the decorated function now, printing and recording its error instead of raising."""
+    def run(fn):
+        start = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            fn()
+        except Exception as exc:  # the probe goes on; the error is in the table's footer
+            FAILURES.append((name, f"{type(exc).__name__}: {exc}"))
+            traceback.print_exc(limit=4)
+        print(f"   ({time.perf_counter() - start:.1f} s)", flush=True)
+        return fn
+    return run
+
+
+def bench_ms(fn):
+    return triton.testing.do_bench(fn, warmup=20, rep=100)
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def record(name, shape, ms, flops, note=""):
+    ROWS.append((name, shape, ms, tflops(flops, ms), note))
+    print(f"   {name:<34} {shape:<26} {ms:8.3f} ms {tflops(flops, ms):8.1f} TFLOP/s {note}", flush=True)
+
+
+def check(name, err, tol):
+    status = "ok" if err < tol else "FAIL"
+    print(f"   {name:<48} rel err {err:.2e} (< {tol:.0e}) {status}", flush=True)
+    if err >= tol:
+        FAILURES.append((name, f"relative error {err:.2e} >= {tol:.0e}"))
+
+
+def offsets_of(counts, device="cuda"):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def main():
+    print(f"torch {torch.__version__}, triton {triton.__version__}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+    reason = gluon_fp8.unavailable_reason()
+    if reason is not None:
+        print(f"gluon_fp8 unavailable: {reason}")
+        return 1
+    from moe_dispatch.fp8 import quantize_experts_fp8
+    from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
+                                        relative_error)
+
+    def quantize_rows(x):  # one scale per row and 128-wide K block
+        q, s = quantize_experts_fp8(x[None], "block", block_shape=(1, 128))
+        return q[0], s[0]
+
+    def quantize_blocks(w):  # one scale per 128 x 128 block
+        return quantize_experts_fp8(w, "block", block_shape=(128, 128))
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    def sampled_error(out, a, a_s, b, b_s, spans):
+        """Relative error of out's rows [lo, hi) for each span against float64 (slices: no fp8 gather)."""
+        got = torch.cat([out[lo:hi] for lo, hi in spans])
+        ref = torch.cat([fp8_block_gemm_ref(a[lo:hi], a_s[lo:hi], b, b_s) for lo, hi in spans])
+        return relative_error(got, ref)
+    tol = FP8_GEMM_TOLERANCE
+
+    @part("dense correctness")
+    def _():
+        for M, N, K in [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048), (300, 1024, 7168)]:
+            a, a_s = quantize_rows(torch.randn(M, K, device=dev))
+            b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
+            out = gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])
+            torch.cuda.synchronize()
+            check(f"dense M={M} N={N} K={K}", relative_error(out, fp8_block_gemm_ref(a, a_s, b[0], b_s[0])), tol)
+
+    @part("grouped correctness")
+    def _():
+        for counts, N, K in [([77, 0, 1, 4019], 384, 1024), ([1], 256, 512), ([129, 128, 0, 0, 300], 320, 1040)]:
+            offsets = offsets_of(counts)
+            a, a_s = quantize_rows(torch.randn(sum(counts), K, device=dev))
+            b, b_s = quantize_blocks(torch.randn(len(counts), N, K, device=dev))
+            out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
+            torch.cuda.synchronize()
+            ref = fp8_block_grouped_gemm_ref(a, a_s, b, b_s, offsets)
+            check(f"grouped counts={counts} N={N} K={K}", relative_error(out[:sum(counts)], ref), tol)
+
+    @part("NaN propagation")
+    def _():
+        a, a_s = quantize_rows(torch.randn(200, 512, device=dev))
+        b, b_s = quantize_blocks(torch.randn(2, 256, 512, device=dev))
+        a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
+        others = torch.arange(200, device=dev) != 3
+        for name, out in [("dense", gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])),
+                          ("grouped", gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets_of([100, 100])))]:
+            ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
+            print(f"   {name}: row 3 all NaN and the other rows finite: {ok}")
+            if not ok:
+                FAILURES.append((f"NaN {name}", "NaN did not stay in its row"))
+
+    for size in (4096, 8192):
+        @part(f"dense {size}^3 timing")
+        def _():
+            M = N = K = size
+            flops = 2 * M * N * K
+            a, a_s = quantize_rows(torch.randn(M, K, device=dev))
+            b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
+            b, b_s = b[0], b_s[0]
+            out = gluon_fp8.fp8_block_gemm(a, a_s, b, b_s)
+            check(f"dense {size}^3 (rows sampled)", sampled_error(out, a, a_s, b, b_s, [(0, 128), (M - 77, M)]), tol)
+            stage_choices = (3, 4, 5) if size == 8192 else (4, )
+            for stages in stage_choices:
+                cfg = gluon_fp8.GluonFp8Config(NUM_STAGES=stages)
+                ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=cfg))
+                record(f"gluon dense (stages {stages})", f"{M}x{N}x{K}", ms, flops)
+            row_scale = torch.rand(M, 1, device=dev) + 0.5
+            col_scale = torch.rand(1, N, device=dev) + 0.5
+            for fast in (False, True):
+                ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=row_scale, scale_b=col_scale,
+                                                       out_dtype=torch.bfloat16, use_fast_accum=fast))
+                record(f"torch._scaled_mm rowwise{' fast' if fast else ''}", f"{M}x{N}x{K}", ms, flops, "(ceiling)")
+
+    @part("MoE timing")
+    def _():
+        E, N, K, rows_per_expert = 8, 4096, 7168, 2048
+        M = E * rows_per_expert
+        flops = 2 * M * N * K
+        offsets = offsets_of([rows_per_expert] * E)
+        a, a_s = quantize_rows(torch.randn(M, K, device=dev))
+        b, b_s = quantize_blocks(torch.randn(E, N, K, device=dev))
+        out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
+        for e in (0, E - 1):  # the first and last 64 rows of two experts against float64
+            lo, hi = e * rows_per_expert, (e + 1) * rows_per_expert
+            check(f"grouped MoE expert {e} (rows sampled)",
+                  sampled_error(out, a, a_s, b[e], b_s[e], [(lo, lo + 64), (hi - 64, hi)]), tol)
+        ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets))
+        record("gluon grouped", f"E{E} {M}x{N}x{K}", ms, flops)
+        row_scale = torch.rand(M, 1, device=dev) + 0.5
+        col_scale = torch.rand(1, N, device=dev) + 0.5
+        ms = bench_ms(lambda: torch._scaled_mm(a, b[0].t(), scale_a=row_scale, scale_b=col_scale,
+                                               out_dtype=torch.bfloat16, use_fast_accum=True))
+        record("torch._scaled_mm rowwise fast", f"{M}x{N}x{K}", ms, flops, "(ceiling: dense, one B)")
+
+    @part("portable w8a8 fused_experts (whole MoE layer)")
+    def _():
+        import moe_dispatch as md
+        from moe_dispatch.fp8 import quantize_experts_fp8
+        E, H, F, T, top_k = 8, 7168, 2048, 2048, 8
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        w_gate_up, s_gate_up = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16) * 0.02)
+        w_down, s_down = quantize_experts_fp8(torch.randn(E, H, F, device=dev, dtype=torch.bfloat16) * 0.02)
+        ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(torch.int32)
+        weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+
+        def run():
+            return md.fused_experts(x, w_gate_up, w_down, ids, weights, w_gate_up_scale=s_gate_up,
+                                    w_down_scale=s_down, fp8_compute="w8a8", validate=False)
+
+        ms = bench_ms(run)
+        flops = 2 * T * top_k * (2 * F * H + H * F)
+        record("portable fused_experts w8a8", f"T{T} k{top_k} H{H} 2F{2 * F}", ms, flops, "(2 GEMMs + routing)")
+
+    print("\n" + "-" * 100)
+    print(f"{'kernel':<34} {'shape':<26} {'ms':>8} {'TFLOP/s':>9}  note")
+    for name, shape, ms, rate, note in ROWS:
+        print(f"{name:<34} {shape:<26} {ms:8.3f} {rate:9.1f}  {note}")
+    print("-" * 100)
+    if FAILURES:
+        print("failures:")
+        for name, msg in FAILURES:
+            print(f"  {name}: {msg[:300]}")
+    else:
+        print("all checks passed")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""moe_dispatch.gluon_fp8: the warp-specialized Hopper FP8 GEMMs (Gluon, Triton 3.6) and their float64 references.
+
+The float64 references are moe_dispatch.reference's fp8_block_gemm_ref and fp8_block_grouped_gemm_ref (A and B
+dequantized block by block, then one matmul). On the CPU (and with another Triton) only the host side runs: the import
+guard, the tile map and the launchers' argument checks; the kernels run where `gluon_fp8.available()` holds.
+"""
+
+import pytest
+import torch
+
+from moe_dispatch import gluon_fp8
+from moe_dispatch.fp8 import quantize_experts_fp8
+from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
+                                    relative_error)
+
+SCALE_BLOCK = 128
+on_hopper = pytest.mark.skipif(not gluon_fp8.available(), reason=f"{gluon_fp8.unavailable_reason()}")
+
+
+def quantize_rows(x):
+    """x [M, K] float -> (x_fp8 [M, K] float8_e4m3fn, scale [M, ceil(K/128)] fp32): one scale per row and K block."""
+    q, s = quantize_experts_fp8(x[None], "block", block_shape=(1, SCALE_BLOCK))
+    return q[0], s[0]
+
+
+def quantize_blocks(w):
+    """w [E, N, K] float -> (w_fp8, scale [E, ceil(N/128), ceil(K/128)] fp32): one scale per 128 x 128 block."""
+    return quantize_experts_fp8(w, "block", block_shape=(SCALE_BLOCK, SCALE_BLOCK))
+
+
+def _offsets(counts, device):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def test_import_guard_and_availability_reason():
+    """The module imports with any Triton (the launchers refuse where the kernels cannot run, saying why)."""
+    reason = gluon_fp8.unavailable_reason()
+    assert gluon_fp8.available() == (reason is None)
+    if reason is not None:
+        a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+        with pytest.raises(RuntimeError, match="unavailable"):
+            gluon_fp8.fp8_block_gemm(a, torch.ones(4, 1), a, torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("counts", [
+    [300, 0, 1, 255],  # an empty expert; a one-row expert; blocks ending mid-tile
+    [0, 0, 0],  # no rows at all: only sentinels
+    [128, 256],  # block-aligned experts: no partial tile
+])
+def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
+    offsets = _offsets(counts, "cpu")
+    num_rows = sum(counts)
+    tile_expert, tile_row, num_m_tiles = gluon_fp8.grouped_tile_map(offsets, num_rows, 128)
+    bound = num_rows // 128 + len(counts)
+    assert tile_expert.dtype == tile_row.dtype == num_m_tiles.dtype == torch.int32
+    assert tile_expert.shape == tile_row.shape == (bound, )
+    want_expert, want_row = [], []
+    for e, c in enumerate(counts):
+        for start in range(0, c, 128):
+            want_expert.append(e)
+            want_row.append(offsets[e].item() + start)
+    n = len(want_expert)
+    assert num_m_tiles.tolist() == [n]
+    assert tile_expert.tolist() == want_expert + [-1] * (bound - n)
+    assert tile_row.tolist() == want_row + [-1] * (bound - n)
+
+
+def test_launchers_refuse_bad_arguments():
+    a = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="a_scale must be float32"):
+        gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2, dtype=torch.bfloat16), a, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="b_scale must have shape"):
+        gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(2, 2))
+    with pytest.raises(TypeError, match="b must be float8_e4m3fn"):
+        gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a.float(), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="expert_offsets must be int32"):
+        gluon_fp8.fp8_block_grouped_gemm(a, torch.ones(8, 2), a[None], torch.ones(1, 1, 2),
+                                         torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2),
+                                 cfg=gluon_fp8.GluonFp8Config(BLOCK_N=256))
+
+
+def test_reference_matches_the_dequantized_product():
+    """The reference is the product of the dequantized operands (what the quantizer approximates)."""
+    x, w = torch.randn(5, 300, dtype=torch.float64), torch.randn(1, 130, 300, dtype=torch.float64)
+    a, a_scale = quantize_rows(x)
+    b, b_scale = quantize_blocks(w)
+    out = fp8_block_gemm_ref(a, a_scale, b[0], b_scale[0])
+    assert relative_error(out, x @ w[0].T) < 0.1  # e4m3's 3 mantissa bits
+
+
+@on_hopper
+@pytest.mark.parametrize("M, N, K", [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048)])
+def test_dense_matches_float64(M, N, K):
+    a, a_scale = quantize_rows(torch.randn(M, K, device="cuda"))
+    b, b_scale = quantize_blocks(torch.randn(1, N, K, device="cuda"))
+    out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
+    assert out.dtype == torch.bfloat16 and out.shape == (M, N)
+    assert relative_error(out, fp8_block_gemm_ref(a, a_scale, b[0], b_scale[0])) < FP8_GEMM_TOLERANCE
+
+
+@on_hopper
+@pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
+def test_grouped_matches_float64(counts):
+    N, K = 384, 1024
+    offsets = _offsets(counts, "cuda")
+    a, a_scale = quantize_rows(torch.randn(sum(counts), K, device="cuda"))
+    b, b_scale = quantize_blocks(torch.randn(len(counts), N, K, device="cuda"))
+    out = gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets)
+    ref = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, offsets)
+    assert relative_error(out[:sum(counts)], ref) < FP8_GEMM_TOLERANCE
+
+
+@on_hopper
+def test_nan_in_a_reaches_its_row_only():
+    a, a_scale = quantize_rows(torch.randn(200, 512, device="cuda"))
+    b, b_scale = quantize_blocks(torch.randn(1, 256, 512, device="cuda"))
+    a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
+    out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
+    assert out[3].isnan().all()
+    assert torch.isfinite(out[torch.arange(200, device="cuda") != 3]).all()
