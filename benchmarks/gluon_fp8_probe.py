@@ -1,4 +1,4 @@
-"""Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gluon_fp8) on a Hopper GPU with Triton 3.6.
+"""Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gemm.gluon_fp8) on a Hopper GPU with Triton 3.6.
 
     PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py        (from the repository root)
 
@@ -27,7 +27,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from moe_dispatch import gluon_fp8  # noqa: E402
+from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
@@ -79,7 +79,7 @@ def main():
     if reason is not None:
         print(f"gluon_fp8 unavailable: {reason}")
         return 1
-    from moe_dispatch.fp8 import quantize_experts_fp8
+    from moe_dispatch.formats.fp8 import quantize_experts_fp8
     from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
                                         relative_error)
 
@@ -178,7 +178,7 @@ def main():
     @part("portable w8a8 fused_experts (whole MoE layer)")
     def _():
         import moe_dispatch as md
-        from moe_dispatch.fp8 import quantize_experts_fp8
+        from moe_dispatch.formats.fp8 import quantize_experts_fp8
         E, H, F, T, top_k = 8, 7168, 2048, 2048, 8
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
         w_gate_up, s_gate_up = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16) * 0.02)

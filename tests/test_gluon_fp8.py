@@ -1,4 +1,4 @@
-"""moe_dispatch.gluon_fp8: the warp-specialized Hopper FP8 GEMMs (Gluon, Triton 3.6) and their float64 references.
+"""moe_dispatch.gemm.gluon_fp8: the warp-specialized Hopper FP8 GEMMs (Gluon, Triton 3.6) and their float64 references.
 
 The float64 references are moe_dispatch.reference's fp8_block_gemm_ref and fp8_block_grouped_gemm_ref (A and B
 dequantized block by block, then one matmul). On the CPU (and with another Triton) only the host side runs: the import
@@ -8,8 +8,8 @@ guard, the tile map and the launchers' argument checks; the kernels run where `g
 import pytest
 import torch
 
-from moe_dispatch import gluon_fp8
-from moe_dispatch.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm import gluon_fp8
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
                                     relative_error)
 

@@ -122,7 +122,8 @@ def test_package_ships_the_py_typed_marker():
 # The public modules' v1 paths (flat, before the sub-packages) -> where they live now.
 V1_MODULE_PATHS = {"fp8": "formats.fp8", "mxfp4": "formats.mxfp4", "tiles": "host.tiles",
                    "layers": "integrations.layers", "transformers_experts": "integrations.transformers_experts",
-                   "expert_parallel": "parallel.expert_parallel", "reference": "reference"}
+                   "expert_parallel": "parallel.expert_parallel", "reference": "reference",
+                   "binned": "dispatch.binned", "_plan": "host.replay"}  # the last two: named by docs/usage.md
 
 
 @pytest.mark.parametrize("old,new", V1_MODULE_PATHS.items(), ids=list(V1_MODULE_PATHS))
@@ -133,6 +134,7 @@ def test_v1_module_paths_are_the_moved_modules(old, new):
     assert importlib.import_module(f"moe_dispatch.{old}") is module
     assert getattr(md, old) is module
     assert module.__name__ == f"moe_dispatch.{new}"
+    assert old == "reference" or md.V1_MODULE_PATHS[old] is module  # the package's own list says the same
 
 
 def test_v1_from_imports_still_work():

@@ -38,8 +38,9 @@ tests/test_packaging.py checks)::
     integrations/               transformers' experts interface, kernelize layers
     parallel/                   expert parallelism (takes integrations' experts options)
 
-The public modules answer to their v1 paths too (`moe_dispatch.fp8`, `.mxfp4`, `.tiles`, `.layers`,
-`.expert_parallel`, `.transformers_experts`): `import moe_dispatch.fp8` gives formats/fp8.py (registered below).
+The public modules answer to their v1 paths too (`moe_dispatch.fp8`, `.mxfp4`, `.tiles`, `.layers`, `.binned`,
+`.expert_parallel`, `.transformers_experts`, `._plan`): `import moe_dispatch.fp8` gives formats/fp8.py
+(`V1_MODULE_PATHS`, registered below).
 
 `__all__` is the versioned public surface (API major = build.toml `version`).
 """
@@ -73,15 +74,19 @@ from .integrations.transformers_experts import (Mxfp4Experts, from_pretrained_mx
                                                 register_experts, use_mxfp4_experts)
 # bound by name: hub-loaded packages need explicit attributes (a second load of one build reuses its submodules)
 from . import backward, dispatch, formats, gemm, host, integrations, parallel, reference, routing
+from .dispatch import binned
 from .formats import fp8, mxfp4
+from .host import replay as _plan
 from .host import tiles
 from .integrations import layers, transformers_experts
 from .parallel import expert_parallel
 
-# The v1 module paths (`import moe_dispatch.fp8`, `from moe_dispatch.tiles import MoeTiles`) name the moved public
-# modules: the same module objects, under this package's own name (a Hub load gives it a unique one).
-_sys.modules.update({f"{__name__}.{module.__name__.rpartition('.')[2]}": module
-                     for module in (expert_parallel, fp8, layers, mxfp4, tiles, transformers_experts)})
+# The v1 module paths (`import moe_dispatch.fp8`, `from moe_dispatch.tiles import MoeTiles`, the eager-plan switch
+# `moe_dispatch._plan` that docs/usage.md named) name the moved modules: the same module objects, under this package's
+# own name (a Hub load gives it a unique one).
+V1_MODULE_PATHS = {"binned": binned, "expert_parallel": expert_parallel, "fp8": fp8, "layers": layers, "mxfp4": mxfp4,
+                   "tiles": tiles, "transformers_experts": transformers_experts, "_plan": _plan}
+_sys.modules.update({f"{__name__}.{name}": module for name, module in V1_MODULE_PATHS.items()})
 
 from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)
 

@@ -46,7 +46,7 @@ import dataclasses
 import torch
 import triton
 
-from ._device import num_sms
+from ..host.device import num_sms
 
 try:
     from triton.experimental import gluon
