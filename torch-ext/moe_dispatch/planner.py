@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ._checks import check_choice
-from ._device import has_tma, has_wgmma, is_interpreter
+from ._device import has_tma, has_wgmma, is_interpreter, on_gpu
 from .fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from .gemm_args import GemmWeights, rows_fit_descriptor, weights_fit_descriptors
 from .tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
@@ -166,7 +166,7 @@ def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, sch
         if why is not None:
             raise ValueError(f"fp8_compute='w8a8' cannot run: {why}. Use fp8_compute='auto' or 'dequant'.")
         return "w8a8"
-    return "w8a8" if why is None and device.type == "cuda" and not runs_decode() else "dequant"
+    return "w8a8" if why is None and on_gpu(device) and not runs_decode() else "dequant"
 
 
 def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -> bool:
