@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host.device import is_interpreter
+from ..host.device import is_interpreter, on_gpu
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.replay import launch
 
@@ -196,7 +196,7 @@ def copy_config(hidden: int, element_size: int, device: torch.device) -> CopyCon
     """Interpreter: few large programs (each one costs Python time). GPU: 16-byte vectors across 4 warps per row
     pass (2048 bytes of a row), and about 8 KiB of a tile per program so enough loads are in flight per SM."""
     hidden_pow2 = next_power_of_2(max(hidden, 1))
-    if is_interpreter() or device.type == "cpu":
+    if is_interpreter() or not on_gpu(device):
         return CopyConfig(block_rows=16, block_h=min(hidden_pow2, 256), num_warps=1)
     block_h = min(hidden_pow2, 2048 // element_size)
     block_rows = max(1, min(16, 8192 // (block_h * element_size)))

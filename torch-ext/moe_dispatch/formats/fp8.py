@@ -18,12 +18,14 @@ differ, even where their shapes agree, as at F = 96, b = 128):
 
 Two ways to compute with them (`fp8_compute`, chosen by planner.choose_fp8_compute from device facts, `host/device.py`):
 
-  "dequant"  every device (NVIDIA, AMD, the CPU interpreter). The grouped GEMM (gemm/grouped.py, WEIGHT_SCALE) loads
-             the fp8 weight tile, converts it to the activation dtype and runs the dot in that dtype with fp32
-             accumulation; block scales multiply the tile in fp32 before that conversion (each element by the scale
-             of its block, so any tile and weight shape work), per-channel and per-tensor scales multiply the fp32
-             accumulator once after the K loop. Activations stay bf16/fp16/fp32: weight-only FP8 (half the weight
-             bytes of bf16 at decode, the dot at the activation dtype's rate).
+  "dequant"  every device that loads the weights' float8 type (NVIDIA from SM89, AMD, the CPU interpreter; before
+             SM89 Triton has no e4m3 type, and `check_fp8_dtype_on_device` refuses the weights). The grouped GEMM
+             (gemm/grouped.py, WEIGHT_SCALE) loads the fp8 weight tile, converts it to the activation dtype and runs
+             the dot in that dtype with fp32 accumulation; block scales multiply the tile in fp32 before that
+             conversion (each element by the scale of its block, so any tile and weight shape work), per-channel and
+             per-tensor scales multiply the fp32 accumulator once after the K loop. Activations stay
+             bf16/fp16/fp32: weight-only FP8 (half the weight bytes of bf16 at decode, the dot at the activation
+             dtype's rate).
   "w8a8"     float8_e4m3fn weights on GPUs with FP8 tensor cores (NVIDIA SM89+; `has_fp8_tensor_cores`). Activations
              are quantized to e4m3 too and both GEMMs run fp8 x fp8 dots with fp32 sums (gemm/w8a8.py): x per token
              and K step (in GEMM1's loads, or one pass first for prefill tiles), the intermediate per row and K step
@@ -45,7 +47,7 @@ from typing import Literal
 import torch
 
 from ..host.checks import check_choice, check_tensor
-from ..host.device import has_fp8_tensor_cores, is_hip
+from ..host.device import FP8_MIN_CAPABILITY, capability, has_fp8_tensor_cores, is_cuda, is_hip, on_gpu
 from .scale_codes import WeightScaleCode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -157,12 +159,19 @@ def gate_up_row_offset(num_ffn: int, scheme: Literal["block", "channel", "tensor
 
 
 def check_fp8_dtype_on_device(name: str, weight: torch.Tensor, device: torch.device) -> None:
-    """float8_e4m3fnuz (AMD's format) on an NVIDIA GPU: Triton's NVIDIA backend has no such type (the H200 failed to
-    compile the dequant loads), so it is refused naming the weight rather than failing in the compiler."""
-    if weight.dtype == torch.float8_e4m3fnuz and device.type == "cuda" and not is_hip():
+    """A float8 type Triton cannot load on `device` is refused naming the weight rather than failing in the compiler:
+    float8_e4m3fnuz (AMD's format) on NVIDIA GPUs (the H200 failed to compile the dequant loads), and float8_e4m3fn
+    on NVIDIA GPUs before compute capability 8.9 (SM80: "type fp8e4nv not supported in this architecture", every
+    kernel that reads it; docs/results/compile-targets.md)."""
+    if weight.dtype == torch.float8_e4m3fnuz and on_gpu(device) and not is_hip():
         raise TypeError(f"{name} is torch.float8_e4m3fnuz, AMD's float8 format, which Triton cannot load on NVIDIA "
                         f"GPUs; pass torch.float8_e4m3fn weights (`host.device.fp8_dtype(device)` names the format of "
                         f"a device; quantize_experts_fp8 writes either)")
+    if weight.dtype == torch.float8_e4m3fn and on_gpu(device) and is_cuda() and capability(device) < FP8_MIN_CAPABILITY:
+        major, minor = capability(device)
+        raise TypeError(f"{name} is torch.float8_e4m3fn, which Triton cannot load on NVIDIA GPUs before compute "
+                        f"capability 8.9 ({device} has {major}.{minor}); pass the weights dequantized "
+                        f"(dequantize_experts_fp8) in the activations' dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +314,7 @@ def w8a8_refusal(device: torch.device, weights: dict[str, torch.Tensor], schemes
         if side < W8A8_MIN_GROUP or side & (side - 1):
             return (f"the K side of fp8_block_shape {tuple(block_shape)} is {side}; w8a8 needs a power of two "
                     f">= {W8A8_MIN_GROUP} (one weight scale per K step of the dot)")
-    if device.type == "cuda" and not has_fp8_tensor_cores(device):
+    if on_gpu(device) and not has_fp8_tensor_cores(device):
         return f"{device} has no FP8 tensor cores (NVIDIA compute capability >= 8.9 needed)"
     return None
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..host.device import num_sms
+from ..host.device import num_sms, on_gpu
 from ..host.host_math import cdiv
 from ..host.pdl import wait_for_producer
 from ..host.replay import launch
@@ -157,7 +157,7 @@ def weight_descriptors(w: GemmWeights, K, tile, transposed=False):
 
 def num_programs(device, num_tiles):
     """Programs of a persistent launch: one per SM (INTERPRETER_PROGRAMS on the interpreter), at most one per tile."""
-    programs = INTERPRETER_PROGRAMS if device.type != "cuda" else num_sms(device)
+    programs = num_sms(device) if on_gpu(device) else INTERPRETER_PROGRAMS
     return max(1, min(programs, num_tiles))
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import has_tma, has_wgmma, is_interpreter
+from ..host.device import has_tma, has_wgmma, is_interpreter, on_gpu
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -166,7 +166,7 @@ def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, sch
         if why is not None:
             raise ValueError(f"fp8_compute='w8a8' cannot run: {why}. Use fp8_compute='auto' or 'dequant'.")
         return "w8a8"
-    return "w8a8" if why is None and device.type == "cuda" and not runs_decode() else "dequant"
+    return "w8a8" if why is None and on_gpu(device) and not runs_decode() else "dequant"
 
 
 def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -> bool:

@@ -4,8 +4,14 @@ FP8: `has_fp8_tensor_cores` and `fp8_dtype` are the facts `planner.choose_fp8_co
 
 Everything vendor-specific is decided here or in the tile tables (configs/*.json); the kernels themselves are the same
 portable Triton source for NVIDIA, AMD and the CPU interpreter.
+
+A `CompileTarget` set with `compile_target` makes the facts below those of a GPU that is not here, for every device:
+the host path then picks and binds the launches that GPU would get, on CPU tensors, and Triton compiles them ahead of
+time for it (scripts/compile_report.py; tests/test_targets.py). Nothing else sets one.
 """
 
+import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -13,44 +19,114 @@ import re
 import torch
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """A GPU the kernels are compiled for without it: what the device facts answer while `compile_target` holds it."""
+
+    key: str  # the tile table's name (what `device_key` returns)
+    backend: str  # Triton's backend: "cuda" or "hip"
+    arch: int | str  # Triton's arch: the compute capability as 80, 90 (cuda), or the gfx name (hip)
+    warp_size: int
+    num_sms: int
+    smem_per_program: int  # bytes of shared memory (LDS on AMD) one program may use
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        """(major, minor) of an NVIDIA target, (0, 0) on AMD (what the capability checks below compare)."""
+        return divmod(self.arch, 10) if self.backend == "cuda" else (0, 0)
+
+
+_target: CompileTarget | None = None
+_PER_DEVICE_CACHES = []
+
+
+def per_device(fn):
+    """`functools.lru_cache` for a device fact; forgotten when a compile target is set or unset."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    _PER_DEVICE_CACHES.append(cached)
+    return cached
+
+
+@contextlib.contextmanager
+def compile_target(target: CompileTarget | None):
+    """The device facts of `target` for every device inside the block (see the module docstring)."""
+    global _target
+    previous, _target = _target, target
+    for cached in _PER_DEVICE_CACHES:
+        cached.cache_clear()
+    try:
+        yield target
+    finally:
+        _target = previous
+        for cached in _PER_DEVICE_CACHES:
+            cached.cache_clear()
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether launches on `device` are a GPU's: a CUDA / ROCm device, or any while a compile target is set."""
+    return device.type == "cuda" or _target is not None
+
+
 def is_interpreter() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1) and no compile target is
+    set."""
+    return _target is None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def kernels_run_on(device: torch.device) -> bool:
-    """Whether Triton kernels can take tensors on `device`: a GPU's, or the CPU's under the interpreter."""
-    return device.type != "cpu" or is_interpreter()
+    """Whether Triton kernels can take tensors on `device`: a GPU's, or the CPU's under the interpreter (or a compile
+    target, whose launches are compiled, never run)."""
+    return device.type != "cpu" or is_interpreter() or _target is not None
 
 
 def is_hip() -> bool:
+    if _target is not None:
+        return _target.backend == "hip"
     return torch.version.hip is not None
 
 
 def is_cuda() -> bool:
+    if _target is not None:
+        return _target.backend == "cuda"
     return torch.version.cuda is not None and not is_hip()
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
+def capability(device: torch.device) -> tuple[int, int]:
+    """NVIDIA compute capability (major, minor) of a GPU's device; (0, 0) on AMD and for the interpreter."""
+    if _target is not None:
+        return _target.capability
+    if device.type != "cuda" or not is_cuda():
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+@per_device
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (NVIDIA) / compute units (AMD); 1 for the interpreter."""
+    if _target is not None:
+        return _target.num_sms
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
 def smem_per_program(device: torch.device) -> int | None:
     """Shared memory one program may use (the opt-in maximum per block) on a GPU; None for the interpreter."""
+    if _target is not None:
+        return _target.smem_per_program
     if device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
 def device_key(device: torch.device) -> str:
     """Name of the tile table for `device`: `NVIDIA_H200`, `AMD_Instinct_MI300X`, ... or `interpreter`."""
+    if _target is not None:
+        return _target.key
     if device.type != "cuda":
         return "interpreter"
     name = torch.cuda.get_device_properties(device).name
@@ -69,39 +145,45 @@ def dot_input_precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
 def has_tma(device: torch.device) -> bool:
     """Tensor descriptors with a copy engine behind them (TMA): NVIDIA compute capability >= 9.0 (Hopper on). The
     interpreter emulates descriptors, so it says True there too (the CPU suite runs the persistent kernel); AMD and
     SM80 use pointer loads."""
-    if device.type != "cuda":
+    if not on_gpu(device):
         return is_interpreter()
-    return is_cuda() and torch.cuda.get_device_capability(device) >= (9, 0)
+    return is_cuda() and capability(device) >= (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
 def has_wgmma(device: torch.device) -> bool:
     """Hopper's warpgroup MMA (wgmma), what Triton compiles a dot to on compute capability 9.x when the tile has at
     least 64 rows per warpgroup (below that, the older mma.sync, whose FP8 form converts the operands to fp16 first).
     The interpreter says True, so the CPU suite runs the layouts chosen for it (the swapped small-tile w8a8 dots)."""
-    if device.type != "cuda":
+    if not on_gpu(device):
         return is_interpreter()
-    return is_cuda() and torch.cuda.get_device_capability(device)[0] == 9
+    return is_cuda() and capability(device)[0] == 9
 
 
-@functools.lru_cache(maxsize=None)
+# NVIDIA's first compute capability with an e4m3 type: FP8 tensor cores, and in Triton any load of float8_e4m3fn
+# (before it, "type fp8e4nv not supported in this architecture").
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@per_device
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     """FP8 tensor cores (e4m3 x e4m3 dots): NVIDIA compute capability >= 8.9 (Ada, Hopper, Blackwell). False on AMD
     (MI300X has FP8 matrix cores, in e4m3fnuz; the w8a8 path is not built for them) and on the interpreter.
     fp8_compute="auto" runs the w8a8 path (gemm/w8a8.py) where this holds, the dequant path elsewhere."""
-    if device.type != "cuda" or not is_cuda():
+    if not on_gpu(device) or not is_cuda():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return capability(device) >= FP8_MIN_CAPABILITY
 
 
 def fp8_dtype(device: torch.device) -> torch.dtype:
     """The float8 dtype checkpoints are converted to for `device`: e4m3fnuz on AMD (MI300X's native format: no negative
-    zero, bias 8, max 240), e4m3fn elsewhere (max 448). e4m3fn runs on the dequant path everywhere and on the w8a8 path
-    where `has_fp8_tensor_cores` holds; e4m3fnuz on AMD and the interpreter (Triton's NVIDIA backend has no such type:
-    `fused_experts` refuses it there)."""
-    return torch.float8_e4m3fnuz if device.type == "cuda" and is_hip() else torch.float8_e4m3fn
+    zero, bias 8, max 240), e4m3fn elsewhere (max 448). e4m3fn runs on the dequant path on NVIDIA from compute
+    capability 8.9 (before it Triton loads no e4m3: `fused_experts` refuses it there) and on the interpreter, and on
+    the w8a8 path where `has_fp8_tensor_cores` holds; e4m3fnuz on AMD and the interpreter (Triton's NVIDIA backend has
+    no such type: `fused_experts` refuses it there)."""
+    return torch.float8_e4m3fnuz if on_gpu(device) and is_hip() else torch.float8_e4m3fn

@@ -14,14 +14,13 @@ Off on AMD, SM80 and the interpreter (the calls compile to nothing there), and w
 measurements and as an escape hatch).
 """
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .device import is_cuda, is_interpreter
+from .device import capability, is_cuda, is_interpreter, on_gpu, per_device
 
 HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 
@@ -53,15 +52,15 @@ else:  # a Triton without the grid dependency intrinsics: PDL is never on (`pdl_
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: an NVIDIA GPU of compute capability >= 9.0, a Triton with the
     intrinsics, and MOE_DISPATCH_PDL not set to 0."""
-    if device.type != "cuda" or os.environ.get("MOE_DISPATCH_PDL", "1") == "0":
+    if not on_gpu(device) or os.environ.get("MOE_DISPATCH_PDL", "1") == "0":
         return False
     return _pdl_capable(device)
 
 
-@functools.lru_cache(maxsize=None)
+@per_device
 def _pdl_capable(device: torch.device) -> bool:
     """The device facts of `pdl_enabled`, once per device (every launch asks)."""
-    return HAS_GDC and not is_interpreter() and is_cuda() and torch.cuda.get_device_capability(device) >= (9, 0)
+    return HAS_GDC and not is_interpreter() and is_cuda() and capability(device) >= (9, 0)
 
 
 def pdl_options(device: torch.device) -> dict:

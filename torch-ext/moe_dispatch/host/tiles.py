@@ -45,7 +45,7 @@ import os
 
 import torch
 
-from .device import device_key, has_tma, has_wgmma, is_hip, smem_per_program
+from .device import device_key, has_tma, has_wgmma, is_hip, on_gpu, smem_per_program
 
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")  # the package's configs/
 _log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ PERSISTENT_WEIGHT_GRAD_MIN_ROWS = 1024
 def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_expert: int = 0) -> WeightGradTile:
     """Tile of the weight-gradient GEMMs (a fixed choice per backend until it is tuned like the forward's);
     rows_per_expert = T * top_k / E."""
-    if device.type != "cuda":
+    if not on_gpu(device):
         return WeightGradTile(32, 32, 16, persistent=True)  # the interpreter: few, small programs (and the CPU suite
         # runs the persistent kernel, as the H200 does)
     wide = torch.empty((), dtype=dtype).element_size() <= 2
@@ -246,7 +246,7 @@ def select_down_grad_tile(device: torch.device, gate_up: GemmTile, block_m: int,
     DOWN_GRAD_STAGES stages on Hopper where they fit the device's shared memory; elsewhere (SM80, AMD, the
     interpreter; not measured) the forward's own."""
     stage_bytes = (block_m + gate_up.block_n) * gate_up.block_k * itemsize
-    smem = smem_per_program(device) if has_wgmma(device) and device.type == "cuda" else None
+    smem = smem_per_program(device) if has_wgmma(device) and on_gpu(device) else None
     if smem is None or gate_up.num_stages >= DOWN_GRAD_STAGES or DOWN_GRAD_STAGES * stage_bytes > smem:
         return gate_up
     return dataclasses.replace(gate_up, num_stages=DOWN_GRAD_STAGES)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host.device import is_interpreter
+from ..host.device import is_interpreter, on_gpu
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.replay import launch
 
@@ -145,7 +145,7 @@ def _token_slots_kernel(
 def _block_tokens(device):
     """Tokens per chunk: the interpreter pays per chunk in Python, so a small block there keeps the tests' chunk
     carries exercised at tiny T; a GPU program walks 1024 tokens at once (a few registers per thread)."""
-    return 16 if is_interpreter() or device.type == "cpu" else 1024
+    return 16 if is_interpreter() or not on_gpu(device) else 1024
 
 
 def count_rows(topk_ids, world_size, experts_per_rank):
