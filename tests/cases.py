@@ -30,6 +30,7 @@ class Case(Shape):
     correction: bool = False
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
+    chunked: bool = False  # the test switches the one-program dispatch off (dispatch.SINGLE_MAX = 0)
 
     def routing_kwargs(self):
         return dict(renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
@@ -51,8 +52,8 @@ FORWARD_CASES = [
     Case("decode-T1", "T = 1: one token, k rows, most tiles empty", 1, 8, 2, 64, 48),
     Case("top1", "top_k = 1: one row per token, combine is a copy", 19, 4, 1, 32, 32),
     Case("topk-eq-E-prime", "top_k = E with a prime E: every expert gets every token", 7, 7, 7, 40, 24),
-    Case("multi-chunk", "T*k = 300 > one dispatch chunk: exercises the three-kernel dispatch", 150, 16, 2, 32, 32,
-         torch.float16),
+    Case("multi-chunk", "T*k = 300 > one dispatch chunk: the three-kernel dispatch (forced: the one-program path "
+         "takes up to dispatch.SINGLE_MAX = 1024)", 150, 16, 2, 32, 32, torch.float16, chunked=True),
     Case("ragged-dims", "H = 33, F = 17: masked K and N tails in both GEMMs", 13, 5, 2, 33, 17),
     Case("sigmoid-no-renorm", "sigmoid gating with renormalize=False", 10, 8, 3, 32, 32, gating="sigmoid",
          renormalize=False),
@@ -69,6 +70,7 @@ class GradCase(Shape):
     bias: bool = False
     ids: str = "random"  # "random", "sentinels" (some ids outside [0, E)), "few-experts" (ids in [0, 3) only)
     limit: float = 7.0
+    chunked: bool = False  # the test switches the one-program dispatch off (dispatch.SINGLE_MAX = 0)
 
 
 GRAD_CASES = [
@@ -85,6 +87,8 @@ GRAD_CASES = [
              32, 16, ids="few-experts", bias=True),
     GradCase("top1-ragged", "top_k = 1, H = 33, F = 17: masked K and N tails in every backward GEMM", 13, 5, 1, 33,
              17),
-    GradCase("multi-chunk-fp16", "N = 300 > one dispatch chunk, fp16", 150, 16, 2, 32, 32, torch.float16),
+    GradCase("multi-chunk-fp16", "N = 150 > one dispatch chunk of 128: the three-kernel dispatch (forced) under the "
+             "backward; ~19 rows per expert: two row tiles, the weight gradients sum over both; fp16", 75, 8, 2, 32, 32,
+             torch.float16, chunked=True),
     GradCase("bf16", "bf16 through the interpreter (dots upcast)", 12, 4, 2, 32, 32, torch.bfloat16, bias=True),
 ]

@@ -1,5 +1,6 @@
 """Test set-up: the package (torch-ext/, on pytest.ini's pythonpath), Triton's interpreter whenever there is no GPU."""
 
+import collections
 import os
 import sys
 import zlib
@@ -97,6 +98,87 @@ def _fresh_plans():
     moe_dispatch.host.replay.clear()
     yield
     moe_dispatch.host.replay.clear()
+
+
+# The time budget of one test file in the interpreter (CPU) suite: the durations of its tests (setup + call + teardown)
+# summed. scripts/test runs the files on pytest-xdist workers (two on CI's two cores), so a file past it holds up a
+# worker; 150 s a file keeps the suite near 600 s of wall time on two cores. A file that grows past it fails the run
+# with its total: shrink its shapes to what each test checks (the large ones belong to the GPU tests), or split it.
+FILE_BUDGET_VARIABLE = "MOE_DISPATCH_FILE_BUDGET_S"
+FILE_BUDGET_S = 150.0
+
+
+def file_budget_s(environ=os.environ):
+    """Seconds one test file may take, or None where the budget is off: GPU runs (compiled kernels, the large shapes)
+    and MOE_DISPATCH_FILE_BUDGET_S=0. The variable overrides FILE_BUDGET_S (a slow or loaded machine)."""
+    if environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    value = environ.get(FILE_BUDGET_VARIABLE, "").strip()
+    try:
+        budget = float(value) if value else FILE_BUDGET_S
+    except ValueError:
+        raise pytest.UsageError(f"{FILE_BUDGET_VARIABLE}={value!r}: seconds a test file may take (0: no budget)")
+    return budget if budget > 0 else None
+
+
+class FileTimes:
+    """Each test file's summed durations, from the test reports this process sees: all of them in a plain run and, under
+    pytest-xdist, in the controller (every worker's reports reach it; a worker sees only its own files). A plugin
+    (pytest_configure registers one), so that its report hook is its own."""
+
+    def __init__(self):
+        self.seconds = collections.defaultdict(float)
+
+    def add(self, report):
+        self.seconds[report.nodeid.split("::")[0]] += report.duration
+
+    def pytest_runtest_logreport(self, report):
+        self.add(report)
+
+    def over(self, budget):
+        """[(file, seconds)] of the files past `budget`, slowest first."""
+        return sorted(((f, s) for f, s in self.seconds.items() if s > budget), key=lambda item: (-item[1], item[0]))
+
+    def judge(self, session, budget):
+        """Fails a passing session (exit status 1) when a file is past `budget`; returns the summary's lines."""
+        if budget is None or not self.seconds:
+            return []
+        over = self.over(budget)
+        slowest = sorted(self.seconds.items(), key=lambda item: -item[1])[:5]
+        lines = [f"test seconds per file (budget {budget:g} s, {FILE_BUDGET_VARIABLE}): "
+                 + ", ".join(f"{os.path.basename(f)} {s:.1f}" for f, s in slowest)]
+        if over:
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            lines += [f"FAILED: {f} took {s:.1f} s, past the {budget:g} s budget of a test file" for f, s in over]
+            lines.append("size each interpreted test by what it checks (the large shapes belong to the GPU tests) or "
+                         f"split the file; {FILE_BUDGET_VARIABLE}=<seconds> sets the budget, 0 turns it off")
+        return lines
+
+
+_FILE_TIMES = "moe_dispatch_file_times"
+_BUDGET_LINES = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(FileTimes(), _FILE_TIMES)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The file budget, judged where every report arrived (not on an xdist worker); printed in the terminal summary,
+    which pytest writes after this hook."""
+    times = session.config.pluginmanager.get_plugin(_FILE_TIMES)
+    if times is not None and not hasattr(session.config, "workerinput"):
+        session.config.stash[_BUDGET_LINES] = times.judge(session, file_budget_s())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(_BUDGET_LINES, [])
+    if lines:
+        failed = any(line.startswith("FAILED") for line in lines)
+        terminalreporter.section("test file time budget", red=failed, green=not failed)
+        for line in lines:
+            terminalreporter.write_line(line, red=line.startswith("FAILED"))
 
 
 def pytest_runtest_logreport(report):

@@ -34,6 +34,10 @@ from moe_dispatch.reference import W8A8_TOLERANCE
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {name: shrunk(shape) for name, shape in MODEL_SHAPES.items()}
+# Narrower still where only the plumbing is checked (H = 64, F = 32: every GEMM has one or two 32-wide tiles per
+# dimension in the interpreter table, so a tuner trial runs a handful of programs).
+SMALL = {name: shrunk(shape, hidden=64, ffn=32, num_experts=min(8, shape.num_experts))
+         for name, shape in MODEL_SHAPES.items()}
 FAKE_MS = 0.05
 
 
@@ -165,9 +169,10 @@ def test_deadline_skips_cells(tmp_path):
 
 
 def test_real_package_one_cell(tmp_path):
-    """The package itself through the harness: one tiny cell per path, checked against the float32 computation."""
+    """The package itself through the harness: one tiny cell per path, checked against the float32 computation
+    (Mixtral's routing at T = 1: the harness's plumbing, not the kernels' edges, which tests/test_moe.py covers)."""
     kernel = harness.load_kernel()  # the package must import and expose both entry points: a failure here is a bug
-    argv = _common(tmp_path, "qwen3-30b-a3b", "5") + ["--no-baselines", "--fp16-spot", "none"]
+    argv = _common(tmp_path, "mixtral-8x7b", "1") + ["--no-baselines", "--fp16-spot", "none"]
     results = bench.main(argv, timer=CountingTimer(), kernel=kernel, shapes=TINY)
     for c in results["cells"]:
         assert "error" not in c, c
@@ -175,14 +180,19 @@ def test_real_package_one_cell(tmp_path):
 
 
 @needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
-def test_bench_fp8_cpu_smoke(tmp_path, capsys):
+def test_bench_fp8_cpu_smoke(tmp_path, capsys, monkeypatch):
     """The FP8 benchmark's --cpu-smoke: both moe_dispatch paths run (w8a8 forced) and pass their checks, transformers'
-    path is reported as not run, the outputs have their structure and the short table is printed last."""
+    path is reported as not run, the outputs have their structure and the short table is printed last. Tiny Mixtral
+    (top-2 of 8) at T = 1 (2 assignments: the fp8 decode kernels) and T = 7 (14 > the interpreter table's 12: the
+    general w8a8 kernels); the CPU timer's repeats cut to one (the times are plumbing, not measurements)."""
+    import functools
+
     import bench_fp8
 
-    results = bench_fp8.main(["--cpu-smoke", "--out", str(tmp_path), "--models", "qwen3-30b-a3b", "--tokens", "1,5"])
+    monkeypatch.setattr(harness, "WallTimer", functools.partial(harness.WallTimer, repeats=1))
+    results = bench_fp8.main(["--cpu-smoke", "--out", str(tmp_path), "--models", "mixtral-8x7b", "--tokens", "1,7"])
     cells = results["cells"]
-    assert {(c["tokens"], c["impl"]) for c in cells} == {(t, i) for t in (1, 5) for i in bench_fp8.IMPLS}
+    assert {(c["tokens"], c["impl"]) for c in cells} == {(t, i) for t in (1, 7) for i in bench_fp8.IMPLS}
     for c in cells:
         if c["impl"] == "hf_fp8":
             assert c["error"].startswith("n/a: needs a CUDA device")
@@ -194,7 +204,7 @@ def test_bench_fp8_cpu_smoke(tmp_path, capsys):
     assert results["meta"]["fp8_compute"] == "w8a8"
     data = json.loads((tmp_path / "bench_fp8.json").read_text())
     assert set(data) == {"meta", "shapes", "ceilings", "cells"}
-    assert "| qwen3-30b-a3b | 5 |" in (tmp_path / "bench_fp8.md").read_text()
+    assert "| mixtral-8x7b | 7 |" in (tmp_path / "bench_fp8.md").read_text()
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("targets missed:")
 
 
@@ -293,16 +303,17 @@ def _read_back(monkeypatch, tiles, table):
 
 @needs_interpreter  # the kernels run on CPU tensors
 def test_tune_general_path(tmp_path, monkeypatch):
-    """The general path on a tiny Mixtral at T = 2 and 8 (two buckets): the spoilt gate_up candidate is rejected by
-    the float64 check although its time would win, the down candidate (faster than the table's tiles) wins, and the
-    table gives each T the chosen tiles through tiles.select_tiles; tune's layout keeps runtime data only."""
+    """The general path on a tiny Mixtral (H = 64, F = 32) at T = 2 and 8 (two buckets): the spoilt gate_up candidate
+    is rejected by the float64 check although its time would win, the down candidate (faster than the table's tiles)
+    wins, and the table gives each T the chosen tiles through tiles.select_tiles; tune's layout keeps runtime data
+    only."""
     package = harness.load_kernel()
     tiles = package.tiles
     # the first gate_up candidate of BLOCK_M 16 (tune.GENERAL_TILES), never the interpreter table's
     kernel = RecordingKernel(package,
                              spoil=lambda t: t is not None and (t.gate_up.block_n, t.gate_up.block_k) == (32, 128))
-    table, units = _tune(tmp_path, "general", "mixtral-8x7b", "2,8", CostTimer(kernel), kernel)
-    shape = TINY["mixtral-8x7b"]
+    table, units = _tune(tmp_path, "general", "mixtral-8x7b", "2,8", CostTimer(kernel), kernel, shapes=SMALL)
+    shape = SMALL["mixtral-8x7b"]
     assert [u["max_rows_per_expert"] for u in units] == [1, 2]
     _read_back(monkeypatch, tiles, table)
     for unit in units:
@@ -320,13 +331,13 @@ def test_tune_general_path(tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_tune_decode_path(tmp_path, monkeypatch):
-    """The decode path on a tiny GPT-OSS at T = 1, 2: the decode tiles beat the general path's (by the stub's
-    costs), so the table's decode entry gives both T the chosen tiles through tiles.select_decode_tiles, and the
-    generic bucket covers the shape's limit."""
+    """The decode path on a tiny GPT-OSS (H = 64, F = 32, top-4 of 8) at T = 1, 2: the decode tiles beat the general
+    path's (by the stub's costs), so the table's decode entry gives both T the chosen tiles through
+    tiles.select_decode_tiles, and the generic bucket covers the shape's limit."""
     package = harness.load_kernel()
     kernel = RecordingKernel(package)
-    table, units = _tune(tmp_path, "decode", "gpt-oss-120b", "1,2", CostTimer(kernel), kernel)
-    shape = TINY["gpt-oss-120b"]
+    table, units = _tune(tmp_path, "decode", "gpt-oss-120b", "1,2", CostTimer(kernel), kernel, shapes=SMALL)
+    shape = SMALL["gpt-oss-120b"]
     assert [u["assignments"] for u in units] == [shape.top_k, 2 * shape.top_k]
     assert all(u["changed"] and "block_m" in u["table"] and "block_m" not in u["best"] for u in units)
     assert table["decode"]["buckets"][0]["max_assignments"] == 2 * shape.top_k
@@ -341,13 +352,13 @@ def test_tune_decode_path(tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_tune_fp8_path(tmp_path, monkeypatch):
-    """The w8a8 path on a tiny Mixtral at T = 1 and 40: every candidate passed the w8a8 check, and the "fp8"
-    buckets (split at each measured rows per expert) give each T its winner through tiles.select_fp8_tiles, the bf16
-    buckets untouched."""
+    """The w8a8 path on a tiny Mixtral (H = 64, F = 32: one 128-wide scale block, partly filled) at T = 1 and 40: every
+    candidate passed the w8a8 check, and the "fp8" buckets (split at each measured rows per expert) give each T its
+    winner through tiles.select_fp8_tiles, the bf16 buckets untouched."""
     package = harness.load_kernel()
     kernel = RecordingKernel(package)
-    table, units = _tune(tmp_path, "fp8", "mixtral-8x7b", "1,40", CostTimer(kernel), kernel)
-    shape = TINY["mixtral-8x7b"]
+    table, units = _tune(tmp_path, "fp8", "mixtral-8x7b", "1,40", CostTimer(kernel), kernel, shapes=SMALL)
+    shape = SMALL["mixtral-8x7b"]
     shipped = package.tiles.load_table("interpreter")
     assert {k: v for k, v in table.items() if k != "fp8"} == {k: v for k, v in shipped.items() if k != "fp8"}
     _read_back(monkeypatch, package.tiles, table)

@@ -60,17 +60,22 @@ class DecodeCase:
 TOKENS = (1, 2, 3, 5, 16)
 TOP_KS = (1, 2, 4)
 
+# Every T of the decode range against every top_k with the mixed routing (BLOCK_T padding, per-slot stores, the
+# sentinel mix): the variant cases below run 13 of the 15 pairs with that routing (the assert after CASES holds it),
+# plain SiLU on the transformers layout the other two. (A grid of plain SiLU cases repeated each variant's pair.)
+GRID_CASES = [(1, 1), (16, 4)]
+
 CASES = [
-    # every T of the decode range with every top_k, on the transformers layout with SiLU
     *(DecodeCase(f"silu-T{T}-k{k}", "each T against each top_k: BLOCK_T padding, per-slot stores, sentinel mix", T, k)
-      for T in TOKENS for k in TOP_KS),
+      for T, k in GRID_CASES),
     DecodeCase("one-expert-T5-k4", "all tokens and slots on one expert: one owner writes all 20 rows", 5, 4,
                routing="one-expert"),
     DecodeCase("one-expert-T16-k1", "all tokens on one expert, one slot each", 16, 1, routing="one-expert"),
     DecodeCase("all-sentinels", "no valid id: nothing is computed, the output is exactly zero", 3, 2,
                routing="all-sentinels"),
-    DecodeCase("distinct-T16-k4", "k distinct experts per token over all E: most experts have several owners' "
-               "slots, N = 64", 16, 4, routing="distinct"),
+    DecodeCase("distinct-ragged-T16-k4", "k distinct experts per token over all E: most experts have several owners' "
+               "slots, N = 64 (the table's largest), with H = 33, F = 17: masked tails at that size", 16, 4, H=33, F=17,
+               routing="distinct"),
     DecodeCase("interleaved-T2-k4", "interleaved gate/up: gate and up views with column stride 2", 2, 4,
                interleaved=True),
     DecodeCase("interleaved-bias-T16-k1", "interleaved gate/up with both biases", 16, 1, interleaved=True, bias=True),
@@ -97,10 +102,10 @@ CASES = [
                weights_dtype=torch.bfloat16),
     DecodeCase("fp64-weights-T3-k1", "float64 routing weights (applied in fp32)", 3, 1, weights_dtype=torch.float64),
     DecodeCase("ragged-T3-k2", "H = 33, F = 17: masked K and column tails in both kernels", 3, 2, H=33, F=17),
-    DecodeCase("ragged-T16-k4", "ragged sizes at N = 64", 16, 4, H=33, F=17, routing="distinct"),
     DecodeCase("even-T2-k2", "H = 64, F = 48: no K tails, several column tiles and K steps in both kernels", 2, 2, H=64,
                F=48),
 ]
+assert {(c.T, c.top_k) for c in CASES if c.routing == "mixed"} >= {(T, k) for T in TOKENS for k in TOP_KS}
 
 
 def _ids(case, generator):
@@ -179,9 +184,9 @@ def reference(case, inputs):
 
 # the dot down kernel's share of CASES (interpreter time): duplicates and sentinels, shared and distinct experts, every
 # layout and activation, tails, half precision, int32 column-major ids
-DOT_CASES = {"silu-T3-k2", "silu-T16-k4", "one-expert-T5-k4", "all-sentinels", "distinct-T16-k4", "interleaved-T2-k4",
-             "seed-bias-T1-k4", "gpt-oss-T5-k4", "swiglu-transposed-T16-k2", "fp16-T16-k2", "bf16-T5-k4",
-             "int32-column-major-T5-k2", "ragged-T16-k4"}
+DOT_CASES = {"ragged-T3-k2", "silu-T16-k4", "one-expert-T5-k4", "all-sentinels", "distinct-ragged-T16-k4",
+             "interleaved-T2-k4", "seed-bias-T1-k4", "gpt-oss-T5-k4", "swiglu-transposed-T16-k2", "fp16-T16-k2",
+             "bf16-T5-k4", "int32-column-major-T5-k2"}
 
 
 @pytest.mark.parametrize("case,decode_tiles", [
@@ -203,15 +208,24 @@ def test_decode_path(case, decode_tiles, poison_empty):
 
 SPLIT_CASES = ["silu-T1-k1", "seed-bias-T1-k4", "gpt-oss-T5-k4", "ragged-T3-k2", "even-T2-k2", "one-expert-T16-k1",
                "all-sentinels"]
+_BY_ID = {c.id: c for c in CASES}
+_F64 = dataclasses.replace(_BY_ID["silu-T1-k1"], id="silu-T1-k1-F64", F=64)
+# What each split launches follows from decode_experts' host arithmetic with DECODE's 16-column K steps: split_k is
+# clamped to F's steps and each split takes ceil(steps / split_k) of them. F = 24 and 17 have 2 steps, so any
+# split_k >= 2 runs 2 one-step splits (8 asks for more splits than steps: the clamp; 2 and 3 launched the very same
+# kernels); F = 48 has 3 (2: splits of 2 + 1 steps; 8: clamped to 3 of one step); F = 64 has 4, where split_k = 3 gives
+# 2 + 2 + 0 steps: the GEMV's empty third split adds zeros, the dot kernel drops it (2 splits).
+SPLITS = [*((_BY_ID[i], 8, DECODE) for i in SPLIT_CASES), *((_BY_ID[i], 3, DECODE_DOT) for i in SPLIT_CASES),
+          (_BY_ID["even-T2-k2"], 2, DECODE), (_F64, 3, DECODE), (_F64, 3, DECODE_DOT)]
 
 
-@pytest.mark.parametrize("split_k,decode_tiles", [(2, DECODE), (3, DECODE), (8, DECODE), (3, DECODE_DOT)],
-                         ids=["2-gemv", "3-gemv", "8-gemv", "3-dot"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in SPLIT_CASES], ids=lambda c: c.id)
+@pytest.mark.parametrize("case,split_k,decode_tiles", SPLITS,
+                         ids=[f"{c.id}-{s}-{'dot' if t.down.dot else 'gemv'}" for c, s, t in SPLITS])
 def test_down_kernel_split_k(case, split_k, decode_tiles, poison_empty):
     """The down kernel split along F (split_k programs per assignment or expert and H tile, more than F's K steps
-    included: the GEMV's empty splits add zeros, the dot kernel's are dropped), its partial rows summed by the last
-    arrival: the reference's values (bias added once), reruns bit-identical, top_k = 1 reduced too."""
+    included: the GEMV's empty splits add zeros, the dot kernel's are dropped; SPLITS says which case runs what), its
+    partial rows summed by the last arrival: the reference's values (bias added once), reruns bit-identical, top_k = 1
+    reduced too."""
     inputs = make_inputs(case)
     tiles_split = DecodeTiles(decode_tiles.gate_up, dataclasses.replace(decode_tiles.down, split_k=split_k))
     out = run(case, inputs, tiles_split)

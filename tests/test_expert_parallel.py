@@ -4,12 +4,14 @@ interpreter.
 One spawn per world size runs every case of that size (each spawned rank imports torch and triton once, the slow
 part). Every rank builds the same global problem from the case's seed (all ranks' tokens, all E experts), runs
 `ep_fused_experts` on its own tokens with its shard of the experts, then forward and backward of the single-process
-`fused_experts` with all experts on all tokens, and compares its slice: the output rows of its tokens and the
-gradients of its hidden_states, its topk_weights and its rows of every expert weight and bias. Capacity cases
-compare with the single-process run on ids masked by `ep_capacity_keep_ref` (moe_dispatch.reference, the rule
-written out in Python), and their drop statistics exactly. A rank collects its failures and raises them together
-at the end, so mp.spawn fails with every message. The in-process tests cover one rank, the plan's integers, the
-packed exchange buffer, the number of collectives, the capacity formula and bad inputs.
+experts with all experts on all tokens, in float64 autograd of moe_dispatch.reference.fused_experts_ref (plain
+torch: the single-process kernels, which tests/test_backward.py holds to that reference, took half of each rank's
+interpreter time here), and compares its slice: the output rows of its tokens and the gradients of its
+hidden_states, its topk_weights and its rows of every expert weight and bias. Capacity cases compare with the
+single-process run on ids masked by `ep_capacity_keep_ref` (moe_dispatch.reference, the rule written out in Python),
+and their drop statistics exactly. A rank collects its failures and raises them together at the end, so mp.spawn
+fails with every message. The in-process tests cover one rank, the plan's integers, the packed exchange buffer, the
+number of collectives, the capacity formula and bad inputs.
 """
 
 import dataclasses
@@ -31,7 +33,7 @@ from moe_dispatch.parallel.ep_plan import count_rows
 from moe_dispatch.parallel.expert_parallel import (ExpertParallelExperts, ExpertParallelStats, _Dispatch, _new_packed,
                                           _packing, _plan, _plan_from_counts, _token_rows, _unpack, ep_capacity,
                                           ep_fused_experts)
-from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref, ep_plan_ref
+from moe_dispatch.reference import capacity_keep_mask_ref, ep_capacity_keep_ref, ep_plan_ref, fused_experts_ref
 
 H, F, E_LOCAL = 16, 8, 2
 
@@ -150,14 +152,16 @@ def _run_ep(case, rank, world_size, problem):
 
 
 def _run_reference(case, world_size, problem):
-    """Single-process fused_experts with all experts on all tokens (capacity drops applied to the ids)."""
+    """The single-process experts with all experts on all tokens (capacity drops applied to the ids), in float64
+    autograd of the reference."""
     x, ids, weights, w_gate_up, w_down, (gate_up_bias, down_bias), grad_out = problem
     kept_ids, keep = _kept_ids(case, world_size, ids)
-    leaves = [_leaf(t) for t in (x, weights, w_gate_up, w_down, gate_up_bias, down_bias)]
+    leaves = [_leaf(t.double()) if t is not None else None
+              for t in (x, weights, w_gate_up, w_down, gate_up_bias, down_bias)]
     x_all, weights_all, w_gate_up_all, w_down_all, gate_up_bias_all, down_bias_all = leaves
-    out = md.fused_experts(x_all, w_gate_up_all, w_down_all, kept_ids, weights_all, gate_up_bias=gate_up_bias_all,
-                           down_bias=down_bias_all, validate=False, **_options(case))
-    (out * grad_out).sum().backward()
+    out = fused_experts_ref(x_all, w_gate_up_all, w_down_all, kept_ids, weights_all, gate_up_bias=gate_up_bias_all,
+                            down_bias=down_bias_all, **_options(case))
+    (out * grad_out.double()).sum().backward()
     return out.detach(), [t.grad if t is not None else None for t in leaves], kept_ids, keep
 
 

@@ -368,13 +368,21 @@ def _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options, *, mod
                  what="w8a8 vs dequantized weights", tolerance=W8A8_TOLERANCE)
 
 
-@pytest.mark.parametrize("mode", STATIC_MODES)
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+# Every pair of factors, not their product: each of the kernels' constexpr branches follows one factor (the weight
+# addressing and the activation epilogue the layout, the scale loads the scheme, the activation quantization and the
+# intermediate's the mode), and the branches meet two at a time (scaled_dot: mode x scheme; the epilogue's channel /
+# tensor scale rows: scheme x layout; the quantized intermediate after the activation: mode x layout). Layout i takes
+# scheme j with mode (i + j) % 3, a Latin square: all 12 layout x scheme pairs, every layout and every scheme with
+# each of the three modes.
+W8A8_CASES = [(layout, scheme, STATIC_MODES[(i + j) % len(STATIC_MODES)])
+              for i, layout in enumerate(LAYOUTS) for j, scheme in enumerate(SCHEMES)]
+
+
+@pytest.mark.parametrize("layout,scheme,mode", W8A8_CASES, ids=[f"{c[0][0]}-{c[1]}-{c[2]}" for c in W8A8_CASES])
 def test_w8a8_fused_experts(layout, scheme, mode, poison_empty):
-    """Every scheme x activation-scale mode x layout, fp32 activations (the model check is tight there), H = 40 and
-    F = 24: partial K steps in both GEMMs and a partial group of the intermediate. Buffers start as NaN (poison_empty):
-    no intermediate value or scale is read before GEMM1 writes it."""
+    """Every scheme x activation-scale mode x layout pair (W8A8_CASES), fp32 activations (the model check is tight
+    there), H = 40 and F = 24: partial K steps in both GEMMs and a partial group of the intermediate. Buffers start as
+    NaN (poison_empty): no intermediate value or scale is read before GEMM1 writes it."""
     _, options, _ = layout
     options = dict(options)
     transposed = options.get("transposed", False)
@@ -390,11 +398,14 @@ def test_w8a8_fused_experts(layout, scheme, mode, poison_empty):
     _check_w8a8(out, x, q_gate_up, q_down, ids, weights, scales, options)
 
 
-@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", STATIC_MODES)
+@pytest.mark.parametrize("act_dtype,mode", [(torch.bfloat16, "dynamic"), (torch.float16, "static-tensor"),
+                                            (torch.bfloat16, "static-expert")],
+                         ids=["bf16-dynamic", "fp16-static-tensor", "bf16-static-expert"])
 def test_w8a8_half_precision_and_default_block(act_dtype, mode):
     """bf16 / fp16 activations in and out with the default 128 x 128 blocks over several partial blocks (2F = 160,
-    H = 136): against the model within the activation dtype's rounding of y and the output."""
+    H = 136): against the model within the activation dtype's rounding of y and the output. Each activation-scale
+    mode once, the dtypes alternating: the dtype only converts the loads to fp32 and the stored output, the same
+    instructions whichever mode quantized the sums (test_w8a8_fused_experts holds every mode to the tight bound)."""
     q_gate_up, q_down, scales = _fp8_experts("block", block_shape=(128, 128), ffn=80, hidden=136)
     x = torch.randn(7, 136, device=DEVICE).to(act_dtype)
     ids, weights = _ids(7), torch.rand(7, TOP_K, device=DEVICE)
@@ -457,10 +468,15 @@ def _swap_flags(monkeypatch):
     return flags
 
 
-@pytest.mark.parametrize("mode", STATIC_MODES)
-@pytest.mark.parametrize("scheme,block_shape", [("block", (16, 32)), ("block", (64, 32)), ("channel", (16, 32)),
-                                                ("tensor", (16, 32))],
-                         ids=["block-per-column", "block-uniform", "channel", "tensor"])
+# Each weight scale form with dynamic activations (row scales along the swapped accumulator's columns) and with a
+# static mode (no row scales: scaled_dot's column-scale-only and scale-free forms); the two static modes differ only
+# in where the one scalar a_static comes from (per tensor or per expert), which the swap never sees, so they alternate.
+SWAPPED_CASES = [(f"{name}-{mode}", scheme, block_shape, mode) for k, (name, scheme, block_shape) in enumerate(
+    [("block-per-column", "block", (16, 32)), ("block-uniform", "block", (64, 32)), ("channel", "channel", (16, 32)),
+     ("tensor", "tensor", (16, 32))]) for mode in ("dynamic", STATIC_MODES[1 + k % 2])]
+
+
+@pytest.mark.parametrize("scheme,block_shape,mode", [c[1:] for c in SWAPPED_CASES], ids=[c[0] for c in SWAPPED_CASES])
 def test_w8a8_swapped_small_tiles(scheme, block_shape, mode, poison_empty, monkeypatch):
     """Small tiles with the operands swapped: against the model of the arithmetic, and equal to the same tiles
     unswapped (mma.sync's form, has_wgmma False) within the bound the model is held to. Block

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from cases import FORWARD_CASES, Case
-from helpers import DEVICE, ON_GPU, assert_close, make_weights
+from helpers import DEVICE, ON_GPU, assert_close, make_weights, needs_gpu
 
 import moe_dispatch as md
 from moe_dispatch.dispatch import segments
@@ -25,7 +25,9 @@ def make_inputs(case: Case, device=DEVICE):
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: c.id)
-def test_fused_moe_forward(case, poison_empty):
+def test_fused_moe_forward(case, poison_empty, monkeypatch):
+    if case.chunked:
+        monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
     x, router_weight, extras = make_inputs(case)
     w_gate, w_up, w_down = make_weights(case.E, case.H, case.F, case.dtype)
     kwargs = dict(case.routing_kwargs(), **extras)
@@ -171,12 +173,20 @@ def dispatch_path(request, monkeypatch):
 
 @pytest.mark.parametrize("T,E,top_k,kind", [(9, 5, 2, "random"), (100, 8, 3, "random"), (70, 4, 2, "empty-experts"),
                                             (SINGLE_MAX, 3, 1, "one-expert"), (SINGLE_MAX + 1, 3, 1, "one-expert"),
-                                            (2048, 256, 8, "random")])
+                                            (131, 256, 8, "random"),
+                                            pytest.param(2048, 256, 8, "random", marks=needs_gpu)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_dispatch_metadata(T, E, top_k, kind, block_m, dispatch_path):
     """Counts and offsets exact, gather/scatter inverse, stable order, tile map covers each row exactly once, on both
     paths (the cases past SINGLE_MAX run the chunked one either way; on the one-program fixture the largest runs it
-    with the default dispatch.segments.BLOCK_CHUNKS)."""
+    with the default dispatch.segments.BLOCK_CHUNKS).
+
+    The largest case, DeepSeek's E = 256 at top-8, is sized by what it checks, not by a real batch: N = 131 * 8 = 1048
+    > SINGLE_MAX, so it is chunked on both fixtures; 9 chunks of CHUNK = 128, the last one partial (24 assignments,
+    masked loads); with BLOCK_CHUNKS = 2 each of the 256 experts' prefix rows is scanned in 5 blocks (the carry
+    crosses 4 block edges, the last block half masked), and most experts get rows in a few chunks and none in the rest.
+    The prefix kernel's interpreted work grows with E x N / (CHUNK x BLOCK_CHUNKS): T = 2048 (128 chunks, 64 prefix
+    blocks) took 80 s a case there for no further branch, so that batch runs on a GPU only."""
     ids = _routing(T, E, top_k, kind).to(DEVICE)
     info = dispatch(ids, E, block_m)
     _, ref_offsets, ref_sorted, ref_restore = permute_tokens_ref(torch.zeros(T, 1), ids.cpu(), E)

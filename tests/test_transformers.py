@@ -376,7 +376,14 @@ def test_hub_kernel_is_a_separate_copy(hub_kernel):
     assert package.layers.MegaBlocksMoeMLP is not moe_dispatch.layers.MegaBlocksMoeMLP
 
 
-@pytest.mark.parametrize("case", MODELS, ids=MODEL_IDS)
+# One model per layer class of the Hub build (SparseMoeBlock, MegaBlocksMoeMLP): the build is a copy of torch-ext's
+# package, whose every model runs above through both the experts interface and kernelize (MOE_DISPATCH_FROM=hub runs
+# the whole suite on the build); what is the Hub's own here is the copy's registration under its own name and each
+# layer class resolved through a LayerRepository.
+HUB_MODELS = [case for case in MODELS if case.id in ("mixtral", "gpt_oss")]
+
+
+@pytest.mark.parametrize("case", HUB_MODELS, ids=lambda case: case.id)
 def test_hub_kernel_experts_and_layers_match_eager(case, hub_kernel, count_kernel_calls, hook_block_class):
     package, _ = hub_kernel
     dtype = torch.float32
