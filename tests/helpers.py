@@ -41,6 +41,15 @@ def poison_empty(monkeypatch):
     """torch.empty / torch.empty_like return NaN floats, True booleans and 2^30 integers, so an output element a
     kernel forgets to write, or a buffer it reads before writing, shows up as NaN or a wild index."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
+    # torch builds the set of constructors a `with torch.device(...)` places once, on the first device context of the
+    # process (torch.utils._device._device_constructors): built under this patch (fast gradcheck opens one), it
+    # would hold the lambda, and torch.empty would ignore every later device context, `torch.device("meta")` included.
+    try:
+        from torch.utils._device import _device_constructors
+    except ImportError:  # a torch without that cache
+        pass
+    else:
+        _device_constructors()
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: _poison(real_empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: _poison(real_empty_like(*args, **kwargs)))
 
