@@ -27,7 +27,7 @@ def make_inputs(case: Case, device=DEVICE):
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: c.id)
 def test_fused_moe_forward(case, poison_empty, monkeypatch):
     if case.chunked:
-        monkeypatch.setattr(dispatch_module, "SINGLE_MAX", 0)
+        monkeypatch.setattr(segments, "SINGLE_MAX", 0)
     x, router_weight, extras = make_inputs(case)
     w_gate, w_up, w_down = make_weights(case.E, case.H, case.F, case.dtype)
     kwargs = dict(case.routing_kwargs(), **extras)
