@@ -60,6 +60,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join("docs", "results", "compile-targets.md")
 
 KB = 1024
+# Compilation knobs Triton's `JITFunction.run` passes to its binder; a Triton has the ones of its version (3.6 the
+# first, 3.9 both).
+LAUNCH_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
 # The targets: the tile table each reads (device_key), Triton's backend and arch, and the shared memory a program may
 # use (the opt-in maximum per block; LDS per workgroup on AMD).
 TARGETS = {
@@ -116,8 +119,9 @@ class Recorder:
 
     def run(self, kernel, *args, grid, warmup, **kwargs):
         kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        for name in LAUNCH_KNOBS:  # what this Triton's own launcher passes from its compilation knobs
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
         binder = self.binders.get(kernel)
         if binder is None:
             binder = self.binders[kernel] = create_function_from_signature(kernel.signature, kernel.params,
@@ -679,6 +683,10 @@ KNOWN = (
           "of the table's tiles: on the H200 \"auto\" takes the w8a8 path; the dequant path runs where it is forced "
           "or the block shape rules w8a8 out.", ("h200",), ("_grouped_gemm_kernel",),
           where=(("WEIGHT_SCALE", (1, 2, 4)),)),
+    Known("H200 with Triton 3.6 (the GPU image's; none with the pinned Triton): the fp8 decode table's gate/up tile "
+          "at BLOCK_K 256 on the dequant path with a per-tensor or per-channel scale: 8 bytes; the tile was measured "
+          "with that Triton (scripts/tune --path decode --fp8).", ("h200",), ("_decode_gate_up_kernel",),
+          where=(("WEIGHT_SCALE", (1, 2)), ("BLOCK_K", 256))),
     Known("H200, Qwen3-30B's measured 32 x 128 x 128 tile (4 warps, 3 stages) in inference: 16 bytes; the winner by "
           "kernel time (scripts/tune).", ("h200",), ("_grouped_gemm_kernel",),
           where=(("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 128), ("num_warps", 4), ("num_stages", 3))),
