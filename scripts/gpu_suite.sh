@@ -18,7 +18,9 @@
 #   SUITE_PYTEST_GROUPS=N   run the test files as N concurrent pytest processes (each file to the group with the fewest
 #                           bytes of tests so far, largest first), then the files of SUITE_PYTEST_ALONE (default
 #                           tests/test_gpu_backward.py, which needs the GPU's memory) alone; one log per group. The
-#                           whole GPU suite takes about 20 minutes serially on one H200; 4 groups suit a 16-core host.
+#                           whole GPU suite takes about 20 minutes serially on one H200; 4 groups suit a 16-core host
+#                           (6 groups: 6 minutes, but the processes' cached GPU memory ran out before
+#                           tests/conftest.py released it after each test).
 #   SUITE_BINNED=0          skip the binned-routing benchmark (scripts/bench_binned.py)
 #   SUITE_TRAIN=1           also the training benchmark (scripts/bench_train.py); SUITE_TRAIN_LIGER=model,... adds
 #                           Liger-Kernel where its wheel is installed (minutes of autotuning per shape)

@@ -100,6 +100,16 @@ def _fresh_plans():
     moe_dispatch.host.replay.clear()
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """On a GPU, each test hands its cached blocks back to the driver when it ends: scripts/gpu_suite.sh runs
+    several pytest processes on one GPU, and memory one process's allocator keeps cached is memory the others cannot
+    get (a run of six processes on the H200 went out of memory that way in tests needing 4-8 GiB at once)."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # The time budget of one test file in the interpreter (CPU) suite: the durations of its tests (setup + call + teardown)
 # summed. scripts/test runs the files on pytest-xdist workers (two on CI's two cores), so a file past it holds up a
 # worker; 150 s a file keeps the suite near 600 s of wall time on two cores. A file that grows past it fails the run
