@@ -46,9 +46,10 @@ SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 SCALE_MXFP4 = tl.constexpr(WeightScaleCode.MXFP4.value)
 SCALE_MXFP4_N = tl.constexpr(WeightScaleCode.MXFP4_N.value)
 MXFP4_GROUP = tl.constexpr(32)  # K values per e8m0 scale (mxfp4.MXFP4_GROUP)
-# fp32 bit patterns: 0.5 (e2m1's subnormal, and the exponent base of its normals), 2^-127 (e8m0 code 0)
-F32_HALF_BITS = tl.constexpr(0x3F000000)
+# fp32 bit pattern of 2^-127 (e8m0 code 0), and 2^126: e2m1's bits placed at fp32's lowest exponent bits read the
+# value times 2^-126 (`e2m1_to_f32`)
 F32_2_POW_M127_BITS = tl.constexpr(0x00400000)
+F32_2_POW_126 = tl.constexpr(2.0 ** 126)
 # fp32 NaN as bits: a float NaN constexpr would not equal itself, which Triton's check that every jit function sees
 # one value of a global refuses when compiling for a GPU
 NAN_BITS = tl.constexpr(0x7FC00000)
@@ -269,13 +270,14 @@ def f16_sums_step(b_acc, b_acc_up, b_a, w_ptrs, w_up_ptrs, w_mask, mask_n, s_ptr
 @triton.jit
 def e2m1_to_f32(b_codes):
     """fp32 values of e2m1 codes (the low 4 bits of b_codes, any unsigned int type): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
-    their negatives. Built as bits: a normal code (magnitude bits m >= 2: exponent m >> 1, mantissa m & 1) is
-    exponent field (m >> 1) + 126 with the mantissa in fp32's top mantissa bit, i.e. (m << 22) + bits(0.5); m = 1 is
-    0.5 itself, m = 0 zero; the sign bit (bit 3) moves to bit 31."""
+    their negatives, in five integer operations and one multiply. The magnitude bits (exponent e, mantissa m) go to
+    fp32's two lowest exponent bits and its top mantissa bit, the sign to bit 31: as fp32 that reads
+    2^(e - 127) (1 + m / 2) for e >= 1 and, for e = 0, the subnormal m 2^-127, which is the e2m1 value times 2^-126
+    in every case; the multiply by 2^126 is exact (no select per value; subnormals are kept: Triton flushes them only
+    inside libdevice calls)."""
     b_codes = b_codes.to(tl.uint32)
-    b_mag = b_codes & 7
-    b_bits = tl.where(b_mag >= 2, (b_mag << 22) + F32_HALF_BITS, tl.where(b_mag == 1, F32_HALF_BITS, 0))
-    return (b_bits | ((b_codes & 8) << 28)).to(tl.float32, bitcast=True)
+    b_bits = ((b_codes & 7) << 22) | ((b_codes & 8) << 28)
+    return b_bits.to(tl.float32, bitcast=True) * F32_2_POW_126
 
 
 @triton.jit
@@ -301,7 +303,7 @@ def mxfp4_half_tiles(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K: tl.conste
     rows: tl.constexpr = b_bytes.shape[0]
     b_scale = tl.broadcast_to(e8m0_to_f32(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
     b_scale = tl.reshape(b_scale, (rows, BLOCK_K // 2))
-    return (e2m1_to_f32(b_bytes & 15) * b_scale).to(a_dtype), (e2m1_to_f32(b_bytes >> 4) * b_scale).to(a_dtype)
+    return (e2m1_to_f32(b_bytes) * b_scale).to(a_dtype), (e2m1_to_f32(b_bytes >> 4) * b_scale).to(a_dtype)
 
 
 @triton.jit
@@ -381,7 +383,7 @@ def mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr, s_ptr, offs_n, mask_m, mask_n, K, str
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)
         b_bytes = tl.load(w_ptrs, mask=mask_k[:, None] & mask_byte[None, :], other=0)
         b_codes = tl.load(s_ptrs, mask=mask_k[:, None] & mask_group[None, :], other=0)
-        b_values = tl.join(e2m1_to_f32(b_bytes & 15), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_K, BLOCK_N / 2, 2]
+        b_values = tl.join(e2m1_to_f32(b_bytes), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_K, BLOCK_N / 2, 2]
         b_values = tl.reshape(b_values, (BLOCK_K, HALF // (MXFP4_GROUP // 2), MXFP4_GROUP))
         b_values = b_values * e8m0_to_f32(b_codes)[:, :, None]
         b_w = tl.reshape(b_values, (BLOCK_K, 2 * HALF)).to(a_dtype)
