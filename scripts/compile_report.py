@@ -690,9 +690,10 @@ KNOWN = (
     Known("H200, Qwen3-30B's measured 32 x 128 x 128 tile (4 warps, 3 stages) in inference: 16 bytes; the winner by "
           "kernel time (scripts/tune).", ("h200",), ("_grouped_gemm_kernel",),
           where=(("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 128), ("num_warps", 4), ("num_stages", 3))),
-    Known("H200, GPT-OSS's transposed interleaved layout in the persistent kernel (3-D weight descriptors, paired "
-          "gate/up columns) at the 128-row tiles of its list: 8 bytes in inference.", ("h200",),
-          ("_persistent_grouped_gemm_kernel",), where=(("W_K_OUTER", True), ("PAIRED", True))),
+    Known("H200, GPT-OSS's interleaved gate/up rows in the persistent kernel (paired gate/up columns; 3-D weight "
+          "descriptors for its transposed bf16 layout, and [E, 2F, H] for the buffer its MXFP4 weights are decoded "
+          "into at prefill) at the 128-row tiles of its list: 8 bytes in inference.", ("h200",),
+          ("_persistent_grouped_gemm_kernel",), where=(("PAIRED", True),)),
     Known("A100, dispatch/combine.py's 1024 columns per program with top_k 4 and no weights (GPT-OSS's H = 2880): 8 bytes; "
           "a launcher's choice, not a table's.", ("a100",), ("_combine_kernel",),
           where=(("BLOCK_H", 1024), ("TOP_K", 4))),

@@ -8,6 +8,9 @@ import torch
 from helpers import DEVICE, assert_close, needs_gpu
 
 import moe_dispatch as md
+from moe_dispatch import moe
+from moe_dispatch.gemm import planner
+from moe_dispatch.gemm.mxfp4_dequant import dequantize_mxfp4_experts
 from moe_dispatch.host import replay
 from moe_dispatch.moe import _FUSED_EXPERTS_PLANS
 from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref
@@ -114,6 +117,89 @@ def test_replay_gives_each_calls_result():
     out = _run(x2, gate_up2, down2, ids, weights, **biases)
     assert _FUSED_EXPERTS_PLANS.replays == replays + 1, _FUSED_EXPERTS_PLANS.last_reason
     assert_close(out, _reference(x2, gate_up2, down2, ids, weights, **biases), torch.float32)
+
+
+def _dequantizing_first(monkeypatch, min_rows=0):
+    """Every MXFP4 call from `min_rows` rows per expert decodes its weights first (gemm/mxfp4_dequant.py)."""
+    monkeypatch.setattr(planner, "MXFP4_DEQUANTIZE_MIN_ROWS", min_rows)
+    replay.clear()
+
+
+def _spy_dequantize(monkeypatch):
+    calls = []
+    real = moe.dequantize_mxfp4_experts
+    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "concatenated"])
+def test_prefill_dequantizing_first_matches_float64(interleaved, monkeypatch, poison_empty):
+    """Past MXFP4_DEQUANTIZE_MIN_ROWS rows per expert the weights are decoded once into a float buffer and the float
+    path runs on it: the same float64 reference as the loads' path, H = 96 not a multiple of the decode kernel's 256
+    values per program, F = 160 not one of 64."""
+    _dequantizing_first(monkeypatch)
+    calls = _spy_dequantize(monkeypatch)
+    options = dict(activation="swiglu_oai", interleaved=True) if interleaved else {}
+    x, gate_up, down, ids, weights, biases = _experts(5, 96, 160, T=19, top_k=2)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    assert calls == [(5, 320, 48), (5, 96, 80)], "the call did not decode its weights first"
+    assert_close(out, _reference(x, gate_up, down, ids, weights, **options, **biases), torch.float32)
+
+
+def test_dequantize_kernel_gives_the_formats_values():
+    """The buffer holds exactly formats/mxfp4.py's dequantized values (fp32: no rounding), every e2m1 code and the
+    scale codes 0 (2^-127, subnormal), 254 and 0xFF (NaN for the whole group) among them; blocks as a strided view."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3, 5, 2)  # [3, 5, 512]: every byte, twice per row
+    blocks = codes.view(3, 5, 32, 16).to(DEVICE)
+    scale = torch.randint(110, 135, (3, 5, 32), dtype=torch.uint8)
+    scale[0, 0, :3] = torch.tensor([0, 254, 0xFF], dtype=torch.uint8)
+    scale = scale.to(DEVICE)
+    wide = torch.zeros(3, 7, 512, dtype=torch.uint8, device=DEVICE)
+    wide[:, 1:6] = codes.to(DEVICE)
+    for packed in (blocks.flatten(2), wide[:, 1:6]):  # contiguous bytes, and rows strided inside a larger tensor
+        out = dequantize_mxfp4_experts(packed, scale, torch.float32)
+        expected = md.dequantize_experts_mxfp4(blocks, scale, torch.float32)
+        assert out.shape == (3, 5, 1024) and torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num()), "a value differs from the format's"
+    assert out[0, 0, 64:96].isnan().all() and not out[0, 0, :64].isnan().any()
+
+
+def test_prefill_dequantizing_first_propagates_non_finite_values(monkeypatch):
+    """The decoded buffer keeps the NaN scale code's NaN for its expert's tokens only; NaN in x stays in its row."""
+    _dequantizing_first(monkeypatch)
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=6, top_k=1, bias=False)
+    ids = torch.tensor([[0], [1], [2], [3], [0], [1]], device=DEVICE)
+    x[1, 5] = float("nan")
+    gate_up_scale = gate_up[1].clone()
+    gate_up_scale[3, 0, 1] = 0xFF
+    nan_rows = _run(x, (gate_up[0], gate_up_scale), down, ids, weights).isnan().any(dim=1)
+    assert nan_rows.tolist() == [False, True, False, True, False, False]
+
+
+def test_planner_dequantizes_first_only_at_prefill_without_gradients():
+    """The choice reads host facts only: rows per expert against the threshold, the buffer's bytes against their
+    bound, gradients (autograd would keep the buffer) and forced tiles (the MXFP4 path's) rule it out."""
+    rows = planner.MXFP4_DEQUANTIZE_MIN_ROWS
+    choose = planner.mxfp4_dequantizes_first
+    kwargs = dict(forced_tiles=False, grad=False)
+    assert choose(rows * 32 // 4, 4, 32, 2880, 2880, torch.bfloat16, **kwargs)
+    assert not choose(rows * 32 // 4 - 1, 4, 32, 2880, 2880, torch.bfloat16, **kwargs)
+    assert not choose(rows * 32, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=True, grad=False)
+    assert not choose(rows * 32, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=False, grad=True)
+    big = planner.MXFP4_DEQUANTIZE_MAX_BYTES // (3 * 2880 * 2880 * 2) + 1  # experts whose buffer passes the bound
+    assert not choose(rows * big, 4, big, 2880, 2880, torch.bfloat16, **kwargs)
+    assert choose(rows * (big - 1), 4, big - 1, 2880, 2880, torch.bfloat16, **kwargs)
+    assert not choose(0, 4, 0, 2880, 2880, torch.bfloat16, **kwargs)
+
+
+def test_gradients_keep_the_loads_path(monkeypatch):
+    """With a gradient asked for, the MXFP4 weights stay in the GEMMs' loads even past the threshold."""
+    _dequantizing_first(monkeypatch)
+    calls = _spy_dequantize(monkeypatch)
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=5, top_k=2)
+    x.requires_grad_(True)
+    _run(x, gate_up, down, ids, weights, **biases).sum().backward()
+    assert calls == [] and x.grad is not None
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "concatenated"])

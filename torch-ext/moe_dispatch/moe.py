@@ -30,7 +30,8 @@ from .formats.scale_codes import WeightScaleCode
 from .gemm.args import weight_k
 from .gemm.decode import decode_experts
 from .gemm.grouped import check_segmented_rows, expert_gemm
-from .gemm.planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_segments
+from .gemm.mxfp4_dequant import dequantize_mxfp4_experts
+from .gemm.planner import ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts, plan_segments
 from .gemm.w8a8 import w8a8_experts
 from .host.checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
                           check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
@@ -664,8 +665,13 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
         w_gate_up, w_gate_up_scale = check_mxfp4_weight("w_gate_up", w_gate_up, "w_gate_up_scale", w_gate_up_scale)
         w_down, w_down_scale = check_mxfp4_weight("w_down", w_down, "w_down_scale", w_down_scale)
         fp8_compute = "dequant"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (hidden_states, topk_weights, gate_up_bias, down_bias)):
+        if mxfp4_dequantizes_first(T, topk_ids.shape[1], E, 2 * w_down.shape[2], H, x.dtype,
+                                   forced_tiles=tiles is not None,
+                                   grad=_needs_grad(hidden_states, topk_weights, gate_up_bias, down_bias)):
+            w_gate_up = dequantize_mxfp4_experts(w_gate_up, w_gate_up_scale, x.dtype)
+            w_down = dequantize_mxfp4_experts(w_down, w_down_scale, x.dtype)
+            w_gate_up_scale = w_down_scale = None
+    if _needs_grad(hidden_states, topk_weights, gate_up_bias, down_bias):
         # gradients through frozen quantized weights: the dequant path (the w8a8 path is forward only)
         fp8_compute = "dequant" if fp8_compute == "auto" else fp8_compute
         if (w_gate_up_scale_layout == "merged" and w_gate_up_scale is not None and w_gate_up_scale.dim() == 3
@@ -683,6 +689,11 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
                     fp8_compute, w_gate_up_scale_layout)
     return _run_experts(x, w_gate_up, None, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, spec=spec,
                         tiles=tiles, fp8=fp8)
+
+
+def _needs_grad(*tensors):
+    """Whether autograd will ask for gradients of any of `tensors` (None ones skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):

@@ -15,6 +15,8 @@ decides; it launches nothing and imports no launcher.
                        persistent descriptor kernel (gemm/w8a8_persistent.py)
   w8a8_input           how GEMM1 of the w8a8 path gets its float8 input: quantized in the loads, or by a pass over x
                        first (in token order, or gathered into expert order for the persistent kernel)
+  mxfp4_dequantizes_first  whether an MXFP4 experts call decodes its weights once into a float buffer and runs the
+                       float path (prefill sizes, gemm/mxfp4_dequant.py) instead of decoding them in the GEMMs' loads
 
 Every decision reads only what a CUDA graph or torch.compile also knows: no device data.
 """
@@ -44,6 +46,14 @@ W8A8_SWAP_MIN_BLOCK_N = 64
 # GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch, unless its tiles swap
 # their operands (`w8a8_input`).
 PREQUANTIZE_MIN_BLOCK_M = 64
+# MXFP4 experts decode their weights once into a buffer of the activations' dtype (gemm/mxfp4_dequant.py) from this
+# many rows per expert on average (T * top_k / E): below it each weight tile is decoded in the loads of the few M
+# tiles that read it; above it that repeated decode costs more than one pass over the weights (one read of 4.25 bits
+# and one write of 16 per weight). The buffer exists for the call only, and only when it stays within
+# MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when gradients are taken (autograd
+# would keep it until the backward).
+MXFP4_DEQUANTIZE_MIN_ROWS = 64
+MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 
 
 class ExpertsPath(enum.Enum):
@@ -232,3 +242,15 @@ def w8a8_input(tiles: MoeTiles, device, *, transposed, input_scale) -> tuple[boo
     if small:
         return True, False
     return True, bool(tiles.gate_up.persistent) and not transposed and has_tma(device)
+
+
+def mxfp4_dequantizes_first(num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int, dtype: torch.dtype,
+                            *, forced_tiles: bool, grad: bool) -> bool:
+    """Whether an MXFP4 experts call runs the float path on its weights decoded into a buffer first (see
+    MXFP4_DEQUANTIZE_MIN_ROWS): at prefill sizes, without gradients, within the buffer's byte bound, and not when the
+    caller forced tiles (they are the MXFP4 path's)."""
+    if grad or forced_tiles or num_experts == 0:
+        return False
+    buffer_bytes = num_experts * 3 * ffn * hidden * torch.empty((), dtype=dtype).element_size()
+    return (num_tokens * top_k >= MXFP4_DEQUANTIZE_MIN_ROWS * num_experts
+            and buffer_bytes <= MXFP4_DEQUANTIZE_MAX_BYTES)
