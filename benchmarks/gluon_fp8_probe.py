@@ -1,6 +1,6 @@
 """Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gemm.gluon_fp8) on a Hopper GPU with Triton 3.6.
 
-    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py        (from the repository root)
+    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py [--sections gemm experts] [--models ...] [--tokens ...]
 
 1. Correctness against the float64 references (moe_dispatch.reference, norm-wise relative error): dense at odd M
    (1, 77, 4097) and N, K tails; grouped with an empty expert, a one-row expert and tiles ending mid-expert; a NaN in
@@ -12,11 +12,21 @@
    of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose gate/up GEMM this is (H = 7168,
    2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of both GEMMs counted).
    The timed shapes are checked too, on a sample of rows (a float64 reference of the whole is slow).
+3. The experts path per engine (`--sections experts`): `fused_experts` on float8_e4m3fn experts with 128 x 128 block
+   scales at Qwen3-30B-A3B (E 128, top-8, H 2048, F 768), DeepSeek-V3 (E 256, top-8, H 7168, F 2048) and
+   Mixtral-8x7B (E 8, top-2, H 4096, F 14336) widths, T = 4096 and 16384, uniform random routing: the portable w8a8
+   kernels (MOE_DISPATCH_GLUON_FP8 unset), the Gluon engine (gemm/gluon_experts.py; the variable set to 1 in this
+   process, plans cleared after each change) and the bf16 path on the dequantized weights, each timed as a CUDA graph
+   (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable and fp8/bf16; the Gluon
+   result checked against the portable one and the bf16 one (relative error < reference.W8A8_TOLERANCE: both quantize
+   activations to e4m3 with different groups, or not at all).
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
 Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
 """
 
+import argparse
+import functools
 import os
 import sys
 import time
@@ -26,11 +36,16 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model_shapes
 
 from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
+EXPERTS_ROWS = []  # (label, portable ms, gluon ms, bf16 ms, FLOPs)
+SECTIONS = ("gemm", "experts")
+EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
+EXPERTS_TOKENS = (4096, 16384)
 
 
 def part(name):
@@ -72,7 +87,118 @@ def offsets_of(counts, device="cuda"):
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
-def main():
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="gemm: parts 1-2 (the GEMMs alone, ~40 s); experts: part 3 (fused_experts per engine)")
+    parser.add_argument("--models", nargs="+", choices=list(EXPERTS_MODELS), default=list(EXPERTS_MODELS),
+                        help="part 3's layer widths (benchmarks/model_shapes.py)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(EXPERTS_TOKENS), help="part 3's T values")
+    return parser.parse_args(argv)
+
+
+def block_fp8_experts(E, H, F, dev, experts_per_chunk=16):
+    """(w_gate_up [E, 2F, H], s_gate_up, w_down [E, H, F], s_down): float8_e4m3fn drawn directly (N(0, 64), clamped to
+    the e4m3 range) with fp32 128 x 128 block scales near 1.5e-4 (weights of std ~0.01), a chunk of experts at a time
+    (DeepSeek-V3's bf16 gate/up weight alone is 15 GB)."""
+    def weight(rows, cols):
+        w = torch.empty(E, rows, cols, device=dev, dtype=torch.float8_e4m3fn)
+        for lo in range(0, E, experts_per_chunk):
+            hi = min(E, lo + experts_per_chunk)
+            w[lo:hi] = (torch.randn(hi - lo, rows, cols, device=dev, dtype=torch.bfloat16) * 64).clamp(-448, 448)
+        scale = (torch.rand(E, triton.cdiv(rows, 128), triton.cdiv(cols, 128), device=dev) + 0.5) * 1.5e-4
+        return w, scale
+
+    return (*weight(2 * F, H), *weight(H, F))
+
+
+def dequantized_bf16(w, scale, experts_per_chunk=8):
+    """The bf16 weight w * scale (block scales), a chunk of experts at a time."""
+    from moe_dispatch.formats.fp8 import dequantize_experts_fp8
+
+    out = torch.empty(w.shape, device=w.device, dtype=torch.bfloat16)
+    for lo in range(0, w.shape[0], experts_per_chunk):
+        hi = min(w.shape[0], lo + experts_per_chunk)
+        out[lo:hi] = dequantize_experts_fp8(w[lo:hi], scale[lo:hi], "block", dtype=torch.bfloat16)
+    return out
+
+
+def bench_graph_ms(fn):
+    """Median ms of fn replayed in a CUDA graph (no host time between calls: the Gluon engine's calls run the full
+    host path, which a plan does not record, while the portable ones replay plans); do_bench where capture fails."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), "graph"
+    except Exception as exc:  # noqa: BLE001 - the probe reports the fallback and goes on
+        print(f"   CUDA graph timing failed ({type(exc).__name__}: {str(exc)[:120]}); do_bench instead", flush=True)
+        torch.cuda.synchronize()
+        return bench_ms(fn), "eager"
+
+
+def experts_sections(args, dev="cuda"):
+    """Part 3: fused_experts per engine at real layer widths (module docstring)."""
+    import moe_dispatch as md
+    from model_shapes import MODEL_SHAPES
+    from moe_dispatch.gemm import planner
+    from moe_dispatch.reference import W8A8_TOLERANCE, relative_error
+
+    for model in args.models:
+        shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
+        E, top_k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+
+        @part(f"fused_experts engines: {model} (E {E}, top-{top_k}, H {H}, F {F})")
+        def _():
+            torch.manual_seed(0)
+            w_gate_up, s_gate_up, w_down, s_down = block_fp8_experts(E, H, F, dev)
+            bf16_gate_up, bf16_down = dequantized_bf16(w_gate_up, s_gate_up), dequantized_bf16(w_down, s_down)
+            fp8 = dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, fp8_compute="w8a8")
+            for T in args.tokens:
+                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+                ids = torch.rand(T, E, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+                weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+                flops = 6 * T * top_k * H * F  # gate/up (2 F x H) and down (H x F), 2 FLOPs a multiply-add
+                label = f"{model} T{T}"
+                times, outs = {}, {}
+                for engine, gluon in (("portable w8a8", False), ("gluon w8a8", True)):
+                    if gluon:
+                        os.environ[planner.GLUON_FP8_VARIABLE] = "1"
+                    else:
+                        os.environ.pop(planner.GLUON_FP8_VARIABLE, None)
+                    md.host.replay.clear()  # the variable is read when a plan is recorded
+                    run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False,
+                                            **fp8)
+                    outs[engine] = run()
+                    times[engine], how = bench_graph_ms(run)
+                    record(engine, label, times[engine], flops, how)
+                os.environ.pop(planner.GLUON_FP8_VARIABLE, None)
+                md.host.replay.clear()
+                run = functools.partial(md.fused_experts, x, bf16_gate_up, bf16_down, ids, weights, validate=False)
+                outs["bf16"] = run()
+                times["bf16"], how = bench_graph_ms(run)
+                record("bf16 (dequantized weights)", label, times["bf16"], flops, how)
+                EXPERTS_ROWS.append((label, times["portable w8a8"], times["gluon w8a8"], times["bf16"], flops))
+                check(f"{label} gluon vs portable w8a8", relative_error(outs["gluon w8a8"], outs["portable w8a8"]),
+                      W8A8_TOLERANCE)
+                check(f"{label} gluon vs bf16 weights", relative_error(outs["gluon w8a8"], outs["bf16"]),
+                      W8A8_TOLERANCE)
+                del outs
+            del w_gate_up, w_down, bf16_gate_up, bf16_down
+            torch.cuda.empty_cache()
+
+    if EXPERTS_ROWS:
+        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'bf16 ms':>8} {'portable':>9} "
+              f"{'gluon':>7} {'bf16':>7} {'gluon/':>9} {'fp8/bf16':>9}")
+        print(f"{'':<24} {'':>11} {'':>9} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} {'TFLOP/s':>7} {'portable':>9} "
+              f"{'(best)':>9}")
+        for label, portable, gluon, bf16, flops in EXPERTS_ROWS:
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {bf16:8.3f} {tflops(flops, portable):9.1f} "
+                  f"{tflops(flops, gluon):7.1f} {tflops(flops, bf16):7.1f} {portable / gluon:8.2f}x "
+                  f"{bf16 / min(portable, gluon):8.2f}x")
+        print("(gluon/portable and fp8/bf16 are speedups: time of the first over time of the second's engine)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
     reason = gluon_fp8.unavailable_reason()
@@ -99,100 +225,106 @@ def main():
         return relative_error(got, ref)
     tol = FP8_GEMM_TOLERANCE
 
-    @part("dense correctness")
-    def _():
-        for M, N, K in [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048), (300, 1024, 7168)]:
-            a, a_s = quantize_rows(torch.randn(M, K, device=dev))
-            b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
-            out = gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])
-            torch.cuda.synchronize()
-            check(f"dense M={M} N={N} K={K}", relative_error(out, fp8_block_gemm_ref(a, a_s, b[0], b_s[0])), tol)
-
-    @part("grouped correctness")
-    def _():
-        for counts, N, K in [([77, 0, 1, 4019], 384, 1024), ([1], 256, 512), ([129, 128, 0, 0, 300], 320, 1040)]:
-            offsets = offsets_of(counts)
-            a, a_s = quantize_rows(torch.randn(sum(counts), K, device=dev))
-            b, b_s = quantize_blocks(torch.randn(len(counts), N, K, device=dev))
-            out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
-            torch.cuda.synchronize()
-            ref = fp8_block_grouped_gemm_ref(a, a_s, b, b_s, offsets)
-            check(f"grouped counts={counts} N={N} K={K}", relative_error(out[:sum(counts)], ref), tol)
-
-    @part("NaN propagation")
-    def _():
-        a, a_s = quantize_rows(torch.randn(200, 512, device=dev))
-        b, b_s = quantize_blocks(torch.randn(2, 256, 512, device=dev))
-        a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
-        others = torch.arange(200, device=dev) != 3
-        for name, out in [("dense", gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])),
-                          ("grouped", gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets_of([100, 100])))]:
-            ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
-            print(f"   {name}: row 3 all NaN and the other rows finite: {ok}")
-            if not ok:
-                FAILURES.append((f"NaN {name}", "NaN did not stay in its row"))
-
-    for size in (4096, 8192):
-        @part(f"dense {size}^3 timing")
+    if "gemm" in args.sections:
+        @part("dense correctness")
         def _():
-            M = N = K = size
+            for M, N, K in [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048), (300, 1024, 7168)]:
+                a, a_s = quantize_rows(torch.randn(M, K, device=dev))
+                b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
+                out = gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])
+                torch.cuda.synchronize()
+                check(f"dense M={M} N={N} K={K}", relative_error(out, fp8_block_gemm_ref(a, a_s, b[0], b_s[0])), tol)
+
+        @part("grouped correctness")
+        def _():
+            for counts, N, K in [([77, 0, 1, 4019], 384, 1024), ([1], 256, 512), ([129, 128, 0, 0, 300], 320, 1040)]:
+                offsets = offsets_of(counts)
+                a, a_s = quantize_rows(torch.randn(sum(counts), K, device=dev))
+                b, b_s = quantize_blocks(torch.randn(len(counts), N, K, device=dev))
+                out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
+                torch.cuda.synchronize()
+                ref = fp8_block_grouped_gemm_ref(a, a_s, b, b_s, offsets)
+                check(f"grouped counts={counts} N={N} K={K}", relative_error(out[:sum(counts)], ref), tol)
+
+        @part("NaN propagation")
+        def _():
+            a, a_s = quantize_rows(torch.randn(200, 512, device=dev))
+            b, b_s = quantize_blocks(torch.randn(2, 256, 512, device=dev))
+            a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
+            others = torch.arange(200, device=dev) != 3
+            for name, out in [("dense", gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])),
+                              ("grouped", gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets_of([100, 100])))]:
+                ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
+                print(f"   {name}: row 3 all NaN and the other rows finite: {ok}")
+                if not ok:
+                    FAILURES.append((f"NaN {name}", "NaN did not stay in its row"))
+
+        for size in (4096, 8192):
+            @part(f"dense {size}^3 timing")
+            def _():
+                M = N = K = size
+                flops = 2 * M * N * K
+                a, a_s = quantize_rows(torch.randn(M, K, device=dev))
+                b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
+                b, b_s = b[0], b_s[0]
+                out = gluon_fp8.fp8_block_gemm(a, a_s, b, b_s)
+                check(f"dense {size}^3 (rows sampled)",
+                      sampled_error(out, a, a_s, b, b_s, [(0, 128), (M - 77, M)]), tol)
+                stage_choices = (3, 4, 5) if size == 8192 else (4, )
+                for stages in stage_choices:
+                    cfg = gluon_fp8.GluonFp8Config(NUM_STAGES=stages)
+                    ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=cfg))
+                    record(f"gluon dense (stages {stages})", f"{M}x{N}x{K}", ms, flops)
+                row_scale = torch.rand(M, 1, device=dev) + 0.5
+                col_scale = torch.rand(1, N, device=dev) + 0.5
+                for fast in (False, True):
+                    ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=row_scale, scale_b=col_scale,
+                                                           out_dtype=torch.bfloat16, use_fast_accum=fast))
+                    record(f"torch._scaled_mm rowwise{' fast' if fast else ''}", f"{M}x{N}x{K}", ms, flops, "(ceiling)")
+
+        @part("MoE timing")
+        def _():
+            E, N, K, rows_per_expert = 8, 4096, 7168, 2048
+            M = E * rows_per_expert
             flops = 2 * M * N * K
+            offsets = offsets_of([rows_per_expert] * E)
             a, a_s = quantize_rows(torch.randn(M, K, device=dev))
-            b, b_s = quantize_blocks(torch.randn(1, N, K, device=dev))
-            b, b_s = b[0], b_s[0]
-            out = gluon_fp8.fp8_block_gemm(a, a_s, b, b_s)
-            check(f"dense {size}^3 (rows sampled)", sampled_error(out, a, a_s, b, b_s, [(0, 128), (M - 77, M)]), tol)
-            stage_choices = (3, 4, 5) if size == 8192 else (4, )
-            for stages in stage_choices:
-                cfg = gluon_fp8.GluonFp8Config(NUM_STAGES=stages)
-                ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=cfg))
-                record(f"gluon dense (stages {stages})", f"{M}x{N}x{K}", ms, flops)
+            b, b_s = quantize_blocks(torch.randn(E, N, K, device=dev))
+            out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
+            for e in (0, E - 1):  # the first and last 64 rows of two experts against float64
+                lo, hi = e * rows_per_expert, (e + 1) * rows_per_expert
+                check(f"grouped MoE expert {e} (rows sampled)",
+                      sampled_error(out, a, a_s, b[e], b_s[e], [(lo, lo + 64), (hi - 64, hi)]), tol)
+            ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets))
+            record("gluon grouped", f"E{E} {M}x{N}x{K}", ms, flops)
             row_scale = torch.rand(M, 1, device=dev) + 0.5
             col_scale = torch.rand(1, N, device=dev) + 0.5
-            for fast in (False, True):
-                ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=row_scale, scale_b=col_scale,
-                                                       out_dtype=torch.bfloat16, use_fast_accum=fast))
-                record(f"torch._scaled_mm rowwise{' fast' if fast else ''}", f"{M}x{N}x{K}", ms, flops, "(ceiling)")
+            ms = bench_ms(lambda: torch._scaled_mm(a, b[0].t(), scale_a=row_scale, scale_b=col_scale,
+                                                   out_dtype=torch.bfloat16, use_fast_accum=True))
+            record("torch._scaled_mm rowwise fast", f"{M}x{N}x{K}", ms, flops, "(ceiling: dense, one B)")
 
-    @part("MoE timing")
-    def _():
-        E, N, K, rows_per_expert = 8, 4096, 7168, 2048
-        M = E * rows_per_expert
-        flops = 2 * M * N * K
-        offsets = offsets_of([rows_per_expert] * E)
-        a, a_s = quantize_rows(torch.randn(M, K, device=dev))
-        b, b_s = quantize_blocks(torch.randn(E, N, K, device=dev))
-        out = gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets)
-        for e in (0, E - 1):  # the first and last 64 rows of two experts against float64
-            lo, hi = e * rows_per_expert, (e + 1) * rows_per_expert
-            check(f"grouped MoE expert {e} (rows sampled)",
-                  sampled_error(out, a, a_s, b[e], b_s[e], [(lo, lo + 64), (hi - 64, hi)]), tol)
-        ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets))
-        record("gluon grouped", f"E{E} {M}x{N}x{K}", ms, flops)
-        row_scale = torch.rand(M, 1, device=dev) + 0.5
-        col_scale = torch.rand(1, N, device=dev) + 0.5
-        ms = bench_ms(lambda: torch._scaled_mm(a, b[0].t(), scale_a=row_scale, scale_b=col_scale,
-                                               out_dtype=torch.bfloat16, use_fast_accum=True))
-        record("torch._scaled_mm rowwise fast", f"{M}x{N}x{K}", ms, flops, "(ceiling: dense, one B)")
+        @part("portable w8a8 fused_experts (whole MoE layer)")
+        def _():
+            import moe_dispatch as md
+            from moe_dispatch.formats.fp8 import quantize_experts_fp8
+            E, H, F, T, top_k = 8, 7168, 2048, 2048, 8
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+            w_gate_up, s_gate_up = quantize_experts_fp8(
+                torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16) * 0.02)
+            w_down, s_down = quantize_experts_fp8(torch.randn(E, H, F, device=dev, dtype=torch.bfloat16) * 0.02)
+            ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(torch.int32)
+            weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
 
-    @part("portable w8a8 fused_experts (whole MoE layer)")
-    def _():
-        import moe_dispatch as md
-        from moe_dispatch.formats.fp8 import quantize_experts_fp8
-        E, H, F, T, top_k = 8, 7168, 2048, 2048, 8
-        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        w_gate_up, s_gate_up = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16) * 0.02)
-        w_down, s_down = quantize_experts_fp8(torch.randn(E, H, F, device=dev, dtype=torch.bfloat16) * 0.02)
-        ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(torch.int32)
-        weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+            def run():
+                return md.fused_experts(x, w_gate_up, w_down, ids, weights, w_gate_up_scale=s_gate_up,
+                                        w_down_scale=s_down, fp8_compute="w8a8", validate=False)
 
-        def run():
-            return md.fused_experts(x, w_gate_up, w_down, ids, weights, w_gate_up_scale=s_gate_up,
-                                    w_down_scale=s_down, fp8_compute="w8a8", validate=False)
+            ms = bench_ms(run)
+            flops = 2 * T * top_k * (2 * F * H + H * F)
+            record("portable fused_experts w8a8", f"T{T} k{top_k} H{H} 2F{2 * F}", ms, flops, "(2 GEMMs + routing)")
 
-        ms = bench_ms(run)
-        flops = 2 * T * top_k * (2 * F * H + H * F)
-        record("portable fused_experts w8a8", f"T{T} k{top_k} H{H} 2F{2 * F}", ms, flops, "(2 GEMMs + routing)")
+    if "experts" in args.sections:
+        experts_sections(args)
 
     print("\n" + "-" * 100)
     print(f"{'kernel':<34} {'shape':<26} {'ms':>8} {'TFLOP/s':>9}  note")

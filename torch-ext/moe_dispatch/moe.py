@@ -27,11 +27,14 @@ from .formats.fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_dev
                           input_scale_problems, is_fp8, kernel_scale)
 from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
 from .formats.scale_codes import WeightScaleCode
+from .gemm import gluon_fp8
 from .gemm.args import weight_k
 from .gemm.decode import decode_experts
+from .gemm.gluon_experts import gluon_w8a8_experts
 from .gemm.grouped import check_segmented_rows, expert_gemm
 from .gemm.mxfp4_dequant import dequantize_mxfp4_experts
-from .gemm.planner import ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts, plan_segments
+from .gemm.planner import (ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts, plan_segments,
+                           plan_w8a8_engine)
 from .gemm.w8a8 import w8a8_experts
 from .host.checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
                           check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
@@ -154,6 +157,7 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     # An interleaved gate/up weight goes to the pointer kernels whole (PAIRED: whole tiles, split in registers); the
     # w8a8 path reads the two strided views.
     paired = interleaved and w_up is None
+    separate_up = w_up is not None
     w_gate, w_up = _gate_up_views(w_gate_up, w_up, F, interleaved, axis)
     gate_bias, up_bias = _split_gate_up(gate_up_bias, F, interleaved, 1) if gate_up_bias is not None else (None, None)
     forced = tiles_from_list(tiles) if tiles is not None else None
@@ -164,7 +168,13 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     fp8 = Fp8Scales(kernel_scale(w_gate_up_scale), kernel_scale(w_down_scale),
                     tuple(fp8_block_shape or DEFAULT_FP8_BLOCK_SHAPE), gate_up_input_scale, down_input_scale,
                     fp8_compute, w_gate_up_scale_layout)
-    paired &= plan.path is not ExpertsPath.W8A8
+    if plan.path is ExpertsPath.W8A8:
+        plan = plan_w8a8_engine(plan, x, w_gate_up, w_down, fp8.w_gate_up_scale, fp8.w_down_scale,
+                                separate_up=separate_up, block_shape=fp8.block_shape,
+                                scale_layout=fp8.gate_up_scale_layout,
+                                static_input_scales=gate_up_input_scale is not None or down_input_scale is not None,
+                                transposed=transposed, available=gluon_fp8.available)
+    paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON)
     gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired, mxfp4=is_mxfp4(w_gate_up))
     if paired:
         w_gate, w_up, gate_bias, up_bias = w_gate_up, None, gate_up_bias, None
@@ -177,7 +187,11 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     moe_tiles = plan.tiles
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
-    if plan.path is ExpertsPath.W8A8:
+    if plan.path is ExpertsPath.W8A8_GLUON:
+        y = gluon_w8a8_experts(x, w_gate_up, w_down, info, fp8.w_gate_up_scale, fp8.w_down_scale,
+                               topk_weights=topk_weights, interleaved=interleaved, activation=activation,
+                               gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, alpha=alpha, limit=limit)
+    elif plan.path is ExpertsPath.W8A8:
         y = w8a8_experts(x, w_gate, w_up, w_down, info, moe_tiles, gate_up_scale, down_scale,
                          topk_weights=topk_weights, transposed=transposed, activation=activation, gate_bias=gate_bias,
                          up_bias=up_bias, down_bias=down_bias, alpha=alpha, limit=limit,

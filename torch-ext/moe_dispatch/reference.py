@@ -601,11 +601,12 @@ def fused_experts_w8a8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weig
                            w_down_scale, groups, fp8_block_shape=(128, 128), gate_up_input_scale=None,
                            down_input_scale=None, activation="silu", gate_up_bias=None, down_bias=None,
                            interleaved=False, transposed=False, swiglu_alpha=1.702, swiglu_limit=7.0,
-                           experts_per_chunk=16):
+                           experts_per_chunk=16, gemm_out_dtype=None):
     """The w8a8 path's arithmetic in float64 except its quantizations: x rows quantized per `groups[0]` columns (or
     with gate_up_input_scale), GEMM1 on the dequantized weights, bias, activation, the intermediate (rounded to fp32,
     as the kernel holds it) quantized per `groups[1]` columns (or with down_input_scale), GEMM2, down bias. The
-    weights are dequantized `experts_per_chunk` experts at a time. -> [T, H] float64."""
+    weights are dequantized `experts_per_chunk` experts at a time. `gemm_out_dtype`: both GEMMs' sums rounded to it
+    before their biases (the Gluon engine, gemm/gluon_experts.py: its GEMM writes bf16). -> [T, H] float64."""
     n_axis = 2 if transposed else 1
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids = topk_ids.detach().long()
@@ -624,21 +625,25 @@ def fused_experts_w8a8_ref(hidden_states, w_gate_up, w_down, topk_ids, topk_weig
                                                                  transposed=transposed)
         for e in chunk:
             _w8a8_expert_ref(out, x, ids, weights, e, e - start, gate, up, down, gate_bias, up_bias, down_bias,
-                             groups, gate_up_input_scale, down_input_scale, activation, swiglu_alpha, swiglu_limit)
+                             groups, gate_up_input_scale, down_input_scale, activation, swiglu_alpha, swiglu_limit,
+                             gemm_out_dtype)
     return out.reshape(hidden_states.shape)
 
 
 def _w8a8_expert_ref(out, x, ids, weights, e, local, gate, up, down, gate_bias, up_bias, down_bias, groups,
-                     gate_up_input_scale, down_input_scale, activation, alpha, limit):
+                     gate_up_input_scale, down_input_scale, activation, alpha, limit, gemm_out_dtype=None):
     """Adds expert e's weighted rows to out (float64): `local` indexes e in the dequantized chunk."""
+    def gemm_out(t):
+        return t if gemm_out_dtype is None else t.to(gemm_out_dtype).to(torch.float64)
+
     token, slot = (ids == e).nonzero(as_tuple=True)
     rows = quantize_fp8_groups_ref(x[token], groups[0], _expert_scale(gate_up_input_scale, e))
-    g, u = rows @ gate[local].T, rows @ up[local].T
+    g, u = gemm_out(rows @ gate[local].T), gemm_out(rows @ up[local].T)
     if gate_bias is not None:
         g, u = g + _f64(gate_bias[local]), u + _f64(up_bias[local])
     h = _activation(g, u, activation, alpha, limit)
     h = quantize_fp8_groups_ref(h, groups[1], _expert_scale(down_input_scale, e))
-    y = h @ down[local].T
+    y = gemm_out(h @ down[local].T)
     if down_bias is not None:
         y = y + _f64(down_bias[e])
     out.index_add_(0, token, weights[token, slot, None] * y)

@@ -16,7 +16,9 @@
   w8a8_persistent.py    the w8a8 GEMM as a persistent descriptor kernel (FP8 prefill)
   mxfp4_dequant.py      MXFP4 weights decoded once into a float buffer: the prefill strategy for MXFP4 experts
   gluon_fp8.py          a warp-specialized SM90 block-scaled FP8 GEMM in Gluon (Triton 3.6; dense and over
-                        expert-sorted rows): a prototype (checked and timed on an H200), not chosen by the planner
+                        expert-sorted rows)
+  gluon_experts.py      the w8a8 experts path on gluon_fp8.py's GEMM (128 x 128 block scales, bf16): an experimental
+                        engine, opt-in (MOE_DISPATCH_GLUON_FP8=1, planner.plan_w8a8_engine)
 
 Reference: `reference.grouped_gemm_ref`, `expert_ffn_ref`, `fused_experts_ref`, `fused_experts_fp8_ref`,
 `fused_experts_w8a8_ref`, `fp8_block_gemm_ref`, `fp8_block_grouped_gemm_ref`.

@@ -5,6 +5,9 @@ decides; it launches nothing and imports no launcher.
   plan_experts         the experts call (moe.py): the decode path (gemm/decode.py: two launches, no dispatch), the
                        grouped path (dispatch, gemm.grouped.expert_gemm twice, combine; float weights, or float8 on
                        the dequant path) or the w8a8 path (gemm.w8a8.w8a8_experts), with its tiles
+  plan_w8a8_engine     the w8a8 path's engine: the portable Triton GEMMs, or (experimental, opt-in through
+                       MOE_DISPATCH_GLUON_FP8=1) the warp-specialized Gluon GEMM (gemm.gluon_experts);
+                       `gluon_fp8_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
@@ -23,11 +26,12 @@ Every decision reads only what a CUDA graph or torch.compile also knows: no devi
 
 import dataclasses
 import enum
+import os
 from collections.abc import Callable
 
 import torch
 
-from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, w8a8_refusal
+from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
 from ..host.device import has_tma, has_wgmma, is_interpreter, on_gpu
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
@@ -54,6 +58,12 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 # would keep it until the backward).
 MXFP4_DEQUANTIZE_MIN_ROWS = 64
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
+# The experimental Gluon engine of the w8a8 path (gemm/gluon_experts.py) runs only where this variable is "1": opt-in
+# until it is measured faster than the portable kernels. Read when a call's plan is recorded (host/replay.py): after
+# changing it in a running process, call moe_dispatch.host.replay.clear().
+GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
+GLUON_FP8_BLOCK = (128, 128)  # the one weight block the Gluon GEMM reads (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`)
+TMA_ALIGN = 16  # bytes: the Gluon GEMM reads both operands through TMA descriptors (row strides and bases)
 
 
 class ExpertsPath(enum.Enum):
@@ -62,6 +72,9 @@ class ExpertsPath(enum.Enum):
     DECODE = "decode"  # decode.decode_experts: a few tokens, inference, no dispatch
     GROUPED = "grouped"  # dispatch -> gemm.grouped.expert_gemm x 2 -> combine
     W8A8 = "w8a8"  # dispatch -> gemm.w8a8.w8a8_experts -> combine (float8 weights and activations)
+    # dispatch -> gemm.gluon_experts.gluon_w8a8_experts -> combine: the w8a8 path's arithmetic on the Gluon GEMM
+    # (experimental, opt-in: `plan_w8a8_engine`)
+    W8A8_GLUON = "w8a8 on the Gluon GEMM"
 
 
 class GemmKernel(enum.Enum):
@@ -104,6 +117,71 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
     else:
         tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, mxfp4=mxfp4)
     return ExpertsPlan(ExpertsPath.W8A8 if w8a8 else ExpertsPath.GROUPED, tiles)
+
+
+def gluon_fp8_requested() -> bool:
+    """Whether the environment asks for the Gluon engine (GLUON_FP8_VARIABLE is "1"); read on every call that plans
+    (a recorded plan replays without asking: see GLUON_FP8_VARIABLE)."""
+    return os.environ.get(GLUON_FP8_VARIABLE, "0") == "1"
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """t's last dimension is contiguous and every other stride and its base are whole 16-byte units (one-byte
+    elements: a TMA descriptor can read it)."""
+    return t.stride(-1) == 1 and all(s % TMA_ALIGN == 0 for s in t.stride()[:-1]) and t.data_ptr() % TMA_ALIGN == 0
+
+
+def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                      w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, *, separate_up: bool,
+                      block_shape, scale_layout: str, static_input_scales: bool, transposed: bool,
+                      available: Callable[[torch.device], bool]) -> str | None:
+    """Why the Gluon engine (gemm/gluon_experts.py) does not run this experts call (a sentence), or None when it does.
+
+    It runs when asked (GLUON_FP8_VARIABLE), on the w8a8 path at prefill tiles (BLOCK_M >= PREQUANTIZE_MIN_BLOCK_M;
+    the decode path and decode tiles keep the portable kernels, whose 16-row tiles suit them), for bf16 activations and
+    float8_e4m3fn weights with fp32 128 x 128 block scales, [E, 2F, H] / [E, H, F] (not transposed), gate and up in one
+    contiguous weight (concatenated with "fused" scales, or with "merged" ones where F is a multiple of 128 and the two
+    agree; or interleaved), both weights contiguous with rows of whole 16 bytes (H and F multiples of 16: TMA), dynamic
+    activation scales (the GEMM takes one scale per row and 128 columns), and where `available(device)` says the Gluon
+    GEMM can run (gemm.gluon_fp8.available: Triton 3.6's Gluon, an SM90 GPU; the CPU never). Host facts only."""
+    if not gluon_fp8_requested():
+        return f"{GLUON_FP8_VARIABLE} is not 1 (the Gluon engine is experimental and opt-in)"
+    if plan.path is not ExpertsPath.W8A8:
+        return f"the call takes the {plan.path.value} path, not w8a8"
+    if plan.tiles.block_m < PREQUANTIZE_MIN_BLOCK_M:
+        return f"decode-sized tiles (BLOCK_M {plan.tiles.block_m} < {PREQUANTIZE_MIN_BLOCK_M})"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}; the Gluon GEMM writes bf16"
+    if transposed:
+        return "transposed weights; the Gluon GEMM reads [E, N, K] rows"
+    if separate_up:
+        return "gate and up are separate tensors; the Gluon GEMM reads one [E, 2F, H] weight"
+    if static_input_scales:
+        return "static activation scales; the Gluon GEMM takes one scale per row and 128 columns"
+    for name, weight, scale in (("w_gate_up", w_gate_up, w_gate_up_scale), ("w_down", w_down, w_down_scale)):
+        if weight.dtype != W8A8_DTYPE:
+            return f"{name} is {weight.dtype}, not {W8A8_DTYPE}"
+        if scale is None or infer_scheme(scale) != "block" or scale.dtype != torch.float32:
+            return f"{name} has no fp32 block scales"
+        if not weight.is_contiguous() or not _tma_rows(weight):
+            return f"{name} is not contiguous with rows of whole {TMA_ALIGN} bytes (TMA)"
+    if tuple(block_shape) != GLUON_FP8_BLOCK:
+        return f"block shape {tuple(block_shape)}, not {GLUON_FP8_BLOCK}"
+    num_ffn = w_down.shape[2]
+    if scale_layout == "merged" and num_ffn % GLUON_FP8_BLOCK[0]:
+        return f"merged gate/up scales with F = {num_ffn} not a multiple of {GLUON_FP8_BLOCK[0]}"
+    if not available(x.device):
+        return f"the Gluon GEMM cannot run on {x.device}"
+    return None
+
+
+def plan_w8a8_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, **facts) -> ExpertsPlan:
+    """`plan` on ExpertsPath.W8A8_GLUON where `gluon_fp8_refusal` (same arguments) finds no reason against it; else
+    `plan` unchanged (the portable kernels)."""
+    if gluon_fp8_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
+        return dataclasses.replace(plan, path=ExpertsPath.W8A8_GLUON)
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)

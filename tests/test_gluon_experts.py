@@ -1,0 +1,324 @@
+"""The Gluon engine of the w8a8 path (moe_dispatch.gemm.gluon_experts, chosen by planner.plan_w8a8_engine): when it
+runs, and the arithmetic around its two GEMMs.
+
+The Gluon GEMM needs an SM90 GPU and Triton 3.6, so the CPU tests run the engine's glue (the quantization pass that
+gathers x, the activation pass that quantizes h, the bias / routing-weight pass, combine) in the interpreter with the
+GEMM swapped for its float64 reference (`fp8_block_grouped_gemm_ref`, rounded to bf16 as the kernel writes), through
+`fused_experts` with MOE_DISPATCH_GLUON_FP8=1 and `gluon_fp8.available` patched to True. The swapped GEMM first asks the
+real launcher, which checks every operand (dtypes, shapes, 16-byte aligned K-contiguous rows) before it refuses for
+want of a GPU: what the engine hands the kernel is what the kernel takes. The GPU tests run the whole engine where
+`gluon_fp8.available()` holds.
+
+Tolerances: against the float64 experts on the dequantized weights, reference.W8A8_TOLERANCE (the error of e4m3
+activations); against the float64 model of the engine's arithmetic (`fused_experts_w8a8_ref` with groups of 128 and
+both GEMMs' sums rounded to bf16, as the Gluon GEMM writes them), MODEL_TOLERANCE: the bf16 roundings of y, of the
+weighted y and of the output (measured 5-6e-3 RMS on the CPU cases), and the few e4m3 roundings of the intermediate
+that fp32 activation math puts on the other side of a rounding boundary from float64 (one element a full e4m3 step
+off: 1-4e-2 on its token at these small F; measured 1.4e-2 RMS overall on the odd-sizes case with one such token).
+On the GPU, wgmma's narrower sums within each K block move a few more (reference.W8A8_MODEL_TOLERANCE_GPU).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import DEVICE, TOLERANCE, assert_close, capture_cuda_graph
+
+import moe_dispatch as md
+from moe_dispatch import moe
+from moe_dispatch.formats.fp8 import quantize_experts_fp8
+from moe_dispatch.gemm import gluon_experts, gluon_fp8, planner
+from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
+from moe_dispatch.host.tiles import GemmTile, MoeTiles
+from moe_dispatch.reference import (W8A8_MODEL_TOLERANCE_GPU, W8A8_TOLERANCE, fp8_block_grouped_gemm_ref,
+                                    fused_experts_fp8_ref, fused_experts_w8a8_ref)
+
+GROUPS = (128, 128)  # the engine's activation groups: one per 128-wide K block of either GEMM
+MODEL_TOLERANCE = max(TOLERANCE[torch.bfloat16], W8A8_MODEL_TOLERANCE_GPU)  # module docstring
+PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))  # prefill-sized tiles: the engine's floor (BLOCK_M 64)
+on_hopper = pytest.mark.skipif(not gluon_fp8.available(), reason=f"{gluon_fp8.unavailable_reason()}")
+
+
+def _block_fp8_experts(E, H, F, device=DEVICE):
+    """(w_gate_up [E, 2F, H], w_down [E, H, F]) float8_e4m3fn with fp32 128 x 128 block scales, as fused_experts'
+    keyword arguments."""
+    q_gate_up, s_gate_up = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=device) * 0.2)
+    q_down, s_down = quantize_experts_fp8(torch.randn(E, H, F, device=device) * 0.2)
+    return q_gate_up, q_down, dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+
+
+def _ids(T, E, top_k, skip=(), device=DEVICE):
+    """Distinct experts per token, never those in `skip`."""
+    pool = torch.tensor([e for e in range(E) if e not in skip])
+    return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
+
+
+# -- selection ----------------------------------------------------------------------------------------------------
+
+
+def _planner_args(**changes):
+    """gluon_fp8_refusal's arguments for a call the engine takes (CPU tensors, `available` answering True), with
+    `changes` applied: H = 256, F = 128, E = 2, bf16 x, prefill tiles on the w8a8 path."""
+    E, H, F = 2, 256, 128
+    w_gate_up, w_down, scales = _block_fp8_experts(E, H, F, device="cpu")
+    args = dict(plan=ExpertsPlan(ExpertsPath.W8A8, PREFILL), x=torch.zeros(4, H, dtype=torch.bfloat16),
+                w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=scales["w_gate_up_scale"],
+                w_down_scale=scales["w_down_scale"], separate_up=False, block_shape=(128, 128), scale_layout="fused",
+                static_input_scales=False, transposed=False, available=lambda device: True)
+    args.update(changes)
+    return args
+
+
+def _refusal(**changes):
+    args = _planner_args(**changes)
+    plan = args.pop("plan")
+    return planner.gluon_fp8_refusal(plan, *(args.pop(k) for k in ("x", "w_gate_up", "w_down", "w_gate_up_scale",
+                                                                  "w_down_scale")), **args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    id: str
+    why: str
+    changes: object  # () -> the changed arguments (built lazily: tensors per test)
+    says: str  # in the reason
+
+
+REFUSALS = [
+    Refusal("gluon-unavailable", "gluon_fp8.available is False (another Triton, another GPU)",
+            lambda: dict(available=lambda device: False), "cannot run"),
+    Refusal("cpu", "the real availability check on the CPU", lambda: dict(available=gluon_fp8.available),
+            "cannot run on cpu"),
+    Refusal("decode-path", "the decode path keeps its two launches", lambda: dict(
+        plan=ExpertsPlan(ExpertsPath.DECODE, PREFILL)), "decode path"),
+    Refusal("decode-tiles", "16-row tiles: decode sizes on the w8a8 path",
+            lambda: dict(plan=ExpertsPlan(ExpertsPath.W8A8, MoeTiles(16, GemmTile(64, 32), GemmTile(32, 32)))),
+            "decode-sized tiles"),
+    Refusal("dequant-path", "float8 weights on the dequant path", lambda: dict(
+        plan=ExpertsPlan(ExpertsPath.GROUPED, PREFILL)), "grouped path"),
+    Refusal("fp16", "the GEMM writes bf16 only", lambda: dict(x=torch.zeros(4, 256, dtype=torch.float16)),
+            "float16"),
+    Refusal("transposed", "GPT-OSS's [E, H, 2F] layout", lambda: dict(transposed=True), "transposed"),
+    Refusal("separate-up", "w_up passed apart from w_gate", lambda: dict(separate_up=True), "separate"),
+    Refusal("static-scales", "a checkpoint's input_scale", lambda: dict(static_input_scales=True), "static"),
+    Refusal("channel", "per-channel weight scales", lambda: dict(
+        w_gate_up_scale=torch.ones(2, 256), w_down_scale=torch.ones(2, 256)), "block scales"),
+    Refusal("tensor", "per-tensor weight scales", lambda: dict(
+        w_gate_up_scale=torch.ones(2), w_down_scale=torch.ones(2)), "block scales"),
+    Refusal("e8m0-scales", "power-of-two scales as e8m0 codes", lambda: dict(
+        w_gate_up_scale=torch.ones(2, 2, 2, dtype=torch.uint8)), "fp32 block scales"),
+    Refusal("block-64", "64 x 64 blocks", lambda: dict(block_shape=(64, 64)), "block shape"),
+    Refusal("merged-odd-F", "merged gate/up scales where F = 80 is not a multiple of 128 (the scale rows of up do not "
+            "continue gate's)", lambda: dict(scale_layout="merged", w_down=torch.zeros(2, 256, 80,
+                                                                                      dtype=torch.float8_e4m3fn)),
+            "merged"),
+    Refusal("unaligned-rows", "H = 40: weight rows of 40 bytes, which TMA cannot address",
+            lambda: dict(w_gate_up=torch.zeros(2, 256, 40, dtype=torch.float8_e4m3fn)), "16 bytes"),
+    Refusal("non-contiguous", "a strided view of the weights",
+            lambda: dict(w_down=torch.zeros(2, 128, 512, dtype=torch.float8_e4m3fn)[:, :, ::2]), "contiguous"),
+]
+
+
+def test_planner_takes_the_engine_only_when_asked(monkeypatch):
+    """Unset (the default) or anything but "1", the portable kernels run; "1" takes the engine where nothing else
+    refuses it."""
+    monkeypatch.delenv(planner.GLUON_FP8_VARIABLE, raising=False)
+    assert planner.GLUON_FP8_VARIABLE in _refusal()
+    args = _planner_args()
+    plan = args.pop("plan")
+    tensors = [args.pop(k) for k in ("x", "w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale")]
+    assert planner.plan_w8a8_engine(plan, *tensors, **args) is plan
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "true")
+    assert planner.GLUON_FP8_VARIABLE in _refusal()
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
+    assert _refusal() is None
+    assert planner.plan_w8a8_engine(plan, *tensors, **args) == ExpertsPlan(ExpertsPath.W8A8_GLUON, PREFILL)
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
+def test_planner_falls_back(case, monkeypatch):
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
+    reason = _refusal(**case.changes())
+    assert reason is not None and case.says in reason, reason
+
+
+def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monkeypatch):
+    """Through fused_experts: the engine never runs without the variable (here with `available` patched to True),
+    nor with it where Gluon cannot run (the CPU); the portable w8a8 kernels answer instead, with the same result."""
+    calls = []
+    monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1))
+    w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
+    x = torch.randn(3, 128, device=DEVICE).bfloat16()
+    ids, weights = _ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+
+    def run():
+        md.host.replay.clear()  # the variable is read when a plan is recorded
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales)
+
+    real_available = gluon_fp8.available
+    monkeypatch.delenv(planner.GLUON_FP8_VARIABLE, raising=False)
+    monkeypatch.setattr(gluon_fp8, "available", lambda device=None: True)
+    out = run()
+    assert calls == [] and torch.isfinite(out).all()
+    if not real_available(x.device):
+        monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
+        monkeypatch.setattr(gluon_fp8, "available", real_available)
+        assert torch.equal(run(), out) and calls == []
+
+
+# -- the glue on the CPU, the GEMM swapped for its float64 reference -----------------------------------------------
+
+
+@pytest.fixture
+def reference_engine(monkeypatch):
+    """The engine selected on this machine, its GEMM the float64 reference rounded to bf16 (rows past the experts'
+    last offset NaN: nothing may read them). Yields the list of GEMM calls."""
+    calls = []
+    launcher = gluon_fp8.fp8_block_grouped_gemm
+
+    def reference_gemm(a, a_scale, b, b_scale, expert_offsets):
+        if gluon_fp8.unavailable_reason(a.device) is not None:  # it checks every operand, then refuses: no GPU
+            with pytest.raises(RuntimeError, match="unavailable"):
+                launcher(a, a_scale, b, b_scale, expert_offsets)
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16, device=a.device)
+        rows = int(expert_offsets[-1])
+        out[:rows] = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets).to(torch.bfloat16)
+        return out
+
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
+    monkeypatch.setattr(gluon_fp8, "available", lambda device=None: True)
+    monkeypatch.setattr(gluon_experts, "fp8_block_grouped_gemm", reference_gemm)
+    yield calls
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueCase:
+    id: str
+    why: str
+    T: int = 13
+    E: int = 4
+    top_k: int = 2
+    H: int = 144
+    F: int = 80
+    options: tuple = ()  # fused_experts keywords as (name, value) pairs
+    bias: bool = False
+    skip_expert: int | None = 2  # an expert no token picks
+
+
+GLUE_CASES = [
+    GlueCase("odd-sizes", "H = 144 and F = 80, not multiples of 128: partial K blocks in both GEMMs, a partial 128 "
+             "group of x and of h, and the 2F = 160 rows of w_gate_up in a partial scale block; expert 2 gets no row"),
+    GlueCase("interleaved-swiglu-bias", "GPT-OSS's activation with both biases on the interleaved layout: gate and up "
+             "columns alternate in GEMM1's output (not transposed: the engine's layout)", H=128, F=144,
+             options=(("interleaved", True), ("activation", "swiglu_oai")), bias=True),
+    GlueCase("merged-scales", "merged gate/up scales where F = 128: the same blocks as fused ones; top_k = E, every "
+             "expert hit", T=7, E=3, top_k=3, H=160, F=128, options=(("w_gate_up_scale_layout", "merged"),),
+             skip_expert=None),
+]
+
+
+def _glue_inputs(case):
+    w_gate_up, w_down, scales = _block_fp8_experts(case.E, case.H, case.F)
+    x = torch.randn(case.T, case.H, device=DEVICE).bfloat16()
+    skip = () if case.skip_expert is None else (case.skip_expert,)
+    ids = _ids(case.T, case.E, case.top_k, skip=skip)
+    weights = torch.rand(case.T, case.top_k, device=DEVICE)
+    options = dict(case.options)
+    if case.bias:
+        options.update(gate_up_bias=torch.randn(case.E, 2 * case.F, device=DEVICE).bfloat16(),
+                       down_bias=torch.randn(case.E, case.H, device=DEVICE).bfloat16())
+    return x, w_gate_up, w_down, ids, weights, scales, options
+
+
+@pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
+def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
+    """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts on
+    the dequantized weights and against the float64 model of the w8a8 arithmetic. Buffers start as NaN
+    (poison_empty): the passes write every row the GEMMs and combine read."""
+    x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
+                           **options)
+    N = case.T * case.top_k
+    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H)), ((N, case.F), (case.E, case.H, case.F))]
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    ref_options = {k: v for k, v in options.items() if k != "w_gate_up_scale_layout"}
+    assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,
+                                             gemm_out_dtype=torch.bfloat16, **scales, **ref_options),
+                 what="engine vs its model", tolerance=MODEL_TOLERANCE)
+    assert_close(out, fused_experts_fp8_ref(x, w_gate_up, w_down, ids, weights, **scales, **ref_options),
+                 what="engine vs dequantized weights", tolerance=W8A8_TOLERANCE)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter, on NaN
+def test_engine_nan_token_reaches_its_row_only(reference_engine):
+    """A NaN in one token's hidden state makes its output row NaN (the group's scale and the e4m3 NaN carry it through
+    both GEMMs and the activation); every other row is bit for bit that of the call without it."""
+    case = GLUE_CASES[0]
+    x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
+    clean = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales)
+    bad = x.clone()
+    bad[4, 131] = float("nan")  # in the partial second 128 group of H = 144
+    out = md.fused_experts(bad, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales)
+    assert torch.isnan(out[4]).all(), out[4, :8].tolist()
+    others = [t for t in range(case.T) if t != 4]
+    assert torch.isfinite(clean).all() and torch.equal(out[others], clean[others])
+
+
+def test_engine_no_tokens(reference_engine):
+    """T = 0: nothing to quantize, multiply or combine; an empty [0, H] result."""
+    w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
+    x = torch.zeros(0, 128, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, torch.zeros(0, 2, device=DEVICE), fp8_compute="w8a8",
+                           tiles=PREFILL, validate=False, **scales)
+    assert out.shape == (0, 128)
+
+
+# -- the engine on a Hopper GPU --------------------------------------------------------------------------------------
+
+
+def _engine_calls(monkeypatch):
+    calls = []
+    engine = moe.gluon_w8a8_experts
+    monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1) or engine(*a, **k))
+    return calls
+
+
+@on_hopper
+@pytest.mark.parametrize("options,bias", [({}, False), ({"interleaved": True, "activation": "swiglu_oai"}, True)],
+                         ids=["silu", "interleaved-swiglu-bias"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypatch):
+    """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
+    on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for
+    bit, and a CUDA graph replay bit for bit the eager call."""
+    E, H, F, T, top_k = 8, 2048, 1024, 256, 2
+    w_gate_up, w_down, scales = _block_fp8_experts(E, H, F, device="cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids, weights = _ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
+    options = dict(options)
+    if bias:
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device="cuda").bfloat16() * 0.1,
+                       down_bias=torch.randn(E, H, device="cuda").bfloat16() * 0.1)
+
+    def run():
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", **scales, **options)
+
+    portable = run()
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
+    md.host.replay.clear()  # the variable is read when a plan is recorded
+    calls = _engine_calls(monkeypatch)
+    out = run()
+    assert calls, "the Gluon engine did not run"
+    assert torch.equal(run(), out), "two calls differ"
+    ref_options = options
+    assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,
+                                             gemm_out_dtype=torch.bfloat16, **scales, **ref_options),
+                 what="engine vs its model", tolerance=MODEL_TOLERANCE)
+    assert_close(out, fused_experts_fp8_ref(x, w_gate_up, w_down, ids, weights, **scales, **ref_options),
+                 what="engine vs dequantized weights", tolerance=W8A8_TOLERANCE)
+    assert_close(out, portable, what="engine vs portable w8a8", tolerance=W8A8_TOLERANCE)
+    graph, static = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out), "CUDA graph replay differs from the eager call"

@@ -1,0 +1,161 @@
+"""The w8a8 experts path on the warp-specialized Gluon FP8 GEMM (gemm/gluon_fp8.py): an experimental engine for
+float8_e4m3fn weights with 128 x 128 block scales, run where planner.plan_w8a8_engine says so (opt-in through
+MOE_DISPATCH_GLUON_FP8=1; everywhere else gemm/w8a8.py's portable kernels run). No host sync anywhere::
+
+    x [T, H] bf16
+      -> quantize_fp8_rows (gemm/w8a8.py)  rows gathered into expert-sorted order (the pass the persistent w8a8 path
+                                           runs), e4m3 per row and 128 columns -> a [N, H], a_scale [N, cdiv(H, 128)]
+      -> fp8_block_grouped_gemm            GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up rows, or
+                                           interleaved) -> gate_up [N, 2F] bf16
+      -> _gated_activation_fp8_kernel      bias, activation (silu / swiglu_oai), e4m3 per row and 128 columns
+                                           (gemm.w8a8_jit.w8a8_epilogue) -> h [N, F], h_scale [N, cdiv(F, 128)]
+      -> fp8_block_grouped_gemm            GEMM2 against w_down [E, H, F] -> y [N, H] bf16
+      -> _bias_routing_weight_kernel       down bias and routing weight, in place (gemm.jit.tile_epilogue)
+      -> y [N, H] bf16 -> dispatch/combine.py
+
+N = T * top_k; row p of every [N, .] buffer is sorted position p of the dispatch (DispatchInfo); rows past
+expert_offsets[E] (dropped assignments) are never written past the quantization pass, and combine never reads them.
+
+The arithmetic is the portable w8a8 path's with its groups at 128 (one K step per weight block, DeepSeek-V3's
+activation group), except that GEMM1's sums reach the activation as bf16 (the Gluon GEMM writes bf16, the portable
+kernel activates its fp32 accumulator) and y is rounded to bf16 before the routing weight multiplies it: about 2^-9
+relative, which moves a few of h's e4m3 roundings by one step (reference.W8A8_MODEL_TOLERANCE_GPU bounds the
+difference from the w8a8 model).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.fp8 import W8A8_DTYPE, fp8_max
+from ..host.device import is_interpreter
+from ..host.host_math import cdiv
+from ..host.replay import launch
+from .jit import ACT_NONE, SCALE_NONE, Activation, tile_epilogue, tile_rows, tile_setup
+from .gluon_fp8 import SCALE_BLOCK, fp8_block_grouped_gemm
+from .w8a8 import fp8_rows, quantize_fp8_rows
+from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
+
+ELEMENTWISE_WARPS = 8  # the two passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
+
+
+@triton.jit
+def _gated_activation_fp8_kernel(
+    # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order; gate column j at j * col_step, up column j at
+    # j * col_step + up_offset (concatenated: 1, n_cols; interleaved: 2, 1)
+    gate_up_ptr, stride_gate_up_m, col_step, up_offset,
+    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # h: [num_rows, n_cols] e4m3 with h_scale [num_rows, cdiv(n_cols, GROUP)] fp32
+    h_ptr, stride_h_m, h_scale_ptr, stride_h_scale_m,
+    # dispatch metadata (DispatchInfo's tile map)
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    num_rows, n_cols, E, max_tiles,
+    alpha, limit, fp8_max,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(n_cols, GROUP),). Each program reads the gate and up columns of one [BLOCK_M, GROUP]
+    tile of the tile map (rows of one expert), adds the expert's biases, activates, and writes the tile as e4m3 with
+    one scale per row (one group): GEMM2's A. Sentinel tiles exit."""
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, GROUP, 1)
+    if expert < 0:
+        return
+    rows = offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
+    mask = mask_m[:, None] & mask_n[None, :]
+    offs_gate = offs_n * col_step
+    b_gate = tl.load(gate_up_ptr + rows + offs_gate[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_up = tl.load(gate_up_ptr + rows + (offs_gate + up_offset)[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Columns past n_cols are zeros (their bias too), so they never raise a group's amax.
+    w8a8_epilogue(b_gate, b_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, offs_m, 1.0, None, 0, 1, 0,
+                  bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, h_ptr, stride_h_m, 1, h_scale_ptr, 0,
+                  stride_h_scale_m, n_cols, None, 0, 0, alpha, limit, fp8_max, 1, ACTIVATION, HAS_BIAS, False,
+                  A_FP8_GROUPS, SCALE_NONE, OUT_DYNAMIC, GROUP, ROUND_IN_FP32, BLOCK_M, GROUP)
+
+
+@triton.jit
+def _bias_routing_weight_kernel(
+    # y: [num_rows, n_cols] GEMM2's output in sorted order, rewritten in place
+    y_ptr, stride_y_m,
+    bias_ptr, stride_bias_e, stride_bias_n,
+    # dispatch metadata (DispatchInfo's tile map) and the routing weights [num_tokens, TOP_K]
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
+    topk_weights_ptr, stride_topk_t, stride_topk_k, num_tokens,
+    num_rows, n_cols, E, max_tiles,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program rewrites one [BLOCK_M, BLOCK_N] tile of y as
+    (y + down_bias[expert]) * routing weight of each row's assignment, rounded once to y's dtype. Sentinel tiles
+    exit."""
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N, 1)
+    if expert < 0:
+        return
+    _, b_assignment, mask_m = tile_rows(offs_m, mask_m, gather_idx_ptr, num_tokens, num_rows, TOP_K, False, True)
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_y_m + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+    b_y = tl.load(y_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    tile_epilogue(b_y, b_y, expert, offs_m, mask_m, offs_n, mask_n, b_assignment, bias_ptr, bias_ptr, stride_bias_e,
+                  stride_bias_n, y_ptr, stride_y_m, 1, None, 0, n_cols, topk_weights_ptr, stride_topk_t,
+                  stride_topk_k, 1.0, 0.0, TOP_K, ACT_NONE, HAS_BIAS, False, True)
+
+
+def _gated_activation_fp8(gate_up, info, *, interleaved, activation, gate_bias, up_bias, alpha, limit):
+    """gate_up [N, 2F] (sorted rows) -> (h [N, F] e4m3 from `fp8_rows`, h_scale [N, cdiv(F, 128)] fp32)."""
+    num_rows, num_ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    h = fp8_rows(num_rows, num_ffn, gate_up.device)
+    h_scale = torch.empty((num_rows, cdiv(num_ffn, SCALE_BLOCK)), device=gate_up.device, dtype=torch.float32)
+    if num_rows == 0 or num_ffn == 0 or info.max_tiles == 0:
+        return h, h_scale
+    col_step, up_offset = (2, 1) if interleaved else (1, num_ffn)
+    bias = gate_bias is not None
+    launch(_gated_activation_fp8_kernel, (info.max_tiles * cdiv(num_ffn, SCALE_BLOCK),),
+        gate_up, gate_up.stride(0), col_step, up_offset,
+        gate_bias, up_bias, gate_bias.stride(0) if bias else 0, gate_bias.stride(1) if bias else 0,
+        h, h.stride(0), h_scale, h_scale.stride(0),
+        info.tile_expert, info.tile_row_start, info.expert_offsets,
+        num_rows, num_ffn, info.num_experts, info.max_tiles,
+        float(alpha), float(limit), fp8_max(W8A8_DTYPE),
+        ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, ROUND_IN_FP32=is_interpreter(),
+        BLOCK_M=info.block_m, GROUP=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+    return h, h_scale
+
+
+def _bias_routing_weight(y, info, down_bias, topk_weights):
+    """y [N, H] (sorted rows) <- (y + down_bias[expert]) * routing weight, in place; returns y."""
+    num_rows, hidden = y.shape
+    if num_rows == 0 or hidden == 0 or info.max_tiles == 0:
+        return y
+    bias = down_bias is not None
+    launch(_bias_routing_weight_kernel, (info.max_tiles * cdiv(hidden, SCALE_BLOCK),),
+        y, y.stride(0),
+        down_bias, down_bias.stride(0) if bias else 0, down_bias.stride(1) if bias else 0,
+        info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
+        topk_weights, topk_weights.stride(0), topk_weights.stride(1), info.num_tokens,
+        num_rows, hidden, info.num_experts, info.max_tiles,
+        TOP_K=info.top_k, HAS_BIAS=bias, BLOCK_M=info.block_m, BLOCK_N=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+    return y
+
+
+def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
+                       interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
+                       alpha=1.702, limit=7.0):
+    """Both GEMMs of the w8a8 path on the Gluon GEMM -> y [N, H] bf16, each row times its routing weight, rows in the
+    dispatch's sorted order (for combine): `gemm.w8a8.w8a8_experts`' result for what planner.gluon_fp8_refusal
+    accepts (module docstring).
+
+    x [T, H] bf16; w_gate_up [E, 2F, H] float8_e4m3fn, contiguous, gate rows then up rows (`interleaved`: alternating,
+    gate first), w_gate_up_scale [E, cdiv(2F, 128), cdiv(H, 128)] fp32; w_down [E, H, F] with w_down_scale
+    [E, cdiv(H, 128), cdiv(F, 128)]; info the dispatch (dispatch.segments.DispatchInfo; any block_m); gate_bias,
+    up_bias [E, F] views with equal strides, down_bias [E, H]."""
+    a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
+    gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets)
+    h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
+                                       gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
+    y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets)
+    return _bias_routing_weight(y, info, down_bias, topk_weights)
