@@ -55,8 +55,9 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 # tiles that read it; above it that repeated decode costs more than one pass over the weights (one read of 4.25 bits
 # and one write of 16 per weight). The buffer exists for the call only, and only when it stays within
 # MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when gradients are taken (autograd
-# would keep it until the backward).
-MXFP4_DEQUANTIZE_MIN_ROWS = 64
+# would keep it until the backward). 128: where the pass wins even at a pessimistic 2.5 TB/s (GPT-OSS-120B at 64 rows
+# per expert would break even there); not yet measured on a GPU, whose crossover may sit lower.
+MXFP4_DEQUANTIZE_MIN_ROWS = 128
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 # The experimental Gluon engine of the w8a8 path (gemm/gluon_experts.py) runs only where this variable is "1": opt-in
 # until it is measured faster than the portable kernels. Read when a call's plan is recorded (host/replay.py): after
