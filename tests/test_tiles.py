@@ -16,7 +16,7 @@ CONFIG_DIR = tiles._CONFIG_DIR
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
 TABLES = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
-RUNTIME_KEYS = {"device", "measured", "note", "fp8_note", "buckets", "shapes", "decode", "fp8"}  # a tuning run's log
+RUNTIME_KEYS = {"device", "measured", "note", "fp8_note", "buckets", "shapes", "decode", "fp8", "mxfp4"}  # a tuning run's log
 # goes to docs/results/
 PROVENANCE_KEYS = {"measured", "note", "fp8_note"}  # top level only: no selection reads them
 # The w8a8 FP8 path runs on NVIDIA SM89+ only: shared memory per block of the devices each table with "fp8" serves
@@ -27,8 +27,8 @@ DECODE_BUCKET_KEYS = {"max_assignments", "gate_up", "down"}
 
 
 def _buckets(table):
-    """(E, F, H) or None for the generic list, and that list's buckets."""
-    yield None, table["buckets"]
+    """(E, F, H) or None for the generic list, and that list's buckets (an mxfp4 section may have no generic list)."""
+    yield None, table.get("buckets", [])
     for shape, buckets in table.get("shapes", {}).items():
         yield tuple(int(n) for n in shape.split(",")), buckets
 
@@ -44,11 +44,23 @@ def test_table_parses_and_holds_runtime_data_only(name):
         for bucket in buckets:
             assert set(bucket) == BUCKET_KEYS, (name, bucket)
             tiles.MoeTiles.from_dict(bucket)
+    mxfp4 = table.get("mxfp4", {})
+    assert set(mxfp4) <= {"buckets", "shapes", "decode"}, (name, set(mxfp4))
+    for _, buckets in _buckets(mxfp4):
+        assert [b["max_rows_per_expert"] for b in buckets] == sorted(b["max_rows_per_expert"] for b in buckets)
+        for bucket in buckets:
+            assert set(bucket) == BUCKET_KEYS, (name, "mxfp4", bucket)
+            tiles.MoeTiles.from_dict(bucket)
+    for _, buckets in _buckets(mxfp4.get("decode", {})):
+        assert [b["max_assignments"] for b in buckets] == sorted(b["max_assignments"] for b in buckets)
+        assert all(set(b) == DECODE_BUCKET_KEYS for b in buckets), (name, "mxfp4 decode", buckets)
 
 
-def _gemm_entries(table):
-    """(section, GEMM, entry) of every GEMM entry of a table's bf16 and fp8 buckets (generic and per shape)."""
-    for section, part in (("bf16", table), ("fp8", table.get("fp8"))):
+def _gemm_entries(table, sections=("bf16", "fp8")):
+    """(section, GEMM, entry) of every GEMM entry of a table's bf16 and fp8 (and mxfp4, when asked) buckets, generic
+    and per shape."""
+    parts = {"bf16": table, "fp8": table.get("fp8"), "mxfp4": table.get("mxfp4")}
+    for section, part in ((section, parts[section]) for section in sections):
         if part is not None:
             for _, buckets in _buckets(part):
                 for bucket in buckets:
@@ -78,7 +90,7 @@ def test_provenance_stays_at_the_top_and_kernels_are_named(name):
 
     below_top(table, [])
     names = {member.name.lower() for member in tiles.Persistent}
-    for section, gemm, entry in _gemm_entries(table):
+    for section, gemm, entry in _gemm_entries(table, ("bf16", "fp8", "mxfp4")):
         assert entry.get("persistent", "off") in names, (name, section, gemm, entry)
 
 
