@@ -703,6 +703,28 @@ def test_bench_mxfp4_cpu_smoke(tmp_path, capsys):
     assert printed[-1].startswith("| gpt-oss-20b | 5 | ") and printed[-1].endswith("| ok |"), printed[-1]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("choice,decodes_first", [("buffer", True), ("loads", False)])
+def test_bench_mxfp4_prefill_choice(choice, decodes_first, tmp_path, monkeypatch):
+    """--mxfp4-prefill forces the planner's choice for the A/B: "buffer" decodes the weights once per call
+    (gemm/mxfp4_dequant.py) even at T = 5, "loads" never does; both agree with the float64 experts."""
+    import bench_mxfp4 as bm
+
+    from moe_dispatch import moe
+    from moe_dispatch.gemm import planner
+
+    # the package's threshold set to the opposite choice, so each case shows the option overriding it (restored after)
+    monkeypatch.setattr(planner, "MXFP4_DEQUANTIZE_MIN_ROWS", 1 << 62 if decodes_first else 0)
+    calls = []
+    real = moe.dequantize_mxfp4_experts
+    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))
+    results = bm.main(["--cpu-smoke", "--models", "gpt-oss-20b", "--tokens", "5", "--impls", "mxfp4,bf16",
+                       "--mxfp4-prefill", choice, "--out", str(tmp_path / "out"), "--no-hub"])
+    (cell,) = results["cells"]
+    assert cell["impls"]["mxfp4"]["ok"], cell["impls"]["mxfp4"]
+    assert bool(calls) == decodes_first, calls
+
+
 def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     """scripts/bench_mxfp4.py's pieces: the decode floor (1.15 x (MXFP4 + scale bytes of the experts hit) / R + 10 us)
     and the prefill ratio (MXFP4 / bf16 <= 1.1 from T = 1024, the per-pair ratio preferred), the weights it builds
