@@ -624,8 +624,11 @@ class GeneralPath(TunerPath):
         and the table's head (device, measured, note); with --mxfp4 into the "mxfp4" section's shapes."""
         table = copy.deepcopy(base)
         key = run.modules["device"].device_key(run.device)
+        # a measured base keeps its note (it says where each earlier part of the table came from)
+        note = base.get("note") if base.get("measured") else None
         table.update({"device": key, "measured": True,
-                      "note": f"measured by scripts/tune; the runs are logged in docs/results/tuning-{key}.json"})
+                      "note": note or f"measured by scripts/tune; the runs are logged in docs/results/tuning-{key}"
+                                           ".json"})
         section = table.setdefault("mxfp4", {}) if run.args.mxfp4 else table
         section.setdefault("shapes", {})
         for record in records:

@@ -406,6 +406,24 @@ def test_tune_mxfp4(tmp_path, monkeypatch, path, tokens):
 
 
 @needs_interpreter
+def test_tune_keeps_a_measured_tables_note(tmp_path):
+    """A general-path run on a measured base table keeps its note (where each earlier part came from); on an
+    unmeasured one the note says the table is tune's."""
+    package = harness.load_kernel()
+    kernel = RecordingKernel(package)
+    small = {"gpt-oss-120b": shrunk(MODEL_SHAPES["gpt-oss-120b"], hidden=64, ffn=32, num_experts=8)}
+    base = dict(package.tiles.load_table("interpreter"), measured=True, note="the buckets came from sweep 3")
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    table, _ = _tune(tmp_path, "general", "gpt-oss-120b", "8", CostTimer(kernel), kernel, shapes=small,
+                     extra=["--mxfp4", "--base", str(tmp_path / "base.json")])
+    assert table["note"] == "the buckets came from sweep 3" and table["measured"]
+    (tmp_path / "unmeasured").mkdir()
+    table, _ = _tune(tmp_path / "unmeasured", "general", "gpt-oss-120b", "8", CostTimer(kernel), kernel, shapes=small,
+                     extra=["--mxfp4", "--base", str(package.tiles.table_path("interpreter"))])
+    assert table["note"].startswith("measured by scripts/tune")
+
+
+@needs_interpreter
 def test_tune_backward_path(tmp_path):
     """The backward path on Qwen3's routing at E = 8, H = 64, F = 32 (the interpreter's weight-gradient tile is small:
     many programs) and T = 4, every candidate as fast as the default: each candidate's gradients matched the
