@@ -673,8 +673,8 @@ KNOWN = (
           "live in registers; the tables' tiles are sized for 2-byte operands (fp32 only halves BLOCK_K). fp32 is "
           "the exact path, not a tuned one.", ALL_TARGETS, GEMM_KERNELS, "fp32"),
     Known("MXFP4 weights: the e2m1 values and e8m0 scales of each weight tile are decoded in registers; the tiles "
-          "are the bf16 tables' (on the H200 the MXFP4 path was measured with them, docs/performance.md, \"MXFP4 "
-          "experts\").", ALL_TARGETS, where=(("WEIGHT_SCALE", 5),)),
+          "are the tables' (the H200's `mxfp4` section tuned with them, docs/performance.md, \"MXFP4 experts\").",
+          ALL_TARGETS, where=(("WEIGHT_SCALE", 5),)),
     Known("H200, the forward of a training step (STORE_PREACT: the pre-activations stored for the backward) at the "
           "table's 64- and 128-row tiles: 16-128 bytes; the tiles were measured for inference, the training step was "
           "measured with them (docs/performance.md, \"Training\").", ("h200",),
