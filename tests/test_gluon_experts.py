@@ -64,7 +64,7 @@ def _planner_args(**changes):
     args = dict(plan=ExpertsPlan(ExpertsPath.W8A8, PREFILL), x=torch.zeros(4, H, dtype=torch.bfloat16),
                 w_gate_up=w_gate_up, w_down=w_down, w_gate_up_scale=scales["w_gate_up_scale"],
                 w_down_scale=scales["w_down_scale"], separate_up=False, block_shape=(128, 128), scale_layout="fused",
-                static_input_scales=False, transposed=False, available=lambda device: True)
+                static_input_scales=False, transposed=False, top_k=1, available=lambda device: True)
     args.update(changes)
     return args
 
@@ -119,20 +119,34 @@ REFUSALS = [
 ]
 
 
-def test_planner_takes_the_engine_only_when_asked(monkeypatch):
-    """Unset (the default) or anything but "1", the portable kernels run; "1" takes the engine where nothing else
-    refuses it."""
-    monkeypatch.delenv(planner.GLUON_FP8_VARIABLE, raising=False)
-    assert planner.GLUON_FP8_VARIABLE in _refusal()
+def test_planner_engine_modes(monkeypatch):
+    """Unset or empty ("auto"): the engine from GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E) and the portable
+    kernels below; "1": the engine at any count; "0": never; any other value: ValueError naming the variable."""
+    E = 2  # _planner_args' experts
+    few = torch.zeros(4, 256, dtype=torch.bfloat16)  # 2 rows per expert at top_k 1
+    at_threshold = torch.zeros(planner.GLUON_FP8_MIN_ROWS * E // 2, 256, dtype=torch.bfloat16)  # top_k 2
     args = _planner_args()
     plan = args.pop("plan")
     tensors = [args.pop(k) for k in ("x", "w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale")]
-    assert planner.plan_w8a8_engine(plan, *tensors, **args) is plan
-    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "true")
-    assert planner.GLUON_FP8_VARIABLE in _refusal()
+    for unset in (None, ""):
+        if unset is None:
+            monkeypatch.delenv(planner.GLUON_FP8_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, unset)
+        assert "GLUON_FP8_MIN_ROWS" in _refusal(x=few)
+        assert "GLUON_FP8_MIN_ROWS" in _refusal(x=at_threshold[:-1], top_k=2)  # one row under the threshold
+        assert _refusal(x=at_threshold, top_k=2) is None
+        assert planner.plan_w8a8_engine(plan, *tensors, **args) is plan  # the default 4 tokens: portable
+        assert planner.plan_w8a8_engine(plan, at_threshold, *tensors[1:], **{**args, "top_k": 2}) == ExpertsPlan(
+            ExpertsPath.W8A8_GLUON, PREFILL)
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "0")
+    assert planner.GLUON_FP8_VARIABLE in _refusal(x=at_threshold, top_k=2)
     monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
-    assert _refusal() is None
+    assert _refusal(x=few) is None
     assert planner.plan_w8a8_engine(plan, *tensors, **args) == ExpertsPlan(ExpertsPath.W8A8_GLUON, PREFILL)
+    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "true")
+    with pytest.raises(ValueError, match=planner.GLUON_FP8_VARIABLE):
+        _refusal()
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
@@ -143,8 +157,9 @@ def test_planner_falls_back(case, monkeypatch):
 
 
 def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monkeypatch):
-    """Through fused_experts: the engine never runs without the variable (here with `available` patched to True),
-    nor with it where Gluon cannot run (the CPU); the portable w8a8 kernels answer instead, with the same result."""
+    """Through fused_experts: the engine does not run by default below GLUON_FP8_MIN_ROWS rows per expert (here with
+    `available` patched to True), nor with the variable "1" where Gluon cannot run (the CPU); the portable w8a8
+    kernels answer instead, with the same result."""
     calls = []
     monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1))
     w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)

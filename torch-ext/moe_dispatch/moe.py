@@ -173,7 +173,7 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
                                 separate_up=separate_up, block_shape=fp8.block_shape,
                                 scale_layout=fp8.gate_up_scale_layout,
                                 static_input_scales=gate_up_input_scale is not None or down_input_scale is not None,
-                                transposed=transposed, available=gluon_fp8.available)
+                                transposed=transposed, top_k=top_k, available=gluon_fp8.available)
     paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON)
     gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired, mxfp4=is_mxfp4(w_gate_up))
     if paired:

@@ -17,8 +17,8 @@
   mxfp4_dequant.py      MXFP4 weights decoded once into a float buffer: the prefill strategy for MXFP4 experts
   gluon_fp8.py          a warp-specialized SM90 block-scaled FP8 GEMM in Gluon (Triton 3.6; dense and over
                         expert-sorted rows)
-  gluon_experts.py      the w8a8 experts path on gluon_fp8.py's GEMM (128 x 128 block scales, bf16): an experimental
-                        engine, opt-in (MOE_DISPATCH_GLUON_FP8=1, planner.plan_w8a8_engine)
+  gluon_experts.py      the w8a8 experts path on gluon_fp8.py's GEMM (128 x 128 block scales, bf16): the engine at
+                        prefill on SM90 (planner.plan_w8a8_engine; MOE_DISPATCH_GLUON_FP8)
 
 Reference: `reference.grouped_gemm_ref`, `expert_ffn_ref`, `fused_experts_ref`, `fused_experts_fp8_ref`,
 `fused_experts_w8a8_ref`, `fp8_block_gemm_ref`, `fp8_block_grouped_gemm_ref`.

@@ -1,6 +1,7 @@
 """The w8a8 experts path on the warp-specialized Gluon FP8 GEMM (gemm/gluon_fp8.py): an experimental engine for
-float8_e4m3fn weights with 128 x 128 block scales, run where planner.plan_w8a8_engine says so (opt-in through
-MOE_DISPATCH_GLUON_FP8=1; everywhere else gemm/w8a8.py's portable kernels run). No host sync anywhere::
+float8_e4m3fn weights with 128 x 128 block scales, run where planner.plan_w8a8_engine says so (SM90 with Triton's
+Gluon, from planner.GLUON_FP8_MIN_ROWS rows per expert unless MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else
+gemm/w8a8.py's portable kernels run). No host sync anywhere::
 
     x [T, H] bf16
       -> quantize_fp8_rows (gemm/w8a8.py)  rows gathered into expert-sorted order (the pass the persistent w8a8 path

@@ -5,9 +5,9 @@ decides; it launches nothing and imports no launcher.
   plan_experts         the experts call (moe.py): the decode path (gemm/decode.py: two launches, no dispatch), the
                        grouped path (dispatch, gemm.grouped.expert_gemm twice, combine; float weights, or float8 on
                        the dequant path) or the w8a8 path (gemm.w8a8.w8a8_experts), with its tiles
-  plan_w8a8_engine     the w8a8 path's engine: the portable Triton GEMMs, or (experimental, opt-in through
-                       MOE_DISPATCH_GLUON_FP8=1) the warp-specialized Gluon GEMM (gemm.gluon_experts);
-                       `gluon_fp8_refusal` says why not
+  plan_w8a8_engine     the w8a8 path's engine: the portable Triton GEMMs, or the warp-specialized Gluon GEMM
+                       (gemm.gluon_experts; SM90 with Triton's Gluon, from GLUON_FP8_MIN_ROWS rows per expert, or
+                       as MOE_DISPATCH_GLUON_FP8 says); `gluon_fp8_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
@@ -59,10 +59,15 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 # per expert would break even there); not yet measured on a GPU, whose crossover may sit lower.
 MXFP4_DEQUANTIZE_MIN_ROWS = 128
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
-# The experimental Gluon engine of the w8a8 path (gemm/gluon_experts.py) runs only where this variable is "1": opt-in
-# until it is measured faster than the portable kernels. Read when a call's plan is recorded (host/replay.py): after
-# changing it in a running process, call moe_dispatch.host.replay.clear().
+# The Gluon engine of the w8a8 path (gemm/gluon_experts.py): "auto" (the variable unset or empty) runs it from
+# GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read when a call's plan is
+# recorded (host/replay.py): after changing it in a running process, call moe_dispatch.host.replay.clear().
 GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
+GLUON_FP8_MODES = ("auto", "1", "0")
+# Measured on the H200 (Triton 3.6, v24; performance.md), beside the portable w8a8 kernels at five models' widths: the
+# engine was faster in all 13 cells from 128 rows per expert (1.03-1.43x) and slower in the 4 cells at 32-64 rows
+# that it ran (0.75-0.95x): its 128-row M tiles are mostly empty there.
+GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = (128, 128)  # the one weight block the Gluon GEMM reads (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`)
 TMA_ALIGN = 16  # bytes: the Gluon GEMM reads both operands through TMA descriptors (row strides and bases)
 
@@ -74,7 +79,7 @@ class ExpertsPath(enum.Enum):
     GROUPED = "grouped"  # dispatch -> gemm.grouped.expert_gemm x 2 -> combine
     W8A8 = "w8a8"  # dispatch -> gemm.w8a8.w8a8_experts -> combine (float8 weights and activations)
     # dispatch -> gemm.gluon_experts.gluon_w8a8_experts -> combine: the w8a8 path's arithmetic on the Gluon GEMM
-    # (experimental, opt-in: `plan_w8a8_engine`)
+    # (`plan_w8a8_engine`)
     W8A8_GLUON = "w8a8 on the Gluon GEMM"
 
 
@@ -120,10 +125,14 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
     return ExpertsPlan(ExpertsPath.W8A8 if w8a8 else ExpertsPath.GROUPED, tiles)
 
 
-def gluon_fp8_requested() -> bool:
-    """Whether the environment asks for the Gluon engine (GLUON_FP8_VARIABLE is "1"); read on every call that plans
-    (a recorded plan replays without asking: see GLUON_FP8_VARIABLE)."""
-    return os.environ.get(GLUON_FP8_VARIABLE, "0") == "1"
+def gluon_fp8_mode() -> str:
+    """GLUON_FP8_VARIABLE's value, one of GLUON_FP8_MODES ("auto" when unset or empty); read on every call that plans
+    (a recorded plan replays without asking). Any other value raises ValueError."""
+    value = os.environ.get(GLUON_FP8_VARIABLE, "") or "auto"
+    if value not in GLUON_FP8_MODES:
+        raise ValueError(f"{GLUON_FP8_VARIABLE} must be one of {', '.join(map(repr, GLUON_FP8_MODES))} (or unset), "
+                         f"got {value!r}")
+    return value
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -134,19 +143,21 @@ def _tma_rows(t: torch.Tensor) -> bool:
 
 def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, *, separate_up: bool,
-                      block_shape, scale_layout: str, static_input_scales: bool, transposed: bool,
+                      block_shape, scale_layout: str, static_input_scales: bool, transposed: bool, top_k: int,
                       available: Callable[[torch.device], bool]) -> str | None:
     """Why the Gluon engine (gemm/gluon_experts.py) does not run this experts call (a sentence), or None when it does.
 
-    It runs when asked (GLUON_FP8_VARIABLE), on the w8a8 path at prefill tiles (BLOCK_M >= PREQUANTIZE_MIN_BLOCK_M;
+    It runs unless GLUON_FP8_VARIABLE is "0", from GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E) when the variable
+    is "auto" (unset) and at any count when it is "1", on the w8a8 path at prefill tiles (BLOCK_M >= PREQUANTIZE_MIN_BLOCK_M;
     the decode path and decode tiles keep the portable kernels, whose 16-row tiles suit them), for bf16 activations and
     float8_e4m3fn weights with fp32 128 x 128 block scales, [E, 2F, H] / [E, H, F] (not transposed), gate and up in one
     contiguous weight (concatenated with "fused" scales, or with "merged" ones where F is a multiple of 128 and the two
     agree; or interleaved), both weights contiguous with rows of whole 16 bytes (H and F multiples of 16: TMA), dynamic
     activation scales (the GEMM takes one scale per row and 128 columns), and where `available(device)` says the Gluon
     GEMM can run (gemm.gluon_fp8.available: Triton 3.6's Gluon, an SM90 GPU; the CPU never). Host facts only."""
-    if not gluon_fp8_requested():
-        return f"{GLUON_FP8_VARIABLE} is not 1 (the Gluon engine is experimental and opt-in)"
+    mode = gluon_fp8_mode()
+    if mode == "0":
+        return f"{GLUON_FP8_VARIABLE} is 0"
     if plan.path is not ExpertsPath.W8A8:
         return f"the call takes the {plan.path.value} path, not w8a8"
     if plan.tiles.block_m < PREQUANTIZE_MIN_BLOCK_M:
@@ -171,6 +182,10 @@ def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
     num_ffn = w_down.shape[2]
     if scale_layout == "merged" and num_ffn % GLUON_FP8_BLOCK[0]:
         return f"merged gate/up scales with F = {num_ffn} not a multiple of {GLUON_FP8_BLOCK[0]}"
+    rows = x.shape[0] * top_k / max(w_gate_up.shape[0], 1)
+    if mode == "auto" and rows < GLUON_FP8_MIN_ROWS:
+        return (f"{rows:g} rows per expert (T * top_k / E), under GLUON_FP8_MIN_ROWS = {GLUON_FP8_MIN_ROWS}, where "
+                "the portable kernels are faster")
     if not available(x.device):
         return f"the Gluon GEMM cannot run on {x.device}"
     return None
