@@ -87,12 +87,42 @@ match; then training, and with --profile-train the step's breakdown) are printed
 arguments) and `generate_e2e.md`, rewritten after every cell so a run cut short keeps what it measured, and with
 --profile-train `generate_e2e_train_profile.txt` (the raw profiler tables of every model and implementation).
 
+FP8 mode (--quantize fp8): does an FP8 checkpoint through transformers decode faster with the package than with
+transformers' FP8 default, in the same run? After the model is built, `quantize_fp8_` quantizes it in place exactly as
+`from_pretrained(..., quantization_config=FineGrainedFP8Config())` quantizes a bf16 checkpoint on load, with
+transformers' own quantizer and quantize op: every nn.Linear but the LM head becomes an FP8Linear and every
+routed-experts module an FP8Experts, e4m3 weights with fp32 scales per 128 x 128 block (a weight whose dims are not
+multiples of the block stays as it was, as loading leaves it: DeepSeek-V3's kv_a_proj_with_mqa, 576 rows). FP8Experts
+dispatches through transformers' FP8ExpertsInterface, where the implementations are `moe_dispatch` (register_experts
+registers it there too), `grouped_mm` (transformers' default: the finegrained-fp8 kernel's grouped matmul, swapped for
+its batched matmul during decode on a GPU), `batched_mm`, and `grouped_mm_always` (transformers' FP8 grouped_mm
+function, registered under that name there too); `eager` is FP8Experts' own loop over the experts. Every
+implementation runs beside the same FP8 attention and dense layers, so the rows differ in the experts only. The
+defaults are the bf16 run's without the training step (FP8 weights are frozen, with no weight gradients to compare:
+--train and --profile-train are refused). The model record holds `quantization` (block, FP8 module counts, the
+modules left unquantized) and weights_gib from the parameters' own element sizes.
+
+transformers' FP8 layers run the `kernels-community/finegrained-fp8` Triton kernel (version 4), which transformers
+fetches from the Hub on first use (`lazy_load_kernel("finegrained-fp8")`). A machine without network serves it
+locally: --finegrained-fp8 DIR takes a source folder of that kernel (build.toml, torch-ext/finegrained_fp8/), copies
+its package into a temporary kernel repository laid out as `kernels` loads a local one (build/torch-<backend>/ with a
+metadata.json) and appends `kernels-community/finegrained-fp8=<that folder>` to LOCAL_KERNELS before anything loads
+the kernel, so `kernels.get_kernel` returns that copy. The run loads the kernel once before the first model and
+records in meta.finegrained_fp8 where it came from (the folder as given, its build.toml version, a sha256 of its
+package files, the module loaded, or the error). Without the flag transformers loads it its own way. On a GPU the run
+sets TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR=1 (unless it is set): for 128 x 128 blocks FP8Linear would prefer DeepGEMM,
+a kernel transformers downloads on first use, which a machine without network cannot; the finegrained-fp8 linear
+then runs every FP8Linear, the same layers under every experts implementation, so the experts comparison is
+unaffected.
+
 Run from the repository root (torch-ext/ holds the package), all models in one process or one model per process:
 
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --out results/generate-e2e
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models deepseek-v3 --out results/generate-e2e/deepseek-v3
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models mixtral-8x7b --modes eager --no-train
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models gpt-oss-120b --static-batches 1 --profile-train
+    PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --quantize fp8 --models qwen3-30b-a3b,deepseek-v3 \\
+        --finegrained-fp8 .peers/hub/finegrained-fp8 --modes eager,static --out results/generate-e2e-fp8
 
 Cost on one H200 (estimated, not yet measured): mostly torch.compile, 6 decode graphs per model (moe_dispatch,
 batched_mm, which grouped_mm's decode steps reuse, and grouped_mm_always, each at batch 1 and again with a dynamic
@@ -105,22 +135,33 @@ one compiled graph each per model) took 186 s in all.
 Without a GPU (or with --device cpu) it is a smoke run: tiny widths (H 64, F 32, 8 experts, top-2, vocab 128,
 1 layer, 3 new tokens, batches 1 and 2), fp32, eager mode only, no training, the kernels in Triton's interpreter
 (TRITON_INTERPRET=1 is set when it is not); the times then mean nothing, the token match is exact. --profile-train
-there records CPU activities only (no GPU time: every category is empty).
+there records CPU activities only (no GPU time: every category is empty). With --quantize fp8 the smoke widths are
+no multiples of 128, so the weights are quantized in 16 x 16 blocks (`weight_block_size=(16, 16)`; the package and
+the finegrained-fp8 kernel take any block shape). The interpreter has no GPU driver to time a Triton autotuner's
+configs with, so there each of the finegrained-fp8 kernel's autotuners keeps its first config (they differ in launch
+parameters and tiles, not in what is computed). The package runs weight-only FP8 on the CPU (the weights dequantized
+in its GEMMs' loads) while the finegrained-fp8 kernel quantizes the activations too, so there the tokens and logits
+agree with transformers' FP8 loop to FP8 rounding, not exactly.
 """
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import datetime
 import gc
+import hashlib
 import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import torch
@@ -194,6 +235,14 @@ TINY_EXPERTS = dict(num_experts=8, top_k=2, hidden=64, ffn=32)
 TINY_GROUPS = dict(n_group=2, topk_group=1)
 
 MODES = ("eager", "static", "static-reuse")
+QUANTIZE = ("none", "fp8")
+# FP8 weight blocks: FineGrainedFP8Config's default (DeepSeek-V3's), and the smoke run's (its widths, H 64 and F 32, are
+# no multiples of 128, and transformers leaves such a weight unquantized)
+FP8_BLOCK = (128, 128)
+TINY_FP8_BLOCK = (16, 16)
+# The kernel transformers' FP8 layers run (transformers.integrations.hub_kernels: `lazy_load_kernel("finegrained-fp8")`
+# = kernels.get_kernel(FINEGRAINED_FP8_REPO, version=4)); --finegrained-fp8 serves it from a source folder.
+FINEGRAINED_FP8_REPO = "kernels-community/finegrained-fp8"
 GPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm," + ALWAYS_GROUPED, modes=",".join(MODES),
                     batches="1,16", new_tokens=64, prompt_len=32, layers=2, vocab=32000, repeats=3, warmup=1,
                     dtype="bfloat16", init_std=0.02, reference="grouped_mm", train=True)
@@ -231,7 +280,15 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
                    help="smoke widths (default on the CPU only)")
     p.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time one training step, moe_dispatch vs grouped_mm (default on a GPU)")
+                   help="also time one training step, moe_dispatch vs grouped_mm (default on a GPU; refused with "
+                   "--quantize fp8)")
+    p.add_argument("--quantize", choices=QUANTIZE, default="none",
+                   help="fp8: quantize the built model as FineGrainedFP8Config does on load (FP8Linear, FP8Experts; "
+                   "128x128 blocks, 16x16 at the smoke widths)")
+    p.add_argument("--finegrained-fp8", default=None, metavar="DIR",
+                   help="source folder of the kernels-community/finegrained-fp8 kernel (build.toml, "
+                   "torch-ext/finegrained_fp8/) that transformers' FP8 layers load, served locally through "
+                   "LOCAL_KERNELS instead of the Hub (--quantize fp8)")
     p.add_argument("--interleave", choices=("eager", "all"), default="eager",
                    help="which modes time their implementations interleaved (round by round; default the eager mode "
                    "only); the compiled modes otherwise time one implementation after the other")
@@ -256,6 +313,13 @@ def parse_args(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu for the smoke run")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    if args.quantize == "fp8":
+        if args.train or args.profile_train:
+            p.error("--quantize fp8 has no training step: FP8 weights are frozen (no weight gradients to compare); "
+                    "drop --train / --profile-train")
+        args.train = False
+    elif args.finegrained_fp8 is not None:
+        p.error("--finegrained-fp8 serves the kernel of transformers' FP8 layers: add --quantize fp8")
     if args.profile_train:
         if args.train is False:
             p.error("--profile-train profiles the training step: drop --no-train")
@@ -265,6 +329,7 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.tiny is None:
         args.tiny = device.type == "cpu"
+    args.fp8_block = None if args.quantize == "none" else list(TINY_FP8_BLOCK if args.tiny else FP8_BLOCK)
     args.models = _names(args.models)
     unknown = [m for m in args.models if m not in SPECS]
     if unknown:
@@ -395,13 +460,181 @@ def experts_parameters(model):
 
 
 def model_record(model, spec, shape, args, build_s):
+    """What was built: class, experts' shape, depth, parameter counts, weights in GiB (from each parameter's own
+    element size: FP8 weights count one byte, their fp32 scales four), the build time, the config's scalars, and with
+    --quantize fp8 `quantization` (`fp8_summary`)."""
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, p in experts_parameters(model))
-    itemsize = next(model.parameters()).element_size()
-    return {"class": spec.model, "experts": dataclasses.asdict(shape), "layers": args.layers, "vocab": args.vocab,
-            "moe_layers": len(experts_modules(model)), "params": params, "experts_params": experts,
-            "weights_gib": params * itemsize / 2**30, "build_s": build_s,
-            "config": {k: v for k, v in model.config.to_diff_dict().items() if isinstance(v, (int, float, str, bool))}}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    record = {"class": spec.model, "experts": dataclasses.asdict(shape), "layers": args.layers, "vocab": args.vocab,
+              "moe_layers": len(experts_modules(model)), "params": params, "experts_params": experts,
+              "weights_gib": weight_bytes / 2**30, "build_s": build_s,
+              "config": {k: v for k, v in model.config.to_diff_dict().items()
+                         if isinstance(v, (int, float, str, bool))}}
+    if getattr(model.config, "quantization_config", None) is not None:
+        record["quantization"] = fp8_summary(model)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8
+
+
+def quantize_fp8_(model, block_size=FP8_BLOCK, modules_to_not_convert=None):
+    """Quantize `model` in place as `from_pretrained(..., quantization_config=FineGrainedFP8Config())` does when it
+    loads a bf16 checkpoint, with transformers' own machinery: its FP8 quantizer (`AutoHfQuantizer.from_config`, not
+    pre-quantized) replaces every nn.Linear but the LM head (and `modules_to_not_convert`) with an FP8Linear and every
+    routed-experts module with an FP8Experts, on the meta device (`preprocess_model`); each new module is then
+    materialized on the model's device and filled from the original tensors by `Fp8Quantize._quantize_one`, the op
+    loading runs on each weight: e4m3 weights with fp32 `*_scale_inv` scales per `block_size` block (w ~ w_fp8 *
+    scale_inv), biases as they were. An expert stack is quantized one expert at a time (no block spans two experts, so
+    the result is the same, with one expert's fp32 temporaries: DeepSeek-V3's whole gate_up stack would need 30 GB). A
+    weight whose dims are not multiples of the block stays unquantized in its FP8 module, as loading leaves it (the
+    module then runs F.linear; its unused scale is set to 1): DeepSeek-V3's kv_a_proj_with_mqa (576 rows). Last
+    `postprocess_model` (config.quantization_config, is_quantized, the multi-device DeepGEMM guard) with
+    `model.hf_quantizer` set, as from_pretrained does. The original tensors are released module by module, so the peak
+    is the original model plus one module's FP8 copy. Returns the quantizer."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, Fp8Quantize
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = FineGrainedFP8Config(weight_block_size=tuple(block_size), modules_to_not_convert=modules_to_not_convert)
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    first = next(model.parameters())
+    originals = dict(model.state_dict())  # the original tensors outlive the modules replaced next
+    quantizer.preprocess_model(model, dtype=first.dtype)
+    quantize = Fp8Quantize(quantizer)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, (FP8Linear, FP8Experts)):
+                continue
+            module.to_empty(device=first.device)
+            written = set()
+            for attr in [attr for attr, _ in module.named_parameters(recurse=False)]:
+                key = f"{name}.{attr}"
+                if key in originals:
+                    written |= _fill_quantized_(module, key, originals.pop(key), quantize)
+            for attr, param in module.named_parameters(recurse=False):
+                if attr not in written:  # the scale of a weight left unquantized, or a static activation scale
+                    param.fill_(1.0)
+    del originals
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    return quantizer
+
+
+def _fill_quantized_(module, key, value, quantize):
+    """Write `quantize._quantize_one(key, value)` (one expert at a time for a 3-D stack) into `module`'s parameters;
+    a tensor it passes through (a bias, a weight the block does not tile) replaces the parameter as loading does.
+    Returns the attribute names written."""
+    stacked = value.dim() == 3
+    written = set()
+    for index, part in enumerate(value.unbind(0) if stacked else [value]):
+        for out_key, tensor in quantize._quantize_one(key, part).items():
+            attr = out_key.rsplit(".", 1)[1]
+            target = getattr(module, attr)
+            if tensor.dtype != target.dtype or (not stacked and tensor.shape != target.shape):
+                setattr(module, attr, torch.nn.Parameter(value, requires_grad=value.is_floating_point()))
+                return {attr}
+            (target[index] if stacked else target).copy_(tensor)
+            written.add(attr)
+    return written
+
+
+def fp8_summary(model):
+    """The quantization of a `quantize_fp8_` model: method, block, the FP8Linear / FP8Experts modules, the parameters
+    stored in float8, and the FP8 modules whose weight stayed unquantized."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    config = model.config.quantization_config
+    fp8 = [(name, m) for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))]
+    kept = [name for name, m in fp8 if not any(p.dtype == torch.float8_e4m3fn for p in m.parameters())]
+    return {"method": str(getattr(config.quant_method, "value", config.quant_method)),
+            "weight_block_size": list(config.weight_block_size),
+            "fp8_linear": sum(isinstance(m, FP8Linear) for _, m in fp8),
+            "fp8_experts": sum(isinstance(m, FP8Experts) for _, m in fp8),
+            "fp8_params": sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn),
+            "unquantized": kept}
+
+
+def _package_digest(folder):
+    """sha256 of a package folder's .py files (relative names and contents, in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*.py")):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def serve_finegrained_fp8(source):
+    """Serve the finegrained-fp8 kernel from its source folder `source` (build.toml, torch-ext/finegrained_fp8/):
+    copy the package into a temporary kernel repository laid out as `kernels` loads a local one (build/torch-<backend>/
+    holding the package and a metadata.json) and append `kernels-community/finegrained-fp8=<that folder>` to
+    LOCAL_KERNELS (entries separated by ':', as kernels parses them), so transformers' `lazy_load_kernel` gets this copy
+    instead of the Hub's; must run before anything loads the kernel. The folder is removed at exit. Returns the record
+    of where it came from: the folder as given, its build.toml name and version, a sha256 of its package files, the
+    module name it imports under."""
+    folder = Path(source)
+    package = folder / "torch-ext" / "finegrained_fp8"
+    if not (package / "__init__.py").is_file():
+        raise SystemExit(f"--finegrained-fp8 {source}: no torch-ext/finegrained_fp8/__init__.py there (a source folder "
+                         f"of {FINEGRAINED_FP8_REPO} is expected)")
+    build = folder / "build.toml"
+    general = tomllib.loads(build.read_text()).get("general", {}) if build.is_file() else {}
+    digest = _package_digest(package)
+    backend = "cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu"
+    repo = Path(tempfile.mkdtemp(prefix="finegrained-fp8-"))
+    atexit.register(shutil.rmtree, repo, ignore_errors=True)
+    variant = repo / "build" / f"torch-{backend}"
+    shutil.copytree(package, variant, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    module = f"_finegrained_fp8_{digest[:10]}"  # one module name per source: two sources never share sys.modules
+    metadata = {"name": general.get("name", "finegrained-fp8"), "id": module, "version": general.get("version"),
+                "license": general.get("license", "Apache-2.0"), "python-depends": [], "backend": {"type": backend}}
+    (variant / "metadata.json").write_text(json.dumps(metadata))
+    entry = f"{FINEGRAINED_FP8_REPO}={repo}"
+    os.environ["LOCAL_KERNELS"] = ":".join(filter(None, [os.environ.get("LOCAL_KERNELS"), entry]))
+    return {"source": str(source), "served_as": FINEGRAINED_FP8_REPO, "name": metadata["name"],
+            "version": metadata["version"], "sha256": digest, "module": module}
+
+
+def load_finegrained_fp8(served, device):
+    """Load the finegrained-fp8 kernel the way transformers' FP8 layers do (`load_finegrained_fp8_kernel`) before the
+    first model, so a kernel that cannot load says so once; returns meta's record: `served` (serve_finegrained_fp8's
+    record, or transformers' own loading without --finegrained-fp8), the module loaded and its error if any. In
+    Triton's interpreter (the CPU smoke run) an autotuned kernel with several configs would time them through the GPU
+    driver the interpreter does not have: there each of the kernel's autotuners keeps its first config (they differ in
+    launch parameters and tile shapes, not in what is computed)."""
+    record = dict(served or {"source": "transformers' lazy_load_kernel (the Hub or its cache)"})
+    record["deepgemm_linear_disabled"] = os.environ.get("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR") == "1"
+    try:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+        from transformers.integrations.hub_kernels import lazy_load_kernel
+
+        load_finegrained_fp8_kernel()
+        kernel = lazy_load_kernel("finegrained-fp8")  # the module just loaded (cached)
+    except Exception as exc:  # noqa: BLE001 (the FP8 cells that need it record their own errors)
+        record["error"] = _error(exc)
+        return record
+    record["loaded"] = kernel.__name__
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        record["autotune_pinned"] = pin_autotune_configs(kernel)
+    if served is not None and kernel.__name__ != served["module"]:
+        record["error"] = f"loaded {kernel.__name__}, not the served copy {served['module']}"
+    return record
+
+
+def pin_autotune_configs(kernel):
+    """Keep the first config of every Triton autotuner in `kernel`'s modules (see load_finegrained_fp8); returns how
+    many autotuners had more than one."""
+    from triton.runtime.autotuner import Autotuner
+
+    pinned = 0
+    for name, module in list(sys.modules.items()):
+        if name == kernel.__name__ or name.startswith(kernel.__name__ + "."):
+            for value in list(vars(module).values()):
+                if isinstance(value, Autotuner) and len(value.configs) > 1:
+                    value.configs = value.configs[:1]
+                    pinned += 1
+    return pinned
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -409,11 +642,18 @@ def model_record(model, spec, shape, args, build_s):
 
 
 def register_implementations(package):
-    """Register moe_dispatch and grouped_mm under a name generate's decode switch does not touch; the package's
-    name."""
+    """Register moe_dispatch (in ExpertsInterface and FP8ExpertsInterface: `register_experts`), and grouped_mm under
+    a name generate's decode switch does not touch: transformers' grouped_mm function in ExpertsInterface, its FP8
+    grouped_mm function (FP8Experts, --quantize fp8) in FP8ExpertsInterface; the package's name."""
     from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
     ExpertsInterface.register(ALWAYS_GROUPED, grouped_mm_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface, fp8_grouped_mm_experts_forward
+    except ImportError:  # a transformers without FP8 experts
+        pass
+    else:
+        FP8ExpertsInterface.register(ALWAYS_GROUPED, fp8_grouped_mm_experts_forward)
     return package.register_experts()
 
 
@@ -1034,8 +1274,11 @@ def tables(results):
     in Markdown."""
     args = results["meta"]["args"]
     cells = [c for c in results["decode"] if "tokens_per_s" in c]
+    weights = args["dtype"]
+    if args.get("quantize", "none") == "fp8":
+        weights += f" with FP8 weights ({'x'.join(map(str, args['fp8_block']))} blocks, FineGrainedFP8Config)"
     head = (f"{args['layers']} decoder layers, vocab {args['vocab']}, prompt {args['prompt_len']}, "
-            f"{args['new_tokens']} new tokens, {args['dtype']}, {results['meta']['device']}; decode tok/s = "
+            f"{args['new_tokens']} new tokens, {weights}, {results['meta']['device']}; decode tok/s = "
             f"batch * (new_tokens - 1) / (t(new_tokens) - t(1)); tokens vs {args['reference']}")
     full = [head, "", "| model | batch | mode | impl | tok/s | ms/step | generate s | vs default | tokens match |",
             "|---|---:|---|---|---:|---:|---:|---:|---|"]
@@ -1265,12 +1508,25 @@ def run_model(spec, args, device, dtype, results, started, log):
     by --budget-s loses least in)."""
     build_start = time.perf_counter()
     model, shape = build_model(spec, args, device, dtype, None)  # None: the implementation transformers defaults to
+    quantize_s = None
+    if args.quantize == "fp8":
+        synchronize(device)
+        quantize_start = time.perf_counter()
+        quantize_fp8_(model, args.fp8_block)
+        synchronize(device)
+        quantize_s = time.perf_counter() - quantize_start
     synchronize(device)
     default = results["default_impl"] = model.config._experts_implementation
     record = model_record(model, spec, shape, args, time.perf_counter() - build_start)
+    fp8 = ""
+    if quantize_s is not None:
+        record["quantize_s"] = quantize_s
+        quant = record["quantization"]
+        fp8 = (f", FP8 {'x'.join(map(str, quant['weight_block_size']))} blocks ({quant['fp8_linear']} FP8Linear, "
+               f"{quant['fp8_experts']} FP8Experts, {len(quant['unquantized'])} left unquantized; {quantize_s:.1f} s)")
     results["models"][spec.name] = record
     log(f"{spec.name}: built in {record['build_s']:.1f} s, {record['params'] / 1e9:.2f} B parameters "
-        f"({record['weights_gib']:.1f} GiB), {record['moe_layers']} MoE layers; default experts: {default}")
+        f"({record['weights_gib']:.1f} GiB){fp8}, {record['moe_layers']} MoE layers; default experts: {default}")
     impls = list(dict.fromkeys([args.reference, default, *args.impls]))  # reference first, then the default
     try:
         if args.logits and not _over_budget(args, started):
@@ -1299,6 +1555,12 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    served = None
+    if args.quantize == "fp8":
+        if device.type == "cuda":  # DeepGEMM is downloaded on first use: the finegrained-fp8 linear instead (docstring)
+            os.environ.setdefault("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "1")
+        if args.finegrained_fp8 is not None:  # before anything loads the kernel
+            served = serve_finegrained_fp8(args.finegrained_fp8)
     package = load_package(device)
     package_impl = register_implementations(package)
     if set(args.modes) - {"eager"}:
@@ -1315,6 +1577,9 @@ def main(argv=None):
                "models": {}, "decode": [], "train": [], "logits": []}
     log(f"generate_e2e on {results['meta']['device']}: {args.layers} layers, vocab {args.vocab}, {args.dtype}, "
         f"impls {','.join(args.impls)}, modes {','.join(args.modes)}, batches {args.batches}")
+    if args.quantize == "fp8":
+        peer = results["meta"]["finegrained_fp8"] = load_finegrained_fp8(served, device)
+        log(f"finegrained-fp8 kernel from {peer['source']}: " + (peer.get("error") or f"loaded as {peer['loaded']}"))
     for name in args.models:
         run_model(SPECS[name], args, device, dtype, results, started, log)
     results["meta"]["wall_s"] = time.monotonic() - started

@@ -11,10 +11,22 @@ trains under --profile-train (its bias gradients compared, the profile's outputs
 tested on their own: the kernel categories on made-up records, the backward's scopes on a real CPU profile, the step
 breakdown (busy time, syncs, device-to-host copies) on made-up events. No speed assertions (interpreter times mean
 nothing).
+
+FP8 mode (--quantize fp8): `quantize_fp8_` on the tiny DeepSeek-V3-style model (which modules transformers' quantizer
+converts, the e4m3 weights and their block scales against the original weights, a weight the block does not tile left
+as it was); the peer kernel served from a source folder (`kernels.get_kernel` returns that copy, LOCAL_KERNELS keeps
+what it held); and a smoke run of Qwen3-MoE and DeepSeek-V3 through every implementation on a stand-in of the
+finegrained-fp8 kernel written here (its three matmuls in torch on the dequantized weights), so that at fp32 the
+package's FP8 path must give transformers' FP8 experts loop's tokens exactly. Where a checkout holds the real kernel's
+source in .peers/hub/finegrained-fp8 (not part of the repository), the smoke run also takes that one: its w8a8 matmul
+(activations quantized too) runs in the interpreter, so there the logits agree to FP8 rounding, not exactly.
 """
 
 import json
+import os
+import sys
 import types
+from pathlib import Path
 
 import generate_e2e  # benchmarks/ is on pytest.ini's pythonpath
 import pytest
@@ -24,6 +36,9 @@ from helpers import needs_interpreter
 import moe_dispatch
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
+ROOT = Path(__file__).resolve().parents[1]
+# A checkout's copy of the finegrained-fp8 kernel's source (ignored by git: a measuring instrument, not project code).
+PEER_SOURCE = ROOT / ".peers" / "hub" / "finegrained-fp8"
 
 
 @pytest.fixture
@@ -310,3 +325,186 @@ def test_step_breakdown_from_events():
     where = f"aten::_local_scalar_dense < aten::item < {generate_e2e.SCOPE_PREFIX}experts [experts]"
     assert out["syncs"] == 1 and out["syncs_by_op"] == {where: 1}  # not the one after the step
     assert out["dtoh_copies"] == 1 and out["dtoh_by_op"] == {where: 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --quantize fp8
+
+# A finegrained-fp8 source folder whose kernel computes exactly what the FP8 weights hold: each matmul on the weights
+# dequantized block by block (w_fp8 * scale_inv), in fp32, the activations unquantized; CALLS logs what ran.
+STAND_IN = """
+import torch
+
+CALLS = []
+
+
+def _dequantize(weight, scale, block):
+    scale = scale.repeat_interleave(block[0], dim=-2)[..., :weight.shape[-2], :]
+    return weight.float() * scale.repeat_interleave(block[1], dim=-1)[..., :weight.shape[-1]]
+
+
+def matmul_2d(a, b, bs, block_size, output_dtype=None, activation_scale=None):
+    CALLS.append("matmul_2d")
+    return (a.float() @ _dequantize(b, bs, block_size).T).to(output_dtype or a.dtype)
+
+
+def matmul_batched(a, b, bs, block_size, expert_ids):
+    CALLS.append("matmul_batched")
+    return torch.einsum("sk,snk->sn", a.float(), _dequantize(b, bs, block_size)[expert_ids]).to(a.dtype)
+
+
+def matmul_grouped(a, b, bs, offsets, tokens_per_expert, block_size):
+    CALLS.append("matmul_grouped")
+    experts = torch.repeat_interleave(torch.arange(b.shape[0]), tokens_per_expert.long())
+    return torch.einsum("sk,snk->sn", a.float(), _dequantize(b, bs, block_size)[experts]).to(a.dtype)
+"""
+
+
+@pytest.fixture(scope="module")
+def stand_in_source(tmp_path_factory):
+    """A finegrained-fp8 source folder (build.toml, torch-ext/finegrained_fp8/) holding STAND_IN."""
+    source = tmp_path_factory.mktemp("finegrained-fp8")
+    (source / "build.toml").write_text('[general]\nname = "finegrained-fp8"\nversion = 4\n')
+    package = source / "torch-ext" / "finegrained_fp8"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(STAND_IN)
+    return source
+
+
+@pytest.fixture
+def fresh_fp8_kernel(monkeypatch, tmp_path):
+    """Forget any finegrained-fp8 kernel transformers loaded earlier in this process, and give LOCAL_KERNELS an entry
+    of another kernel (restored afterwards): the run must append its own."""
+    from transformers.integrations import finegrained_fp8, hub_kernels
+
+    monkeypatch.setattr(finegrained_fp8, "_FINEGRAINED_FP8", None)
+    monkeypatch.setitem(hub_kernels._KERNEL_MODULE_MAPPING, "finegrained-fp8", None)
+    other = f"other-org/other-kernel={tmp_path / 'other'}"
+    monkeypatch.setenv("LOCAL_KERNELS", ":".join(filter(None, [os.environ.get("LOCAL_KERNELS"), other])))
+    return os.environ["LOCAL_KERNELS"]
+
+
+def test_fp8_arguments():
+    args = generate_e2e.parse_args(["--device", "cpu", "--quantize", "fp8"])
+    assert args.quantize == "fp8" and not args.train and args.fp8_block == [16, 16]  # tiny widths: 16x16 blocks
+    assert generate_e2e.parse_args(["--device", "cpu", "--quantize", "fp8", "--no-tiny"]).fp8_block == [128, 128]
+    assert generate_e2e.parse_args(["--device", "cpu"]).fp8_block is None
+    for refused in (["--train"], ["--profile-train"], ["--finegrained-fp8", "somewhere"]):
+        quantize = [] if refused[0] == "--finegrained-fp8" else ["--quantize", "fp8"]  # the flag needs fp8 mode
+        with pytest.raises(SystemExit):
+            generate_e2e.parse_args(["--device", "cpu", *quantize, *refused])
+
+
+def test_quantize_fp8_converts_like_loading_and_keeps_the_weights():
+    """The tiny DeepSeek-V3-style model quantized in place: routed experts -> FP8Experts, every nn.Linear but the LM
+    head -> FP8Linear (the routers are no nn.Linear), e4m3 weights whose 16x16 block scales bring back the original
+    within e4m3's rounding; kv_a_proj_with_mqa (24 rows, no multiple of 16) stays as it was."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    args = generate_e2e.parse_args(["--device", "cpu", "--quantize", "fp8", "--models", "deepseek-v3"])
+    spec = generate_e2e.SPECS["deepseek-v3"]
+    model, shape = generate_e2e.build_model(spec, args, torch.device("cpu"), torch.float32, None)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    before = generate_e2e.model_record(model, spec, shape, args, 0.0)
+    generate_e2e.quantize_fp8_(model, args.fp8_block)
+
+    ((_, experts),) = generate_e2e.experts_modules(model)
+    assert isinstance(experts, FP8Experts) and model.is_quantized and model.hf_quantizer is not None
+    converted = {name for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert converted == linears - {"lm_head"} and type(model.lm_head) is torch.nn.Linear
+    kept = "model.layers.0.self_attn.kv_a_proj_with_mqa"
+    assert model.get_submodule(kept).weight.dtype == torch.float32
+    assert torch.equal(model.get_submodule(kept).weight, original[f"{kept}.weight"])
+    E, F, H = shape.num_experts, shape.ffn, shape.hidden
+    assert experts.gate_up_proj_scale_inv.shape == (E, 2 * F // 16, H // 16)
+    assert experts.down_proj_scale_inv.shape == (E, H // 16, F // 16)
+
+    checked = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (FP8Linear, FP8Experts)) or name == kept:
+            continue
+        for attr in ("weight", "gate_up_proj", "down_proj"):
+            weight = getattr(module, attr, None)
+            if not isinstance(weight, torch.Tensor):
+                continue
+            assert weight.dtype == torch.float8_e4m3fn, (name, attr)
+            scale = getattr(module, f"{attr}_scale_inv")
+            assert scale.dtype == torch.float32 and scale.shape[-2:] == (weight.shape[-2] // 16, weight.shape[-1] // 16)
+            back = weight.detach().float() * scale.detach().repeat_interleave(16, dim=-2).repeat_interleave(16, dim=-1)
+            ref = original[f"{name}.{attr}"]
+            error = float((back - ref).norm() / ref.norm())
+            assert 0 < error < 0.05, (name, attr, error)  # quantized (not copied), to e4m3's 3 mantissa bits
+            checked += 1
+    assert checked == len(converted) - 1 + 2  # every FP8Linear but the one kept, and both expert stacks
+
+    record = generate_e2e.model_record(model, spec, shape, args, 0.0)
+    quant = record["quantization"]
+    assert quant["method"] == "fp8" and quant["weight_block_size"] == [16, 16] and quant["unquantized"] == [kept]
+    assert (quant["fp8_linear"], quant["fp8_experts"]) == (len(converted), 1)
+    assert record["params"] > before["params"]  # the scales are parameters too
+    assert record["weights_gib"] < 0.5 * before["weights_gib"]  # most bytes were fp32, now one each
+
+
+def test_finegrained_fp8_is_served_from_a_source_folder(stand_in_source, fresh_fp8_kernel, tmp_path):
+    import kernels
+
+    served = generate_e2e.serve_finegrained_fp8(stand_in_source)
+    assert served["version"] == 4 and served["source"] == str(stand_in_source)
+    assert os.environ["LOCAL_KERNELS"].startswith(fresh_fp8_kernel + ":kernels-community/finegrained-fp8=")
+    kernel = kernels.get_kernel("kernels-community/finegrained-fp8", version=4)  # what transformers asks for
+    assert kernel.__name__ == served["module"] and hasattr(kernel, "CALLS")
+    metadata = json.loads((Path(kernel.__file__).parent / "metadata.json").read_text())
+    assert metadata["version"] == 4 and metadata["name"] == "finegrained-fp8"
+    with pytest.raises(SystemExit):
+        generate_e2e.serve_finegrained_fp8(tmp_path)  # no torch-ext/finegrained_fp8 there
+
+
+@needs_interpreter
+def test_cpu_smoke_fp8_matches_transformers_fp8_loop(stand_in_source, fresh_fp8_kernel, kernel_calls):
+    """Qwen3-MoE and DeepSeek-V3, FP8-quantized, through every implementation: transformers' FP8 ones (eager loop,
+    grouped_mm, batched_mm, and grouped_mm_always, registered in FP8ExpertsInterface) on the served stand-in kernel,
+    the package's on its own kernels; at fp32 the package's tokens and logits are the eager loop's."""
+    names = ("qwen3-30b-a3b", "deepseek-v3")
+    results = generate_e2e.main(["--device", "cpu", "--quantize", "fp8", "--finegrained-fp8", str(stand_in_source),
+                                 "--models", ",".join(names), "--batches", "1", "--impls",
+                                 f"moe_dispatch,batched_mm,{generate_e2e.ALWAYS_GROUPED}"])
+    peer = results["meta"]["finegrained_fp8"]
+    assert peer["loaded"] == peer["module"] and "error" not in peer and peer["version"] == 4
+    impls = {"eager", "grouped_mm", "moe_dispatch", "batched_mm", generate_e2e.ALWAYS_GROUPED}
+    assert {(c["model"], c["impl"]) for c in results["decode"]} == {(m, i) for m in names for i in impls}
+    for c in results["decode"] + results["logits"]:
+        assert "error" not in c, c
+    for c in results["decode"]:
+        if c["impl"] == "moe_dispatch":
+            assert c["rows_equal"] == 1.0 and c["first_diff"] is None, c
+    for c in results["logits"]:
+        if c["impl"] == "moe_dispatch":
+            assert c["max_abs_diff"] <= 1e-4 * c["ref_max_abs"] and c["rows_flipped"] == 0, c
+    assert kernel_calls, "moe_dispatch's fused_experts never ran"
+    calls = set(sys.modules[peer["module"]].CALLS)
+    assert calls == {"matmul_2d", "matmul_grouped", "matmul_batched"}  # every FP8 path of transformers used it
+    for name in names:
+        quant = results["models"][name]["quantization"]
+        assert quant["fp8_experts"] == 1 and quant["fp8_linear"] >= 4 and quant["weight_block_size"] == [16, 16]
+    assert not results["train"]
+
+
+@needs_interpreter
+@pytest.mark.skipif(not (PEER_SOURCE / "torch-ext" / "finegrained_fp8").is_dir(),
+                    reason="no finegrained-fp8 source in .peers/hub of this checkout")
+def test_cpu_smoke_fp8_on_the_real_finegrained_fp8_kernel(fresh_fp8_kernel, kernel_calls):
+    """The kernel's own w8a8 matmul (activations quantized to e4m3 per 16 columns) runs transformers' FP8Linear layers
+    and eager FP8 loop in the interpreter, each autotuner kept to its first config; the package (weight-only FP8 on
+    the CPU) decodes and its logits agree with that loop's to FP8 rounding."""
+    results = generate_e2e.main(["--device", "cpu", "--quantize", "fp8", "--finegrained-fp8", str(PEER_SOURCE),
+                                 "--models", "qwen3-30b-a3b", "--batches", "1", "--impls", "moe_dispatch"])
+    peer = results["meta"]["finegrained_fp8"]
+    assert peer["loaded"] == peer["module"] and peer["autotune_pinned"] > 0 and "error" not in peer
+    cells = {c["impl"]: c for c in results["decode"]}
+    for impl in ("eager", "moe_dispatch"):
+        assert "error" not in cells[impl], cells[impl]
+    assert "rows_equal" in cells["moe_dispatch"]
+    (logits,) = [c for c in results["logits"] if c["impl"] == "moe_dispatch"]
+    assert logits["max_abs_diff"] <= 0.1 * logits["ref_max_abs"], logits
+    assert kernel_calls

@@ -187,10 +187,12 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     moe_tiles = plan.tiles
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
+    combine_weights = None  # routing weights still to apply: the paths below apply them in their last GEMM's epilogue
     if plan.path is ExpertsPath.W8A8_GLUON:
-        y = gluon_w8a8_experts(x, w_gate_up, w_down, info, fp8.w_gate_up_scale, fp8.w_down_scale,
-                               topk_weights=topk_weights, interleaved=interleaved, activation=activation,
-                               gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, alpha=alpha, limit=limit)
+        y, combine_weights = gluon_w8a8_experts(
+            x, w_gate_up, w_down, info, fp8.w_gate_up_scale, fp8.w_down_scale, topk_weights=topk_weights,
+            interleaved=interleaved, activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,
+            alpha=alpha, limit=limit)
     elif plan.path is ExpertsPath.W8A8:
         y = w8a8_experts(x, w_gate, w_up, w_down, info, moe_tiles, gate_up_scale, down_scale,
                          topk_weights=topk_weights, transposed=transposed, activation=activation, gate_bias=gate_bias,
@@ -203,7 +205,7 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
                                    weight_scale=gate_up_scale, paired=paired)
         y = expert_gemm(intermediate, w_down, info, moe_tiles.down, transposed=transposed, bias=down_bias,
                         topk_weights=topk_weights, weight_scale=down_scale)
-    out = combine(y, info.scatter_idx, T, top_k)
+    out = combine(y, info.scatter_idx, T, top_k, weights=combine_weights)
     if not save_preact:
         return (out, *_no_backward_outputs(x))
     return out, preact, info.expert_offsets, info.gather_idx, info.scatter_idx

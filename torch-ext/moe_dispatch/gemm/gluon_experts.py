@@ -11,8 +11,10 @@ gemm/w8a8.py's portable kernels run). No host sync anywhere::
       -> _gated_activation_fp8_kernel      bias, activation (silu / swiglu_oai), e4m3 per row and 128 columns
                                            (gemm.w8a8_jit.w8a8_epilogue) -> h [N, F], h_scale [N, cdiv(F, 128)]
       -> fp8_block_grouped_gemm            GEMM2 against w_down [E, H, F] -> y [N, H] bf16
-      -> _bias_routing_weight_kernel       down bias and routing weight, in place (gemm.jit.tile_epilogue)
-      -> y [N, H] bf16 -> dispatch/combine.py
+      -> _bias_routing_weight_kernel       with a down bias only: bias and routing weight, in place
+                                           (gemm.jit.tile_epilogue)
+      -> y [N, H] bf16 -> dispatch/combine.py, which applies the routing weights where the pass did not (one pass
+                          over y less: 1-12% of the call at T = 16384, Mixtral to Qwen3-30B widths)
 
 N = T * top_k; row p of every [N, .] buffer is sorted position p of the dispatch (DispatchInfo); rows past
 expert_offsets[E] (dropped assignments) are never written past the quantization pass, and combine never reads them.
@@ -146,9 +148,11 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
                        alpha=1.702, limit=7.0):
-    """Both GEMMs of the w8a8 path on the Gluon GEMM -> y [N, H] bf16, each row times its routing weight, rows in the
-    dispatch's sorted order (for combine): `gemm.w8a8.w8a8_experts`' result for what planner.gluon_fp8_refusal
-    accepts (module docstring).
+    """Both GEMMs of the w8a8 path on the Gluon GEMM -> (y [N, H] bf16 with rows in the dispatch's sorted order, the
+    routing weights combine must still apply): with a down bias, y's rows carry bias and routing weight (the second
+    item None), as `gemm.w8a8.w8a8_experts`' do; without one, y is GEMM2's output and the second item is
+    `topk_weights`, which combine multiplies in as it sums (module docstring). For what planner.gluon_fp8_refusal
+    accepts.
 
     x [T, H] bf16; w_gate_up [E, 2F, H] float8_e4m3fn, contiguous, gate rows then up rows (`interleaved`: alternating,
     gate first), w_gate_up_scale [E, cdiv(2F, 128), cdiv(H, 128)] fp32; w_down [E, H, F] with w_down_scale
@@ -159,4 +163,6 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
                                        gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
     y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets)
-    return _bias_routing_weight(y, info, down_bias, topk_weights)
+    if down_bias is None:
+        return y, topk_weights
+    return _bias_routing_weight(y, info, down_bias, topk_weights), None
