@@ -1,6 +1,8 @@
-"""Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gemm.gluon_fp8) on a Hopper GPU with Triton 3.6.
+"""Probe of the Gluon GEMMs on a Hopper GPU with Triton 3.6: the FP8 block-scaled ones (moe_dispatch.gemm.gluon_fp8)
+and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts paths' engines.
 
-    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py [--sections gemm experts] [--models ...] [--tokens ...]
+    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py [--sections gemm experts bf16] [--models ...]
+        [--tokens ...]
 
 1. Correctness against the float64 references (moe_dispatch.reference, norm-wise relative error): dense at odd M
    (1, 77, 4097) and N, K tails; grouped with an empty expert, a one-row expert and tiles ending mid-expert; a NaN in
@@ -20,6 +22,14 @@
    (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable and fp8/bf16; the Gluon
    result checked against the portable one and the bf16 one (relative error < reference.W8A8_TOLERANCE: both quantize
    activations to e4m3 with different groups, or not at all).
+4. The bf16 engine (`--sections bf16`; gemm/gluon_bf16.py, opt-in through MOE_DISPATCH_GLUON_BF16=1): the Gluon
+   GEMM against float64 in bf16 and fp16 (dense at odd M, N and K tails; grouped with an empty expert, a one-row
+   expert and tiles ending mid-expert; a NaN in A reaching its own row only); dense M = N = K in {4096, 8192} beside
+   torch.matmul (do_bench, median; rows sampled against float64), at 8192 also with 3 stages, with BLOCK_N 128 and 6
+   stages and with the epilogue through shared memory (each checked against the default's result); then
+   `fused_experts` on bf16 weights at part 3's widths and T: the portable kernels (MOE_DISPATCH_GLUON_BF16=0) and the
+   Gluon engine (=1; plans cleared after each change), each timed as a CUDA graph (median), checked against each
+   other (relative error < TOLERANCE[bf16]). A table of ms, TFLOP/s and gluon/portable.
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
 Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
@@ -43,7 +53,8 @@ from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
 EXPERTS_ROWS = []  # (label, portable ms, gluon ms, bf16 ms, FLOPs)
-SECTIONS = ("gemm", "experts")
+BF16_ROWS = []  # (label, portable ms, gluon ms, FLOPs)
+SECTIONS = ("gemm", "experts", "bf16")
 EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
 EXPERTS_TOKENS = (4096, 16384)
 
@@ -91,10 +102,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="gemm: parts 1-2 (the GEMMs alone, ~40 s); experts: part 3 (fused_experts per engine)")
+                        help="gemm: parts 1-2 (the FP8 GEMMs alone, ~40 s); experts: part 3 (fused_experts per FP8 "
+                             "engine); bf16: part 4 (the bf16 GEMM, and fused_experts per bf16 engine)")
     parser.add_argument("--models", nargs="+", choices=list(EXPERTS_MODELS), default=list(EXPERTS_MODELS),
-                        help="part 3's layer widths (benchmarks/model_shapes.py)")
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(EXPERTS_TOKENS), help="part 3's T values")
+                        help="parts 3 and 4's layer widths (benchmarks/model_shapes.py)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(EXPERTS_TOKENS),
+                        help="parts 3 and 4's T values")
     return parser.parse_args(argv)
 
 
@@ -192,6 +205,118 @@ def experts_sections(args, dev="cuda"):
                   f"{tflops(flops, gluon):7.1f} {tflops(flops, bf16):7.1f} {portable / gluon:8.2f}x "
                   f"{bf16 / min(portable, gluon):8.2f}x")
         print("(gluon/portable and fp8/bf16 are speedups: time of the first over time of the second's engine)")
+
+
+def random_experts(E, H, F, dev, experts_per_chunk=16):
+    """(w_gate_up [E, 2F, H], w_down [E, H, F]) bf16 of std 0.02, a chunk of experts at a time."""
+    def weight(rows, cols):
+        w = torch.empty(E, rows, cols, device=dev, dtype=torch.bfloat16)
+        for lo in range(0, E, experts_per_chunk):
+            hi = min(E, lo + experts_per_chunk)
+            w[lo:hi] = torch.randn(hi - lo, rows, cols, device=dev, dtype=torch.bfloat16) * 0.02
+        return w
+
+    return weight(2 * F, H), weight(H, F)
+
+
+def bf16_sections(args, dev="cuda"):
+    """Part 4: the bf16 Gluon GEMM, then fused_experts per bf16 engine (module docstring)."""
+    import moe_dispatch as md
+    from model_shapes import MODEL_SHAPES
+    from moe_dispatch.gemm import gluon_bf16, planner
+    from moe_dispatch.reference import TOLERANCE, grouped_gemm_ref, relative_error
+
+    @part("bf16 GEMM correctness")
+    def _():
+        for dtype in (torch.bfloat16, torch.float16):
+            tol = TOLERANCE[dtype]
+            for M, N, K in [(1, 256, 512), (77, 320, 1000), (4097, 512, 2048)]:
+                a, b = torch.randn(M, K, device=dev).to(dtype), torch.randn(N, K, device=dev).to(dtype)
+                out = gluon_bf16.bf16_gemm(a, b)
+                check(f"{dtype} dense M={M} N={N} K={K}", relative_error(out, a.double() @ b.double().T), tol)
+            for counts, N, K in [([77, 0, 1, 4019], 384, 1000), ([1], 256, 512), ([129, 128, 0, 0, 300], 320, 1040)]:
+                offsets = offsets_of(counts, dev)
+                a = torch.randn(sum(counts), K, device=dev).to(dtype)
+                b = torch.randn(len(counts), N, K, device=dev).to(dtype)
+                out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
+                check(f"{dtype} grouped counts={counts} N={N} K={K}",
+                      relative_error(out, grouped_gemm_ref(a, b, offsets, len(counts))), tol)
+        a = torch.randn(200, 512, device=dev).bfloat16()
+        b = torch.randn(2, 256, 512, device=dev).bfloat16()
+        a[3, 5] = float("nan")
+        others = torch.arange(200, device=dev) != 3
+        for name, out in [("dense", gluon_bf16.bf16_gemm(a, b[0])),
+                          ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev)))]:
+            ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
+            print(f"   bf16 {name}: row 3 all NaN and the other rows finite: {ok}")
+            if not ok:
+                FAILURES.append((f"bf16 NaN {name}", "NaN did not stay in its row"))
+
+    for size in (4096, 8192):
+        @part(f"bf16 dense {size}^3 timing")
+        def _():
+            M = N = K = size
+            flops = 2 * M * N * K
+            a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+            out = gluon_bf16.bf16_gemm(a, b)
+            rows = torch.cat([torch.arange(128, device=dev), torch.arange(M - 77, M, device=dev)])
+            check(f"bf16 dense {size}^3 (rows sampled)",
+                  relative_error(out[rows], a[rows].double() @ b.double().T), TOLERANCE[torch.bfloat16])
+            default = gluon_bf16.DEFAULT_CONFIG
+            configs = [("", default)]
+            if size == 8192:  # the tiles' alternatives that fit the shared memory, each compiled without spills
+                configs += [(" 3 stages", gluon_bf16.GluonBf16Config(NUM_STAGES=3)),
+                            (" N128 6 stages", gluon_bf16.GluonBf16Config(BLOCK_N=128, NUM_STAGES=6)),
+                            (" coalesced", gluon_bf16.GluonBf16Config(COALESCED_STORES=True))]
+            for note, cfg in configs:
+                if cfg is not default:
+                    # the same K order per output: at most a few last-bit differences
+                    check(f"bf16 dense {size}^3{note} vs default",
+                          relative_error(gluon_bf16.bf16_gemm(a, b, cfg=cfg), out), 1e-3)
+                record(f"gluon bf16 dense{note}", f"{M}x{N}x{K}", bench_ms(lambda: gluon_bf16.bf16_gemm(a, b, cfg=cfg)),
+                       flops)
+            record("torch.matmul bf16", f"{M}x{N}x{K}", bench_ms(lambda: a @ b.T), flops, "(cuBLAS)")
+
+    for model in args.models:
+        shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
+        E, top_k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+
+        @part(f"fused_experts bf16 engines: {model} (E {E}, top-{top_k}, H {H}, F {F})")
+        def _():
+            torch.manual_seed(0)
+            w_gate_up, w_down = random_experts(E, H, F, dev)
+            for T in args.tokens:
+                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+                ids = torch.rand(T, E, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+                weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+                flops = 6 * T * top_k * H * F
+                label = f"{model} T{T}"
+                times, outs = {}, {}
+                for engine, mode in (("portable", "0"), ("gluon", "1")):
+                    os.environ[planner.GLUON_BF16_VARIABLE] = mode
+                    md.host.replay.clear()  # the variable is read when a plan is recorded
+                    run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False)
+                    outs[engine] = run()
+                    times[engine], how = bench_graph_ms(run)
+                    record(f"fused_experts bf16 {engine}", label, times[engine], flops, how)
+                os.environ.pop(planner.GLUON_BF16_VARIABLE, None)
+                md.host.replay.clear()
+                BF16_ROWS.append((label, times["portable"], times["gluon"], flops))
+                check(f"{label} gluon vs portable bf16", relative_error(outs["gluon"], outs["portable"]),
+                      TOLERANCE[torch.bfloat16])
+                del outs
+            del w_gate_up, w_down
+            torch.cuda.empty_cache()
+
+    if BF16_ROWS:
+        print(f"\n{'fused_experts bf16':<24} {'portable ms':>11} {'gluon ms':>9} {'portable':>9} {'gluon':>8} "
+              f"{'gluon/':>9}")
+        print(f"{'':<24} {'':>11} {'':>9} {'TFLOP/s':>9} {'TFLOP/s':>8} {'portable':>9}")
+        for label, portable, gluon, flops in BF16_ROWS:
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {tflops(flops, portable):9.1f} "
+                  f"{tflops(flops, gluon):8.1f} {portable / gluon:8.2f}x")
+        print("(gluon/portable is a speedup: the portable time over the Gluon engine's)")
 
 
 def main(argv=None):
@@ -322,6 +447,9 @@ def main(argv=None):
 
     if "experts" in args.sections:
         experts_sections(args)
+
+    if "bf16" in args.sections:
+        bf16_sections(args)
 
     print("\n" + "-" * 100)
     print(f"{'kernel':<34} {'shape':<26} {'ms':>8} {'TFLOP/s':>9}  note")

@@ -2,13 +2,14 @@
 
 The float64 references are moe_dispatch.reference's fp8_block_gemm_ref and fp8_block_grouped_gemm_ref (A and B
 dequantized block by block, then one matmul). On the CPU (and with another Triton) only the host side runs: the import
-guard, the tile map and the launchers' argument checks; the kernels run where `gluon_fp8.available()` holds.
+guard, the tile map (gemm/gluon_ws.py's, which the bf16 GEMM walks too) and the launchers' argument checks; the
+kernels run where `gluon_fp8.available()` holds.
 """
 
 import pytest
 import torch
 
-from moe_dispatch.gemm import gluon_fp8
+from moe_dispatch.gemm import gluon_fp8, gluon_ws
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
                                     relative_error)
@@ -50,7 +51,7 @@ def test_import_guard_and_availability_reason():
 def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
     offsets = _offsets(counts, "cpu")
     num_rows = sum(counts)
-    tile_expert, tile_row, num_m_tiles = gluon_fp8.grouped_tile_map(offsets, num_rows, 128)
+    tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, num_rows, 128)
     bound = num_rows // 128 + len(counts)
     assert tile_expert.dtype == tile_row.dtype == num_m_tiles.dtype == torch.int32
     assert tile_expert.shape == tile_row.shape == (bound, )

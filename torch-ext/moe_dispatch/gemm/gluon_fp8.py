@@ -10,29 +10,21 @@ registers. The grouped form runs the same kernel over expert-sorted rows: rows o
 offsets[e + 1]] and meet B[e] [N, K] with scales b_scale[e] [N/128, K/128].
 
 Why Gluon: in the portable Triton kernel the promotion after every K block waits for the block's wgmma, so one warp
-group alternates between tensor-core work and CUDA-core work and the tensor cores idle during the latter. Here one
-CTA per SM (persistent over output tiles) runs three partitions:
+group alternates between tensor-core work and CUDA-core work and the tensor cores idle during the latter. Here the
+kernel is gemm/gluon_ws.py's warp-specialized skeleton (one CTA per SM, persistent over output tiles; a TMA producer
+warp filling a ring of NUM_STAGES stages; two consumer warp groups on the two 64-row halves of each 128-row tile)
+with this consumer (`_mma_partition`): per K block wait ready[s], async wgmma of its A half against the whole B
+stage into a fresh fp32 partial sum, wait for it, release the stage (arrive on empty[s]), promote with the scales
+(loaded one K block ahead); after the K loop, the bf16 epilogue (masked stores).
 
-    producer  (1 warp, few registers)   TMA loads of A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K] tiles into a ring of
-                                        NUM_STAGES shared-memory stages; ready[s] completes when a stage has landed
-                                        (expect-tx), empty[s] when both consumers are done with it
-    consumer 0 (4 warps = warp group)   rows [0, BLOCK_M/2) of each tile: per K block wait ready[s], async wgmma of
-    consumer 1 (4 warps = warp group)   rows [BLOCK_M/2, BLOCK_M): its A half against the whole B stage, wait for it,
-                                        release the stage (arrive on empty[s]), promote with the scales (loaded one
-                                        K block ahead); after the K loop, the bf16 epilogue (masked stores)
-
-The two consumer warp groups split each 128-row tile into 64-row halves (cooperative, not ping-pong): they share
-each B stage, are not synchronised with each other, and so drift apart, and while one promotes its partial sum
-the other's wgmma keeps the tensor cores busy. Each consumer holds a 64 x 128 fp32 accumulator and a 64 x 128
-partial sum (64 + 64 registers per thread). Registers: the kernel is built for 3 warp groups x 128 threads x
-MAXNREG 168 (64512 of the SM's 65536); inside the partitions setmaxnreg moves them to 240 per consumer thread and 24
-per producer-warp-group thread (240 + 240 + 24 = 3 x 168).
+The two consumers drift apart, so while one promotes its partial sum the other's wgmma keeps the tensor cores busy.
+Each consumer holds a 64 x 128 fp32 accumulator and a 64 x 128 partial sum (64 + 64 registers per thread).
+Registers: 3 warp groups x 128 threads x MAXNREG 168; inside the partitions setmaxnreg moves them to 240 per consumer
+thread and 24 per producer-warp-group thread (240 + 240 + 24 = 3 x 168).
 
 Tiles: BLOCK_M 128 (two 64-row halves), BLOCK_N 128, BLOCK_K 128, NUM_STAGES 4: 4 x 32 KiB of fp8 stages. Tile order:
-grouped along M by GROUP_M (tiles that share B columns run together, for L2 reuse). The grouped form walks a tile map
-over (expert, 128-row block) built on the device (`grouped_tile_map`: no host sync, sized by an upper bound, -1
-sentinels past the last tile); a tile never straddles two experts (TMA may read the next expert's rows, which the
-epilogue's row mask never writes).
+grouped along M by GROUP_M (tiles that share B columns run together, for L2 reuse). The grouped form walks the tile
+map of `gluon_ws.grouped_tile_map`.
 
 Needs Triton 3.6's Gluon (`available()` says whether it can run here); importing this module never needs it.
 """
@@ -47,83 +39,18 @@ import torch
 import triton
 
 from ..host.device import num_sms
+# available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
+# the FP8 engine's callers ask this module whether its GEMM runs.
+from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
+                       check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
+                       tile_at, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _GLUON_ERROR: Exception | None = None
-except ImportError as exc:  # a Triton without Gluon, or with its Hopper API elsewhere
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-    _GLUON_ERROR = exc
-
-# Triton versions whose Gluon API this module was written and compiled against (the API changes between releases).
-TESTED_TRITON = ("3.6",)
 SCALE_BLOCK = 128  # the side of a DeepSeek scale block, along K for A and along N and K for B
+FP8_DTYPES = (torch.float8_e4m3fn, )  # what both operands are
+GEMM_NAME = "Gluon FP8 GEMM"
 
 
-def _gluon_jit(fn):
-    """gluon.jit where Gluon imports; elsewhere the plain function (never launched: `available()` is False)."""
-    return gluon.jit(fn) if gluon is not None else fn
-
-
-@_gluon_jit
-def _tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-             BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
-    """Output tile `tile_id` of the persistent order -> (row_start, row_end, expert, pid_n).
-
-    Grouped along M: GROUP_M consecutive row blocks sweep the column blocks together. Dense: row block pid_m starts
-    at pid_m * BLOCK_M and rows run to M. Grouped: row block pid_m is tile map entry pid_m, rows run to the end of
-    its expert.
-    """
-    tiles_per_group = GROUP_M * num_pid_n
-    group_id = tile_id // tiles_per_group
-    first_pid_m = group_id * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % tiles_per_group) % group_rows
-    pid_n = (tile_id % tiles_per_group) // group_rows
-    if GROUPED:
-        expert = gl.load(tile_expert_ptr + pid_m)
-        row_start = gl.load(tile_row_ptr + pid_m)
-        row_end = gl.load(expert_offsets_ptr + expert + 1)
-    else:
-        expert = 0
-        row_start = pid_m * BLOCK_M
-        row_end = M
-    return row_start, row_end, expert, pid_n
-
-
-@_gluon_jit
-def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n, num_tiles,
-                    tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
-    """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
-    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * N + off_n:+BLOCK_N, k:+BLOCK_K] into it (rows and columns
-    past the tensors read as zeros), completing ready[s] when both have landed."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    k_blocks = gl.cdiv(K, BLOCK_K)
-    it = 0
-    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = _tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
-        row_b = expert * N + pid_n * BLOCK_N
-        for kb in range(k_blocks):
-            stage = it % NUM_STAGES
-            # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass waits on
-            # parity 1 and goes straight through.
-            mbarrier.wait(empty_bars.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
-            ready = ready_bars.index(stage)
-            mbarrier.expect(ready, STAGE_BYTES)
-            tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK_K], ready, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [row_b, kb * BLOCK_K], ready, b_bufs.index(stage))
-            it += 1
-
-
-@_gluon_jit
+@gluon_jit
 def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K, num_pid_m,
                    num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m,
                    stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
@@ -143,8 +70,8 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
     b_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = _tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
         row_half = row_start + WARP_GROUP * HALF_M
         offs_m = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
         mask_m = offs_m < row_end
@@ -180,7 +107,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
         gl.store(out_ptrs, b_out, mask=mask_out)
 
 
-@_gluon_jit
+@gluon_jit
 def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_ptr, tile_expert_ptr, tile_row_ptr,
                                   num_m_tiles_ptr, expert_offsets_ptr, M, N, K, stride_out_m, stride_a_scale_m,
                                   stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
@@ -225,8 +152,8 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, 1, GROUP_M, GROUPED, acc_layout, out_layout)),
-        (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n,
-                           num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
+        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n,
+                          num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -251,37 +178,11 @@ class GluonFp8Config:
 DEFAULT_CONFIG = GluonFp8Config()
 
 
-def unavailable_reason(device: torch.device | str | None = None) -> str | None:
-    """None where the Gluon kernels can run on `device` (default: the current CUDA device); else why not."""
-    if _GLUON_ERROR is not None:
-        return f"triton.experimental.gluon (Hopper) does not import: {_GLUON_ERROR}"
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return f"Triton {triton.__version__}: the kernels are written against Gluon in Triton {TESTED_TRITON}"
-    if not torch.cuda.is_available() or torch.version.hip is not None:
-        return "needs an NVIDIA GPU"
-    device = torch.device("cuda") if device is None else torch.device(device)
-    if device.type != "cuda":
-        return f"needs a CUDA device, got {device}"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return "needs a Hopper GPU (SM90: wgmma, setmaxnreg)"
-    return None
-
-
-def available(device: torch.device | str | None = None) -> bool:
-    """Whether the Gluon FP8 GEMMs can run on `device` (Triton 3.6 Gluon, an SM90 GPU)."""
-    return unavailable_reason(device) is None
-
-
 def kernel_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
     """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 n128 k32 steps over one warp
     group) and the epilogue's store layout (16-byte bf16 vectors, a warp writing two 256-byte rows)."""
-    half_m = cfg.BLOCK_M // 2
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 32])
-    vec = 8
-    threads_n = min(32, cfg.BLOCK_N // vec)
-    out_layout = gl.BlockedLayout([1, vec], [32 // threads_n, threads_n], [4, 1], [1, 0])
-    assert half_m % (4 * (32 // threads_n)) == 0
-    return acc_layout, out_layout
+    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N)
 
 
 def operand_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
@@ -300,32 +201,11 @@ def _check_config(cfg: GluonFp8Config) -> None:
             raise ValueError(f"{name} must be 64 or 128 (a divisor of the 128 scale block), got {value}")
 
 
-def _check_operand(name: str, t: torch.Tensor, ndim: int) -> None:
-    if t.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{name} must be float8_e4m3fn, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 or any(s % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-        raise ValueError(f"{name} must be K-contiguous with 16-byte aligned rows and base (TMA), got strides "
-                         f"{t.stride()}")
-
-
 def _check_scale(name: str, s: torch.Tensor, shape: tuple[int, ...]) -> None:
     if s.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {s.dtype}")
     if tuple(s.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(s.shape)}")
-
-
-def _check_device(*tensors: torch.Tensor) -> torch.device:
-    device = tensors[0].device
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise RuntimeError(f"Gluon FP8 GEMM unavailable: {reason}")
-    return device
 
 
 def _launch(a, b_rows, a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
@@ -352,8 +232,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     b_scale [cdiv(N, 128), cdiv(K, 128)] float32 (any strides).
     """
     _check_config(cfg)
-    _check_operand("a", a, 2)
-    _check_operand("b", b, 2)
+    check_operand("a", a, 2, FP8_DTYPES)
+    check_operand("b", b, 2, FP8_DTYPES)
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K:
@@ -361,7 +241,7 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     k_scales = triton.cdiv(K, SCALE_BLOCK)
     _check_scale("a_scale", a_scale, (M, k_scales))
     _check_scale("b_scale", b_scale, (triton.cdiv(N, SCALE_BLOCK), k_scales))
-    device = _check_device(a, a_scale, b, b_scale)
+    device = check_device(GEMM_NAME, a, a_scale, b, b_scale)
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if M == 0 or N == 0:
         return out
@@ -370,30 +250,6 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     return _launch(a, b, a_scale, b_scale, out, K, N, out, out, out, out, tiles,
                    (0, b_scale.stride(0), b_scale.stride(1)), False, cfg)
-
-
-def grouped_tile_map(expert_offsets: torch.Tensor, num_rows: int, block_m: int = 128):
-    """-> (tile_expert, tile_row, num_m_tiles): the row blocks of expert-sorted rows, on the device, no host sync.
-
-    Row block i covers rows [tile_row[i], min(tile_row[i] + block_m, expert_offsets[e + 1])) of expert
-    e = tile_expert[i]; experts in order, an expert of c rows taking cdiv(c, block_m) blocks (none when empty).
-    Both int32 [num_rows // block_m + E] (sum_e cdiv(c_e, block_m) <= sum_e (c_e // block_m + 1)), -1 past the
-    last block; num_m_tiles int32 [1] holds the number of blocks.
-    """
-    num_experts = expert_offsets.numel() - 1
-    bound = num_rows // block_m + num_experts
-    offsets = expert_offsets.to(torch.int64)
-    counts = offsets[1:] - offsets[:-1]  # [E]
-    blocks = (counts + block_m - 1) // block_m  # [E]
-    ends = torch.cumsum(blocks, 0)  # [E], inclusive
-    idx = torch.arange(bound, device=expert_offsets.device)
-    expert = torch.searchsorted(ends, idx, right=True).clamp_(max=num_experts - 1)  # [bound]
-    first = ends[expert] - blocks[expert]
-    valid = idx < ends[-1]
-    tile_expert = torch.where(valid, expert, -1).to(torch.int32)
-    tile_row = torch.where(valid, offsets[expert] + (idx - first) * block_m, -1).to(torch.int32)
-    num_m_tiles = ends[-1:].to(torch.int32)
-    return tile_expert, tile_row, num_m_tiles
 
 
 def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -406,21 +262,19 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     M // 128 + E row blocks.
     """
     _check_config(cfg)
-    _check_operand("a", a, 2)
-    _check_operand("b", b, 3)
+    check_operand("a", a, 2, FP8_DTYPES)
+    check_operand("b", b, 3, FP8_DTYPES)
     if not b.is_contiguous():
         raise ValueError("b must be contiguous [E, N, K] (its rows are addressed as one [E * N, K] matrix)")
     M, K = a.shape
     E, N = b.shape[0], b.shape[1]
     if b.shape[2] != K:
         raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [E, N, K] = {tuple(b.shape)}")
-    if expert_offsets.dtype != torch.int32 or tuple(expert_offsets.shape) != (E + 1, ):
-        raise ValueError(f"expert_offsets must be int32 [E + 1] = [{E + 1}], got {expert_offsets.dtype} "
-                         f"{tuple(expert_offsets.shape)}")
+    check_expert_offsets(expert_offsets, E)
     k_scales = triton.cdiv(K, SCALE_BLOCK)
     _check_scale("a_scale", a_scale, (M, k_scales))
     _check_scale("b_scale", b_scale, (E, triton.cdiv(N, SCALE_BLOCK), k_scales))
-    device = _check_device(a, a_scale, b, b_scale, expert_offsets)
+    device = check_device(GEMM_NAME, a, a_scale, b, b_scale, expert_offsets)
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if M == 0 or N == 0 or E == 0:
         return out

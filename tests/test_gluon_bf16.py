@@ -1,0 +1,389 @@
+"""The Gluon bf16 GEMM (moe_dispatch.gemm.gluon_bf16) and the grouped path's engine on it
+(moe_dispatch.gemm.gluon_experts.gluon_bf16_experts, chosen by planner.plan_grouped_engine): when it runs, and the
+arithmetic around its two GEMMs.
+
+The Gluon GEMM needs an SM90 GPU and Triton 3.6, so on the CPU only the host side of the GEMM runs (its launchers'
+argument checks) and the engine's glue (the gather of x into expert order, the bias + activation pass, the down bias
+/ routing-weight pass, combine) runs in the interpreter with the GEMM swapped for its float64 reference
+(`grouped_gemm_ref`, rounded to the activations' dtype as the kernel writes), through `fused_experts` with
+MOE_DISPATCH_GLUON_BF16=1 and `gluon_bf16.available` patched to True. The glue runs in bf16 and fp16 as the engine
+does (the interpreter's dots, which it would get wrong in bf16, are the swapped GEMM's). The swapped GEMM first asks
+the real launcher, which checks every operand (dtypes, shapes, 16-byte aligned K-contiguous rows) before it refuses
+for want of a GPU: what the engine hands the kernel is what the kernel takes. The GPU tests run the GEMM and the whole
+engine where `gluon_bf16.available()` holds; tests/test_gluon_compile.py compiles the kernel for sm_90 ahead of time.
+
+Tolerances: reference.TOLERANCE of the activations' dtype against the float64 experts (the engine rounds GEMM1's
+sums, h and y to that dtype, as the portable path rounds h and y).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import DEVICE, TOLERANCE, assert_close, capture_cuda_graph
+
+import moe_dispatch as md
+from moe_dispatch import moe
+from moe_dispatch.gemm import gluon_bf16, gluon_experts, planner
+from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
+from moe_dispatch.host.tiles import GemmTile, MoeTiles
+from moe_dispatch.reference import fused_experts_ref, grouped_gemm_ref, relative_error
+
+PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))  # prefill-sized tiles: the engine's floor (BLOCK_M 64)
+on_hopper = pytest.mark.skipif(not gluon_bf16.available(), reason=f"{gluon_bf16.unavailable_reason()}")
+
+
+def _experts(E, H, F, dtype=torch.bfloat16, device=DEVICE):
+    """(w_gate_up [E, 2F, H], w_down [E, H, F]) of `dtype`, weights of std 0.1."""
+    return ((torch.randn(E, 2 * F, H, device=device) * 0.1).to(dtype),
+            (torch.randn(E, H, F, device=device) * 0.1).to(dtype))
+
+
+def _ids(T, E, top_k, skip=(), device=DEVICE):
+    """Distinct experts per token, never those in `skip`."""
+    pool = torch.tensor([e for e in range(E) if e not in skip])
+    return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
+
+
+def _offsets(counts, device=DEVICE):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+# -- the GEMM's launchers --------------------------------------------------------------------------------------------
+
+
+def test_launchers_refuse_bad_arguments():
+    """Every operand is checked before anything runs; on this machine a valid call then refuses for want of Gluon or
+    an SM90 GPU (saying so)."""
+    a, b = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="a must be bfloat16 or float16"):
+        gluon_bf16.bf16_gemm(a.float(), b[0])
+    with pytest.raises(TypeError, match="one dtype"):
+        gluon_bf16.bf16_gemm(a, b[0].half())
+    with pytest.raises(ValueError, match="16-byte aligned"):  # K = 36: rows of 72 bytes
+        gluon_bf16.bf16_gemm(torch.zeros(8, 36, dtype=torch.bfloat16), torch.zeros(32, 36, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"b is \[N, K\]"):
+        gluon_bf16.bf16_gemm(a, torch.zeros(32, 72, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expert_offsets must be int32"):
+        gluon_bf16.bf16_grouped_gemm(a, b, offsets.long())
+    with pytest.raises(ValueError, match="contiguous"):
+        gluon_bf16.bf16_grouped_gemm(a, torch.zeros(2, 64, 64, dtype=torch.bfloat16)[:, ::2], offsets)
+    for change in (dict(BLOCK_K=128), dict(BLOCK_N=512), dict(BLOCK_M=64), dict(NUM_STAGES=1)):
+        name = next(iter(change))
+        with pytest.raises(ValueError, match=name):
+            gluon_bf16.bf16_gemm(a, b[0], cfg=gluon_bf16.GluonBf16Config(**change))
+    reason = gluon_bf16.unavailable_reason(a.device)
+    assert gluon_bf16.available(a.device) == (reason is None)
+    if reason is not None:
+        with pytest.raises(RuntimeError, match="unavailable"):
+            gluon_bf16.bf16_grouped_gemm(a, b, offsets)
+
+
+# -- selection -------------------------------------------------------------------------------------------------------
+
+
+def _planner_args(**changes):
+    """gluon_bf16_refusal's arguments for a call the engine takes (CPU tensors, `available` answering True), with
+    `changes` applied: H = 64, F = 32, E = 2, bf16, prefill tiles on the grouped path, inference."""
+    w_gate_up, w_down = _experts(2, 64, 32, device="cpu")
+    args = dict(plan=ExpertsPlan(ExpertsPath.GROUPED, PREFILL), x=torch.zeros(4, 64, dtype=torch.bfloat16),
+                w_gate_up=w_gate_up, w_down=w_down, separate_up=False, transposed=False, save_preact=False,
+                available=lambda device: True)
+    args.update(changes)
+    return args
+
+
+def _refusal(**changes):
+    args = _planner_args(**changes)
+    tensors = [args.pop(k) for k in ("plan", "x", "w_gate_up", "w_down")]
+    return planner.gluon_bf16_refusal(*tensors, **args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    id: str
+    why: str
+    changes: object  # () -> the changed arguments (built lazily: tensors per test)
+    says: str  # in the reason
+
+
+REFUSALS = [
+    Refusal("gluon-unavailable", "gluon_bf16.available is False (another Triton, another GPU)",
+            lambda: dict(available=lambda device: False), "cannot run"),
+    Refusal("cpu", "the real availability check on the CPU", lambda: dict(available=gluon_bf16.available),
+            "cannot run on cpu"),
+    Refusal("decode-path", "the decode path keeps its two launches", lambda: dict(
+        plan=ExpertsPlan(ExpertsPath.DECODE, PREFILL)), "decode path"),
+    Refusal("w8a8-path", "float8 weights on the w8a8 path (their own engine)", lambda: dict(
+        plan=ExpertsPlan(ExpertsPath.W8A8, PREFILL)), "w8a8 path"),
+    Refusal("decode-tiles", "16-row tiles: decode sizes on the grouped path",
+            lambda: dict(plan=ExpertsPlan(ExpertsPath.GROUPED, MoeTiles(16, GemmTile(64, 32), GemmTile(32, 32)))),
+            "decode-sized tiles"),
+    Refusal("autograd", "a gradient will be needed: the pre-activations are saved",
+            lambda: dict(save_preact=True), "inference only"),
+    Refusal("fp32", "float32 activations and weights: no wgmma of that type",
+            lambda: dict(x=torch.zeros(4, 64), w_gate_up=torch.zeros(2, 64, 64), w_down=torch.zeros(2, 64, 32)),
+            "float32"),
+    Refusal("fp8-weights", "float8 weights on the dequant path (the grouped path, dequantized in the loads)",
+            lambda: dict(w_gate_up=torch.zeros(2, 64, 64, dtype=torch.float8_e4m3fn)), "float8_e4m3fn"),
+    Refusal("mxfp4-weights", "MXFP4 blocks (uint8) on the grouped path",
+            lambda: dict(w_down=torch.zeros(2, 64, 16, dtype=torch.uint8)), "uint8"),
+    Refusal("mixed-dtypes", "fp16 activations with bf16 weights",
+            lambda: dict(x=torch.zeros(4, 64, dtype=torch.float16)), "not the activations'"),
+    Refusal("transposed", "GPT-OSS's [E, H, 2F] layout", lambda: dict(transposed=True), "transposed"),
+    Refusal("separate-up", "w_up passed apart from w_gate", lambda: dict(separate_up=True), "separate"),
+    Refusal("unaligned-rows", "H = 36: weight rows of 72 bytes, which TMA cannot address",
+            lambda: dict(w_gate_up=torch.zeros(2, 64, 36, dtype=torch.bfloat16)), "16 bytes"),
+    Refusal("non-contiguous", "a strided view of the weights",
+            lambda: dict(w_down=torch.zeros(2, 64, 64, dtype=torch.bfloat16)[:, :, ::2]), "contiguous"),
+]
+
+
+def test_planner_engine_modes(monkeypatch):
+    """Unset, empty or "0": never (opt-in: not yet measured on a GPU); "1": wherever it can run; any other value
+    ("auto", which the FP8 engine's variable takes, included): ValueError naming the variable."""
+    args = _planner_args()
+    plan = args.pop("plan")
+    tensors = [args.pop(k) for k in ("x", "w_gate_up", "w_down")]
+    for off in (None, "", "0"):
+        if off is None:
+            monkeypatch.delenv(planner.GLUON_BF16_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, off)
+        assert planner.GLUON_BF16_VARIABLE in _refusal()
+        assert planner.plan_grouped_engine(plan, *tensors, **args) is plan
+    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
+    assert _refusal() is None
+    assert planner.plan_grouped_engine(plan, *tensors, **args) == ExpertsPlan(ExpertsPath.GROUPED_GLUON, PREFILL)
+    for bad in ("auto", "true"):
+        monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, bad)
+        with pytest.raises(ValueError, match=planner.GLUON_BF16_VARIABLE):
+            _refusal()
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
+def test_planner_falls_back(case, monkeypatch):
+    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
+    reason = _refusal(**case.changes())
+    assert reason is not None and case.says in reason, reason
+
+
+def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monkeypatch):
+    """Through fused_experts: the engine does not run by default (here with `available` patched to True), nor with
+    the variable "1" where Gluon cannot run (the CPU), nor when autograd needs the pre-activations; the portable
+    kernels answer instead."""
+    calls = []
+    monkeypatch.setattr(moe, "gluon_bf16_experts", lambda *a, **k: calls.append(1))
+    w_gate_up, w_down = _experts(2, 64, 32)
+    x = torch.randn(3, 64, device=DEVICE).bfloat16()
+    ids, weights = _ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+
+    def run(x=x):
+        md.host.replay.clear()  # the variable is read when a plan is recorded
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=PREFILL)
+
+    real_available = gluon_bf16.available
+    monkeypatch.delenv(planner.GLUON_BF16_VARIABLE, raising=False)
+    monkeypatch.setattr(gluon_bf16, "available", lambda device=None: True)
+    out = run()
+    assert calls == [] and out.shape == x.shape
+    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
+    run(x.clone().requires_grad_())
+    assert calls == [], "the engine ran under autograd"
+    if not real_available(x.device):
+        monkeypatch.setattr(gluon_bf16, "available", real_available)
+        assert torch.equal(run(), out) and calls == []
+
+
+# -- the glue on the CPU, the GEMM swapped for its float64 reference -----------------------------------------------
+
+
+@pytest.fixture
+def reference_engine(monkeypatch):
+    """The engine selected on this machine, its GEMM the float64 reference rounded to the operands' dtype (rows past
+    the experts' last offset NaN: nothing may read them). Yields the list of GEMM calls."""
+    calls = []
+    launcher = gluon_bf16.bf16_grouped_gemm
+
+    def reference_gemm(a, b, expert_offsets):
+        if gluon_bf16.unavailable_reason(a.device) is not None:  # it checks every operand, then refuses: no GPU
+            with pytest.raises(RuntimeError, match="unavailable"):
+                launcher(a, b, expert_offsets)
+        calls.append((tuple(a.shape), tuple(b.shape), a.dtype))
+        out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
+        rows = int(expert_offsets[-1])
+        out[:rows] = grouped_gemm_ref(a, b, expert_offsets, b.shape[0])[:rows].to(a.dtype)
+        return out
+
+    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
+    monkeypatch.setattr(gluon_bf16, "available", lambda device=None: True)
+    monkeypatch.setattr(gluon_experts, "bf16_grouped_gemm", reference_gemm)
+    yield calls
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueCase:
+    id: str
+    why: str
+    T: int = 13
+    E: int = 4
+    top_k: int = 2
+    H: int = 136
+    F: int = 88
+    dtype: torch.dtype = torch.bfloat16
+    options: tuple = ()  # fused_experts keywords as (name, value) pairs
+    gate_up_bias: bool = False
+    down_bias: bool = False
+    skip_expert: int | None = 2  # an expert no token picks
+    dropped: bool = False  # ids outside [0, E) (expert-parallel sentinels, -1): no row, no contribution
+
+
+GLUE_CASES = [
+    GlueCase("odd-sizes", "H = 136 and F = 88, multiples of 8 (TMA's 16-byte rows) but not of 64 or 128: partial K "
+             "blocks and column tiles in both GEMMs and both passes; expert 2 gets no row; no bias, so the routing "
+             "weights are applied in combine"),
+    GlueCase("interleaved-swiglu-bias", "GPT-OSS's activation with both biases on the interleaved layout (not "
+             "transposed: the engine's): gate and up columns alternate in GEMM1's output; the down bias pass applies "
+             "the routing weights", H=128, F=72, options=(("interleaved", True), ("activation", "swiglu_oai"),
+                                                         ("swiglu_alpha", 1.5), ("swiglu_limit", 3.0)),
+             gate_up_bias=True, down_bias=True),
+    GlueCase("dropped-ids", "ids E + 2 and -1 (validate=False): their assignments sort past the experts' last offset, "
+             "where GEMM1's rows and h are never written (NaN here) and combine reads nothing; a down bias",
+             down_bias=True, dropped=True),
+    GlueCase("fp16-every-expert", "fp16 activations and weights, silu with a gate/up bias only; top_k = E, every "
+             "expert hit", T=7, E=3, top_k=3, H=64, F=40, dtype=torch.float16, gate_up_bias=True, skip_expert=None),
+]
+
+
+def _glue_inputs(case):
+    w_gate_up, w_down = _experts(case.E, case.H, case.F, case.dtype)
+    x = torch.randn(case.T, case.H, device=DEVICE).to(case.dtype)
+    ids = _ids(case.T, case.E, case.top_k, skip=() if case.skip_expert is None else (case.skip_expert,))
+    if case.dropped:
+        ids[::3, 0] = case.E + 2
+        ids[1, 1] = -1
+    weights = torch.rand(case.T, case.top_k, device=DEVICE)
+    options = dict(case.options)
+    if case.gate_up_bias:
+        options["gate_up_bias"] = torch.randn(case.E, 2 * case.F, device=DEVICE).to(case.dtype)
+    if case.down_bias:
+        options["down_bias"] = torch.randn(case.E, case.H, device=DEVICE).to(case.dtype)
+    return x, w_gate_up, w_down, ids, weights, options
+
+
+@pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
+def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
+    """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts.
+    Buffers start as NaN (poison_empty): the passes write every row the GEMMs and combine read."""
+    x, w_gate_up, w_down, ids, weights, options = _glue_inputs(case)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=PREFILL, validate=False, **options)
+    N = case.T * case.top_k
+    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H), case.dtype),
+                                ((N, case.F), (case.E, case.H, case.F), case.dtype)]
+    assert out.dtype == case.dtype and out.shape == x.shape
+    assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **options), what="engine vs float64")
+
+
+def test_engine_nan_token_reaches_its_row_only(reference_engine):
+    """A NaN in one token's hidden state makes its output row NaN (through the gathered row, both GEMMs and the
+    activation); every other row is bit for bit that of the call without it."""
+    case = GLUE_CASES[0]
+    x, w_gate_up, w_down, ids, weights, _ = _glue_inputs(case)
+    clean = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=PREFILL)
+    bad = x.clone()
+    bad[4, 131] = float("nan")  # in the partial last K block of H = 136
+    out = md.fused_experts(bad, w_gate_up, w_down, ids, weights, tiles=PREFILL)
+    assert torch.isnan(out[4]).all(), out[4, :8].tolist()
+    others = [t for t in range(case.T) if t != 4]
+    assert torch.isfinite(clean).all() and torch.equal(out[others], clean[others])
+
+
+def test_engine_no_tokens(reference_engine):
+    """T = 0: nothing to gather, multiply or combine; an empty [0, H] result."""
+    w_gate_up, w_down = _experts(2, 64, 32)
+    x = torch.zeros(0, 64, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, torch.zeros(0, 2, device=DEVICE), tiles=PREFILL,
+                           validate=False)
+    assert out.shape == (0, 64)
+
+
+# -- on a Hopper GPU -------------------------------------------------------------------------------------------------
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M, N, K", [(1, 256, 512), (77, 320, 1000), (4097, 512, 2048)])
+def test_gpu_dense_matches_float64(M, N, K, dtype):
+    a = torch.randn(M, K, device="cuda").to(dtype)
+    b = torch.randn(N, K, device="cuda").to(dtype)
+    out = gluon_bf16.bf16_gemm(a, b)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert relative_error(out, a.double() @ b.double().T) < TOLERANCE[dtype]
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
+def test_gpu_grouped_matches_float64(counts, dtype):
+    N, K = 384, 1000
+    offsets = _offsets(counts, "cuda")
+    a = torch.randn(sum(counts), K, device="cuda").to(dtype)
+    b = torch.randn(len(counts), N, K, device="cuda").to(dtype)
+    out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
+    assert relative_error(out, grouped_gemm_ref(a, b, offsets, len(counts))) < TOLERANCE[dtype]
+
+
+@on_hopper
+def test_gpu_nan_in_a_reaches_its_row_only():
+    a = torch.randn(200, 512, device="cuda").bfloat16()
+    b = torch.randn(2, 256, 512, device="cuda").bfloat16()
+    a[3, 5] = float("nan")
+    others = torch.arange(200, device="cuda") != 3
+    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, _offsets([100, 100], "cuda"))):
+        assert out[3].isnan().all()
+        assert torch.isfinite(out[others]).all()
+
+
+def _engine_calls(monkeypatch):
+    calls = []
+    engine = moe.gluon_bf16_experts
+    monkeypatch.setattr(moe, "gluon_bf16_experts", lambda *a, **k: calls.append(1) or engine(*a, **k))
+    return calls
+
+
+@on_hopper
+@pytest.mark.parametrize("options,bias", [({}, False), ({"interleaved": True, "activation": "swiglu_oai"}, True)],
+                         ids=["silu", "interleaved-swiglu-bias"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypatch):
+    """E = 8, H = 2048, F = 1024, T = 512, top_k = 2 (128 rows per expert: the table's prefill tiles) with the engine
+    on: against float64 and against the portable kernels, two calls bit for bit, and a CUDA graph replay bit for bit
+    the eager call."""
+    E, H, F, T, top_k = 8, 2048, 1024, 512, 2
+    w_gate_up, w_down = _experts(E, H, F, device="cuda")
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    ids, weights = _ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
+    options = dict(options)
+    if bias:
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device="cuda").bfloat16() * 0.1,
+                       down_bias=torch.randn(E, H, device="cuda").bfloat16() * 0.1)
+
+    def run():
+        return md.fused_experts(x, w_gate_up, w_down, ids, weights, **options)
+
+    monkeypatch.delenv(planner.GLUON_BF16_VARIABLE, raising=False)
+    md.host.replay.clear()
+    portable = run()
+    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
+    md.host.replay.clear()  # the variable is read when a plan is recorded
+    calls = _engine_calls(monkeypatch)
+    out = run()
+    assert calls, "the Gluon engine did not run"
+    assert torch.equal(run(), out), "two calls differ"
+    assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **options), what="engine vs float64")
+    assert_close(out, portable.double(), what="engine vs portable")
+    graph, static = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out), "CUDA graph replay differs from the eager call"

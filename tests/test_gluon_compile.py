@@ -1,0 +1,168 @@
+"""The Gluon GEMMs (gemm/gluon_bf16.py, gemm/gluon_fp8.py) compiled ahead of time for sm_90 (an H200), without the
+GPU, by the Triton their Gluon is written against (gluon_ws.TESTED_TRITON: skipped under any other, as in the CPU
+suite's pinned Triton; it runs on the GPU machine and under that Triton anywhere).
+
+Each launcher runs on CPU tensors with the availability check answering yes and Triton's launch replaced: the launch
+is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
+the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
+fp16, grouped and dense, and the bf16 epilogue through shared memory; the FP8 kernel's two) must compile without
+spills (ptxas's: the cubin's STACK and LOCAL bytes), within the MAXNREG it is built for and within an H200 program's
+shared memory, and to the wgmma shape and the wait its consumers are written for. The numbers are printed
+(`pytest -s`).
+"""
+
+import re
+import subprocess
+import types
+
+import pytest
+import torch
+import triton
+from helpers import INTERPRETED
+
+from moe_dispatch.gemm import gluon_bf16, gluon_experts, gluon_fp8, gluon_ws
+
+H200_SMEM = 227 * 1024  # the opt-in maximum of shared memory per block (scripts/compile_report.py's H200 target)
+pytestmark = pytest.mark.skipif(
+    gluon_ws._GLUON_ERROR is not None or not triton.__version__.startswith(gluon_ws.TESTED_TRITON),
+    reason=f"Triton {triton.__version__}: the Gluon kernels are written against Triton {gluon_ws.TESTED_TRITON}")
+
+
+def _offsets(counts):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _bf16_call(dtype, grouped, cfg=gluon_bf16.DEFAULT_CONFIG):
+    a = torch.zeros(1000, 1024, dtype=dtype)
+    b = torch.zeros(4, 512, 1024, dtype=dtype)
+    if grouped:
+        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, _offsets([300, 0, 400, 300]), cfg=cfg)
+    return lambda: gluon_bf16.bf16_gemm(a, b[0], cfg=cfg)
+
+
+def _fp8_call(grouped):
+    a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
+    b, b_scale = torch.zeros(4, 512, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 4, 8)
+    if grouped:
+        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]))
+    return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
+
+
+COALESCED = gluon_bf16.GluonBf16Config(COALESCED_STORES=True)
+# (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
+VARIANTS = [
+    *[(f"bf16-gemm-{name}-{form}", (lambda d=dtype, g=grouped: _bf16_call(d, g)), gluon_bf16.DEFAULT_CONFIG,
+       f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{name}.{name}", "wgmma.wait_group.sync.aligned 1;")
+      for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)) for form, grouped in (("grouped", True),
+                                                                                                 ("dense", False))],
+    ("bf16-gemm-bf16-grouped-coalesced-stores", lambda: _bf16_call(torch.bfloat16, True, COALESCED), COALESCED,
+     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
+    *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
+       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
+      for form, grouped in (("grouped", True), ("dense", False))],
+]
+
+
+def _dispatch_stand_in(E=8, num_rows=4096, T=2048, top_k=2, block_m=128):
+    """What the engine's passes read of a DispatchInfo (dispatch.segments), as untouched CPU tensors."""
+    index = dict(dtype=torch.int32)
+    return types.SimpleNamespace(tile_expert=torch.zeros(64, **index), tile_row_start=torch.zeros(64, **index),
+                                 expert_offsets=torch.zeros(E + 1, **index), gather_idx=torch.zeros(num_rows, **index),
+                                 num_experts=E, max_tiles=64, block_m=block_m, top_k=top_k, num_tokens=T)
+
+
+def _pass_call(name):
+    info, dtype = _dispatch_stand_in(), torch.bfloat16
+    gate_up, bias = torch.zeros(4096, 2048, dtype=dtype), torch.zeros(8, 2048, dtype=dtype)
+    calls = {
+        "concatenated-silu": lambda: gluon_experts._gated_activation(
+            gate_up, info, interleaved=False, activation="silu", gate_up_bias=None, alpha=1.702, limit=7.0),
+        "interleaved-swiglu-bias": lambda: gluon_experts._gated_activation(
+            gate_up, info, interleaved=True, activation="swiglu_oai", gate_up_bias=bias, alpha=1.702, limit=7.0),
+        "down-bias-routing-weight": lambda: gluon_experts._bias_routing_weight(
+            torch.zeros(4096, 2048, dtype=dtype), info, bias, torch.zeros(2048, 2)),
+    }
+    return calls[name]
+
+
+def _bound_launches(monkeypatch, call, target):
+    """[(kernel, signature, constexprs, attrs, options)] of the launches `call()` makes, bound for `target`."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(target)
+    launches = []
+
+    def run(kernel, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what this Triton's launcher passes
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound_args, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization,
+                                                                  options)
+        launches.append((kernel, signature, constexprs, attrs, options))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(JITFunction, "run", run)
+        patch.setattr(gluon_ws, "unavailable_reason", lambda device=None: None)
+        call()
+    return launches
+
+
+def _resource_usage(cubin, tmp_path):
+    """(registers, spill bytes) of the cubin: cuobjdump's REG, and STACK + LOCAL (where ptxas spills)."""
+    from triton import knobs
+
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return int(usage["REG"]), int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_compiles_for_sm90(variant, monkeypatch, tmp_path):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    name, make_call, cfg, wgmma, wait = variant
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))  # a cold compile, nothing left behind
+    target = GPUTarget("cuda", 90, 32)
+    launches = _bound_launches(monkeypatch, make_call(), target)
+    assert len(launches) == 1, launches
+    kernel, signature, constexprs, attrs, options = launches[0]
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    registers, spills = _resource_usage(compiled.asm["cubin"], tmp_path)
+    shared = compiled.metadata.shared
+    print(f"\n{name}: {kernel.fn.__name__} registers {registers} (MAXNREG {cfg.MAXNREG}), spills {spills} bytes, "
+          f"shared memory {shared} bytes")
+    assert spills == 0, f"{name}: ptxas spills {spills} bytes"
+    assert registers <= cfg.MAXNREG
+    assert shared <= H200_SMEM, f"{name}: {shared} bytes of shared memory > {H200_SMEM}"
+    ptx = compiled.asm["ptx"]
+    assert wgmma in ptx and wait in ptx, f"{name}: not the consumers' wgmma ({wgmma}) and wait ({wait})"
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx  # the producer's registers given back
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the passes are plain Triton kernels: compiled only where Triton is not "
+                                        "interpreting (conftest interprets without a GPU)")
+@pytest.mark.parametrize("name", ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight"])
+def test_bf16_engine_passes_compile_for_sm90(name, monkeypatch, tmp_path):
+    """The bf16 engine's elementwise passes (gemm/gluon_experts.py) at the bf16 engine's tiles: without spills and
+    within the shared memory. They launch only where the engine runs, so scripts/compile_report never reaches them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    target = GPUTarget("cuda", 90, 32)
+    (kernel, signature, constexprs, attrs, options), = _bound_launches(monkeypatch, _pass_call(name), target)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    registers, spills = _resource_usage(compiled.asm["cubin"], tmp_path)
+    print(f"\n{name}: {kernel.fn.__name__} registers {registers}, spills {spills} bytes, shared memory "
+          f"{compiled.metadata.shared} bytes")
+    assert spills == 0 and compiled.metadata.shared <= H200_SMEM

@@ -1,0 +1,262 @@
+"""Warp-specialized Hopper (SM90) bf16 / fp16 GEMMs, written in Gluon: gemm/gluon_ws.py's skeleton with an
+accumulator kept in registers across the K loop.
+
+    out[M, N] = A[M, K] @ B[N, K]^T        (A and B bf16, or both fp16; fp32 sums; out in A's dtype)
+
+The grouped form runs the same kernel over expert-sorted rows: rows of expert e are A[offsets[e]:offsets[e + 1]] and
+meet B[e] [N, K] (B viewed as one [E * N, K] matrix); the dense form is one expert over all rows (for probing the
+kernel against torch.matmul).
+
+One CTA per SM, persistent over output tiles (gluon_ws's module docstring draws the partitions): the TMA producer warp
+(`gluon_ws.load_partition`) fills a ring of NUM_STAGES stages of A [128, 64] and B [BLOCK_N, 64]; each consumer warp
+group (`_mma_partition`) owns one 64-row half of every 128-row tile and keeps its [64, BLOCK_N] fp32 accumulator in
+registers for the whole K loop: per K block it waits ready[s], issues an async wgmma of its A half against the whole
+B stage into the accumulator and waits until at most one wgmma is in flight, i.e. until the previous K block's has
+retired, whose stage it then releases (arrives on empty[s]); after the loop it waits for the last wgmma, releases its
+stage and stores the tile (masked: rows < the expert's end, columns < N). Holding one wgmma in flight keeps the tensor
+cores fed across K blocks (the next one is queued before the previous one drains) while the consumer stays at most
+two stages behind the producer.
+
+Tiles: BLOCK_M 128 (two 64-row halves), BLOCK_K 64 (rows of 128 bytes: the 128-byte swizzle), BLOCK_N 256, chosen by
+registers: a consumer's accumulator is 64 x 256 fp32 over 128 threads = 128 registers per thread of the 240 setmaxnreg
+gives it (64 at BLOCK_N 128, which would leave half the register file idle and halve the work per byte of A read from
+shared memory: m64n256k16 is the widest wgmma). NUM_STAGES 4: 4 x (16 + 32) KiB = 192 KiB of stages. The epilogue
+stores straight from the wgmma layout (each thread 4-byte pairs of columns, so a warp's store covers 16 bytes of 8
+rows): no shared memory beside the stages. `GluonBf16Config.COALESCED_STORES` stages the tile through shared memory
+instead (a layout conversion: 16-byte vectors along whole rows), 32 KiB more; which is faster is not measured yet.
+
+Needs Triton 3.6's Gluon (`available()`: gluon_ws's answer, shared with gemm/gluon_fp8.py); importing this module
+never needs it.
+"""
+
+# String annotations: the kernels' `gl.constexpr` parameters need no Gluon at import (Triton reads "constexpr" from
+# the string).
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from ..host.device import num_sms
+# available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
+# the bf16 engine's callers ask this module whether its GEMM runs.
+from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
+                       check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
+                       tile_at, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+
+DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
+GEMM_NAME = "Gluon bf16 GEMM"
+
+
+@gluon_jit
+def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
+                   tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, WARP_GROUP: gl.constexpr,
+                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, acc_layout: gl.constexpr,
+                   out_layout: gl.constexpr):
+    """Consumer warp group WARP_GROUP (0 or 1): rows [WARP_GROUP * BLOCK_M/2, +BLOCK_M/2) of every tile of this
+    program. The K loop keeps one async wgmma in flight and releases each stage once the wgmma that read it has
+    retired; the epilogue stores out's dtype with masked stores of rows < row_end (the expert's end in the grouped
+    form) and columns < N, in out_layout (`kernel_layouts`)."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    k_blocks = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
+        b_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        for kb in range(k_blocks):
+            stage = it % NUM_STAGES
+            mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+            a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+            b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
+            b_acc = warpgroup_mma(a_tile, b_tile, b_acc, is_async=True)
+            # At most one wgmma in flight: this one. The previous K block's has retired, so its stage is free (the
+            # first block of a tile has none: the last stage of the previous tile was released after its loop).
+            b_acc, a_tile, b_tile = warpgroup_mma_wait(num_outstanding=1, deps=(b_acc, a_tile, b_tile))
+            if kb > 0:
+                mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
+            it += 1
+        b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, ))
+        mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
+
+        # out_layout is acc_layout (stores straight from the registers: no conversion) or a coalesced store layout
+        # (the tile passes through shared memory first)
+        b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
+        offs_m = row_start + WARP_GROUP * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+        mask = gl.expand_dims(offs_m < row_end, 1) & gl.expand_dims(offs_n < N, 0)
+        out_ptrs = out_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_n, 0)
+        gl.store(out_ptrs, b_out, mask=mask)
+
+
+@gluon_jit
+def _bf16_gemm_kernel(a_desc, b_desc, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr, expert_offsets_ptr, M,
+                      N, K, stride_out_m, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
+                      out_layout: gl.constexpr, num_warps: gl.constexpr):
+    """bf16 / fp16 GEMM with fp32 sums, persistent and warp-specialized (module docstring).
+
+    Grid: (min(#SMs, #tiles),). Program p owns tiles p, p + grid, ... of the grouped-M order over
+    cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) tiles; GROUPED: over num_m_tiles[0] x cdiv(N, BLOCK_N) tiles, row block i
+    being (tile_expert[i], tile_row[i]), the B rows of expert e starting at e * N. num_warps = 4: the default
+    partition is consumer 0; consumer 1 (4 warps) and the producer (1 warp) are workers.
+    """
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(num_warps == 4, "each consumer is one warp group")
+    gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect, then the TMA bytes
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warp group
+
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    if GROUPED:
+        num_pid_m = gl.load(num_m_tiles_ptr)
+    else:
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_tiles = num_pid_m * num_pid_n
+
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, 0, GROUP_M, GROUPED,
+                          acc_layout, out_layout)),
+        (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, 1, GROUP_M, GROUPED,
+                          acc_layout, out_layout)),
+        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n,
+                          num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonBf16Config:
+    """Launch parameters of `_bf16_gemm_kernel` (the module docstring says why these).
+
+    BLOCK_M is fixed at 128 (two 64-row warp-group halves) and BLOCK_K at 64 (one 128-byte swizzled row of 2-byte
+    elements); BLOCK_N is 64, 128 or 256 (a wgmma's N). Registers: 3 warp groups x 128 threads x MAXNREG = 64512 of
+    the SM's 65536; the producer's warp group drops to PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and consumer 0
+    (the default partition) gets what is left.
+    """
+    BLOCK_M: int = 128
+    BLOCK_N: int = 256
+    BLOCK_K: int = 64
+    NUM_STAGES: int = 4  # 4 x (16 + 32) KiB of bf16 operands
+    GROUP_M: int = 8  # row blocks that sweep the columns together (L2 reuse of B)
+    MAXNREG: int = 168  # 65536 / (3 * 128), rounded down to a multiple of 8
+    CONSUMER_REGS: int = 240  # 128 of them the 64 x 256 fp32 accumulator
+    PRODUCER_REGS: int = 24  # the floor of setmaxnreg
+    # The epilogue through shared memory (16-byte coalesced stores; 32 KiB beside the stages, 229448 bytes in all at
+    # the default tiles, within the 232448 an H200 program may use) instead of straight from the registers
+    COALESCED_STORES: bool = False
+
+
+DEFAULT_CONFIG = GluonBf16Config()
+
+
+def kernel_layouts(cfg: GluonBf16Config = DEFAULT_CONFIG):
+    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 nBLOCK_N k16 steps over one warp
+    group) and the epilogue's store layout: the accumulator's own, or with COALESCED_STORES 16-byte vectors along
+    the rows (gluon_ws.store_layout)."""
+    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 16])
+    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N) if cfg.COALESCED_STORES else acc_layout
+
+
+def operand_layouts(dtype: torch.dtype, cfg: GluonBf16Config = DEFAULT_CONFIG):
+    """-> (a_layout, b_layout): the NVMMA shared layouts (128-byte swizzle) of the A and B stages."""
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    a_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.BLOCK_K], gl_dtype)
+    b_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_K], gl_dtype)
+    return a_layout, b_layout
+
+
+def _check_config(cfg: GluonBf16Config) -> None:
+    if cfg.BLOCK_M != 128:
+        raise ValueError(f"BLOCK_M must be 128 (two 64-row warp groups), got {cfg.BLOCK_M}")
+    if cfg.BLOCK_K != 64:
+        raise ValueError(f"BLOCK_K must be 64 (one 128-byte swizzled row of 2-byte elements), got {cfg.BLOCK_K}")
+    if cfg.BLOCK_N not in (64, 128, 256):
+        raise ValueError(f"BLOCK_N must be 64, 128 or 256 (a wgmma's N), got {cfg.BLOCK_N}")
+    if cfg.NUM_STAGES < 2:
+        raise ValueError(f"NUM_STAGES must be at least 2 (one wgmma in flight holds two stages), got "
+                         f"{cfg.NUM_STAGES}")
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, b_ndim: int) -> None:
+    check_operand("a", a, 2, DTYPES)
+    check_operand("b", b, b_ndim, DTYPES)
+    if b.dtype != a.dtype:
+        raise TypeError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if b.shape[-1] != a.shape[1]:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is {'[E, N, K]' if b_ndim == 3 else '[N, K]'} = "
+                         f"{tuple(b.shape)}")
+
+
+def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles, grouped, cfg):
+    a_layout, b_layout = operand_layouts(a.dtype, cfg)
+    acc_layout, out_layout = kernel_layouts(cfg)
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
+    grid = (max(1, min(num_sms(a.device), bound_tiles)), )
+    _bf16_gemm_kernel[grid](
+        a_desc, b_desc, out, tile_expert, tile_row, num_m_tiles, expert_offsets, a.shape[0], N, K, out.stride(0),
+        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, CONSUMER_REGS=cfg.CONSUMER_REGS,
+        PRODUCER_REGS=cfg.PRODUCER_REGS, acc_layout=acc_layout, out_layout=out_layout, num_warps=4,
+        maxnreg=cfg.MAXNREG)
+    return out
+
+
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, *, cfg: GluonBf16Config = DEFAULT_CONFIG) -> torch.Tensor:
+    """out [M, N] = a @ b^T in a's dtype, fp32 sums (module docstring).
+
+    a [M, K] and b [N, K] both bfloat16 or both float16, K-contiguous with 16-byte aligned rows and bases
+    (K % 8 == 0).
+    """
+    _check_config(cfg)
+    _check_operands(a, b, 2)
+    M, K = a.shape
+    N = b.shape[0]
+    device = check_device(GEMM_NAME, a, b)
+    out = torch.empty(M, N, device=device, dtype=a.dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    return _launch(a, b, out, K, N, out, out, out, out, tiles, False, cfg)
+
+
+def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                      cfg: GluonBf16Config = DEFAULT_CONFIG) -> torch.Tensor:
+    """out [M, N] in a's dtype: rows of expert e, out[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ b[e]^T, fp32 sums.
+
+    a [M, K] sorted by expert, b [E, N, K] (contiguous), both bfloat16 or both float16 with 16-byte aligned rows;
+    expert_offsets int32 [E + 1] (o_0 = 0, nondecreasing, o_E <= M: rows past o_E are left unwritten, as torch.empty
+    leaves them). No host sync: the launch is sized by M // 128 + E row blocks.
+    """
+    _check_config(cfg)
+    _check_operands(a, b, 3)
+    if not b.is_contiguous():
+        raise ValueError("b must be contiguous [E, N, K] (its rows are addressed as one [E * N, K] matrix)")
+    M, K = a.shape
+    E, N = b.shape[0], b.shape[1]
+    check_expert_offsets(expert_offsets, E)
+    device = check_device(GEMM_NAME, a, b, expert_offsets)
+    out = torch.empty(M, N, device=device, dtype=a.dtype)
+    if M == 0 or N == 0 or E == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    tile_expert, tile_row, num_m_tiles = grouped_tile_map(expert_offsets, M, cfg.BLOCK_M)
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, cfg.BLOCK_N)
+    return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
+                   True, cfg)

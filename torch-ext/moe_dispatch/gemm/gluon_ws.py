@@ -1,0 +1,193 @@
+"""The warp-specialized persistent skeleton the Gluon GEMMs share (Hopper, SM90; Triton 3.6's Gluon): the guarded
+import of Gluon, where the kernels can run, the tile order, the TMA producer and the expert tile map, and the launch
+checks they share. The GEMMs themselves are gemm/gluon_fp8.py (FP8 with block-scale promotion) and gemm/gluon_bf16.py
+(bf16 / fp16); each adds its consumer partition, kernel, config and launchers.
+
+One CTA per SM walks the output tiles of a grouped-M order (`tile_at`) and runs three partitions:
+
+    producer  (1 warp, few registers)   `load_partition`: TMA loads of A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K]
+                                        tiles into a ring of NUM_STAGES shared-memory stages; ready[s] completes when
+                                        a stage has landed (expect-tx), empty[s] when both consumers are done with it
+    consumer 0 (4 warps = warp group)   rows [0, BLOCK_M/2) of each tile
+    consumer 1 (4 warps = warp group)   rows [BLOCK_M/2, BLOCK_M): each consumer's wgmma reads its A half and the
+                                        whole B stage and releases the stage (arrives on empty[s]) when done with it
+
+The two consumers split each 128-row tile into 64-row halves (cooperative, not ping-pong): they share each B stage
+and are not synchronised with each other. Registers: a kernel is built for 3 warp groups x 128 threads x MAXNREG 168
+(64512 of the SM's 65536); inside the partitions setmaxnreg moves them to the consumers and away from the producer.
+
+The grouped form walks a tile map over (expert, 128-row block) built on the device (`grouped_tile_map`: no host sync,
+sized by an upper bound, -1 sentinels past the last tile); a tile never straddles two experts (TMA may read the next
+expert's rows, which the consumers' row mask never writes), and the B rows of expert e start at e * N of B viewed as
+one [E * N, K] matrix.
+
+Importing this module never needs Gluon: where it does not import, the jit functions stay plain functions and
+`available()` says False.
+"""
+
+# String annotations: the kernels' `gl.constexpr` parameters need no Gluon at import (Triton reads "constexpr" from
+# the string).
+from __future__ import annotations
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON_ERROR: Exception | None = None
+except ImportError as exc:  # a Triton without Gluon, or with its Hopper API elsewhere
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    _GLUON_ERROR = exc
+
+# Triton versions whose Gluon API the kernels were written and compiled against (the API changes between releases).
+TESTED_TRITON = ("3.6",)
+TMA_ALIGN = 16  # bytes: row strides and bases of what a TMA descriptor reads
+
+
+def gluon_jit(fn):
+    """gluon.jit where Gluon imports; elsewhere the plain function (never launched: `available()` is False)."""
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@gluon_jit
+def tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+            BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
+    """Output tile `tile_id` of the persistent order -> (row_start, row_end, expert, pid_n).
+
+    Grouped along M: GROUP_M consecutive row blocks sweep the column blocks together. Dense: row block pid_m starts
+    at pid_m * BLOCK_M and rows run to M. Grouped: row block pid_m is tile map entry pid_m, rows run to the end of
+    its expert.
+    """
+    tiles_per_group = GROUP_M * num_pid_n
+    group_id = tile_id // tiles_per_group
+    first_pid_m = group_id * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % tiles_per_group) % group_rows
+    pid_n = (tile_id % tiles_per_group) // group_rows
+    if GROUPED:
+        expert = gl.load(tile_expert_ptr + pid_m)
+        row_start = gl.load(tile_row_ptr + pid_m)
+        row_end = gl.load(expert_offsets_ptr + expert + 1)
+    else:
+        expert = 0
+        row_start = pid_m * BLOCK_M
+        row_end = M
+    return row_start, row_end, expert, pid_n
+
+
+@gluon_jit
+def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n, num_tiles,
+                   tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
+    """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
+    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * N + off_n:+BLOCK_N, k:+BLOCK_K] into it (rows and columns
+    past the tensors read as zeros), completing ready[s] when both have landed."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    k_blocks = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
+        row_b = expert * N + pid_n * BLOCK_N
+        for kb in range(k_blocks):
+            stage = it % NUM_STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass waits on
+            # parity 1 and goes straight through.
+            mbarrier.wait(empty_bars.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, STAGE_BYTES)
+            tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK_K], ready, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [row_b, kb * BLOCK_K], ready, b_bufs.index(stage))
+            it += 1
+
+
+def unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """None where the Gluon kernels can run on `device` (default: the current CUDA device); else why not."""
+    if _GLUON_ERROR is not None:
+        return f"triton.experimental.gluon (Hopper) does not import: {_GLUON_ERROR}"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return f"Triton {triton.__version__}: the kernels are written against Gluon in Triton {TESTED_TRITON}"
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return "needs an NVIDIA GPU"
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs a Hopper GPU (SM90: wgmma, setmaxnreg)"
+    return None
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """Whether the Gluon GEMMs can run on `device` (Triton 3.6 Gluon, an SM90 GPU)."""
+    return unavailable_reason(device) is None
+
+
+def grouped_tile_map(expert_offsets: torch.Tensor, num_rows: int, block_m: int = 128):
+    """-> (tile_expert, tile_row, num_m_tiles): the row blocks of expert-sorted rows, on the device, no host sync.
+
+    Row block i covers rows [tile_row[i], min(tile_row[i] + block_m, expert_offsets[e + 1])) of expert
+    e = tile_expert[i]; experts in order, an expert of c rows taking cdiv(c, block_m) blocks (none when empty).
+    Both int32 [num_rows // block_m + E] (sum_e cdiv(c_e, block_m) <= sum_e (c_e // block_m + 1)), -1 past the
+    last block; num_m_tiles int32 [1] holds the number of blocks.
+    """
+    num_experts = expert_offsets.numel() - 1
+    bound = num_rows // block_m + num_experts
+    offsets = expert_offsets.to(torch.int64)
+    counts = offsets[1:] - offsets[:-1]  # [E]
+    blocks = (counts + block_m - 1) // block_m  # [E]
+    ends = torch.cumsum(blocks, 0)  # [E], inclusive
+    idx = torch.arange(bound, device=expert_offsets.device)
+    expert = torch.searchsorted(ends, idx, right=True).clamp_(max=num_experts - 1)  # [bound]
+    first = ends[expert] - blocks[expert]
+    valid = idx < ends[-1]
+    tile_expert = torch.where(valid, expert, -1).to(torch.int32)
+    tile_row = torch.where(valid, offsets[expert] + (idx - first) * block_m, -1).to(torch.int32)
+    num_m_tiles = ends[-1:].to(torch.int32)
+    return tile_expert, tile_row, num_m_tiles
+
+
+def store_layout(half_m: int, block_n: int):
+    """The epilogue's store layout of one warp group's [half_m, block_n] tile: 16-byte vectors of 2-byte elements
+    along a row, a warp writing whole rows of up to 256 bytes (min(32, block_n / 8) threads along a row)."""
+    vec = 8
+    threads_n = min(32, block_n // vec)
+    assert half_m % (4 * (32 // threads_n)) == 0
+    return gl.BlockedLayout([1, vec], [32 // threads_n, threads_n], [4, 1], [1, 0])
+
+
+def check_operand(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    """`t` has one of `dtypes`, `ndim` dims, a contiguous last dimension and 16-byte aligned strides and base: what
+    a TMA descriptor reads (TypeError for the dtype, ValueError for the rest)."""
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {names}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    size = t.element_size()
+    if t.stride(-1) != 1 or any(s * size % TMA_ALIGN for s in t.stride()[:-1]) or t.data_ptr() % TMA_ALIGN:
+        raise ValueError(f"{name} must be K-contiguous with 16-byte aligned rows and base (TMA), got strides "
+                         f"{t.stride()}")
+
+
+def check_expert_offsets(expert_offsets: torch.Tensor, num_experts: int) -> None:
+    if expert_offsets.dtype != torch.int32 or tuple(expert_offsets.shape) != (num_experts + 1, ):
+        raise ValueError(f"expert_offsets must be int32 [E + 1] = [{num_experts + 1}], got {expert_offsets.dtype} "
+                         f"{tuple(expert_offsets.shape)}")
+
+
+def check_device(what: str, *tensors: torch.Tensor) -> torch.device:
+    """The one device of `tensors`, where the Gluon kernels can run (else RuntimeError: "`what` unavailable: ...")."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"{what} unavailable: {reason}")
+    return device
