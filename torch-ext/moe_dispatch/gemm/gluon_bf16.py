@@ -43,7 +43,7 @@ from ..host.device import num_sms
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
                        check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
-                       tile_at, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       stage_ring, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
 GEMM_NAME = "Gluon bf16 GEMM"
@@ -99,32 +99,16 @@ def _bf16_gemm_kernel(a_desc, b_desc, out_ptr, tile_expert_ptr, tile_row_ptr, nu
                       N, K, stride_out_m, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
                       out_layout: gl.constexpr, num_warps: gl.constexpr):
-    """bf16 / fp16 GEMM with fp32 sums, persistent and warp-specialized (module docstring).
-
-    Grid: (min(#SMs, #tiles),). Program p owns tiles p, p + grid, ... of the grouped-M order over
-    cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) tiles; GROUPED: over num_m_tiles[0] x cdiv(N, BLOCK_N) tiles, row block i
-    being (tile_expert[i], tile_row[i]), the B rows of expert e starting at e * N. num_warps = 4: the default
-    partition is consumer 0; consumer 1 (4 warps) and the producer (1 warp) are workers.
-    """
+    """bf16 / fp16 GEMM with fp32 sums, persistent and warp-specialized (module docstring). The grid, the tile order
+    (gluon_ws.tile_counts, tile_at) and the partitions (consumer 0 the default partition, consumer 1 and the producer
+    workers) are gluon_fp8's kernel's; only the consumers differ."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect, then the TMA bytes
-        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warp group
-
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUPED:
-        num_pid_m = gl.load(num_m_tiles_ptr)
-    else:
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_tiles = num_pid_m * num_pid_n
+    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES)
+    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, BLOCK_N, GROUPED)
 
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,

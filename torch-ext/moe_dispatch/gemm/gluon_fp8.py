@@ -43,7 +43,7 @@ from ..host.device import num_sms
 # the FP8 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
                        check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
-                       tile_at, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       stage_ring, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
 SCALE_BLOCK = 128  # the side of a DeepSeek scale block, along K for A and along N and K for B
 FP8_DTYPES = (torch.float8_e4m3fn, )  # what both operands are
@@ -128,20 +128,8 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
     gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per column tile")
     gl.static_assert(128 % a_desc.block_type.shape[1] == 0, "one scale per K block")
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect, then the TMA bytes
-        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warp group
-
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    if GROUPED:
-        num_pid_m = gl.load(num_m_tiles_ptr)
-    else:
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_tiles = num_pid_m * num_pid_n
+    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES)
+    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, BLOCK_N, GROUPED)
 
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,

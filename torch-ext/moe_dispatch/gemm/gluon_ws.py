@@ -79,6 +79,33 @@ def tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr, exp
 
 
 @gluon_jit
+def stage_ring(a_desc, b_desc, NUM_STAGES: gl.constexpr):
+    """The ring the producer fills and the two consumers drain: NUM_STAGES A and B tiles in shared memory (the
+    descriptors' block shapes and layouts), a ready barrier per stage (the producer's expect, then the TMA bytes) and
+    an empty barrier per stage (one arrive per consumer warp group). -> (a_bufs, b_bufs, ready_bars, empty_bars)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)
+    return a_bufs, b_bufs, ready_bars, empty_bars
+
+
+@gluon_jit
+def tile_counts(M, N, num_m_tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED: gl.constexpr):
+    """-> (num_pid_m, num_pid_n, num_tiles) of the persistent order: cdiv(M, BLOCK_M) row blocks, or GROUPED the
+    tile map's num_m_tiles[0], times cdiv(N, BLOCK_N) column blocks."""
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    if GROUPED:
+        num_pid_m = gl.load(num_m_tiles_ptr)
+    else:
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+    return num_pid_m, num_pid_n, num_pid_m * num_pid_n
+
+
+@gluon_jit
 def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n, num_tiles,
                    tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
     """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
