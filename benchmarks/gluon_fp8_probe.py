@@ -94,6 +94,16 @@ def check(name, err, tol):
         FAILURES.append((name, f"relative error {err:.2e} >= {tol:.0e}"))
 
 
+def check_nan_row(prefix, outs):
+    """Each (name, out [200, N]) of A with a NaN in row 3: row 3 all NaN and every other row finite, recorded."""
+    for name, out in outs:
+        others = torch.arange(out.shape[0], device=out.device) != 3
+        ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
+        print(f"   {prefix}{name}: row 3 all NaN and the other rows finite: {ok}")
+        if not ok:
+            FAILURES.append((f"{prefix}NaN {name}", "NaN did not stay in its row"))
+
+
 def offsets_of(counts, device="cuda"):
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
@@ -244,13 +254,8 @@ def bf16_sections(args, dev="cuda"):
         a = torch.randn(200, 512, device=dev).bfloat16()
         b = torch.randn(2, 256, 512, device=dev).bfloat16()
         a[3, 5] = float("nan")
-        others = torch.arange(200, device=dev) != 3
-        for name, out in [("dense", gluon_bf16.bf16_gemm(a, b[0])),
-                          ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev)))]:
-            ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
-            print(f"   bf16 {name}: row 3 all NaN and the other rows finite: {ok}")
-            if not ok:
-                FAILURES.append((f"bf16 NaN {name}", "NaN did not stay in its row"))
+        check_nan_row("bf16 ", [("dense", gluon_bf16.bf16_gemm(a, b[0])),
+                                ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev)))])
 
     for size in (4096, 8192):
         @part(f"bf16 dense {size}^3 timing")
@@ -373,13 +378,8 @@ def main(argv=None):
             a, a_s = quantize_rows(torch.randn(200, 512, device=dev))
             b, b_s = quantize_blocks(torch.randn(2, 256, 512, device=dev))
             a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
-            others = torch.arange(200, device=dev) != 3
-            for name, out in [("dense", gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])),
-                              ("grouped", gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets_of([100, 100])))]:
-                ok = bool(out[3].isnan().all()) and bool(torch.isfinite(out[others]).all())
-                print(f"   {name}: row 3 all NaN and the other rows finite: {ok}")
-                if not ok:
-                    FAILURES.append((f"NaN {name}", "NaN did not stay in its row"))
+            check_nan_row("", [("dense", gluon_fp8.fp8_block_gemm(a, a_s, b[0], b_s[0])),
+                               ("grouped", gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets_of([100, 100])))])
 
         for size in (4096, 8192):
             @part(f"dense {size}^3 timing")

@@ -5,6 +5,7 @@ tolerance table and `assert_close` live beside the float64 references they judge
 because the Hub benchmark verifies the kernel it loads with the ones that kernel ships.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 
 from moe_dispatch.reference import TOLERANCE, assert_close, relative_error
 
-__all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights",
-           "needs_gpu", "needs_interpreter", "poison_empty", "relative_error"]
+__all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "Refusal", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights",
+           "needs_gpu", "needs_interpreter", "poison_empty", "relative_error", "swap_gluon_gemm"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
@@ -75,3 +76,44 @@ def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
     w_up = (torch.randn(E, F, H) * scale).to(device, dtype)
     w_down = (torch.randn(E, H, F) * scale).to(device, dtype)
     return w_gate, w_up, w_down
+
+
+def swap_gluon_gemm(monkeypatch, module, name, variable, reference, out_dtype=None):
+    """Run a Gluon engine of gemm/gluon_experts.py where its GEMM cannot run (no SM90 GPU): `variable` set to "1",
+    `module.available` answering yes, and gluon_experts' `name` (the grouped GEMM `module.<name>`) replaced by a
+    stand-in. The stand-in first calls the real launcher, which checks every operand before it refuses for want of a
+    GPU (so what the engine hands the kernel is what the kernel takes), then returns `reference(*args)` (float64 [rows,
+    N] or more rows) in `out_dtype` (a's when None), the rows past the experts' last offset NaN: nothing may read them.
+    Returns the list of its calls, each (a's shape, the weight's shape, a's dtype); the weight is the first 3-D
+    operand, the expert offsets the last."""
+    from moe_dispatch.gemm import gluon_experts
+
+    launcher, calls = getattr(module, name), []
+
+    def stand_in(*args):
+        a, offsets = args[0], args[-1]
+        weight = next(t for t in args if t.dim() == 3)
+        if module.unavailable_reason(a.device) is not None:
+            with pytest.raises(RuntimeError, match="unavailable"):
+                launcher(*args)
+        calls.append((tuple(a.shape), tuple(weight.shape), a.dtype))
+        rows = int(offsets[-1])
+        out = torch.full((a.shape[0], weight.shape[1]), float("nan"), dtype=out_dtype or a.dtype, device=a.device)
+        out[:rows] = reference(*args)[:rows].to(out.dtype)
+        return out
+
+    monkeypatch.setenv(variable, "1")
+    monkeypatch.setattr(module, "available", lambda device=None: True)
+    monkeypatch.setattr(gluon_experts, name, stand_in)
+    return calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A case where a planner turns an engine down: `changes` builds the arguments changed from an accepted call
+    (lazily: tensors per test), and the refusal's sentence must contain `says`."""
+
+    id: str
+    why: str
+    changes: object  # () -> the changed arguments
+    says: str

@@ -20,11 +20,11 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, assert_close, capture_cuda_graph
+from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph, swap_gluon_gemm
 
 import moe_dispatch as md
 from moe_dispatch import moe
-from moe_dispatch.gemm import gluon_bf16, gluon_experts, planner
+from moe_dispatch.gemm import gluon_bf16, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
 from moe_dispatch.reference import fused_experts_ref, grouped_gemm_ref, relative_error
@@ -98,14 +98,6 @@ def _refusal(**changes):
     args = _planner_args(**changes)
     tensors = [args.pop(k) for k in ("plan", "x", "w_gate_up", "w_down")]
     return planner.gluon_bf16_refusal(*tensors, **args)
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    id: str
-    why: str
-    changes: object  # () -> the changed arguments (built lazily: tensors per test)
-    says: str  # in the reason
 
 
 REFUSALS = [
@@ -201,25 +193,10 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 
 @pytest.fixture
 def reference_engine(monkeypatch):
-    """The engine selected on this machine, its GEMM the float64 reference rounded to the operands' dtype (rows past
-    the experts' last offset NaN: nothing may read them). Yields the list of GEMM calls."""
-    calls = []
-    launcher = gluon_bf16.bf16_grouped_gemm
-
-    def reference_gemm(a, b, expert_offsets):
-        if gluon_bf16.unavailable_reason(a.device) is not None:  # it checks every operand, then refuses: no GPU
-            with pytest.raises(RuntimeError, match="unavailable"):
-                launcher(a, b, expert_offsets)
-        calls.append((tuple(a.shape), tuple(b.shape), a.dtype))
-        out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
-        rows = int(expert_offsets[-1])
-        out[:rows] = grouped_gemm_ref(a, b, expert_offsets, b.shape[0])[:rows].to(a.dtype)
-        return out
-
-    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
-    monkeypatch.setattr(gluon_bf16, "available", lambda device=None: True)
-    monkeypatch.setattr(gluon_experts, "bf16_grouped_gemm", reference_gemm)
-    yield calls
+    """The engine selected on this machine, its GEMM the float64 reference in the operands' dtype
+    (helpers.swap_gluon_gemm). Yields the list of GEMM calls."""
+    yield swap_gluon_gemm(monkeypatch, gluon_bf16, "bf16_grouped_gemm", planner.GLUON_BF16_VARIABLE,
+                          lambda a, b, offsets: grouped_gemm_ref(a, b, offsets, b.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,12 +22,12 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, assert_close, capture_cuda_graph
+from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph, swap_gluon_gemm
 
 import moe_dispatch as md
 from moe_dispatch import moe
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
-from moe_dispatch.gemm import gluon_experts, gluon_fp8, planner
+from moe_dispatch.gemm import gluon_fp8, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
 from moe_dispatch.reference import (W8A8_MODEL_TOLERANCE_GPU, W8A8_TOLERANCE, fp8_block_grouped_gemm_ref,
@@ -74,14 +74,6 @@ def _refusal(**changes):
     plan = args.pop("plan")
     return planner.gluon_fp8_refusal(plan, *(args.pop(k) for k in ("x", "w_gate_up", "w_down", "w_gate_up_scale",
                                                                   "w_down_scale")), **args)
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    id: str
-    why: str
-    changes: object  # () -> the changed arguments (built lazily: tensors per test)
-    says: str  # in the reason
 
 
 REFUSALS = [
@@ -186,25 +178,10 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 
 @pytest.fixture
 def reference_engine(monkeypatch):
-    """The engine selected on this machine, its GEMM the float64 reference rounded to bf16 (rows past the experts'
-    last offset NaN: nothing may read them). Yields the list of GEMM calls."""
-    calls = []
-    launcher = gluon_fp8.fp8_block_grouped_gemm
-
-    def reference_gemm(a, a_scale, b, b_scale, expert_offsets):
-        if gluon_fp8.unavailable_reason(a.device) is not None:  # it checks every operand, then refuses: no GPU
-            with pytest.raises(RuntimeError, match="unavailable"):
-                launcher(a, a_scale, b, b_scale, expert_offsets)
-        calls.append((tuple(a.shape), tuple(b.shape)))
-        out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16, device=a.device)
-        rows = int(expert_offsets[-1])
-        out[:rows] = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets).to(torch.bfloat16)
-        return out
-
-    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
-    monkeypatch.setattr(gluon_fp8, "available", lambda device=None: True)
-    monkeypatch.setattr(gluon_experts, "fp8_block_grouped_gemm", reference_gemm)
-    yield calls
+    """The engine selected on this machine, its GEMM the float64 reference rounded to bf16 as the kernel writes
+    (helpers.swap_gluon_gemm). Yields the list of GEMM calls."""
+    yield swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_grouped_gemm", planner.GLUON_FP8_VARIABLE,
+                          fp8_block_grouped_gemm_ref, out_dtype=torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +232,9 @@ def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
                            **options)
     N = case.T * case.top_k
-    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H)), ((N, case.F), (case.E, case.H, case.F))]
+    fp8 = torch.float8_e4m3fn
+    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H), fp8),
+                                ((N, case.F), (case.E, case.H, case.F), fp8)]
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref_options = {k: v for k, v in options.items() if k != "w_gate_up_scale_layout"}
     assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,

@@ -42,8 +42,9 @@ from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
-                       check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
-                       stage_ring, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       check_operand, check_stacked_weight, gl, gluon_jit, grouped_tile_map, grouped_tiles,
+                       load_partition, mbarrier, needs_launch, stage_ring, store_layout, tile_at, tile_counts,
+                       unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
 GEMM_NAME = "Gluon bf16 GEMM"
@@ -211,10 +212,8 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor, *, cfg: GluonBf16Config = DEFAUL
     N = b.shape[0]
     device = check_device(GEMM_NAME, a, b)
     out = torch.empty(M, N, device=device, dtype=a.dtype)
-    if M == 0 or N == 0:
+    if not needs_launch(out, K):
         return out
-    if K == 0:
-        return out.zero_()
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     return _launch(a, b, out, K, N, out, out, out, out, tiles, False, cfg)
 
@@ -229,18 +228,13 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
     """
     _check_config(cfg)
     _check_operands(a, b, 3)
-    if not b.is_contiguous():
-        raise ValueError("b must be contiguous [E, N, K] (its rows are addressed as one [E * N, K] matrix)")
+    E, N = check_stacked_weight(b)
     M, K = a.shape
-    E, N = b.shape[0], b.shape[1]
     check_expert_offsets(expert_offsets, E)
     device = check_device(GEMM_NAME, a, b, expert_offsets)
     out = torch.empty(M, N, device=device, dtype=a.dtype)
-    if M == 0 or N == 0 or E == 0:
+    if not needs_launch(out, K, E):
         return out
-    if K == 0:
-        return out.zero_()
-    tile_expert, tile_row, num_m_tiles = grouped_tile_map(expert_offsets, M, cfg.BLOCK_M)
-    bound_tiles = tile_expert.numel() * triton.cdiv(N, cfg.BLOCK_N)
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
     return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
                    True, cfg)

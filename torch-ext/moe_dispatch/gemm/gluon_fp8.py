@@ -42,8 +42,9 @@ from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the FP8 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
-                       check_operand, gl, gluon_jit, grouped_tile_map, load_partition, mbarrier, store_layout,
-                       stage_ring, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       check_operand, check_stacked_weight, gl, gluon_jit, grouped_tile_map, grouped_tiles,
+                       load_partition, mbarrier, needs_launch, stage_ring, store_layout, tile_at, tile_counts,
+                       unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
 SCALE_BLOCK = 128  # the side of a DeepSeek scale block, along K for A and along N and K for B
 FP8_DTYPES = (torch.float8_e4m3fn, )  # what both operands are
@@ -231,10 +232,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     _check_scale("b_scale", b_scale, (triton.cdiv(N, SCALE_BLOCK), k_scales))
     device = check_device(GEMM_NAME, a, a_scale, b, b_scale)
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
-    if M == 0 or N == 0:
+    if not needs_launch(out, K):
         return out
-    if K == 0:
-        return out.zero_()
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     return _launch(a, b, a_scale, b_scale, out, K, N, out, out, out, out, tiles,
                    (0, b_scale.stride(0), b_scale.stride(1)), False, cfg)
@@ -252,10 +251,8 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     _check_config(cfg)
     check_operand("a", a, 2, FP8_DTYPES)
     check_operand("b", b, 3, FP8_DTYPES)
-    if not b.is_contiguous():
-        raise ValueError("b must be contiguous [E, N, K] (its rows are addressed as one [E * N, K] matrix)")
+    E, N = check_stacked_weight(b)
     M, K = a.shape
-    E, N = b.shape[0], b.shape[1]
     if b.shape[2] != K:
         raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [E, N, K] = {tuple(b.shape)}")
     check_expert_offsets(expert_offsets, E)
@@ -264,11 +261,8 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     _check_scale("b_scale", b_scale, (E, triton.cdiv(N, SCALE_BLOCK), k_scales))
     device = check_device(GEMM_NAME, a, a_scale, b, b_scale, expert_offsets)
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
-    if M == 0 or N == 0 or E == 0:
+    if not needs_launch(out, K, E):
         return out
-    if K == 0:
-        return out.zero_()
-    tile_expert, tile_row, num_m_tiles = grouped_tile_map(expert_offsets, M, cfg.BLOCK_M)
-    bound_tiles = tile_expert.numel() * triton.cdiv(N, cfg.BLOCK_N)
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
     return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles,
                    expert_offsets, bound_tiles, b_scale.stride(), True, cfg)

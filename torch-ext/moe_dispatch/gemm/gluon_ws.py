@@ -179,6 +179,32 @@ def grouped_tile_map(expert_offsets: torch.Tensor, num_rows: int, block_m: int =
     return tile_expert, tile_row, num_m_tiles
 
 
+def check_stacked_weight(b: torch.Tensor) -> tuple[int, int]:
+    """-> (E, N) of a grouped GEMM's b [E, N, K], which must be contiguous: its rows are read as one [E * N, K]
+    matrix through one descriptor."""
+    if not b.is_contiguous():
+        raise ValueError("b must be contiguous [E, N, K] (its rows are addressed as one [E * N, K] matrix)")
+    return b.shape[0], b.shape[1]
+
+
+def needs_launch(out: torch.Tensor, K: int, num_experts: int = 1) -> bool:
+    """Whether out [M, N] still needs the kernel: not when a side or the experts are empty (out stays as torch.empty
+    left it) nor when K = 0 (out is zeroed here, the empty sum)."""
+    if out.numel() == 0 or num_experts == 0:
+        return False
+    if K == 0:
+        out.zero_()
+        return False
+    return True
+
+
+def grouped_tiles(expert_offsets: torch.Tensor, M: int, N: int, block_m: int, block_n: int):
+    """-> (tile_expert, tile_row, num_m_tiles, bound_tiles): `grouped_tile_map`'s row blocks of the M sorted rows and
+    the bound on output tiles (row blocks x column blocks) that sizes the persistent grid."""
+    tile_expert, tile_row, num_m_tiles = grouped_tile_map(expert_offsets, M, block_m)
+    return tile_expert, tile_row, num_m_tiles, tile_expert.numel() * triton.cdiv(N, block_n)
+
+
 def store_layout(half_m: int, block_n: int):
     """The epilogue's store layout of one warp group's [half_m, block_n] tile: 16-byte vectors of 2-byte elements
     along a row, a warp writing whole rows of up to 256 bytes (min(32, block_n / 8) threads along a row)."""
