@@ -81,6 +81,12 @@ def _pass_call(name):
             gate_up, info, interleaved=True, activation="swiglu_oai", gate_up_bias=bias, alpha=1.702, limit=7.0),
         "down-bias-routing-weight": lambda: gluon_experts._bias_routing_weight(
             torch.zeros(4096, 2048, dtype=dtype), info, bias, torch.zeros(2048, 2)),
+        "fp8-concatenated-silu": lambda: gluon_experts._gated_activation_fp8(
+            gate_up, info, interleaved=False, activation="silu", gate_bias=None, up_bias=None, alpha=1.702,
+            limit=7.0),
+        "fp8-interleaved-swiglu-bias": lambda: gluon_experts._gated_activation_fp8(
+            gate_up, info, interleaved=True, activation="swiglu_oai", gate_bias=bias[:, 0::2], up_bias=bias[:, 1::2],
+            alpha=1.702, limit=7.0),
     }
     return calls[name]
 
@@ -151,10 +157,11 @@ def test_compiles_for_sm90(variant, monkeypatch, tmp_path):
 
 @pytest.mark.skipif(INTERPRETED, reason="the passes are plain Triton kernels: compiled only where Triton is not "
                                         "interpreting (conftest interprets without a GPU)")
-@pytest.mark.parametrize("name", ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight"])
-def test_bf16_engine_passes_compile_for_sm90(name, monkeypatch, tmp_path):
-    """The bf16 engine's elementwise passes (gemm/gluon_experts.py) at the bf16 engine's tiles: without spills and
-    within the shared memory. They launch only where the engine runs, so scripts/compile_report never reaches them."""
+@pytest.mark.parametrize("name", ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight",
+                                  "fp8-concatenated-silu", "fp8-interleaved-swiglu-bias"])
+def test_engine_passes_compile_for_sm90(name, monkeypatch, tmp_path):
+    """The engines' elementwise passes (gemm/gluon_experts.py) at the engines' tiles: without spills and within the
+    shared memory. They launch only where an engine runs, so scripts/compile_report never reaches them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -53,7 +53,8 @@ from ..formats.fp8 import W8A8_DTYPE, fp8_max
 from ..host.device import is_interpreter
 from ..host.host_math import cdiv
 from ..host.replay import launch
-from .jit import ACT_NONE, SCALE_NONE, Activation, pair_columns, tile_epilogue, tile_rows, tile_setup
+from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, tile_epilogue, tile_rows,
+                  tile_setup)
 from .gluon_bf16 import bf16_grouped_gemm
 from .gluon_fp8 import SCALE_BLOCK, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
@@ -68,9 +69,9 @@ ACTIVATION_BLOCK_N = 64
 
 @triton.jit
 def _gated_activation_fp8_kernel(
-    # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order; gate column j at j * col_step, up column j at
-    # j * col_step + up_offset (concatenated: 1, n_cols; interleaved: 2, 1)
-    gate_up_ptr, stride_gate_up_m, col_step, up_offset,
+    # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order: gate columns then up columns, or (PAIRED) gate and
+    # up alternating, gate first
+    gate_up_ptr, stride_gate_up_m,
     bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
     # h: [num_rows, n_cols] e4m3 with h_scale [num_rows, cdiv(n_cols, GROUP)] fp32
     h_ptr, stride_h_m, h_scale_ptr, stride_h_scale_m,
@@ -80,22 +81,29 @@ def _gated_activation_fp8_kernel(
     alpha, limit, fp8_max,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PAIRED: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """Grid: (max_tiles * cdiv(n_cols, GROUP),). Each program reads the gate and up columns of one [BLOCK_M, GROUP]
     tile of the tile map (rows of one expert), adds the expert's biases, activates, and writes the tile as e4m3 with
-    one scale per row (one group): GEMM2's A. Sentinel tiles exit."""
+    one scale per row (one group): GEMM2's A. PAIRED reads the tile's 2 GROUP interleaved columns as one contiguous
+    block and splits them in registers (two stride-2 reads hold a 64-bit address per element: 255 registers and
+    spills at BLOCK_M 128). Sentinel tiles exit."""
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, GROUP, 1)
     if expert < 0:
         return
-    rows = offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
-    mask = mask_m[:, None] & mask_n[None, :]
-    offs_gate = offs_n * col_step
-    b_gate = tl.load(gate_up_ptr + rows + offs_gate[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_up = tl.load(gate_up_ptr + rows + (offs_gate + up_offset)[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows = gate_up_ptr + offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
+    if PAIRED:
+        offs_pair, mask_pair = pair_columns(pid_n, n_cols, GROUP)
+        b_gate, b_up = split_pairs(tl.load(rows + offs_pair[None, :], mask=mask_m[:, None] & mask_pair[None, :],
+                                           other=0.0).to(tl.float32))  # [BLOCK_M, GROUP] each
+    else:
+        mask = mask_m[:, None] & mask_n[None, :]
+        b_gate = tl.load(rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_up = tl.load(rows + (offs_n + n_cols)[None, :], mask=mask, other=0.0).to(tl.float32)
     # Columns past n_cols are zeros (their bias too), so they never raise a group's amax.
     w8a8_epilogue(b_gate, b_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, offs_m, 1.0, None, 0, 1, 0,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, h_ptr, stride_h_m, 1, h_scale_ptr, 0,
@@ -183,17 +191,16 @@ def _gated_activation_fp8(gate_up, info, *, interleaved, activation, gate_bias, 
     h_scale = torch.empty((num_rows, cdiv(num_ffn, SCALE_BLOCK)), device=gate_up.device, dtype=torch.float32)
     if num_rows == 0 or num_ffn == 0 or info.max_tiles == 0:
         return h, h_scale
-    col_step, up_offset = (2, 1) if interleaved else (1, num_ffn)
     bias = gate_bias is not None
     launch(_gated_activation_fp8_kernel, (info.max_tiles * cdiv(num_ffn, SCALE_BLOCK),),
-        gate_up, gate_up.stride(0), col_step, up_offset,
+        gate_up, gate_up.stride(0),
         gate_bias, up_bias, gate_bias.stride(0) if bias else 0, gate_bias.stride(1) if bias else 0,
         h, h.stride(0), h_scale, h_scale.stride(0),
         info.tile_expert, info.tile_row_start, info.expert_offsets,
         num_rows, num_ffn, info.num_experts, info.max_tiles,
         float(alpha), float(limit), fp8_max(W8A8_DTYPE),
-        ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, ROUND_IN_FP32=is_interpreter(),
-        BLOCK_M=info.block_m, GROUP=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+        ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, PAIRED=interleaved,
+        ROUND_IN_FP32=is_interpreter(), BLOCK_M=info.block_m, GROUP=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return h, h_scale
 
 
