@@ -24,12 +24,14 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
    activations to e4m3 with different groups, or not at all).
 4. The bf16 engine (`--sections bf16`; gemm/gluon_bf16.py, opt-in through MOE_DISPATCH_GLUON_BF16=1): the Gluon
    GEMM against float64 in bf16 and fp16 (dense at odd M, N and K tails; grouped with an empty expert, a one-row
-   expert and tiles ending mid-expert; a NaN in A reaching its own row only); dense M = N = K in {4096, 8192} beside
+   expert and tiles ending mid-expert; the gated GEMM1 with silu, and swiglu_oai with biases, at F = 200 and 768; a
+   NaN in A reaching its own row only); dense M = N = K in {4096, 8192} beside
    torch.matmul (do_bench, median; rows sampled against float64), at 8192 also with 3 stages, with BLOCK_N 128 and 6
    stages and with the epilogue through shared memory (each checked against the default's result); then
-   `fused_experts` on bf16 weights at part 3's widths and T: the portable kernels (MOE_DISPATCH_GLUON_BF16=0) and the
-   Gluon engine (=1; plans cleared after each change), each timed as a CUDA graph (median), checked against each
-   other (relative error < TOLERANCE[bf16]). A table of ms, TFLOP/s and gluon/portable.
+   `fused_experts` on bf16 weights at part 3's widths and T: the portable kernels (MOE_DISPATCH_GLUON_BF16=0), the
+   Gluon engine (=1; plans cleared after each change) and the engine with GEMM1's activation in a separate pass
+   (`fused_activation=False`), each timed as a CUDA graph (median), checked against the portable result (relative
+   error < TOLERANCE[bf16]). A table of ms, TFLOP/s, gluon/portable and pass/gluon.
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
 Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
@@ -53,7 +55,7 @@ from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
 EXPERTS_ROWS = []  # (label, portable ms, gluon ms, bf16 ms, FLOPs)
-BF16_ROWS = []  # (label, portable ms, gluon ms, FLOPs)
+BF16_ROWS = []  # (label, portable ms, gluon ms, gluon with the activation pass ms, FLOPs)
 SECTIONS = ("gemm", "experts", "bf16")
 EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
 EXPERTS_TOKENS = (4096, 16384)
@@ -234,7 +236,8 @@ def bf16_sections(args, dev="cuda"):
     import moe_dispatch as md
     from model_shapes import MODEL_SHAPES
     from moe_dispatch.gemm import gluon_bf16, planner
-    from moe_dispatch.reference import TOLERANCE, grouped_gemm_ref, relative_error
+    from moe_dispatch import moe
+    from moe_dispatch.reference import TOLERANCE, gated_grouped_gemm_ref, grouped_gemm_ref, relative_error
 
     @part("bf16 GEMM correctness")
     def _():
@@ -251,11 +254,22 @@ def bf16_sections(args, dev="cuda"):
                 out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
                 check(f"{dtype} grouped counts={counts} N={N} K={K}",
                       relative_error(out, grouped_gemm_ref(a, b, offsets, len(counts))), tol)
+            for counts, F, activation, bias in [([77, 0, 1, 4019], 200, "silu", False),
+                                                ([129, 128, 0, 300], 768, "swiglu_oai", True)]:
+                K, E = 1000, len(counts)
+                offsets = offsets_of(counts, dev)
+                a = torch.randn(sum(counts), K, device=dev).to(dtype)
+                b = (torch.randn(E, 2 * F, K, device=dev) / K**0.5).to(dtype)
+                gate = dict(activation=activation, bias=torch.randn(E, 2 * F, device=dev).to(dtype) if bias else None)
+                out = gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets, **gate)
+                check(f"{dtype} gated {activation} counts={counts} F={F} K={K}",
+                      relative_error(out, gated_grouped_gemm_ref(a, b, offsets, E, **gate)), tol)
         a = torch.randn(200, 512, device=dev).bfloat16()
         b = torch.randn(2, 256, 512, device=dev).bfloat16()
         a[3, 5] = float("nan")
         check_nan_row("bf16 ", [("dense", gluon_bf16.bf16_gemm(a, b[0])),
-                                ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev)))])
+                                ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev))),
+                                ("gated", gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([100, 100], dev)))])
 
     for size in (4096, 8192):
         @part(f"bf16 dense {size}^3 timing")
@@ -298,30 +312,36 @@ def bf16_sections(args, dev="cuda"):
                 flops = 6 * T * top_k * H * F
                 label = f"{model} T{T}"
                 times, outs = {}, {}
-                for engine, mode in (("portable", "0"), ("gluon", "1")):
+                engine_fn = moe.gluon_bf16_experts
+                # "gluon": GEMM1 activates in its epilogue; "gluon pass": GEMM1 writes gate_up, a pass activates
+                for engine, mode, fused in (("portable", "0", True), ("gluon", "1", True), ("gluon pass", "1", False)):
                     os.environ[planner.GLUON_BF16_VARIABLE] = mode
+                    moe.gluon_bf16_experts = functools.partial(engine_fn, fused_activation=fused)
                     md.host.replay.clear()  # the variable is read when a plan is recorded
                     run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False)
                     outs[engine] = run()
                     times[engine], how = bench_graph_ms(run)
                     record(f"fused_experts bf16 {engine}", label, times[engine], flops, how)
+                moe.gluon_bf16_experts = engine_fn
                 os.environ.pop(planner.GLUON_BF16_VARIABLE, None)
                 md.host.replay.clear()
-                BF16_ROWS.append((label, times["portable"], times["gluon"], flops))
-                check(f"{label} gluon vs portable bf16", relative_error(outs["gluon"], outs["portable"]),
-                      TOLERANCE[torch.bfloat16])
+                BF16_ROWS.append((label, times["portable"], times["gluon"], times["gluon pass"], flops))
+                for engine in ("gluon", "gluon pass"):
+                    check(f"{label} {engine} vs portable bf16", relative_error(outs[engine], outs["portable"]),
+                          TOLERANCE[torch.bfloat16])
                 del outs
             del w_gate_up, w_down
             torch.cuda.empty_cache()
 
     if BF16_ROWS:
-        print(f"\n{'fused_experts bf16':<24} {'portable ms':>11} {'gluon ms':>9} {'portable':>9} {'gluon':>8} "
-              f"{'gluon/':>9}")
-        print(f"{'':<24} {'':>11} {'':>9} {'TFLOP/s':>9} {'TFLOP/s':>8} {'portable':>9}")
-        for label, portable, gluon, flops in BF16_ROWS:
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {tflops(flops, portable):9.1f} "
-                  f"{tflops(flops, gluon):8.1f} {portable / gluon:8.2f}x")
-        print("(gluon/portable is a speedup: the portable time over the Gluon engine's)")
+        print(f"\n{'fused_experts bf16':<24} {'portable ms':>11} {'gluon ms':>9} {'pass ms':>8} {'portable':>9} "
+              f"{'gluon':>8} {'gluon/':>9} {'pass/':>7}")
+        print(f"{'':<24} {'':>11} {'':>9} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>8} {'portable':>9} {'gluon':>7}")
+        for label, portable, gluon, unfused, flops in BF16_ROWS:
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {unfused:8.3f} {tflops(flops, portable):9.1f} "
+                  f"{tflops(flops, gluon):8.1f} {portable / gluon:8.2f}x {unfused / gluon:6.2f}x")
+        print("(gluon/portable and pass/gluon are speedups: the portable time, and the engine's time with GEMM1's "
+              "activation in a separate pass, over the engine's)")
 
 
 def main(argv=None):

@@ -78,28 +78,30 @@ def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
     return w_gate, w_up, w_down
 
 
-def swap_gluon_gemm(monkeypatch, module, name, variable, reference, out_dtype=None):
+def swap_gluon_gemm(monkeypatch, module, name, variable, reference, out_dtype=None, calls=None, label=None):
     """Run a Gluon engine of gemm/gluon_experts.py where its GEMM cannot run (no SM90 GPU): `variable` set to "1",
     `module.available` answering yes, and gluon_experts' `name` (the grouped GEMM `module.<name>`) replaced by a
     stand-in. The stand-in first calls the real launcher, which checks every operand before it refuses for want of a
-    GPU (so what the engine hands the kernel is what the kernel takes), then returns `reference(*args)` (float64 [rows,
-    N] or more rows) in `out_dtype` (a's when None), the rows past the experts' last offset NaN: nothing may read them.
-    Returns the list of its calls, each (a's shape, the weight's shape, a's dtype); the weight is the first 3-D
-    operand, the expert offsets the last."""
+    GPU (so what the engine hands the kernel is what the kernel takes), then returns `reference(*args, **kwargs)`
+    (float64 [rows or more, N]) in `out_dtype` (a's when None), the rows past the experts' last offset NaN: nothing
+    may read them. Returns the list of its calls (`calls`, appended to, when given), each (a's shape, the weight's
+    shape, a's dtype), led by `label` when given; the weight is the first 3-D operand, the expert offsets the last
+    positional one."""
     from moe_dispatch.gemm import gluon_experts
 
-    launcher, calls = getattr(module, name), []
+    launcher, calls = getattr(module, name), [] if calls is None else calls
 
-    def stand_in(*args):
+    def stand_in(*args, **kwargs):
         a, offsets = args[0], args[-1]
         weight = next(t for t in args if t.dim() == 3)
         if module.unavailable_reason(a.device) is not None:
             with pytest.raises(RuntimeError, match="unavailable"):
-                launcher(*args)
-        calls.append((tuple(a.shape), tuple(weight.shape), a.dtype))
+                launcher(*args, **kwargs)
+        calls.append((() if label is None else (label, )) + (tuple(a.shape), tuple(weight.shape), a.dtype))
         rows = int(offsets[-1])
-        out = torch.full((a.shape[0], weight.shape[1]), float("nan"), dtype=out_dtype or a.dtype, device=a.device)
-        out[:rows] = reference(*args)[:rows].to(out.dtype)
+        expected = reference(*args, **kwargs)
+        out = torch.full((a.shape[0], expected.shape[1]), float("nan"), dtype=out_dtype or a.dtype, device=a.device)
+        out[:rows] = expected[:rows].to(out.dtype)
         return out
 
     monkeypatch.setenv(variable, "1")

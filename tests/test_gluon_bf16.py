@@ -27,7 +27,7 @@ from moe_dispatch import moe
 from moe_dispatch.gemm import gluon_bf16, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
-from moe_dispatch.reference import fused_experts_ref, grouped_gemm_ref, relative_error
+from moe_dispatch.reference import fused_experts_ref, gated_grouped_gemm_ref, grouped_gemm_ref, relative_error
 
 PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))  # prefill-sized tiles: the engine's floor (BLOCK_M 64)
 on_hopper = pytest.mark.skipif(not gluon_bf16.available(), reason=f"{gluon_bf16.unavailable_reason()}")
@@ -73,11 +73,24 @@ def test_launchers_refuse_bad_arguments():
         name = next(iter(change))
         with pytest.raises(ValueError, match=name):
             gluon_bf16.bf16_gemm(a, b[0], cfg=gluon_bf16.GluonBf16Config(**change))
+    gated = gluon_bf16.bf16_gated_grouped_gemm
+    with pytest.raises(ValueError, match="gate rows then up rows"):
+        gated(a, torch.zeros(2, 33, 64, dtype=torch.bfloat16), offsets)
+    for activation in ("none", "gelu"):
+        with pytest.raises(ValueError, match=f"activation must be one of .* got '{activation}'"):
+            gated(a, b, offsets, activation=activation)
+    with pytest.raises(ValueError, match=r"bias must be torch.bfloat16 \[E, 2F\]"):
+        gated(a, b, offsets, bias=torch.zeros(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias must be"):
+        gated(a, b, offsets, bias=torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="K > 0"):
+        gated(a[:, :0], b[:, :, :0], offsets)
     reason = gluon_bf16.unavailable_reason(a.device)
     assert gluon_bf16.available(a.device) == (reason is None)
     if reason is not None:
-        with pytest.raises(RuntimeError, match="unavailable"):
-            gluon_bf16.bf16_grouped_gemm(a, b, offsets)
+        for launch in (gluon_bf16.bf16_grouped_gemm, gated):
+            with pytest.raises(RuntimeError, match="unavailable"):
+                launch(a, b, offsets)
 
 
 # -- selection -------------------------------------------------------------------------------------------------------
@@ -193,10 +206,14 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 
 @pytest.fixture
 def reference_engine(monkeypatch):
-    """The engine selected on this machine, its GEMM the float64 reference in the operands' dtype
-    (helpers.swap_gluon_gemm). Yields the list of GEMM calls."""
-    yield swap_gluon_gemm(monkeypatch, gluon_bf16, "bf16_grouped_gemm", planner.GLUON_BF16_VARIABLE,
-                          lambda a, b, offsets: grouped_gemm_ref(a, b, offsets, b.shape[0]))
+    """The engine selected on this machine, its GEMMs (the plain and the gated one) the float64 references in the
+    operands' dtype (helpers.swap_gluon_gemm). Yields the list of GEMM calls, in order, each led by "plain" or
+    "gated"."""
+    calls = swap_gluon_gemm(monkeypatch, gluon_bf16, "bf16_grouped_gemm", planner.GLUON_BF16_VARIABLE,
+                            lambda a, b, offsets: grouped_gemm_ref(a, b, offsets, b.shape[0]), label="plain")
+    yield swap_gluon_gemm(monkeypatch, gluon_bf16, "bf16_gated_grouped_gemm", planner.GLUON_BF16_VARIABLE,
+                          lambda a, b, offsets, **gate: gated_grouped_gemm_ref(a, b, offsets, b.shape[0], **gate),
+                          calls=calls, label="gated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +273,10 @@ def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
     x, w_gate_up, w_down, ids, weights, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=PREFILL, validate=False, **options)
     N = case.T * case.top_k
-    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H), case.dtype),
-                                ((N, case.F), (case.E, case.H, case.F), case.dtype)]
+    # GEMM1 activates in its epilogue unless the gate and up rows alternate (then a separate pass activates)
+    gemm1 = "plain" if options.get("interleaved") else "gated"
+    assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), case.dtype),
+                                ("plain", (N, case.F), (case.E, case.H, case.F), case.dtype)]
     assert out.dtype == case.dtype and out.shape == x.shape
     assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **options), what="engine vs float64")
 
@@ -313,12 +332,34 @@ def test_gpu_grouped_matches_float64(counts, dtype):
 
 
 @on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swiglu_oai", True)], ids=["silu", "swiglu-bias"])
+@pytest.mark.parametrize("counts, F", [([77, 0, 1, 4019], 200), ([129, 128, 0, 300], 768), ([1], 128)],
+                         ids=["partial-tile", "qwen3-width", "one-row"])
+def test_gpu_gated_matches_float64(counts, F, activation, bias, dtype):
+    """GEMM1 with its activation against float64: F = 200 ends in a partial column tile whose gate rows past F read up
+    rows and whose up rows past 2F read the next expert's (columns never stored); an empty expert; rows past the
+    last offset are left as torch.empty leaves them (not compared)."""
+    K, E = 1000, len(counts)
+    offsets = _offsets(counts, "cuda")
+    a = torch.randn(sum(counts) + 5, K, device="cuda").to(dtype)
+    b = (torch.randn(E, 2 * F, K, device="cuda") / K**0.5).to(dtype)
+    options = dict(activation=activation, bias=torch.randn(E, 2 * F, device="cuda").to(dtype) if bias else None)
+    out = gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets, **options)
+    rows = sum(counts)
+    assert out.shape == (rows + 5, F) and out.dtype == dtype
+    expected = gated_grouped_gemm_ref(a[:rows], b, offsets, E, **options)
+    assert relative_error(out[:rows], expected) < TOLERANCE[dtype]
+
+
+@on_hopper
 def test_gpu_nan_in_a_reaches_its_row_only():
     a = torch.randn(200, 512, device="cuda").bfloat16()
     b = torch.randn(2, 256, 512, device="cuda").bfloat16()
     a[3, 5] = float("nan")
     others = torch.arange(200, device="cuda") != 3
-    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, _offsets([100, 100], "cuda"))):
+    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, _offsets([100, 100], "cuda")),
+                gluon_bf16.bf16_gated_grouped_gemm(a, b, _offsets([100, 100], "cuda"))):
         assert out[3].isnan().all()
         assert torch.isfinite(out[others]).all()
 

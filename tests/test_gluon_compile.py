@@ -48,6 +48,13 @@ def _fp8_call(grouped):
     return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
 
 
+def _gated_call(activation, bias):
+    a, b = torch.zeros(1000, 1024, dtype=torch.bfloat16), torch.zeros(4, 2 * 768, 1024, dtype=torch.bfloat16)
+    bias = torch.zeros(4, 2 * 768, dtype=torch.bfloat16) if bias else None
+    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, _offsets([300, 0, 400, 300]), activation=activation,
+                                                      bias=bias)
+
+
 COALESCED = gluon_bf16.GluonBf16Config(COALESCED_STORES=True)
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
 VARIANTS = [
@@ -57,6 +64,9 @@ VARIANTS = [
                                                                                                  ("dense", False))],
     ("bf16-gemm-bf16-grouped-coalesced-stores", lambda: _bf16_call(torch.bfloat16, True, COALESCED), COALESCED,
      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
+    *[(f"bf16-gated-{activation}{'-bias' if bias else ''}", (lambda act=activation, bias=bias: _gated_call(act, bias)),
+       gluon_bf16.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+       "wgmma.wait_group.sync.aligned 2;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from ..host.device import num_sms
+from .jit import ACT_NONE, Activation, add_bias, apply_activation
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
@@ -48,17 +49,21 @@ from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device,
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
 GEMM_NAME = "Gluon bf16 GEMM"
+GATED_ACTIVATIONS = ("silu", "swiglu_oai")  # what the gated form's epilogue computes (gemm.jit.apply_activation)
 
 
 @gluon_jit
 def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
-                   tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, WARP_GROUP: gl.constexpr,
-                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, acc_layout: gl.constexpr,
+                   tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, bias_ptr, bias_up_ptr,
+                   stride_bias_e, stride_bias_n, alpha, limit, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
+                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, acc_layout: gl.constexpr,
                    out_layout: gl.constexpr):
     """Consumer warp group WARP_GROUP (0 or 1): rows [WARP_GROUP * BLOCK_M/2, +BLOCK_M/2) of every tile of this
-    program. The K loop keeps one async wgmma in flight and releases each stage once the wgmma that read it has
-    retired; the epilogue stores out's dtype with masked stores of rows < row_end (the expert's end in the grouped
-    form) and columns < N, in out_layout (`kernel_layouts`)."""
+    program. The K loop keeps one K block's async wgmma in flight and releases each stage once the wgmma that read it
+    has retired; the epilogue stores out's dtype with masked stores of rows < row_end (the expert's end in the grouped
+    form) and columns < N, in out_layout (`kernel_layouts`). Gated (ACTIVATION not NONE): each stage holds a gate and
+    an up B tile, summed into two accumulators by two wgmma per K block; the epilogue adds the biases (HAS_BIAS) and
+    stores act(gate, up) (gemm.jit's `add_bias` and `apply_activation`, the portable epilogue's)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -70,20 +75,45 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
         b_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
-        for kb in range(k_blocks):
-            stage = it % NUM_STAGES
-            mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-            a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
-            b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
-            b_acc = warpgroup_mma(a_tile, b_tile, b_acc, is_async=True)
-            # At most one wgmma in flight: this one. The previous K block's has retired, so its stage is free (the
-            # first block of a tile has none: the last stage of the previous tile was released after its loop).
-            b_acc, a_tile, b_tile = warpgroup_mma_wait(num_outstanding=1, deps=(b_acc, a_tile, b_tile))
-            if kb > 0:
-                mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
-            it += 1
-        b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, ))
+        if ACTIVATION == ACT_NONE:
+            for kb in range(k_blocks):
+                stage = it % NUM_STAGES
+                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
+                b_acc = warpgroup_mma(a_tile, b_tile, b_acc, is_async=True)
+                # At most one wgmma in flight: this one. The previous K block's has retired, so its stage is free
+                # (the first block of a tile has none: the last stage of the previous tile was released after its
+                # loop).
+                b_acc, a_tile, b_tile = warpgroup_mma_wait(num_outstanding=1, deps=(b_acc, a_tile, b_tile))
+                if kb > 0:
+                    mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
+                it += 1
+            b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, ))
+        else:
+            b_up = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+            for kb in range(k_blocks):
+                stage = it % NUM_STAGES
+                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                gate_tile = b_bufs.index(2 * stage).permute((1, 0))  # [BLOCK_K, BLOCK_N]
+                up_tile = b_bufs.index(2 * stage + 1).permute((1, 0))
+                b_acc = warpgroup_mma(a_tile, gate_tile, b_acc, is_async=True)
+                b_up = warpgroup_mma(a_tile, up_tile, b_up, is_async=True)
+                # This block's two wgmma in flight; the previous block's have retired and its stage is free.
+                b_acc, b_up, a_tile, gate_tile, up_tile = warpgroup_mma_wait(
+                    num_outstanding=2, deps=(b_acc, b_up, a_tile, gate_tile, up_tile))
+                if kb > 0:
+                    mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
+                it += 1
+            b_acc, b_up = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_up))
         mbarrier.arrive(empty_bars.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
+        if ACTIVATION != ACT_NONE:
+            offs_bias = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            if HAS_BIAS:
+                b_acc, b_up = add_bias(b_acc, b_up, expert, offs_bias, offs_bias < N, bias_ptr, bias_up_ptr,
+                                       stride_bias_e, stride_bias_n, ACTIVATION)
+            b_acc = apply_activation(b_acc, b_up, alpha, limit, ACTIVATION)
 
         # out_layout is acc_layout (stores straight from the registers: no conversion) or a coalesced store layout
         # (the tile passes through shared memory first)
@@ -97,29 +127,37 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
 
 @gluon_jit
 def _bf16_gemm_kernel(a_desc, b_desc, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr, expert_offsets_ptr, M,
-                      N, K, stride_out_m, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr,
+                      N, K, stride_out_m, b_rows_per_expert, up_offset, bias_ptr, bias_up_ptr, stride_bias_e,
+                      stride_bias_n, alpha, limit, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
                       out_layout: gl.constexpr, num_warps: gl.constexpr):
     """bf16 / fp16 GEMM with fp32 sums, persistent and warp-specialized (module docstring). The grid, the tile order
     (gluon_ws.tile_counts, tile_at) and the partitions (consumer 0 the default partition, consumer 1 and the producer
-    workers) are gluon_fp8's kernel's; only the consumers differ."""
+    workers) are gluon_fp8's kernel's; only the consumers differ. Gated (ACTIVATION not NONE): out's N columns are
+    act(gate, up) of the B rows [off_n, +BLOCK_N) and [up_offset + off_n, +BLOCK_N) of each expert's
+    b_rows_per_expert rows; the stages hold both B tiles."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE else 2
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
 
-    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES)
+    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES, B_TILES)
     num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, BLOCK_N, GROUPED)
 
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
-                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, 0, GROUP_M, GROUPED,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, bias_ptr, bias_up_ptr,
+                          stride_bias_e, stride_bias_n, alpha, limit, 0, GROUP_M, GROUPED, ACTIVATION, HAS_BIAS,
                           acc_layout, out_layout)),
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
-                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, 1, GROUP_M, GROUPED,
+                          tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m, bias_ptr, bias_up_ptr,
+                          stride_bias_e, stride_bias_n, alpha, limit, 1, GROUP_M, GROUPED, ACTIVATION, HAS_BIAS,
                           acc_layout, out_layout)),
-        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n,
-                          num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
+        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                          num_tiles, b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                          GROUP_M, GROUPED, B_TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -128,9 +166,10 @@ class GluonBf16Config:
     """Launch parameters of `_bf16_gemm_kernel` (the module docstring says why these).
 
     BLOCK_M is fixed at 128 (two 64-row warp-group halves) and BLOCK_K at 64 (one 128-byte swizzled row of 2-byte
-    elements); BLOCK_N is 64, 128 or 256 (a wgmma's N). Registers: 3 warp groups x 128 threads x MAXNREG = 64512 of
-    the SM's 65536; the producer's warp group drops to PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and consumer 0
-    (the default partition) gets what is left.
+    elements); BLOCK_N is 64, 128 or 256 (a wgmma's N): the B rows of a stage, which the gated form splits into a
+    gate and an up tile of BLOCK_N / 2 rows each (the output tile BLOCK_N / 2 columns wide). Registers: 3 warp
+    groups x 128 threads x MAXNREG = 64512 of the SM's 65536; the producer's warp group drops to PRODUCER_REGS,
+    consumer 1 asks CONSUMER_REGS and consumer 0 (the default partition) gets what is left.
     """
     BLOCK_M: int = 128
     BLOCK_N: int = 256
@@ -138,7 +177,7 @@ class GluonBf16Config:
     NUM_STAGES: int = 4  # 4 x (16 + 32) KiB of bf16 operands
     GROUP_M: int = 8  # row blocks that sweep the columns together (L2 reuse of B)
     MAXNREG: int = 168  # 65536 / (3 * 128), rounded down to a multiple of 8
-    CONSUMER_REGS: int = 240  # 128 of them the 64 x 256 fp32 accumulator
+    CONSUMER_REGS: int = 240  # 128 of them the 64 x 256 fp32 accumulator (gated: two 64 x 128)
     PRODUCER_REGS: int = 24  # the floor of setmaxnreg
     # The epilogue through shared memory (16-byte coalesced stores; 32 KiB beside the stages, 229448 bytes in all at
     # the default tiles, within the 232448 an H200 program may use) instead of straight from the registers
@@ -148,19 +187,25 @@ class GluonBf16Config:
 DEFAULT_CONFIG = GluonBf16Config()
 
 
-def kernel_layouts(cfg: GluonBf16Config = DEFAULT_CONFIG):
-    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 nBLOCK_N k16 steps over one warp
-    group) and the epilogue's store layout: the accumulator's own, or with COALESCED_STORES 16-byte vectors along
-    the rows (gluon_ws.store_layout)."""
-    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 16])
-    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N) if cfg.COALESCED_STORES else acc_layout
+def tile_columns(cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False) -> int:
+    """Columns of an output tile, the rows of one B tile: BLOCK_N, or gated BLOCK_N / 2 (a gate and an up tile)."""
+    return cfg.BLOCK_N // 2 if gated else cfg.BLOCK_N
 
 
-def operand_layouts(dtype: torch.dtype, cfg: GluonBf16Config = DEFAULT_CONFIG):
-    """-> (a_layout, b_layout): the NVMMA shared layouts (128-byte swizzle) of the A and B stages."""
+def kernel_layouts(cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False):
+    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 n`tile_columns` k16 steps over one
+    warp group) and the epilogue's store layout: the accumulator's own, or with COALESCED_STORES 16-byte vectors
+    along the rows (gluon_ws.store_layout)."""
+    block_n = tile_columns(cfg, gated)
+    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+    return acc_layout, store_layout(cfg.BLOCK_M // 2, block_n) if cfg.COALESCED_STORES else acc_layout
+
+
+def operand_layouts(dtype: torch.dtype, cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False):
+    """-> (a_layout, b_layout): the NVMMA shared layouts (128-byte swizzle) of the A and B stages' tiles."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     a_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.BLOCK_K], gl_dtype)
-    b_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_K], gl_dtype)
+    b_layout = gl.NVMMASharedLayout.get_default_for([tile_columns(cfg, gated), cfg.BLOCK_K], gl_dtype)
     return a_layout, b_layout
 
 
@@ -186,15 +231,33 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, b_ndim: int) -> None:
                          f"{tuple(b.shape)}")
 
 
-def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles, grouped, cfg):
-    a_layout, b_layout = operand_layouts(a.dtype, cfg)
-    acc_layout, out_layout = kernel_layouts(cfg)
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """The gated form's epilogue (`bf16_gated_grouped_gemm`): the activation (gemm.jit.Activation, not NONE), the
+    gate and up bias rows ([E, F] views with one set of strides, or None) and swiglu_oai's alpha and limit."""
+    activation: int
+    bias: torch.Tensor | None
+    bias_up: torch.Tensor | None
+    alpha: float
+    limit: float
+
+
+def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles, grouped, cfg,
+            b_rows_per_expert=0, gate=None):
+    gated = gate is not None
+    a_layout, b_layout = operand_layouts(a.dtype, cfg, gated)
+    acc_layout, out_layout = kernel_layouts(cfg, gated)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
+    b_desc = TensorDescriptor.from_tensor(b_rows, [tile_columns(cfg, gated), cfg.BLOCK_K], b_layout)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
+    bias = gated and gate.bias is not None
     _bf16_gemm_kernel[grid](
         a_desc, b_desc, out, tile_expert, tile_row, num_m_tiles, expert_offsets, a.shape[0], N, K, out.stride(0),
-        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, CONSUMER_REGS=cfg.CONSUMER_REGS,
+        b_rows_per_expert, N if gated else 0, gate.bias if bias else out, gate.bias_up if bias else out,
+        gate.bias.stride(0) if bias else 0, gate.bias.stride(1) if bias else 0, gate.alpha if gated else 1.0,
+        gate.limit if gated else 0.0,
+        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped,
+        ACTIVATION=gate.activation if gated else int(Activation.NONE), HAS_BIAS=bias, CONSUMER_REGS=cfg.CONSUMER_REGS,
         PRODUCER_REGS=cfg.PRODUCER_REGS, acc_layout=acc_layout, out_layout=out_layout, num_warps=4,
         maxnreg=cfg.MAXNREG)
     return out
@@ -237,4 +300,44 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
         return out
     tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
     return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
-                   True, cfg)
+                   True, cfg, N)
+
+
+def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
+                            activation: str = "silu", bias: torch.Tensor | None = None, alpha: float = 1.702,
+                            limit: float = 7.0, cfg: GluonBf16Config = DEFAULT_CONFIG) -> torch.Tensor:
+    """GEMM1 with its activation: out [M, F] in a's dtype, rows of expert e
+    out[o_e:o_{e+1}] = act(a[o_e:o_{e+1}] @ b[e, :F]^T + bias[e, :F], a[o_e:o_{e+1}] @ b[e, F:]^T + bias[e, F:]),
+    the sums and the activation in fp32 (gemm.jit.apply_activation: "silu" or "swiglu_oai" with alpha and limit).
+
+    b [E, 2F, K] (contiguous) holds each expert's gate rows then its up rows, a [M, K] is sorted by expert, both
+    bfloat16 or both float16 with 16-byte aligned rows; bias [E, 2F] in b's row order (any strides) or None;
+    expert_offsets as in `bf16_grouped_gemm`. A stage holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows, so an output
+    tile is BLOCK_N / 2 columns wide; the last tile's rows past F read rows of up (or of the next expert), whose
+    columns are never stored.
+    """
+    _check_config(cfg)
+    _check_operands(a, b, 3)
+    E, two_f = check_stacked_weight(b)
+    if two_f % 2:
+        raise ValueError(f"b must be [E, 2F, K] (gate rows then up rows), got {two_f} rows per expert")
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS} (for none: bf16_grouped_gemm), got "
+                         f"{activation!r}")
+    F = two_f // 2
+    M, K = a.shape
+    if K == 0:
+        raise ValueError("a must have K > 0 columns (the gated GEMM has no empty-sum form)")
+    check_expert_offsets(expert_offsets, E)
+    if bias is not None and (bias.dtype != a.dtype or tuple(bias.shape) != (E, two_f)):
+        raise ValueError(f"bias must be {a.dtype} [E, 2F] = [{E}, {two_f}], got {bias.dtype} {tuple(bias.shape)}")
+    device = check_device(GEMM_NAME, a, b, expert_offsets, *(() if bias is None else (bias, )))
+    out = torch.empty(M, F, device=device, dtype=a.dtype)
+    if out.numel() == 0 or E == 0:
+        return out
+    block_n = tile_columns(cfg, gated=True)
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, block_n)
+    gate_bias, up_bias = (None, None) if bias is None else (bias[:, :F], bias[:, F:])
+    gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
+    return _launch(a, b.view(E * two_f, K), out, K, F, tile_expert, tile_row, num_m_tiles, expert_offsets,
+                   bound_tiles, True, cfg, two_f, gate)

@@ -25,8 +25,10 @@ a GPU, so everywhere else, and by default, gemm/grouped.py's portable kernels ru
     x [T, H] bf16 / fp16
       -> launch_gather (dispatch/row_copies.py)  rows copied into expert-sorted order (the copy of the portable
                                                  path's GATHER_FIRST tiles) -> a [N, H]
-      -> bf16_grouped_gemm                       GEMM1 against the whole w_gate_up [E, 2F, H] -> gate_up [N, 2F]
-      -> _gated_activation_kernel                bias and activation (gemm.jit.tile_epilogue) -> h [N, F]
+      -> bf16_gated_grouped_gemm                 GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up
+                                                 rows), bias and activation in its epilogue -> h [N, F]
+         (interleaved rows: bf16_grouped_gemm -> gate_up [N, 2F], then _gated_activation_kernel, bias and
+         activation (gemm.jit.tile_epilogue) -> h [N, F])
       -> bf16_grouped_gemm                       GEMM2 against w_down [E, H, F] -> y [N, H]
       -> _bias_routing_weight_kernel             with a down bias only, as above
       -> y [N, H] -> dispatch/combine.py, the routing weights applied there where the pass did not
@@ -39,9 +41,10 @@ The w8a8 engine's arithmetic is the portable w8a8 path's with its groups at 128 
 DeepSeek-V3's activation group), except that GEMM1's sums reach the activation as bf16 (the Gluon GEMM writes bf16, the
 portable kernel activates its fp32 accumulator) and y is rounded to bf16 before the routing weight multiplies it: about
 2^-9 relative, which moves a few of h's e4m3 roundings by one step (reference.W8A8_MODEL_TOLERANCE_GPU bounds the
-difference from the w8a8 model). The bf16 engine's likewise differs from the portable path's by roundings only:
-GEMM1's sums reach the activation rounded to x's dtype (the portable kernel activates its fp32 accumulator), and
-without a down bias y is rounded before the routing weight multiplies it (in combine, in fp32) rather than after.
+difference from the w8a8 model). The bf16 engine's likewise differs from the portable path's by roundings only: on
+interleaved rows GEMM1's sums reach the activation rounded to x's dtype (the portable kernel and the gated GEMM
+activate their fp32 accumulators), and without a down bias y is rounded before the routing weight multiplies it (in
+combine, in fp32) rather than after.
 """
 
 import torch
@@ -55,7 +58,7 @@ from ..host.host_math import cdiv
 from ..host.replay import launch
 from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, tile_epilogue, tile_rows,
                   tile_setup)
-from .gluon_bf16 import bf16_grouped_gemm
+from .gluon_bf16 import bf16_gated_grouped_gemm, bf16_grouped_gemm
 from .gluon_fp8 import SCALE_BLOCK, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
@@ -266,19 +269,25 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
 
 
 def gluon_bf16_experts(x, w_gate_up, w_down, info, *, topk_weights, interleaved=False, activation="silu",
-                       gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0):
+                       gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0, fused_activation=True):
     """Both GEMMs of the grouped path on the Gluon bf16 GEMM -> (y [N, H] in x's dtype with rows in the dispatch's
     sorted order, the routing weights combine must still apply), as `gluon_w8a8_experts` returns them (module
     docstring). For what planner.gluon_bf16_refusal accepts.
 
     x [T, H] bf16 or fp16; w_gate_up [E, 2F, H] of x's dtype, contiguous, gate rows then up rows (`interleaved`:
     alternating, gate first); w_down [E, H, F]; info the dispatch (dispatch.segments.DispatchInfo; any block_m);
-    gate_up_bias [E, 2F] in w_gate_up's row order, down_bias [E, H]."""
+    gate_up_bias [E, 2F] in w_gate_up's row order, down_bias [E, H]. GEMM1 activates in its epilogue
+    (`bf16_gated_grouped_gemm`) where the gate and up rows are concatenated and `fused_activation` (the probe's switch,
+    benchmarks/gluon_fp8_probe.py); interleaved rows take the separate activation pass."""
     x = x.contiguous()  # the gather reads rows of x.shape[1] elements
     a = launch_gather(x, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), info.num_assignments)
-    gate_up = bf16_grouped_gemm(a, w_gate_up, info.expert_offsets)
-    h = _gated_activation(gate_up, info, interleaved=interleaved, activation=activation, gate_up_bias=gate_up_bias,
-                          alpha=alpha, limit=limit)
+    if fused_activation and not interleaved:
+        h = bf16_gated_grouped_gemm(a, w_gate_up, info.expert_offsets, activation=activation, bias=gate_up_bias,
+                                    alpha=alpha, limit=limit)
+    else:
+        gate_up = bf16_grouped_gemm(a, w_gate_up, info.expert_offsets)
+        h = _gated_activation(gate_up, info, interleaved=interleaved, activation=activation,
+                              gate_up_bias=gate_up_bias, alpha=alpha, limit=limit)
     y = bf16_grouped_gemm(h, w_down, info.expert_offsets)
     if down_bias is None:
         return y, topk_weights

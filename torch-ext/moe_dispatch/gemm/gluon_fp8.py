@@ -141,8 +141,8 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, 1, GROUP_M, GROUPED, acc_layout, out_layout)),
-        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n,
-                          num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
+        (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                          num_tiles, N, 0, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -79,12 +79,14 @@ def tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr, exp
 
 
 @gluon_jit
-def stage_ring(a_desc, b_desc, NUM_STAGES: gl.constexpr):
-    """The ring the producer fills and the two consumers drain: NUM_STAGES A and B tiles in shared memory (the
-    descriptors' block shapes and layouts), a ready barrier per stage (the producer's expect, then the TMA bytes) and
-    an empty barrier per stage (one arrive per consumer warp group). -> (a_bufs, b_bufs, ready_bars, empty_bars)."""
+def stage_ring(a_desc, b_desc, NUM_STAGES: gl.constexpr, B_TILES: gl.constexpr = 1):
+    """The ring the producer fills and the two consumers drain: NUM_STAGES A tiles and NUM_STAGES x B_TILES B tiles
+    in shared memory (the descriptors' block shapes and layouts; B tile t of stage s at index s * B_TILES + t), a
+    ready barrier per stage (the producer's expect, then the TMA bytes) and an empty barrier per stage (one arrive
+    per consumer warp group). -> (a_bufs, b_bufs, ready_bars, empty_bars)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES * B_TILES] + b_desc.block_type.shape,
+                                       b_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -106,22 +108,24 @@ def tile_counts(M, N, num_m_tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon_jit
-def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K, num_pid_m, num_pid_n, num_tiles,
-                   tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
+def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n, num_tiles,
+                   b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, B_TILES: gl.constexpr = 1):
     """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
-    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * N + off_n:+BLOCK_N, k:+BLOCK_K] into it (rows and columns
-    past the tensors read as zeros), completing ready[s] when both have landed."""
+    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k:+BLOCK_K] into it (rows
+    and columns past the tensors read as zeros), completing ready[s] when all have landed. B_TILES 2 (a gated GEMM1:
+    gate rows, then up rows up_offset further) loads B tile t from row off_n + t * up_offset of the expert's."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + B_TILES * b_desc.block_type.nbytes
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
-        row_b = expert * N + pid_n * BLOCK_N
+        row_b = expert * b_rows_per_expert + pid_n * BLOCK_N
         for kb in range(k_blocks):
             stage = it % NUM_STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass waits on
@@ -130,7 +134,9 @@ def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N,
             ready = ready_bars.index(stage)
             mbarrier.expect(ready, STAGE_BYTES)
             tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK_K], ready, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [row_b, kb * BLOCK_K], ready, b_bufs.index(stage))
+            for t in gl.static_range(B_TILES):
+                tma.async_copy_global_to_shared(b_desc, [row_b + t * up_offset, kb * BLOCK_K], ready,
+                                                b_bufs.index(stage * B_TILES + t))
             it += 1
 
 
