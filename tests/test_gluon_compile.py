@@ -5,7 +5,8 @@ suite's pinned Triton; it runs on the GPU machine and under that Triton anywhere
 Each launcher runs on CPU tensors with the availability check answering yes and Triton's launch replaced: the launch
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
 the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
-fp16, grouped and dense, and the bf16 epilogue through shared memory; the FP8 kernel's two) must compile without
+fp16, grouped and dense, the bf16 epilogue through shared memory, the gated GEMM1 with silu and with swiglu_oai and
+biases; the FP8 kernel's two) must compile without
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
@@ -65,7 +66,7 @@ VARIANTS = [
     ("bf16-gemm-bf16-grouped-coalesced-stores", lambda: _bf16_call(torch.bfloat16, True, COALESCED), COALESCED,
      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
     *[(f"bf16-gated-{activation}{'-bias' if bias else ''}", (lambda act=activation, bias=bias: _gated_call(act, bias)),
-       gluon_bf16.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+       gluon_bf16.GATED_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
        "wgmma.wait_group.sync.aligned 2;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")

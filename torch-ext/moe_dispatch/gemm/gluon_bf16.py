@@ -5,7 +5,10 @@ accumulator kept in registers across the K loop.
 
 The grouped form runs the same kernel over expert-sorted rows: rows of expert e are A[offsets[e]:offsets[e + 1]] and
 meet B[e] [N, K] (B viewed as one [E * N, K] matrix); the dense form is one expert over all rows (for probing the
-kernel against torch.matmul).
+kernel against torch.matmul). The gated form (`bf16_gated_grouped_gemm`, the experts' GEMM1) reads B[e] as [2F, K],
+gate rows then up rows: each stage holds a gate and an up tile of BLOCK_N rows, each consumer sums them into two
+accumulators (two wgmma per K block, one K block's pair in flight), and the epilogue stores act(gate + bias,
+up + bias) [rows, F] (gemm.jit's `add_bias` and `apply_activation`: the portable kernels' epilogue arithmetic).
 
 One CTA per SM, persistent over output tiles (gluon_ws's module docstring draws the partitions): the TMA producer warp
 (`gluon_ws.load_partition`) fills a ring of NUM_STAGES stages of A [128, 64] and B [BLOCK_N, 64]; each consumer warp
@@ -166,10 +169,10 @@ class GluonBf16Config:
     """Launch parameters of `_bf16_gemm_kernel` (the module docstring says why these).
 
     BLOCK_M is fixed at 128 (two 64-row warp-group halves) and BLOCK_K at 64 (one 128-byte swizzled row of 2-byte
-    elements); BLOCK_N is 64, 128 or 256 (a wgmma's N): the B rows of a stage, which the gated form splits into a
-    gate and an up tile of BLOCK_N / 2 rows each (the output tile BLOCK_N / 2 columns wide). Registers: 3 warp
-    groups x 128 threads x MAXNREG = 64512 of the SM's 65536; the producer's warp group drops to PRODUCER_REGS,
-    consumer 1 asks CONSUMER_REGS and consumer 0 (the default partition) gets what is left.
+    elements); BLOCK_N is 64, 128 or 256 (a wgmma's N): the output tile's columns, the rows of a B tile (the gated
+    form's stages hold two B tiles, gate and up: GATED_CONFIG). Registers: 3 warp groups x 128 threads x MAXNREG =
+    64512 of the SM's 65536; the producer's warp group drops to PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and
+    consumer 0 (the default partition) gets what is left.
     """
     BLOCK_M: int = 128
     BLOCK_N: int = 256
@@ -185,27 +188,24 @@ class GluonBf16Config:
 
 
 DEFAULT_CONFIG = GluonBf16Config()
+# The gated form's: a gate and an up tile of 128 rows per stage, the shared memory and the accumulator registers
+# (two 64 x 128) of the plain form's 256-row tile
+GATED_CONFIG = GluonBf16Config(BLOCK_N=128)
 
 
-def tile_columns(cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False) -> int:
-    """Columns of an output tile, the rows of one B tile: BLOCK_N, or gated BLOCK_N / 2 (a gate and an up tile)."""
-    return cfg.BLOCK_N // 2 if gated else cfg.BLOCK_N
+def kernel_layouts(cfg: GluonBf16Config = DEFAULT_CONFIG):
+    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 nBLOCK_N k16 steps over one warp
+    group) and the epilogue's store layout: the accumulator's own, or with COALESCED_STORES 16-byte vectors along
+    the rows (gluon_ws.store_layout)."""
+    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 16])
+    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N) if cfg.COALESCED_STORES else acc_layout
 
 
-def kernel_layouts(cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False):
-    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 n`tile_columns` k16 steps over one
-    warp group) and the epilogue's store layout: the accumulator's own, or with COALESCED_STORES 16-byte vectors
-    along the rows (gluon_ws.store_layout)."""
-    block_n = tile_columns(cfg, gated)
-    acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
-    return acc_layout, store_layout(cfg.BLOCK_M // 2, block_n) if cfg.COALESCED_STORES else acc_layout
-
-
-def operand_layouts(dtype: torch.dtype, cfg: GluonBf16Config = DEFAULT_CONFIG, gated: bool = False):
-    """-> (a_layout, b_layout): the NVMMA shared layouts (128-byte swizzle) of the A and B stages' tiles."""
+def operand_layouts(dtype: torch.dtype, cfg: GluonBf16Config = DEFAULT_CONFIG):
+    """-> (a_layout, b_layout): the NVMMA shared layouts (128-byte swizzle) of the A and B tiles of a stage."""
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     a_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.BLOCK_K], gl_dtype)
-    b_layout = gl.NVMMASharedLayout.get_default_for([tile_columns(cfg, gated), cfg.BLOCK_K], gl_dtype)
+    b_layout = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_K], gl_dtype)
     return a_layout, b_layout
 
 
@@ -245,10 +245,10 @@ class Gate:
 def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles, grouped, cfg,
             b_rows_per_expert=0, gate=None):
     gated = gate is not None
-    a_layout, b_layout = operand_layouts(a.dtype, cfg, gated)
-    acc_layout, out_layout = kernel_layouts(cfg, gated)
+    a_layout, b_layout = operand_layouts(a.dtype, cfg)
+    acc_layout, out_layout = kernel_layouts(cfg)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b_rows, [tile_columns(cfg, gated), cfg.BLOCK_K], b_layout)
+    b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
     bias = gated and gate.bias is not None
     _bf16_gemm_kernel[grid](
@@ -305,16 +305,16 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
 
 def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
                             activation: str = "silu", bias: torch.Tensor | None = None, alpha: float = 1.702,
-                            limit: float = 7.0, cfg: GluonBf16Config = DEFAULT_CONFIG) -> torch.Tensor:
+                            limit: float = 7.0, cfg: GluonBf16Config = GATED_CONFIG) -> torch.Tensor:
     """GEMM1 with its activation: out [M, F] in a's dtype, rows of expert e
     out[o_e:o_{e+1}] = act(a[o_e:o_{e+1}] @ b[e, :F]^T + bias[e, :F], a[o_e:o_{e+1}] @ b[e, F:]^T + bias[e, F:]),
     the sums and the activation in fp32 (gemm.jit.apply_activation: "silu" or "swiglu_oai" with alpha and limit).
 
     b [E, 2F, K] (contiguous) holds each expert's gate rows then its up rows, a [M, K] is sorted by expert, both
     bfloat16 or both float16 with 16-byte aligned rows; bias [E, 2F] in b's row order (any strides) or None;
-    expert_offsets as in `bf16_grouped_gemm`. A stage holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows, so an output
-    tile is BLOCK_N / 2 columns wide; the last tile's rows past F read rows of up (or of the next expert), whose
-    columns are never stored.
+    expert_offsets as in `bf16_grouped_gemm`. A stage holds BLOCK_N gate and BLOCK_N up rows for an output tile of
+    BLOCK_N columns; the last tile's rows past F read rows of up (or of the next expert), whose columns are never
+    stored.
     """
     _check_config(cfg)
     _check_operands(a, b, 3)
@@ -335,8 +335,7 @@ def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: to
     out = torch.empty(M, F, device=device, dtype=a.dtype)
     if out.numel() == 0 or E == 0:
         return out
-    block_n = tile_columns(cfg, gated=True)
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, block_n)
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, cfg.BLOCK_N)
     gate_bias, up_bias = (None, None) if bias is None else (bias[:, :F], bias[:, F:])
     gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
     return _launch(a, b.view(E * two_f, K), out, K, F, tile_expert, tile_row, num_m_tiles, expert_offsets,
