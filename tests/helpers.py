@@ -84,9 +84,10 @@ def swap_gluon_gemm(monkeypatch, module, name, variable, reference, out_dtype=No
     stand-in. The stand-in first calls the real launcher, which checks every operand before it refuses for want of a
     GPU (so what the engine hands the kernel is what the kernel takes), then returns `reference(*args, **kwargs)`
     (float64 [rows or more, N]) in `out_dtype` (a's when None), the rows past the experts' last offset NaN: nothing
-    may read them. Returns the list of its calls (`calls`, appended to, when given), each (a's shape, the weight's
-    shape, a's dtype), led by `label` when given; the weight is the first 3-D operand, the expert offsets the last
-    positional one."""
+    may read them; a reference that returns a tuple of tensors (a launcher with several outputs) gets each in its own
+    dtype, NaN past the last offset likewise. Returns the list of its calls (`calls`, appended to, when given), each
+    (a's shape, the weight's shape, a's dtype), led by `label` when given; the weight is the first 3-D operand, the
+    expert offsets the last positional one."""
     from moe_dispatch.gemm import gluon_experts
 
     launcher, calls = getattr(module, name), [] if calls is None else calls
@@ -100,9 +101,13 @@ def swap_gluon_gemm(monkeypatch, module, name, variable, reference, out_dtype=No
         calls.append((() if label is None else (label, )) + (tuple(a.shape), tuple(weight.shape), a.dtype))
         rows = int(offsets[-1])
         expected = reference(*args, **kwargs)
-        out = torch.full((a.shape[0], expected.shape[1]), float("nan"), dtype=out_dtype or a.dtype, device=a.device)
-        out[:rows] = expected[:rows].to(out.dtype)
-        return out
+        outs = []
+        for value in expected if isinstance(expected, tuple) else (expected, ):
+            dtype = value.dtype if isinstance(expected, tuple) else out_dtype or a.dtype
+            out = torch.full((a.shape[0], value.shape[1]), float("nan"), dtype=dtype, device=a.device)
+            out[:rows] = value[:rows].to(dtype)
+            outs.append(out)
+        return tuple(outs) if isinstance(expected, tuple) else outs[0]
 
     monkeypatch.setenv(variable, "1")
     monkeypatch.setattr(module, "available", lambda device=None: True)

@@ -6,7 +6,7 @@ Each launcher runs on CPU tensors with the availability check answering yes and 
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
 the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
 fp16, grouped and dense, the bf16 epilogue through shared memory, the gated GEMM1 with silu and with swiglu_oai and
-biases; the FP8 kernel's two) must compile without
+biases; the FP8 kernel's two and its gated GEMM1 likewise) must compile without
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
@@ -56,6 +56,14 @@ def _gated_call(activation, bias):
                                                       bias=bias)
 
 
+def _fp8_gated_call(activation, bias):
+    a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
+    b, b_scale = torch.zeros(4, 2 * 768, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 12, 8)
+    biases = dict(gate_bias=torch.zeros(4, 768), up_bias=torch.zeros(4, 768)) if bias else {}
+    return lambda: gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]),
+                                                          activation=activation, **biases)
+
+
 COALESCED = gluon_bf16.GluonBf16Config(COALESCED_STORES=True)
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
 VARIANTS = [
@@ -71,6 +79,10 @@ VARIANTS = [
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
+    *[(f"fp8-gated-{activation}{'-bias' if bias else ''}",
+       (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
+       gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+       "wgmma.wait_group.sync.aligned 0;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
 ]
 
 

@@ -30,8 +30,8 @@ from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.gemm import gluon_fp8, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
-from moe_dispatch.reference import (W8A8_MODEL_TOLERANCE_GPU, W8A8_TOLERANCE, fp8_block_grouped_gemm_ref,
-                                    fused_experts_fp8_ref, fused_experts_w8a8_ref)
+from moe_dispatch.reference import (W8A8_MODEL_TOLERANCE_GPU, W8A8_TOLERANCE, fp8_block_gated_grouped_gemm_ref,
+                                    fp8_block_grouped_gemm_ref, fused_experts_fp8_ref, fused_experts_w8a8_ref)
 
 GROUPS = (128, 128)  # the engine's activation groups: one per 128-wide K block of either GEMM
 MODEL_TOLERANCE = max(TOLERANCE[torch.bfloat16], W8A8_MODEL_TOLERANCE_GPU)  # module docstring
@@ -178,10 +178,13 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 
 @pytest.fixture
 def reference_engine(monkeypatch):
-    """The engine selected on this machine, its GEMM the float64 reference rounded to bf16 as the kernel writes
-    (helpers.swap_gluon_gemm). Yields the list of GEMM calls."""
-    yield swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_grouped_gemm", planner.GLUON_FP8_VARIABLE,
-                          fp8_block_grouped_gemm_ref, out_dtype=torch.bfloat16)
+    """The engine selected on this machine, its GEMMs the float64 references (helpers.swap_gluon_gemm): the plain
+    one rounded to bf16 as the kernel writes, the gated one's activation quantized to e4m3 per row and 128 columns
+    as its epilogue does. Yields the list of GEMM calls, in order, each led by "plain" or "gated"."""
+    calls = swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_grouped_gemm", planner.GLUON_FP8_VARIABLE,
+                            fp8_block_grouped_gemm_ref, out_dtype=torch.bfloat16, label="plain")
+    yield swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_gated_grouped_gemm", planner.GLUON_FP8_VARIABLE,
+                          fp8_block_gated_grouped_gemm_ref, calls=calls, label="gated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +208,11 @@ GLUE_CASES = [
              "columns alternate in GEMM1's output (not transposed: the engine's layout)", H=128, F=144,
              options=(("interleaved", True), ("activation", "swiglu_oai")), bias=True),
     GlueCase("merged-scales", "merged gate/up scales where F = 128: the same blocks as fused ones; top_k = E, every "
-             "expert hit", T=7, E=3, top_k=3, H=160, F=128, options=(("w_gate_up_scale_layout", "merged"),),
-             skip_expert=None),
+             "expert hit; GEMM1 activates and quantizes in its epilogue", T=7, E=3, top_k=3, H=160, F=128,
+             options=(("w_gate_up_scale_layout", "merged"),), skip_expert=None),
+    GlueCase("gated-swiglu-bias", "F = 256: two 128-column tiles of h from GEMM1's epilogue (their up rows and scale "
+             "blocks F further), swiglu_oai with both biases on concatenated rows; the down bias pass applies the "
+             "routing weights", H=144, F=256, options=(("activation", "swiglu_oai"),), bias=True),
 ]
 
 
@@ -233,8 +239,10 @@ def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
                            **options)
     N = case.T * case.top_k
     fp8 = torch.float8_e4m3fn
-    assert reference_engine == [((N, case.H), (case.E, 2 * case.F, case.H), fp8),
-                                ((N, case.F), (case.E, case.H, case.F), fp8)]
+    # GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128
+    gemm1 = "plain" if options.get("interleaved") or case.F % 128 else "gated"
+    assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), fp8),
+                                ("plain", (N, case.F), (case.E, case.H, case.F), fp8)]
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref_options = {k: v for k, v in options.items() if k != "w_gate_up_scale_layout"}
     assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,

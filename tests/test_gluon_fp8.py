@@ -11,8 +11,8 @@ import torch
 
 from moe_dispatch.gemm import gluon_fp8, gluon_ws
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
-from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, fp8_block_gemm_ref, fp8_block_grouped_gemm_ref,
-                                    relative_error)
+from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, W8A8_MODEL_TOLERANCE_GPU, fp8_block_gated_grouped_gemm_ref,
+                                    fp8_block_gemm_ref, fp8_block_grouped_gemm_ref, relative_error)
 
 SCALE_BLOCK = 128
 on_hopper = pytest.mark.skipif(not gluon_fp8.available(), reason=f"{gluon_fp8.unavailable_reason()}")
@@ -80,6 +80,24 @@ def test_launchers_refuse_bad_arguments():
     with pytest.raises(ValueError, match="BLOCK_N"):
         gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2),
                                  cfg=gluon_fp8.GluonFp8Config(BLOCK_N=256))
+    gated, offsets = gluon_fp8.fp8_block_gated_grouped_gemm, torch.tensor([0, 3, 8], dtype=torch.int32)
+    b, b_scale = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 2)
+    with pytest.raises(ValueError, match="F a multiple of 128"):
+        gated(a, torch.ones(8, 2), b[:, :160].contiguous(), torch.ones(2, 2, 2), offsets)
+    with pytest.raises(ValueError, match="b_scale must have shape"):
+        gated(a, torch.ones(8, 2), b, torch.ones(2, 1, 2), offsets)
+    for activation in ("none", "gelu"):
+        with pytest.raises(ValueError, match=f"activation must be one of .* got '{activation}'"):
+            gated(a, torch.ones(8, 2), b, b_scale, offsets, activation=activation)
+    with pytest.raises(ValueError, match="come together"):
+        gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128))
+    with pytest.raises(ValueError, match=r"up_bias must be \[E, F\]"):
+        gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128), up_bias=torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="BLOCK_N must be 128"):
+        gated(a, torch.ones(8, 2), b, b_scale, offsets, cfg=gluon_fp8.GluonFp8Config(BLOCK_N=64))
+    if not gluon_fp8.available():
+        with pytest.raises(RuntimeError, match="unavailable"):
+            gated(a, torch.ones(8, 2), b, b_scale, offsets)
 
 
 def test_reference_matches_the_dequantized_product():
@@ -89,6 +107,33 @@ def test_reference_matches_the_dequantized_product():
     b, b_scale = quantize_blocks(w)
     out = fp8_block_gemm_ref(a, a_scale, b[0], b_scale[0])
     assert relative_error(out, x @ w[0].T) < 0.1  # e4m3's 3 mantissa bits
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_gated_reference_is_the_quantized_activation(activation):
+    """The gated GEMM's reference, dequantized, is act(gate, up) of the dequantized operands within e4m3's rounding
+    of h (one scale per row and 128 columns: the largest element of each group exact)."""
+    E, F, K, counts = 2, 256, 300, [5, 7]
+    x, w = torch.randn(sum(counts), K, dtype=torch.float64), torch.randn(E, 2 * F, K, dtype=torch.float64) / K**0.5
+    a, a_scale = quantize_rows(x)
+    b, b_scale = quantize_blocks(w)
+    offsets = _offsets(counts, "cpu")
+    gate_bias, up_bias = torch.randn(E, F), torch.randn(E, F)
+    h, h_scale = fp8_block_gated_grouped_gemm_ref(a, a_scale, b, b_scale, offsets, activation=activation,
+                                                  gate_bias=gate_bias, up_bias=up_bias)
+    assert h.dtype == torch.float8_e4m3fn and h.shape == (sum(counts), F) and h_scale.shape == (sum(counts), 2)
+    gate_up = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, offsets)
+    experts = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    gate, up = gate_up[:, :F] + gate_bias[experts].double(), gate_up[:, F:] + up_bias[experts].double()
+    if activation == "silu":
+        expected = torch.nn.functional.silu(gate) * up
+    else:
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        expected = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    dequantized = h.double() * h_scale.double().repeat_interleave(128, dim=1)
+    assert relative_error(dequantized, expected) < 0.05
+    group_amax = expected.abs().view(-1, 2, 128).amax(dim=2)
+    torch.testing.assert_close(h_scale.double(), group_amax / 448, rtol=1e-6, atol=0)
 
 
 @on_hopper
@@ -121,3 +166,42 @@ def test_nan_in_a_reaches_its_row_only():
     out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
     assert out[3].isnan().all()
     assert torch.isfinite(out[torch.arange(200, device="cuda") != 3]).all()
+
+
+def _dequantized(h, h_scale):
+    return h.double() * h_scale.double().repeat_interleave(SCALE_BLOCK, dim=1)[:, :h.shape[1]]
+
+
+@on_hopper
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("swiglu_oai", True)], ids=["silu", "swiglu-bias"])
+@pytest.mark.parametrize("counts, F", [([77, 0, 1, 4019], 256), ([129, 128, 0, 300], 768), ([1], 128)],
+                         ids=["two-tiles", "qwen3-width", "one-row"])
+def test_gated_matches_float64(counts, F, activation, bias):
+    """GEMM1 with its activation and h's quantization against the float64 reference, dequantized: the kernel's
+    fp32 sums (wgmma's narrower ones inside each K block) move a few e4m3 roundings by one step
+    (W8A8_MODEL_TOLERANCE_GPU); an empty expert; rows past the last offset are not compared."""
+    K, E = 1024, len(counts)
+    offsets = _offsets(counts, "cuda")
+    rows = sum(counts)
+    a, a_scale = quantize_rows(torch.randn(rows + 5, K, device="cuda"))
+    b, b_scale = quantize_blocks(torch.randn(E, 2 * F, K, device="cuda") / K**0.5)
+    biases = dict(gate_bias=torch.randn(E, F, device="cuda").bfloat16(),
+                  up_bias=torch.randn(E, F, device="cuda").bfloat16()) if bias else {}
+    h, h_scale = gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets, activation=activation,
+                                                        **biases)
+    assert h.dtype == torch.float8_e4m3fn and h.shape == (rows + 5, F) and h_scale.shape == (rows + 5, F // 128)
+    ref = fp8_block_gated_grouped_gemm_ref(a[:rows], a_scale[:rows], b, b_scale, offsets, activation=activation,
+                                           **biases)
+    assert relative_error(_dequantized(h[:rows], h_scale[:rows]), _dequantized(*ref)) < W8A8_MODEL_TOLERANCE_GPU
+    torch.testing.assert_close(h_scale[:rows], ref[1], rtol=1e-3, atol=0)
+
+
+@on_hopper
+def test_gated_nan_in_a_reaches_its_row_only():
+    a, a_scale = quantize_rows(torch.randn(200, 512, device="cuda"))
+    b, b_scale = quantize_blocks(torch.randn(2, 256, 512, device="cuda"))
+    a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN
+    h, h_scale = gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, _offsets([100, 100], "cuda"))
+    assert h[3].float().isnan().all()
+    others = torch.arange(200, device="cuda") != 3
+    assert torch.isfinite(h[others].float()).all() and torch.isfinite(h_scale[others]).all()

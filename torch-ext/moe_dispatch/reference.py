@@ -471,6 +471,21 @@ def fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets, block=128
             out[lo:hi] = fp8_block_gemm_ref(a[lo:hi], a_scale[lo:hi], b[e], b_scale[e], block)
     return out
 
+def fp8_block_gated_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets, *, activation="silu", gate_bias=None,
+                                     up_bias=None, alpha=1.702, limit=7.0, block=128):
+    """-> (h float8_e4m3fn [rows, F], h_scale float32 [rows, F / block]): GEMM1 of the w8a8 experts with its
+    activation and the quantization of h (`quantize_fp8_groups_codes_ref`), the sums and the activation in float64
+    then rounded to fp32 (as the kernel holds them). b [E, 2F, K] holds each expert's gate rows then its up rows;
+    gate_bias and up_bias [E, F]; a, a_scale, b_scale and expert_offsets as in `fp8_block_grouped_gemm_ref`."""
+    gate_up = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, expert_offsets, block)
+    gate, up = gate_up.chunk(2, dim=1)
+    if gate_bias is not None:
+        for e, (lo, hi) in enumerate(_segments(expert_offsets)):
+            gate[lo:hi] += _f64(gate_bias[e])
+            up[lo:hi] += _f64(up_bias[e])
+    return quantize_fp8_groups_codes_ref(_activation(gate, up, activation, alpha, limit), block)
+
+
 # e2m1 (MXFP4's element type) by 4-bit code: bit 3 the sign, bits 1-2 the exponent (bias 1), bit 0 the mantissa; code
 # 8 is -0.
 E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -597,11 +612,22 @@ def quantize_fp8_groups_ref(v, group, static_scale=None):
         scale = torch.as_tensor(static_scale, dtype=torch.float32, device=v.device)
         q = (v / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         return q.to(torch.float64) * scale.to(torch.float64)
+    q, scale = quantize_fp8_groups_codes_ref(v, group)
+    M, groups = scale.shape
+    return (q.to(torch.float64).view(M, groups, group) * scale.to(torch.float64)[:, :, None]).view(
+        M, groups * group)[:, :v.shape[1]]
+
+
+def quantize_fp8_groups_codes_ref(v, group):
+    """v [M, K] -> (q float8_e4m3fn [M, cdiv(K, group) * group], scale float32 [M, cdiv(K, group)]): the w8a8
+    quantization (model above) with one scale per row and `group` columns, v ~ q * scale (columns past K zero)."""
+    v = v.to(torch.float32)
     M, K = v.shape
-    padded = torch.nn.functional.pad(v, (0, -K % group)).view(M, -1, group)
+    groups = -(-K // group)
+    padded = torch.nn.functional.pad(v, (0, -K % group)).view(M, groups, group)
     amax = padded.abs().amax(dim=2, keepdim=True).clamp_min(W8A8_MIN_AMAX)
     q = (padded * (FP8_E4M3_MAX / amax)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float64) * (amax / FP8_E4M3_MAX).to(torch.float64)).view(M, -1)[:, :K]
+    return q.view(M, groups * group), (amax / FP8_E4M3_MAX)[:, :, 0]
 
 
 def _expert_scale(scale, e):

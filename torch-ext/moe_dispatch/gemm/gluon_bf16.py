@@ -45,14 +45,13 @@ from ..host.device import num_sms
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
-from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
-                       check_operand, check_stacked_weight, gl, gluon_jit, grouped_tile_map, grouped_tiles,
-                       load_partition, mbarrier, needs_launch, stage_ring, store_layout, tile_at, tile_counts,
-                       unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available,  # noqa: F401
+                       check_activation, check_device, check_expert_offsets, check_operand, check_stacked_weight, gl,
+                       gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
+                       store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
 GEMM_NAME = "Gluon bf16 GEMM"
-GATED_ACTIVATIONS = ("silu", "swiglu_oai")  # what the gated form's epilogue computes (gemm.jit.apply_activation)
 
 
 @gluon_jit
@@ -231,35 +230,20 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, b_ndim: int) -> None:
                          f"{tuple(b.shape)}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Gate:
-    """The gated form's epilogue (`bf16_gated_grouped_gemm`): the activation (gemm.jit.Activation, not NONE), the
-    gate and up bias rows ([E, F] views with one set of strides, or None) and swiglu_oai's alpha and limit."""
-    activation: int
-    bias: torch.Tensor | None
-    bias_up: torch.Tensor | None
-    alpha: float
-    limit: float
-
-
 def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles, grouped, cfg,
             b_rows_per_expert=0, gate=None):
-    gated = gate is not None
+    gate = NO_GATE if gate is None else gate
     a_layout, b_layout = operand_layouts(a.dtype, cfg)
     acc_layout, out_layout = kernel_layouts(cfg)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
-    bias = gated and gate.bias is not None
     _bf16_gemm_kernel[grid](
         a_desc, b_desc, out, tile_expert, tile_row, num_m_tiles, expert_offsets, a.shape[0], N, K, out.stride(0),
-        b_rows_per_expert, N if gated else 0, gate.bias if bias else out, gate.bias_up if bias else out,
-        gate.bias.stride(0) if bias else 0, gate.bias.stride(1) if bias else 0, gate.alpha if gated else 1.0,
-        gate.limit if gated else 0.0,
-        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped,
-        ACTIVATION=gate.activation if gated else int(Activation.NONE), HAS_BIAS=bias, CONSUMER_REGS=cfg.CONSUMER_REGS,
-        PRODUCER_REGS=cfg.PRODUCER_REGS, acc_layout=acc_layout, out_layout=out_layout, num_warps=4,
-        maxnreg=cfg.MAXNREG)
+        b_rows_per_expert, N, *gate.bias_args(out), gate.alpha, gate.limit,
+        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, ACTIVATION=gate.activation,
+        HAS_BIAS=gate.bias is not None, CONSUMER_REGS=cfg.CONSUMER_REGS, PRODUCER_REGS=cfg.PRODUCER_REGS,
+        acc_layout=acc_layout, out_layout=out_layout, num_warps=4, maxnreg=cfg.MAXNREG)
     return out
 
 
@@ -321,9 +305,7 @@ def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: to
     E, two_f = check_stacked_weight(b)
     if two_f % 2:
         raise ValueError(f"b must be [E, 2F, K] (gate rows then up rows), got {two_f} rows per expert")
-    if activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS} (for none: bf16_grouped_gemm), got "
-                         f"{activation!r}")
+    check_activation(activation)
     F = two_f // 2
     M, K = a.shape
     if K == 0:

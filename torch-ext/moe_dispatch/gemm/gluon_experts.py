@@ -8,10 +8,11 @@ MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else gemm/w8a8.py's portable k
     x [T, H] bf16
       -> quantize_fp8_rows (gemm/w8a8.py)  rows gathered into expert-sorted order (the pass the persistent w8a8 path
                                            runs), e4m3 per row and 128 columns -> a [N, H], a_scale [N, cdiv(H, 128)]
-      -> fp8_block_grouped_gemm            GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up rows, or
-                                           interleaved) -> gate_up [N, 2F] bf16
-      -> _gated_activation_fp8_kernel      bias, activation (silu / swiglu_oai), e4m3 per row and 128 columns
-                                           (gemm.w8a8_jit.w8a8_epilogue) -> h [N, F], h_scale [N, cdiv(F, 128)]
+      -> fp8_block_gated_grouped_gemm      GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up rows,
+                                           F a multiple of 128), bias, activation (silu / swiglu_oai) and e4m3 per
+                                           row and 128 columns in its epilogue -> h [N, F], h_scale [N, F / 128]
+         (interleaved rows or another F: fp8_block_grouped_gemm -> gate_up [N, 2F] bf16, then
+         _gated_activation_fp8_kernel, the same in a pass (gemm.w8a8_jit.w8a8_epilogue) on bf16-rounded sums)
       -> fp8_block_grouped_gemm            GEMM2 against w_down [E, H, F] -> y [N, H] bf16
       -> _bias_routing_weight_kernel       with a down bias only: bias and routing weight, in place
                                            (gemm.jit.tile_epilogue)
@@ -38,8 +39,9 @@ expert_offsets[E] (dropped assignments) are never written past the first pass (q
 never reads them.
 
 The w8a8 engine's arithmetic is the portable w8a8 path's with its groups at 128 (one K step per weight block,
-DeepSeek-V3's activation group), except that GEMM1's sums reach the activation as bf16 (the Gluon GEMM writes bf16, the
-portable kernel activates its fp32 accumulator) and y is rounded to bf16 before the routing weight multiplies it: about
+DeepSeek-V3's activation group), except that on the separate pass GEMM1's sums reach the activation as bf16 (the plain
+Gluon GEMM writes bf16; the portable kernel and the gated GEMM activate their fp32 accumulators) and y is rounded to
+bf16 before the routing weight multiplies it: about
 2^-9 relative, which moves a few of h's e4m3 roundings by one step (reference.W8A8_MODEL_TOLERANCE_GPU bounds the
 difference from the w8a8 model). The bf16 engine's likewise differs from the portable path's by roundings only: on
 interleaved rows GEMM1's sums reach the activation rounded to x's dtype (the portable kernel and the gated GEMM
@@ -59,7 +61,7 @@ from ..host.replay import launch
 from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, tile_epilogue, tile_rows,
                   tile_setup)
 from .gluon_bf16 import bf16_gated_grouped_gemm, bf16_grouped_gemm
-from .gluon_fp8 import SCALE_BLOCK, fp8_block_grouped_gemm
+from .gluon_fp8 import SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
@@ -247,7 +249,7 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
 
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
-                       alpha=1.702, limit=7.0):
+                       alpha=1.702, limit=7.0, fused_activation=True):
     """Both GEMMs of the w8a8 path on the Gluon GEMM -> (y [N, H] bf16 with rows in the dispatch's sorted order, the
     routing weights combine must still apply): with a down bias, y's rows carry bias and routing weight (the second
     item None), as `gemm.w8a8.w8a8_experts`' do; without one, y is GEMM2's output and the second item is
@@ -257,11 +259,18 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     x [T, H] bf16; w_gate_up [E, 2F, H] float8_e4m3fn, contiguous, gate rows then up rows (`interleaved`: alternating,
     gate first), w_gate_up_scale [E, cdiv(2F, 128), cdiv(H, 128)] fp32; w_down [E, H, F] with w_down_scale
     [E, cdiv(H, 128), cdiv(F, 128)]; info the dispatch (dispatch.segments.DispatchInfo; any block_m); gate_bias,
-    up_bias [E, F] views with equal strides, down_bias [E, H]."""
+    up_bias [E, F] views with equal strides, down_bias [E, H]. GEMM1 activates and quantizes h in its epilogue
+    (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated, F is a multiple of 128 and
+    `fused_activation` (the probe's switch, benchmarks/gluon_fp8_probe.py); elsewhere the separate pass does."""
     a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
-    gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets)
-    h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
-                                       gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
+    if fused_activation and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
+        h, h_scale = fp8_block_gated_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
+                                                  activation=activation, gate_bias=gate_bias, up_bias=up_bias,
+                                                  alpha=alpha, limit=limit)
+    else:
+        gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets)
+        h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
+                                           gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
     y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets)
     if down_bias is None:
         return y, topk_weights

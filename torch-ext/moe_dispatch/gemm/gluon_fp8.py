@@ -38,13 +38,17 @@ import dataclasses
 import torch
 import triton
 
+from ..formats.fp8 import W8A8_DTYPE, fp8_max
 from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the FP8 engine's callers ask this module whether its GEMM runs.
-from .gluon_ws import (TESTED_TRITON, TensorDescriptor, available, check_device, check_expert_offsets,  # noqa: F401
-                       check_operand, check_stacked_weight, gl, gluon_jit, grouped_tile_map, grouped_tiles,
-                       load_partition, mbarrier, needs_launch, stage_ring, store_layout, tile_at, tile_counts,
-                       unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available,  # noqa: F401
+                       check_activation, check_device, check_expert_offsets, check_operand, check_stacked_weight, gl,
+                       gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
+                       store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+from .jit import ACT_NONE, Activation, add_bias, apply_activation
+from .w8a8 import fp8_rows
+from .w8a8_jit import quantize_rows
 
 SCALE_BLOCK = 128  # the side of a DeepSeek scale block, along K for A and along N and K for B
 FP8_DTYPES = (torch.float8_e4m3fn, )  # what both operands are
@@ -55,12 +59,20 @@ GEMM_NAME = "Gluon FP8 GEMM"
 def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K, num_pid_m,
                    num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_out_m,
                    stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
-                   WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr, acc_layout: gl.constexpr,
+                   out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr, stride_bias_e,
+                   stride_bias_n, alpha, limit, fp8_max, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
+                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, acc_layout: gl.constexpr,
                    out_layout: gl.constexpr):
     """Consumer warp group WARP_GROUP (0 or 1): rows [WARP_GROUP * BLOCK_M/2, +BLOCK_M/2) of every tile of this
     program. Per K block: wgmma of its A half and B into a fresh fp32 partial sum, the scales' loads under it, wait,
     release the stage, acc += partial * a_scale[rows, kb] * b_scale[n block, kb]. Epilogue: bf16, coalesced masked
-    stores of rows < row_end (the expert's end in the grouped form) and columns < N."""
+    stores of rows < row_end (the expert's end in the grouped form) and columns < N.
+
+    Gated (ACTIVATION not NONE): the stage's gate tile, then its up tile, each into the partial sum and promoted
+    into its own accumulator (the up tile's scales up_scale_offset blocks of b_scale further); the epilogue adds the
+    biases, activates and quantizes the tile's row to e4m3 with one scale per row (BLOCK_N = 128: one scale group;
+    gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's `quantize_rows`, the portable kernels'
+    arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -83,24 +95,59 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
         b_a_s = gl.load(a_s_ptrs, mask=mask_m, other=0.0)  # [HALF_M]
         b_b_s = gl.load(b_s_ptr)
         b_acc = b_zero  # [HALF_M, BLOCK_N]
-        for kb in range(k_blocks):
-            stage = it % NUM_STAGES
-            mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-            a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
-            b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
-            b_part = warpgroup_mma(a_tile, b_tile, b_zero, use_acc=False, is_async=True)
-            # The last block reloads its own scales rather than reading past the row.
-            k_next = gl.minimum(kb + 1, k_blocks - 1) * BLOCK_K // SCALE_BLOCK
-            b_a_s_next = gl.load(a_s_ptrs + k_next * stride_a_scale_k, mask=mask_m, other=0.0)
-            b_b_s_next = gl.load(b_s_ptr + k_next * stride_b_scale_k)
-            b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
-            mbarrier.arrive(empty_bars.index(stage), count=1)
-            b_acc = b_acc + b_part * gl.expand_dims(b_a_s * b_b_s, 1)
-            b_a_s = b_a_s_next
-            b_b_s = b_b_s_next
-            it += 1
+        if ACTIVATION == ACT_NONE:
+            for kb in range(k_blocks):
+                stage = it % NUM_STAGES
+                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
+                b_part = warpgroup_mma(a_tile, b_tile, b_zero, use_acc=False, is_async=True)
+                # The last block reloads its own scales rather than reading past the row.
+                k_next = gl.minimum(kb + 1, k_blocks - 1) * BLOCK_K // SCALE_BLOCK
+                b_a_s_next = gl.load(a_s_ptrs + k_next * stride_a_scale_k, mask=mask_m, other=0.0)
+                b_b_s_next = gl.load(b_s_ptr + k_next * stride_b_scale_k)
+                b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
+                mbarrier.arrive(empty_bars.index(stage), count=1)
+                b_acc = b_acc + b_part * gl.expand_dims(b_a_s * b_b_s, 1)
+                b_a_s = b_a_s_next
+                b_b_s = b_b_s_next
+                it += 1
+            b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
+        else:
+            b_s_up_ptr = b_s_ptr + up_scale_offset * stride_b_scale_n
+            b_up = b_zero
+            # Three 64 x 128 fp32 tiles (gate, up, the partial sum). Promoting as (partial * b scale) * a scale,
+            # one more multiply per element than partial * (a scale * b scale), is what ptxas allocates without
+            # spills (the product form spills 120-208 bytes in the K loop at any register count up to 256).
+            b_part = b_zero
+            for kb in range(k_blocks):
+                stage = it % NUM_STAGES
+                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage).permute((1, 0)), b_part, use_acc=False,
+                                       is_async=True)
+                k_scale = kb * BLOCK_K // SCALE_BLOCK
+                rows_k = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
+                b_a_s = gl.load(a_scale_ptr + k_scale * stride_a_scale_k + rows_k * stride_a_scale_m,
+                                mask=rows_k < row_end, other=0.0)
+                b_g_s = gl.load(b_s_ptr + k_scale * stride_b_scale_k)
+                b_u_s = gl.load(b_s_up_ptr + k_scale * stride_b_scale_k)
+                b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
+                b_acc = gl.fma(b_part * b_g_s, gl.expand_dims(b_a_s, 1), b_acc)
+                b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage + 1).permute((1, 0)), b_part, use_acc=False,
+                                       is_async=True)
+                b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
+                mbarrier.arrive(empty_bars.index(stage), count=1)
+                b_up = gl.fma(b_part * b_u_s, gl.expand_dims(b_a_s, 1), b_up)
+                it += 1
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            if HAS_BIAS:
+                b_acc, b_up = add_bias(b_acc, b_up, expert, offs_n, offs_n < N, bias_ptr, bias_up_ptr, stride_bias_e,
+                                       stride_bias_n, ACTIVATION)
+            b_q, b_q_s = quantize_rows(apply_activation(b_acc, b_up, alpha, limit, ACTIVATION), fp8_max, False)
+            gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
+            b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
 
-        b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
         offs_om = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
         offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
         mask_out = gl.expand_dims(offs_om < row_end, 1) & gl.expand_dims(offs_on < N, 0)
@@ -112,37 +159,49 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
 def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_ptr, tile_expert_ptr, tile_row_ptr,
                                   num_m_tiles_ptr, expert_offsets_ptr, M, N, K, stride_out_m, stride_a_scale_m,
                                   stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
+                                  b_rows_per_expert, up_offset, out_scale_ptr, stride_out_scale_m, up_scale_offset,
+                                  bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, alpha, limit, fp8_max,
                                   NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr,
-                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
-                                  out_layout: gl.constexpr, num_warps: gl.constexpr):
-    """FP8 x FP8 -> bf16 GEMM with block-scale promotion, persistent and warp-specialized (module docstring).
+                                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    """FP8 x FP8 -> bf16 GEMM with block-scale promotion, persistent and warp-specialized (module docstring); gated
+    (ACTIVATION not NONE): GEMM1 with its activation, out e4m3 with out_scale (`fp8_block_gated_grouped_gemm`).
 
     Grid: (min(#SMs, #tiles),). Program p owns tiles p, p + grid, ... of the grouped-M order over
     cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) tiles; GROUPED: over num_m_tiles[0] x cdiv(N, BLOCK_N) tiles, row block i
-    being (tile_expert[i], tile_row[i]), the B rows of expert e starting at e * N. num_warps = 4: the default
-    partition is consumer 0; consumer 1 (4 warps) and the producer (1 warp) are workers.
+    being (tile_expert[i], tile_row[i]), the B rows of expert e starting at e * b_rows_per_expert (gated: its up rows
+    up_offset further). num_warps = 4: the default partition is consumer 0; consumer 1 (4 warps) and the producer
+    (1 warp) are workers.
     """
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE else 2
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
     gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per column tile")
+    gl.static_assert(ACTIVATION == ACT_NONE or BLOCK_N == 128, "gated: one 128-column scale group per tile")
     gl.static_assert(128 % a_desc.block_type.shape[1] == 0, "one scale per K block")
 
-    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES)
+    a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES, B_TILES)
     num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, BLOCK_N, GROUPED)
 
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
-                          stride_b_scale_k, 0, GROUP_M, GROUPED, acc_layout, out_layout)),
+                          stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
+                          stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 0, GROUP_M, GROUPED, ACTIVATION,
+                          HAS_BIAS, acc_layout, out_layout)),
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
-                          stride_b_scale_k, 1, GROUP_M, GROUPED, acc_layout, out_layout)),
+                          stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
+                          stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 1, GROUP_M, GROUPED, ACTIVATION,
+                          HAS_BIAS, acc_layout, out_layout)),
         (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
-                          num_tiles, N, 0, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M, GROUPED)),
+                          num_tiles, b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                          GROUP_M, GROUPED, B_TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -167,11 +226,12 @@ class GluonFp8Config:
 DEFAULT_CONFIG = GluonFp8Config()
 
 
-def kernel_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
+def kernel_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG, gated: bool = False):
     """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 n128 k32 steps over one warp
-    group) and the epilogue's store layout (16-byte bf16 vectors, a warp writing two 256-byte rows)."""
+    group) and the epilogue's store layout: 16-byte vectors of bf16 (a warp writing two 256-byte rows) or, gated,
+    of e4m3."""
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 32])
-    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N)
+    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N, 1 if gated else 2)
 
 
 def operand_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
@@ -198,18 +258,23 @@ def _check_scale(name: str, s: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 def _launch(a, b_rows, a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
-            stride_b_scale, grouped, cfg):
+            stride_b_scale, grouped, cfg, b_rows_per_expert=0, gate=None, out_scale=None):
+    gated = gate is not None
+    gate = NO_GATE if gate is None else gate
+    out_scale = out if out_scale is None else out_scale
     a_layout, b_layout = operand_layouts(cfg)
-    acc_layout, out_layout = kernel_layouts(cfg)
+    acc_layout, out_layout = kernel_layouts(cfg, gated)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
     _fp8_block_scaled_gemm_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, tile_expert, tile_row, num_m_tiles, expert_offsets,
         a.shape[0], N, K, out.stride(0), a_scale.stride(0), a_scale.stride(1), *stride_b_scale,
-        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, CONSUMER_REGS=cfg.CONSUMER_REGS,
-        PRODUCER_REGS=cfg.PRODUCER_REGS, acc_layout=acc_layout, out_layout=out_layout, num_warps=4,
-        maxnreg=cfg.MAXNREG)
+        b_rows_per_expert, N, out_scale, out_scale.stride(0), N // SCALE_BLOCK, *gate.bias_args(out), gate.alpha,
+        gate.limit, fp8_max(W8A8_DTYPE),
+        NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, ACTIVATION=gate.activation,
+        HAS_BIAS=gate.bias is not None, CONSUMER_REGS=cfg.CONSUMER_REGS, PRODUCER_REGS=cfg.PRODUCER_REGS,
+        acc_layout=acc_layout, out_layout=out_layout, num_warps=4, maxnreg=cfg.MAXNREG)
     return out
 
 
@@ -265,4 +330,60 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
         return out
     tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
     return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles,
-                   expert_offsets, bound_tiles, b_scale.stride(), True, cfg)
+                   expert_offsets, bound_tiles, b_scale.stride(), True, cfg, N)
+
+
+def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                                 expert_offsets: torch.Tensor, *, activation: str = "silu",
+                                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                                 alpha: float = 1.702, limit: float = 7.0,
+                                 cfg: GluonFp8Config = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 of the w8a8 experts with its activation and GEMM2's quantization in the epilogue -> (h [M, F] e4m3,
+    h_scale [M, F / 128] fp32), h * h_scale ~ act(gate + gate_bias, up + up_bias) with one scale per row and 128
+    columns, where for the rows of expert e gate = (a * a_scale)[o_e:o_{e+1}] @ (b[e, :F] * b_scale)^T and up likewise
+    with b[e, F:] (gemm.jit's activation, "silu" or "swiglu_oai" with alpha and limit; gemm.w8a8_jit's
+    quantize_rows). The sums and the activation stay in fp32 (the separate pass reads them rounded to bf16).
+
+    b [E, 2F, K] float8_e4m3fn (contiguous), gate rows then up rows, F a multiple of 128 (each 128-column output tile
+    is one scale group, and the up rows start on a b_scale block); b_scale [E, 2F / 128, cdiv(K, 128)]; a, a_scale
+    and expert_offsets as in `fp8_block_grouped_gemm`; gate_bias and up_bias [E, F] with equal strides, or None.
+    Rows past the experts' last offset are left unwritten in h and h_scale.
+    """
+    _check_config(cfg)
+    if cfg.BLOCK_N != SCALE_BLOCK:
+        raise ValueError(f"BLOCK_N must be {SCALE_BLOCK} for the gated GEMM (one scale group per tile), got "
+                         f"{cfg.BLOCK_N}")
+    check_activation(activation)
+    check_operand("a", a, 2, FP8_DTYPES)
+    check_operand("b", b, 3, FP8_DTYPES)
+    E, two_f = check_stacked_weight(b)
+    F = two_f // 2
+    if two_f % (2 * SCALE_BLOCK):
+        raise ValueError(f"b must be [E, 2F, K] (gate rows then up rows) with F a multiple of {SCALE_BLOCK}, got "
+                         f"{two_f} rows per expert")
+    M, K = a.shape
+    if b.shape[2] != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [E, 2F, K] = {tuple(b.shape)}")
+    if K == 0:
+        raise ValueError("a must have K > 0 columns (the gated GEMM has no empty-sum form)")
+    check_expert_offsets(expert_offsets, E)
+    k_scales = triton.cdiv(K, SCALE_BLOCK)
+    _check_scale("a_scale", a_scale, (M, k_scales))
+    _check_scale("b_scale", b_scale, (E, two_f // SCALE_BLOCK, k_scales))
+    if (gate_bias is None) != (up_bias is None):
+        raise ValueError("gate_bias and up_bias come together")
+    biases = () if gate_bias is None else (gate_bias, up_bias)
+    for name, bias in zip(("gate_bias", "up_bias"), biases):
+        if tuple(bias.shape) != (E, F) or bias.stride() != gate_bias.stride():
+            raise ValueError(f"{name} must be [E, F] = [{E}, {F}] with gate_bias's strides, got {tuple(bias.shape)} "
+                             f"strides {bias.stride()}")
+    device = check_device(GEMM_NAME, a, a_scale, b, b_scale, expert_offsets, *biases)
+    h = fp8_rows(M, F, device)
+    h_scale = torch.empty((M, F // SCALE_BLOCK), device=device, dtype=torch.float32)
+    if h.numel() == 0 or E == 0:
+        return h, h_scale
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, cfg.BLOCK_N)
+    gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
+    _launch(a, b.view(E * two_f, K), a_scale, b_scale, h, K, F, tile_expert, tile_row, num_m_tiles, expert_offsets,
+            bound_tiles, b_scale.stride(), True, cfg, two_f, gate, h_scale)
+    return h, h_scale

@@ -29,8 +29,12 @@ Importing this module never needs Gluon: where it does not import, the jit funct
 # the string).
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
+
+from .jit import Activation
 
 try:
     from triton.experimental import gluon
@@ -211,13 +215,43 @@ def grouped_tiles(expert_offsets: torch.Tensor, M: int, N: int, block_m: int, bl
     return tile_expert, tile_row, num_m_tiles, tile_expert.numel() * triton.cdiv(N, block_n)
 
 
-def store_layout(half_m: int, block_n: int):
-    """The epilogue's store layout of one warp group's [half_m, block_n] tile: 16-byte vectors of 2-byte elements
-    along a row, a warp writing whole rows of up to 256 bytes (min(32, block_n / 8) threads along a row)."""
-    vec = 8
+def store_layout(half_m: int, block_n: int, element_bytes: int = 2):
+    """The epilogue's store layout of one warp group's [half_m, block_n] tile: 16-byte vectors along a row, a warp
+    writing whole rows (min(32, block_n / vector) threads along a row)."""
+    vec = 16 // element_bytes
     threads_n = min(32, block_n // vec)
     assert half_m % (4 * (32 // threads_n)) == 0
     return gl.BlockedLayout([1, vec], [32 // threads_n, threads_n], [4, 1], [1, 0])
+
+
+GATED_ACTIVATIONS = ("silu", "swiglu_oai")  # what a gated GEMM1's epilogue computes (gemm.jit.apply_activation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """A gated GEMM1's epilogue: the activation (gemm.jit.Activation, not NONE), the gate and up bias rows ([E, F]
+    views with one set of strides, or None) and swiglu_oai's alpha and limit."""
+    activation: int
+    bias: torch.Tensor | None
+    bias_up: torch.Tensor | None
+    alpha: float
+    limit: float
+
+    def bias_args(self, placeholder: torch.Tensor):
+        """(gate bias, up bias, stride along E, stride along F) as the kernels take them: `placeholder` for both
+        pointers and zero strides without a bias (never read: HAS_BIAS is False)."""
+        if self.bias is None:
+            return placeholder, placeholder, 0, 0
+        return self.bias, self.bias_up, self.bias.stride(0), self.bias.stride(1)
+
+
+NO_GATE = Gate(int(Activation.NONE), None, None, 1.0, 0.0)  # a plain GEMM's: the epilogue stores the sums
+
+
+def check_activation(activation: str) -> None:
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS} (for none: the plain grouped GEMM), got "
+                         f"{activation!r}")
 
 
 def check_operand(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
