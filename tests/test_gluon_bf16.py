@@ -24,7 +24,7 @@ from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph
 
 import moe_dispatch as md
 from moe_dispatch import moe
-from moe_dispatch.gemm import gluon_bf16, planner
+from moe_dispatch.gemm import gluon_bf16, gluon_experts, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
 from moe_dispatch.reference import fused_experts_ref, gated_grouped_gemm_ref, grouped_gemm_ref, relative_error
@@ -266,15 +266,17 @@ def _glue_inputs(case):
     return x, w_gate_up, w_down, ids, weights, options
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["pass", "fused"])
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
-def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
+def test_engine_glue_matches_float64(case, fused, reference_engine, poison_empty, monkeypatch):
     """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts.
     Buffers start as NaN (poison_empty): the passes write every row the GEMMs and combine read."""
+    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)
     x, w_gate_up, w_down, ids, weights, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=PREFILL, validate=False, **options)
     N = case.T * case.top_k
-    # GEMM1 activates in its epilogue unless the gate and up rows alternate (then a separate pass activates)
-    gemm1 = "plain" if options.get("interleaved") else "gated"
+    # fused: GEMM1 activates in its epilogue unless the gate and up rows alternate (then a separate pass activates)
+    gemm1 = "gated" if fused and not options.get("interleaved") else "plain"
     assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), case.dtype),
                                 ("plain", (N, case.F), (case.E, case.H, case.F), case.dtype)]
     assert out.dtype == case.dtype and out.shape == x.shape
@@ -372,9 +374,11 @@ def _engine_calls(monkeypatch):
 
 
 @on_hopper
-@pytest.mark.parametrize("options,bias", [({}, False), ({"interleaved": True, "activation": "swiglu_oai"}, True)],
-                         ids=["silu", "interleaved-swiglu-bias"])
-def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypatch):
+@pytest.mark.parametrize("options,bias,fused", [({}, False, False), ({}, False, True),
+                                                ({"activation": "swiglu_oai"}, True, True),
+                                                ({"interleaved": True, "activation": "swiglu_oai"}, True, False)],
+                         ids=["silu", "silu-fused", "swiglu-bias-fused", "interleaved-swiglu-bias"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, monkeypatch):
     """E = 8, H = 2048, F = 1024, T = 512, top_k = 2 (128 rows per expert: the table's prefill tiles) with the engine
     on: against float64 and against the portable kernels, two calls bit for bit, and a CUDA graph replay bit for bit
     the eager call."""
@@ -395,6 +399,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypa
     portable = run()
     monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
     md.host.replay.clear()  # the variable is read when a plan is recorded
+    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)  # read when a plan is recorded, as the variable
     calls = _engine_calls(monkeypatch)
     out = run()
     assert calls, "the Gluon engine did not run"

@@ -27,7 +27,7 @@ from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph
 import moe_dispatch as md
 from moe_dispatch import moe
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
-from moe_dispatch.gemm import gluon_fp8, planner
+from moe_dispatch.gemm import gluon_experts, gluon_fp8, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
 from moe_dispatch.reference import (W8A8_MODEL_TOLERANCE_GPU, W8A8_TOLERANCE, fp8_block_gated_grouped_gemm_ref,
@@ -229,18 +229,20 @@ def _glue_inputs(case):
     return x, w_gate_up, w_down, ids, weights, scales, options
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["pass", "fused"])
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
-def test_engine_glue_matches_float64(case, reference_engine, poison_empty):
+def test_engine_glue_matches_float64(case, fused, reference_engine, poison_empty, monkeypatch):
     """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts on
     the dequantized weights and against the float64 model of the w8a8 arithmetic. Buffers start as NaN
     (poison_empty): the passes write every row the GEMMs and combine read."""
+    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)
     x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
                            **options)
     N = case.T * case.top_k
     fp8 = torch.float8_e4m3fn
-    # GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128
-    gemm1 = "plain" if options.get("interleaved") or case.F % 128 else "gated"
+    # fused: GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128
+    gemm1 = "gated" if fused and not options.get("interleaved") and case.F % 128 == 0 else "plain"
     assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), fp8),
                                 ("plain", (N, case.F), (case.E, case.H, case.F), fp8)]
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
@@ -288,9 +290,11 @@ def _engine_calls(monkeypatch):
 
 
 @on_hopper
-@pytest.mark.parametrize("options,bias", [({}, False), ({"interleaved": True, "activation": "swiglu_oai"}, True)],
-                         ids=["silu", "interleaved-swiglu-bias"])
-def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypatch):
+@pytest.mark.parametrize("options,bias,fused", [({}, False, False), ({}, False, True),
+                                                ({"activation": "swiglu_oai"}, True, True),
+                                                ({"interleaved": True, "activation": "swiglu_oai"}, True, False)],
+                         ids=["silu", "silu-fused", "swiglu-bias-fused", "interleaved-swiglu-bias"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, monkeypatch):
     """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
     on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for
     bit, and a CUDA graph replay bit for bit the eager call."""
@@ -309,6 +313,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, monkeypa
     portable = run()
     monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
     md.host.replay.clear()  # the variable is read when a plan is recorded
+    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)  # read when a plan is recorded, as the variable
     calls = _engine_calls(monkeypatch)
     out = run()
     assert calls, "the Gluon engine did not run"

@@ -8,10 +8,11 @@ MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else gemm/w8a8.py's portable k
     x [T, H] bf16
       -> quantize_fp8_rows (gemm/w8a8.py)  rows gathered into expert-sorted order (the pass the persistent w8a8 path
                                            runs), e4m3 per row and 128 columns -> a [N, H], a_scale [N, cdiv(H, 128)]
-      -> fp8_block_gated_grouped_gemm      GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up rows,
-                                           F a multiple of 128), bias, activation (silu / swiglu_oai) and e4m3 per
-                                           row and 128 columns in its epilogue -> h [N, F], h_scale [N, F / 128]
-         (interleaved rows or another F: fp8_block_grouped_gemm -> gate_up [N, 2F] bf16, then
+      -> fp8_block_gated_grouped_gemm      with FUSED_ACTIVATION (off until measured): GEMM1 against the whole
+                                           w_gate_up [E, 2F, H] (gate rows then up rows, F a multiple of 128),
+                                           bias, activation (silu / swiglu_oai) and e4m3 per row and 128 columns in
+                                           its epilogue -> h [N, F], h_scale [N, F / 128]
+         (otherwise, and for interleaved rows or another F: fp8_block_grouped_gemm -> gate_up [N, 2F] bf16, then
          _gated_activation_fp8_kernel, the same in a pass (gemm.w8a8_jit.w8a8_epilogue) on bf16-rounded sums)
       -> fp8_block_grouped_gemm            GEMM2 against w_down [E, H, F] -> y [N, H] bf16
       -> _bias_routing_weight_kernel       with a down bias only: bias and routing weight, in place
@@ -26,10 +27,11 @@ a GPU, so everywhere else, and by default, gemm/grouped.py's portable kernels ru
     x [T, H] bf16 / fp16
       -> launch_gather (dispatch/row_copies.py)  rows copied into expert-sorted order (the copy of the portable
                                                  path's GATHER_FIRST tiles) -> a [N, H]
-      -> bf16_gated_grouped_gemm                 GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up
-                                                 rows), bias and activation in its epilogue -> h [N, F]
-         (interleaved rows: bf16_grouped_gemm -> gate_up [N, 2F], then _gated_activation_kernel, bias and
-         activation (gemm.jit.tile_epilogue) -> h [N, F])
+      -> bf16_gated_grouped_gemm                 with FUSED_ACTIVATION (off until measured): GEMM1 against the
+                                                 whole w_gate_up [E, 2F, H] (gate rows then up rows), bias and
+                                                 activation in its epilogue -> h [N, F]
+         (otherwise, and for interleaved rows: bf16_grouped_gemm -> gate_up [N, 2F], then _gated_activation_kernel,
+         bias and activation (gemm.jit.tile_epilogue) -> h [N, F])
       -> bf16_grouped_gemm                       GEMM2 against w_down [E, H, F] -> y [N, H]
       -> _bias_routing_weight_kernel             with a down bias only, as above
       -> y [N, H] -> dispatch/combine.py, the routing weights applied there where the pass did not
@@ -65,6 +67,13 @@ from .gluon_fp8 import SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grou
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
+# Whether GEMM1 activates in its epilogue (the gated GEMMs, `bf16_gated_grouped_gemm` and
+# `fp8_block_gated_grouped_gemm`) where the layout allows it, rather than writing gate_up for a separate pass. Off
+# until the gated kernels have run on a GPU (compiled for sm_90 and checked on the CPU against float64 only):
+# benchmarks/gluon_fp8_probe.py times both and the GPU tests check the gated GEMMs; an engine call's
+# `fused_activation` overrides it. Read when a call runs the engine, so a recorded plan (host/replay.py) replays the
+# launches of the value it was recorded with.
+FUSED_ACTIVATION = False
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
 # the bf16 activation's output columns per program: it holds two [BLOCK_M, 64] fp32 tiles (gate and up), or one
@@ -249,7 +258,7 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
 
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
-                       alpha=1.702, limit=7.0, fused_activation=True):
+                       alpha=1.702, limit=7.0, fused_activation=None):
     """Both GEMMs of the w8a8 path on the Gluon GEMM -> (y [N, H] bf16 with rows in the dispatch's sorted order, the
     routing weights combine must still apply): with a down bias, y's rows carry bias and routing weight (the second
     item None), as `gemm.w8a8.w8a8_experts`' do; without one, y is GEMM2's output and the second item is
@@ -261,9 +270,10 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     [E, cdiv(H, 128), cdiv(F, 128)]; info the dispatch (dispatch.segments.DispatchInfo; any block_m); gate_bias,
     up_bias [E, F] views with equal strides, down_bias [E, H]. GEMM1 activates and quantizes h in its epilogue
     (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated, F is a multiple of 128 and
-    `fused_activation` (the probe's switch, benchmarks/gluon_fp8_probe.py); elsewhere the separate pass does."""
+    `fused_activation` (None: FUSED_ACTIVATION) says so; elsewhere the separate pass does."""
     a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
-    if fused_activation and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
+    fused = FUSED_ACTIVATION if fused_activation is None else fused_activation
+    if fused and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
         h, h_scale = fp8_block_gated_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
                                                   activation=activation, gate_bias=gate_bias, up_bias=up_bias,
                                                   alpha=alpha, limit=limit)
@@ -278,7 +288,7 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
 
 
 def gluon_bf16_experts(x, w_gate_up, w_down, info, *, topk_weights, interleaved=False, activation="silu",
-                       gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0, fused_activation=True):
+                       gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0, fused_activation=None):
     """Both GEMMs of the grouped path on the Gluon bf16 GEMM -> (y [N, H] in x's dtype with rows in the dispatch's
     sorted order, the routing weights combine must still apply), as `gluon_w8a8_experts` returns them (module
     docstring). For what planner.gluon_bf16_refusal accepts.
@@ -286,11 +296,12 @@ def gluon_bf16_experts(x, w_gate_up, w_down, info, *, topk_weights, interleaved=
     x [T, H] bf16 or fp16; w_gate_up [E, 2F, H] of x's dtype, contiguous, gate rows then up rows (`interleaved`:
     alternating, gate first); w_down [E, H, F]; info the dispatch (dispatch.segments.DispatchInfo; any block_m);
     gate_up_bias [E, 2F] in w_gate_up's row order, down_bias [E, H]. GEMM1 activates in its epilogue
-    (`bf16_gated_grouped_gemm`) where the gate and up rows are concatenated and `fused_activation` (the probe's switch,
-    benchmarks/gluon_fp8_probe.py); interleaved rows take the separate activation pass."""
+    (`bf16_gated_grouped_gemm`) where the gate and up rows are concatenated and `fused_activation` (None:
+    FUSED_ACTIVATION) says so; interleaved rows take the separate activation pass."""
     x = x.contiguous()  # the gather reads rows of x.shape[1] elements
     a = launch_gather(x, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), info.num_assignments)
-    if fused_activation and not interleaved:
+    fused = FUSED_ACTIVATION if fused_activation is None else fused_activation
+    if fused and not interleaved:
         h = bf16_gated_grouped_gemm(a, w_gate_up, info.expert_offsets, activation=activation, bias=gate_up_bias,
                                     alpha=alpha, limit=limit)
     else:
