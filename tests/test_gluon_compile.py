@@ -1,6 +1,6 @@
 """The Gluon GEMMs (gemm/gluon_bf16.py, gemm/gluon_fp8.py) compiled ahead of time for sm_90 (an H200), without the
-GPU, by the Triton their Gluon is written against (gluon_ws.TESTED_TRITON: skipped under any other, as in the CPU
-suite's pinned Triton; it runs on the GPU machine and under that Triton anywhere).
+GPU, by any Triton whose Gluon API they are written for (gluon_ws.COMPILED_TRITON, the CPU suite's pinned Triton and
+the GPU machine's among them; skipped under any other).
 
 Each launcher runs on CPU tensors with the availability check answering yes and Triton's launch replaced: the launch
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
@@ -12,8 +12,10 @@ it is built for and within an H200 program's shared memory, and to the wgmma sha
 written for. The numbers are printed (`pytest -s`).
 """
 
+import os
 import re
 import subprocess
+import sys
 import types
 
 import pytest
@@ -25,8 +27,8 @@ from moe_dispatch.gemm import gluon_bf16, gluon_experts, gluon_fp8, gluon_ws
 
 H200_SMEM = 227 * 1024  # the opt-in maximum of shared memory per block (scripts/compile_report.py's H200 target)
 pytestmark = pytest.mark.skipif(
-    gluon_ws._GLUON_ERROR is not None or not triton.__version__.startswith(gluon_ws.TESTED_TRITON),
-    reason=f"Triton {triton.__version__}: the Gluon kernels are written against Triton {gluon_ws.TESTED_TRITON}")
+    gluon_ws._GLUON_ERROR is not None or not triton.__version__.startswith(gluon_ws.COMPILED_TRITON),
+    reason=f"Triton {triton.__version__}: the Gluon kernels are written for Triton {gluon_ws.COMPILED_TRITON}")
 
 
 def _offsets(counts):
@@ -153,6 +155,26 @@ def _resource_usage(cubin, tmp_path):
     return int(usage["REG"]), int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))
 
 
+compiled_here = pytest.mark.skipif(INTERPRETED, reason="under the interpreter the kernels' Triton helpers are "
+                                   "interpreted functions, which Gluon cannot compile: "
+                                   "test_compiles_in_a_process_that_does_not_interpret runs this file again")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="this process compiles the kernels itself")
+def test_compiles_in_a_process_that_does_not_interpret():
+    """The CPU suite interprets Triton (conftest), so this file's compile tests run again in a fresh pytest process
+    with TRITON_INTERPRET=0: every variant and pass must pass there."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider"],
+                            env=dict(os.environ, TRITON_INTERPRET="0"), cwd=root, capture_output=True, text=True,
+                            timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"{summary}\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
+    expected = len(VARIANTS) + len(PASSES)  # and this test, skipped there
+    assert re.match(rf"{expected} passed, 1 skipped\b", summary), summary
+
+
+@compiled_here
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_compiles_for_sm90(variant, monkeypatch, tmp_path, capfd):
     from triton import knobs
@@ -187,10 +209,12 @@ def test_compiles_for_sm90(variant, monkeypatch, tmp_path, capfd):
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx  # the producer's registers given back
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the passes are plain Triton kernels: compiled only where Triton is not "
-                                        "interpreting (conftest interprets without a GPU)")
-@pytest.mark.parametrize("name", ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight",
-                                  "fp8-concatenated-silu", "fp8-interleaved-swiglu-bias"])
+PASSES = ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight", "fp8-concatenated-silu",
+          "fp8-interleaved-swiglu-bias"]
+
+
+@compiled_here
+@pytest.mark.parametrize("name", PASSES)
 def test_engine_passes_compile_for_sm90(name, monkeypatch, tmp_path):
     """The engines' elementwise passes (gemm/gluon_experts.py) at the engines' tiles: without spills and within the
     shared memory. They launch only where an engine runs, so scripts/compile_report never reaches them."""
