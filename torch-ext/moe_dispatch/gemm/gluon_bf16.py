@@ -42,13 +42,13 @@ import torch
 import triton
 
 from ..host.device import num_sms
-from .jit import ACT_NONE, Activation, add_bias, apply_activation
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
-from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available,  # noqa: F401
-                       check_activation, check_device, check_expert_offsets, check_operand, check_stacked_weight, gl,
+from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
+                       check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
                        gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
                        store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+from .jit import ACT_NONE, Activation, add_bias, apply_activation
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
 GEMM_NAME = "Gluon bf16 GEMM"
@@ -79,9 +79,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         b_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         if ACTIVATION == ACT_NONE:
             for kb in range(k_blocks):
-                stage = it % NUM_STAGES
-                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
                 b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
                 b_acc = warpgroup_mma(a_tile, b_tile, b_acc, is_async=True)
                 # At most one wgmma in flight: this one. The previous K block's has retired, so its stage is free
@@ -95,9 +93,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         else:
             b_up = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             for kb in range(k_blocks):
-                stage = it % NUM_STAGES
-                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
                 gate_tile = b_bufs.index(2 * stage).permute((1, 0))  # [BLOCK_K, BLOCK_N]
                 up_tile = b_bufs.index(2 * stage + 1).permute((1, 0))
                 b_acc = warpgroup_mma(a_tile, gate_tile, b_acc, is_async=True)

@@ -42,8 +42,8 @@ from ..formats.fp8 import W8A8_DTYPE, fp8_max
 from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the FP8 engine's callers ask this module whether its GEMM runs.
-from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available,  # noqa: F401
-                       check_activation, check_device, check_expert_offsets, check_operand, check_stacked_weight, gl,
+from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
+                       check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
                        gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
                        store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
@@ -97,9 +97,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
         b_acc = b_zero  # [HALF_M, BLOCK_N]
         if ACTIVATION == ACT_NONE:
             for kb in range(k_blocks):
-                stage = it % NUM_STAGES
-                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
                 b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
                 b_part = warpgroup_mma(a_tile, b_tile, b_zero, use_acc=False, is_async=True)
                 # The last block reloads its own scales rather than reading past the row.
@@ -121,9 +119,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
             # spills (the product form spills 120-208 bytes in the K loop at any register count up to 256).
             b_part = b_zero
             for kb in range(k_blocks):
-                stage = it % NUM_STAGES
-                mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-                a_tile = a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)  # [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
                 b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage).permute((1, 0)), b_part, use_acc=False,
                                        is_async=True)
                 k_scale = kb * BLOCK_K // SCALE_BLOCK

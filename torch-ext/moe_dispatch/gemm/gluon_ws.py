@@ -49,9 +49,10 @@ except ImportError as exc:  # a Triton without Gluon, or with its Hopper API els
 # as 3.6's `tma.async_copy_global_to_shared`.
 tma_load = None if tma is None else getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-TESTED_TRITON = ("3.6", )  # Triton versions the kernels have run under on a GPU: where the engines may choose them
-# Triton versions the kernels compile under for sm_90 without spills (tests/test_gluon_compile.py runs under any of them,
-# the CPU suite's pinned one included): the Gluon API each of them names (`tma_load`)
+# Triton versions the kernels have run under on a GPU: where the engines may choose them
+TESTED_TRITON = ("3.6", )
+# Triton versions the kernels compile under for sm_90 without spills (tests/test_gluon_compile.py runs under any of
+# them, the CPU suite's pinned one included): the Gluon API each of them names (`tma_load`)
 COMPILED_TRITON = ("3.6", "3.9")
 TMA_ALIGN = 16  # bytes: row strides and bases of what a TMA descriptor reads
 
@@ -102,6 +103,18 @@ def stage_ring(a_desc, b_desc, NUM_STAGES: gl.constexpr, B_TILES: gl.constexpr =
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)
     return a_bufs, b_bufs, ready_bars, empty_bars
+
+
+@gluon_jit
+def consumer_stage(a_bufs, ready_bars, it, WARP_GROUP: gl.constexpr):
+    """A consumer's K step `it` (counted over all its tiles): its stage in the ring, once the stage's ready barrier
+    has completed (the producer's TMA bytes landed), and consumer WARP_GROUP's 64-row half of the stage's A tile.
+    -> (stage, a_tile [BLOCK_M / 2, BLOCK_K])."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HALF_M: gl.constexpr = a_bufs.type.shape[1] // 2
+    stage = it % NUM_STAGES
+    mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
+    return stage, a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)
 
 
 @gluon_jit
