@@ -9,10 +9,12 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
    A reaching its own output row and no other.
 2. Speed (triton.testing.do_bench, median ms; TFLOP/s = 2 M N K / time): dense M = N = K in {4096, 8192} beside
    torch._scaled_mm with per-row / per-column scales (one scale per row of A and column of B: no promotion in the K
-   loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192. The MoE shape: 16384 expert-sorted
-   rows over E = 8 experts (2048 each), N = 4096, K = 7168, beside _scaled_mm on the dense [16384, 7168] x [7168, 4096]
-   of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose gate/up GEMM this is (H = 7168,
-   2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of both GEMMs counted).
+   loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192, and the 128 x 256 output tile
+   (`gluon_fp8.WIDE_CONFIG`, checked against the default's result) at both sizes and the MoE shape. The MoE shape:
+   16384 expert-sorted rows over E = 8 experts (2048 each), N = 4096, K = 7168, beside _scaled_mm on the dense
+   [16384, 7168] x [7168, 4096] of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose
+   gate/up GEMM this is (H = 7168, 2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of
+   both GEMMs counted).
    The timed shapes are checked too, on a sample of rows (a float64 reference of the whole is slow).
 3. The experts path per engine (`--sections experts`): `fused_experts` on float8_e4m3fn experts with 128 x 128 block
    scales at Qwen3-30B-A3B (E 128, top-8, H 2048, F 768), DeepSeek-V3 (E 256, top-8, H 7168, F 2048) and
@@ -428,6 +430,11 @@ def main(argv=None):
                     cfg = gluon_fp8.GluonFp8Config(NUM_STAGES=stages)
                     ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=cfg))
                     record(f"gluon dense (stages {stages})", f"{M}x{N}x{K}", ms, flops)
+                wide = gluon_fp8.WIDE_CONFIG  # the 128 x 256 tile: same K order, so the same sums
+                check(f"dense {size}^3 128x256 tile vs 128x128",
+                      relative_error(gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=wide), out), 1e-3)
+                ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=wide))
+                record("gluon dense (128x256 tile)", f"{M}x{N}x{K}", ms, flops)
                 row_scale = torch.rand(M, 1, device=dev) + 0.5
                 col_scale = torch.rand(1, N, device=dev) + 0.5
                 for fast in (False, True):
@@ -450,6 +457,11 @@ def main(argv=None):
                       sampled_error(out, a, a_s, b[e], b_s[e], [(lo, lo + 64), (hi - 64, hi)]), tol)
             ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets))
             record("gluon grouped", f"E{E} {M}x{N}x{K}", ms, flops)
+            wide = gluon_fp8.WIDE_CONFIG
+            check("grouped MoE 128x256 tile vs 128x128",
+                  relative_error(gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide), out), 1e-3)
+            ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide))
+            record("gluon grouped (128x256 tile)", f"E{E} {M}x{N}x{K}", ms, flops)
             row_scale = torch.rand(M, 1, device=dev) + 0.5
             col_scale = torch.rand(1, N, device=dev) + 0.5
             ms = bench_ms(lambda: torch._scaled_mm(a, b[0].t(), scale_a=row_scale, scale_b=col_scale,

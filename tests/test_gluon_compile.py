@@ -6,7 +6,7 @@ Each launcher runs on CPU tensors with the availability check answering yes and 
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
 the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
 fp16, grouped and dense, the bf16 epilogue through shared memory, the gated GEMM1 with silu and with swiglu_oai and
-biases; the FP8 kernel's two and its gated GEMM1 likewise) must compile without
+biases; the FP8 kernel's two, its 128 x 256 tile and its gated GEMM1 likewise) must compile without
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
@@ -43,12 +43,12 @@ def _bf16_call(dtype, grouped, cfg=gluon_bf16.DEFAULT_CONFIG):
     return lambda: gluon_bf16.bf16_gemm(a, b[0], cfg=cfg)
 
 
-def _fp8_call(grouped):
+def _fp8_call(grouped, cfg=gluon_fp8.DEFAULT_CONFIG):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 512, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 4, 8)
     if grouped:
-        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]))
-    return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
+        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]), cfg=cfg)
+    return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
 
 
 def _gated_call(activation, bias):
@@ -79,6 +79,9 @@ VARIANTS = [
        gluon_bf16.GATED_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
        "wgmma.wait_group.sync.aligned 2;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
+       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
+      for form, grouped in (("grouped", True), ("dense", False))],
+    *[(f"fp8-gemm-{form}-wide", (lambda g=grouped: _fp8_call(g, gluon_fp8.WIDE_CONFIG)), gluon_fp8.WIDE_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
     *[(f"fp8-gated-{activation}{'-bias' if bias else ''}",

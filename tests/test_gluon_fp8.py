@@ -80,6 +80,9 @@ def test_launchers_refuse_bad_arguments():
     with pytest.raises(ValueError, match="BLOCK_N"):
         gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2),
                                  cfg=gluon_fp8.GluonFp8Config(BLOCK_N=256))
+    for change in (dict(N_TILES=3), dict(N_TILES=2, BLOCK_N=64)):
+        with pytest.raises(ValueError, match="N_TILES must be 1, or 2 with BLOCK_N 128"):
+            gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2), cfg=gluon_fp8.GluonFp8Config(**change))
     gated, offsets = gluon_fp8.fp8_block_gated_grouped_gemm, torch.tensor([0, 3, 8], dtype=torch.int32)
     b, b_scale = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 2)
     with pytest.raises(ValueError, match="F a multiple of 128"):
@@ -93,8 +96,9 @@ def test_launchers_refuse_bad_arguments():
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128))
     with pytest.raises(ValueError, match=r"up_bias must be \[E, F\]"):
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128), up_bias=torch.zeros(2, 64))
-    with pytest.raises(ValueError, match="BLOCK_N must be 128"):
-        gated(a, torch.ones(8, 2), b, b_scale, offsets, cfg=gluon_fp8.GluonFp8Config(BLOCK_N=64))
+    for cfg in (gluon_fp8.GluonFp8Config(BLOCK_N=64), gluon_fp8.WIDE_CONFIG):
+        with pytest.raises(ValueError, match="BLOCK_N must be 128 and N_TILES 1"):
+            gated(a, torch.ones(8, 2), b, b_scale, offsets, cfg=cfg)
     if not gluon_fp8.available():
         with pytest.raises(RuntimeError, match="unavailable"):
             gated(a, torch.ones(8, 2), b, b_scale, offsets)
@@ -136,24 +140,34 @@ def test_gated_reference_is_the_quantized_activation(activation):
     torch.testing.assert_close(h_scale.double(), group_amax / 448, rtol=1e-6, atol=0)
 
 
+CONFIGS = [gluon_fp8.DEFAULT_CONFIG, gluon_fp8.WIDE_CONFIG]
+CONFIG_IDS = ["128x128", "128x256"]
+
+
 @on_hopper
-@pytest.mark.parametrize("M, N, K", [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048)])
-def test_dense_matches_float64(M, N, K):
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("M, N, K", [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048), (300, 128, 256)])
+def test_dense_matches_float64(M, N, K, cfg):
+    """N = 320: a last 128 x 256 tile whose second half is 64 columns wide; N = 128: its second half past N (not
+    read, not stored)."""
     a, a_scale = quantize_rows(torch.randn(M, K, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(1, N, K, device="cuda"))
-    out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
+    out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
     assert out.dtype == torch.bfloat16 and out.shape == (M, N)
     assert relative_error(out, fp8_block_gemm_ref(a, a_scale, b[0], b_scale[0])) < FP8_GEMM_TOLERANCE
 
 
 @on_hopper
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
-def test_grouped_matches_float64(counts):
+def test_grouped_matches_float64(counts, cfg):
+    """N = 384: the 128 x 256 tile's last column tile has one half inside N and one past it, whose B rows are the
+    next expert's (or past the last expert's: zeros) and whose scale row is not read."""
     N, K = 384, 1024
     offsets = _offsets(counts, "cuda")
     a, a_scale = quantize_rows(torch.randn(sum(counts), K, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(len(counts), N, K, device="cuda"))
-    out = gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets)
+    out = gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets, cfg=cfg)
     ref = fp8_block_grouped_gemm_ref(a, a_scale, b, b_scale, offsets)
     assert relative_error(out[:sum(counts)], ref) < FP8_GEMM_TOLERANCE
 
@@ -163,9 +177,10 @@ def test_nan_in_a_reaches_its_row_only():
     a, a_scale = quantize_rows(torch.randn(200, 512, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(1, 256, 512, device="cuda"))
     a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN (S.1111.111)
-    out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0])
-    assert out[3].isnan().all()
-    assert torch.isfinite(out[torch.arange(200, device="cuda") != 3]).all()
+    for cfg in CONFIGS:
+        out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
+        assert out[3].isnan().all()
+        assert torch.isfinite(out[torch.arange(200, device="cuda") != 3]).all()
 
 
 def _dequantized(h, h_scale):

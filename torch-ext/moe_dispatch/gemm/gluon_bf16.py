@@ -155,7 +155,7 @@ def _bf16_gemm_kernel(a_desc, b_desc, out_ptr, tile_expert_ptr, tile_row_ptr, nu
                           acc_layout, out_layout)),
         (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                           num_tiles, b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                          GROUP_M, GROUPED, B_TILES)),
+                          GROUP_M, GROUPED, B_TILES, BLOCK_N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -61,24 +61,28 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                    stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
                    out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr, stride_bias_e,
                    stride_bias_n, alpha, limit, fp8_max, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
-                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, acc_layout: gl.constexpr,
-                   out_layout: gl.constexpr):
+                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, B_TILES: gl.constexpr,
+                   acc_layout: gl.constexpr, out_layout: gl.constexpr):
     """Consumer warp group WARP_GROUP (0 or 1): rows [WARP_GROUP * BLOCK_M/2, +BLOCK_M/2) of every tile of this
     program. Per K block: wgmma of its A half and B into a fresh fp32 partial sum, the scales' loads under it, wait,
     release the stage, acc += partial * a_scale[rows, kb] * b_scale[n block, kb]. Epilogue: bf16, coalesced masked
     stores of rows < row_end (the expert's end in the grouped form) and columns < N.
 
-    Gated (ACTIVATION not NONE): the stage's gate tile, then its up tile, each into the partial sum and promoted
-    into its own accumulator (the up tile's scales up_scale_offset blocks of b_scale further); the epilogue adds the
-    biases, activates and quantizes the tile's row to e4m3 with one scale per row (BLOCK_N = 128: one scale group;
-    gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's `quantize_rows`, the portable kernels'
-    arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32)."""
+    B_TILES 2: the stage's first B tile, then its second, each into the partial sum and promoted into its own
+    accumulator (the second tile's scales up_scale_offset blocks of b_scale further). Gated (ACTIVATION not NONE;
+    the tiles are gate and up): the epilogue adds the biases, activates and quantizes the tile's row to e4m3 with one
+    scale per row (BLOCK_N = 128: one scale group; gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's
+    `quantize_rows`, the portable kernels' arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32).
+    Plain (the wide tile, `GluonFp8Config.N_TILES` 2): the two accumulators are the tile's two column halves, stored
+    as bf16."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF_M: gl.constexpr = BLOCK_M // 2
     SCALE_BLOCK: gl.constexpr = 128
+    # columns of an output tile: the gated tile's are act(gate, up) of BLOCK_N pairs, the wide tile's two B tiles'
+    TILE_N: gl.constexpr = 2 * BLOCK_N if B_TILES == 2 and ACTIVATION == ACT_NONE else BLOCK_N
     k_blocks = gl.cdiv(K, BLOCK_K)
     b_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
     it = 0
@@ -89,13 +93,13 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
         offs_m = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
         mask_m = offs_m < row_end
         a_s_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_a_scale_m
-        b_s_ptr = b_scale_ptr + expert * stride_b_scale_e + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_b_scale_n
+        b_s_ptr = b_scale_ptr + expert * stride_b_scale_e + (pid_n * TILE_N // SCALE_BLOCK) * stride_b_scale_n
 
         # The scales of K block kb are loaded one block ahead, under the wgmma of block kb - 1.
         b_a_s = gl.load(a_s_ptrs, mask=mask_m, other=0.0)  # [HALF_M]
         b_b_s = gl.load(b_s_ptr)
         b_acc = b_zero  # [HALF_M, BLOCK_N]
-        if ACTIVATION == ACT_NONE:
+        if B_TILES == 1:
             for kb in range(k_blocks):
                 stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
                 b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
@@ -113,6 +117,8 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
             b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
         else:
             b_s_up_ptr = b_s_ptr + up_scale_offset * stride_b_scale_n
+            # the wide tile's second half may lie past N (its scale row too: not read, the half never stored)
+            up_inside = pid_n * TILE_N + TILE_N - BLOCK_N < N
             b_up = b_zero
             # Three 64 x 128 fp32 tiles (gate, up, the partial sum). Promoting as (partial * b scale) * a scale,
             # one more multiply per element than partial * (a scale * b scale), is what ptxas allocates without
@@ -127,7 +133,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                 b_a_s = gl.load(a_scale_ptr + k_scale * stride_a_scale_k + rows_k * stride_a_scale_m,
                                 mask=rows_k < row_end, other=0.0)
                 b_g_s = gl.load(b_s_ptr + k_scale * stride_b_scale_k)
-                b_u_s = gl.load(b_s_up_ptr + k_scale * stride_b_scale_k)
+                b_u_s = gl.load(b_s_up_ptr + k_scale * stride_b_scale_k, mask=up_inside, other=0.0)
                 b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
                 b_acc = gl.fma(b_part * b_g_s, gl.expand_dims(b_a_s, 1), b_acc)
                 b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage + 1).permute((1, 0)), b_part, use_acc=False,
@@ -136,19 +142,34 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                 mbarrier.arrive(empty_bars.index(stage), count=1)
                 b_up = gl.fma(b_part * b_u_s, gl.expand_dims(b_a_s, 1), b_up)
                 it += 1
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            if HAS_BIAS:
-                b_acc, b_up = add_bias(b_acc, b_up, expert, offs_n, offs_n < N, bias_ptr, bias_up_ptr, stride_bias_e,
-                                       stride_bias_n, ACTIVATION)
-            b_q, b_q_s = quantize_rows(apply_activation(b_acc, b_up, alpha, limit, ACTIVATION), fp8_max, False)
-            gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
-            b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
+            if ACTIVATION != ACT_NONE:
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                if HAS_BIAS:
+                    b_acc, b_up = add_bias(b_acc, b_up, expert, offs_n, offs_n < N, bias_ptr, bias_up_ptr,
+                                           stride_bias_e, stride_bias_n, ACTIVATION)
+                b_q, b_q_s = quantize_rows(apply_activation(b_acc, b_up, alpha, limit, ACTIVATION), fp8_max, False)
+                gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
+                b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
+            else:  # the wide tile: its second half here, its first below, both straight from the registers
+                _store_tile(out_ptr, stride_out_m, b_up.to(out_ptr.dtype.element_ty), row_half, row_end,
+                            pid_n * TILE_N + BLOCK_N, N, acc_layout)
+                _store_tile(out_ptr, stride_out_m, b_acc.to(out_ptr.dtype.element_ty), row_half, row_end,
+                            pid_n * TILE_N, N, acc_layout)
+        if B_TILES == 1 or ACTIVATION != ACT_NONE:
+            _store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, pid_n * TILE_N, N, out_layout)
 
-        offs_om = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
-        offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-        mask_out = gl.expand_dims(offs_om < row_end, 1) & gl.expand_dims(offs_on < N, 0)
-        out_ptrs = out_ptr + gl.expand_dims(offs_om.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_on, 0)
-        gl.store(out_ptrs, b_out, mask=mask_out)
+
+@gluon_jit
+def _store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout: gl.constexpr):
+    """Store b_out [HALF_M, BLOCK_N] (out_layout) at rows row_half.. and columns col_start.., masked to rows <
+    row_end and columns < N."""
+    HALF_M: gl.constexpr = b_out.type.shape[0]
+    BLOCK_N: gl.constexpr = b_out.type.shape[1]
+    offs_om = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
+    offs_on = col_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    mask_out = gl.expand_dims(offs_om < row_end, 1) & gl.expand_dims(offs_on < N, 0)
+    out_ptrs = out_ptr + gl.expand_dims(offs_om.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_on, 0)
+    gl.store(out_ptrs, b_out, mask=mask_out)
 
 
 @gluon_jit
@@ -158,29 +179,33 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                                   b_rows_per_expert, up_offset, out_scale_ptr, stride_out_scale_m, up_scale_offset,
                                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, alpha, limit, fp8_max,
                                   NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, GROUPED: gl.constexpr,
-                                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                  PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
-                                  num_warps: gl.constexpr):
+                                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, N_TILES: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
+                                  out_layout: gl.constexpr, num_warps: gl.constexpr):
     """FP8 x FP8 -> bf16 GEMM with block-scale promotion, persistent and warp-specialized (module docstring); gated
-    (ACTIVATION not NONE): GEMM1 with its activation, out e4m3 with out_scale (`fp8_block_gated_grouped_gemm`).
+    (ACTIVATION not NONE): GEMM1 with its activation, out e4m3 with out_scale (`fp8_block_gated_grouped_gemm`);
+    N_TILES 2 (plain only): output tiles of 2 BLOCK_N columns, two B tiles per stage.
 
     Grid: (min(#SMs, #tiles),). Program p owns tiles p, p + grid, ... of the grouped-M order over
-    cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) tiles; GROUPED: over num_m_tiles[0] x cdiv(N, BLOCK_N) tiles, row block i
-    being (tile_expert[i], tile_row[i]), the B rows of expert e starting at e * b_rows_per_expert (gated: its up rows
-    up_offset further). num_warps = 4: the default partition is consumer 0; consumer 1 (4 warps) and the producer
-    (1 warp) are workers.
+    cdiv(M, BLOCK_M) x cdiv(N, TILE_N) tiles (TILE_N = N_TILES x BLOCK_N); GROUPED: over num_m_tiles[0] x
+    cdiv(N, TILE_N) tiles, row block i being (tile_expert[i], tile_row[i]), the B rows of expert e starting at
+    e * b_rows_per_expert (the second B tile's up_offset further: gated, its up rows; wide, BLOCK_N). num_warps = 4:
+    the default partition is consumer 0; consumer 1 (4 warps) and the producer (1 warp) are workers.
     """
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE else 2
+    B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE and N_TILES == 1 else 2
+    TILE_N: gl.constexpr = N_TILES * BLOCK_N
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
-    gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per column tile")
-    gl.static_assert(ACTIVATION == ACT_NONE or BLOCK_N == 128, "gated: one 128-column scale group per tile")
+    gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per B tile")
+    gl.static_assert(ACTIVATION == ACT_NONE or (BLOCK_N == 128 and N_TILES == 1),
+                     "gated: one 128-column scale group per tile")
+    gl.static_assert(N_TILES == 1 or BLOCK_N == 128, "wide: the second B tile starts on a b_scale block")
     gl.static_assert(128 % a_desc.block_type.shape[1] == 0, "one scale per K block")
 
     a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES, B_TILES)
-    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, BLOCK_N, GROUPED)
+    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, BLOCK_M, TILE_N, GROUPED)
 
     gl.warp_specialize([
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
@@ -188,16 +213,16 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
                           stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 0, GROUP_M, GROUPED, ACTIVATION,
-                          HAS_BIAS, acc_layout, out_layout)),
+                          HAS_BIAS, B_TILES, acc_layout, out_layout)),
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
                           stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 1, GROUP_M, GROUPED, ACTIVATION,
-                          HAS_BIAS, acc_layout, out_layout)),
+                          HAS_BIAS, B_TILES, acc_layout, out_layout)),
         (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                           num_tiles, b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                          GROUP_M, GROUPED, B_TILES)),
+                          GROUP_M, GROUPED, B_TILES, TILE_N)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -205,9 +230,10 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
 class GluonFp8Config:
     """Launch parameters of `_fp8_block_scaled_gemm_kernel`.
 
-    BLOCK_M is fixed at 128 (two 64-row warp-group halves); BLOCK_N and BLOCK_K must divide the 128 scale block.
-    Registers: 3 warp groups x 128 threads x MAXNREG = 64512 of the SM's 65536; the producer's warp group drops to
-    PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and consumer 0 (the default partition) gets what is left.
+    BLOCK_M is fixed at 128 (two 64-row warp-group halves); BLOCK_N (the rows of a B tile) and BLOCK_K must divide
+    the 128 scale block. Registers: 3 warp groups x 128 threads x MAXNREG = 64512 of the SM's 65536; the producer's
+    warp group drops to PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and consumer 0 (the default partition) gets what
+    is left.
     """
     BLOCK_M: int = 128
     BLOCK_N: int = 128
@@ -217,9 +243,14 @@ class GluonFp8Config:
     MAXNREG: int = 168  # 65536 / (3 * 128), rounded down to a multiple of 8
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24  # the floor of setmaxnreg
+    # The plain GEMM's output tile in B tiles: 1 (128 x BLOCK_N), or 2 (128 x 256 with BLOCK_N 128: two B tiles per
+    # stage, each promoted into its own accumulator, as the gated GEMM1 does with gate and up; a quarter less
+    # operand traffic per output element, a second wgmma wait per K block). 1 is the measured one.
+    N_TILES: int = 1
 
 
 DEFAULT_CONFIG = GluonFp8Config()
+WIDE_CONFIG = GluonFp8Config(N_TILES=2)  # the 128 x 256 tile, for the probe to time beside the default
 
 
 def kernel_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG, gated: bool = False):
@@ -244,6 +275,9 @@ def _check_config(cfg: GluonFp8Config) -> None:
         value = getattr(cfg, name)
         if value not in (64, 128):
             raise ValueError(f"{name} must be 64 or 128 (a divisor of the 128 scale block), got {value}")
+    if cfg.N_TILES not in (1, 2) or (cfg.N_TILES == 2 and cfg.BLOCK_N != SCALE_BLOCK):
+        raise ValueError(f"N_TILES must be 1, or 2 with BLOCK_N {SCALE_BLOCK}, got {cfg.N_TILES} (BLOCK_N "
+                         f"{cfg.BLOCK_N})")
 
 
 def _check_scale(name: str, s: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -258,6 +292,7 @@ def _launch(a, b_rows, a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m
     gated = gate is not None
     gate = NO_GATE if gate is None else gate
     out_scale = out if out_scale is None else out_scale
+    up_offset = N if gated else cfg.BLOCK_N
     a_layout, b_layout = operand_layouts(cfg)
     acc_layout, out_layout = kernel_layouts(cfg, gated)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
@@ -266,11 +301,13 @@ def _launch(a, b_rows, a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m
     _fp8_block_scaled_gemm_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, tile_expert, tile_row, num_m_tiles, expert_offsets,
         a.shape[0], N, K, out.stride(0), a_scale.stride(0), a_scale.stride(1), *stride_b_scale,
-        b_rows_per_expert, N, out_scale, out_scale.stride(0), N // SCALE_BLOCK, *gate.bias_args(out), gate.alpha,
-        gate.limit, fp8_max(W8A8_DTYPE),
+        # the second B tile: gated, the up rows (F = N further); wide, the next BLOCK_N rows
+        b_rows_per_expert, up_offset, out_scale, out_scale.stride(0), up_offset // SCALE_BLOCK, *gate.bias_args(out),
+        gate.alpha, gate.limit, fp8_max(W8A8_DTYPE),
         NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, ACTIVATION=gate.activation,
-        HAS_BIAS=gate.bias is not None, CONSUMER_REGS=cfg.CONSUMER_REGS, PRODUCER_REGS=cfg.PRODUCER_REGS,
-        acc_layout=acc_layout, out_layout=out_layout, num_warps=4, maxnreg=cfg.MAXNREG)
+        HAS_BIAS=gate.bias is not None, N_TILES=cfg.N_TILES, CONSUMER_REGS=cfg.CONSUMER_REGS,
+        PRODUCER_REGS=cfg.PRODUCER_REGS, acc_layout=acc_layout, out_layout=out_layout, num_warps=4,
+        maxnreg=cfg.MAXNREG)
     return out
 
 
@@ -295,7 +332,7 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if not needs_launch(out, K):
         return out
-    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N * cfg.N_TILES)
     return _launch(a, b, a_scale, b_scale, out, K, N, out, out, out, out, tiles,
                    (0, b_scale.stride(0), b_scale.stride(1)), False, cfg)
 
@@ -324,7 +361,8 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if not needs_launch(out, K, E):
         return out
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
+    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
+                                                                    cfg.BLOCK_N * cfg.N_TILES)
     return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles,
                    expert_offsets, bound_tiles, b_scale.stride(), True, cfg, N)
 
@@ -346,9 +384,9 @@ def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     Rows past the experts' last offset are left unwritten in h and h_scale.
     """
     _check_config(cfg)
-    if cfg.BLOCK_N != SCALE_BLOCK:
-        raise ValueError(f"BLOCK_N must be {SCALE_BLOCK} for the gated GEMM (one scale group per tile), got "
-                         f"{cfg.BLOCK_N}")
+    if cfg.BLOCK_N != SCALE_BLOCK or cfg.N_TILES != 1:
+        raise ValueError(f"BLOCK_N must be {SCALE_BLOCK} and N_TILES 1 for the gated GEMM (one scale group per tile, "
+                         f"its two B tiles gate and up), got {cfg.BLOCK_N} and {cfg.N_TILES}")
     check_activation(activation)
     check_operand("a", a, 2, FP8_DTYPES)
     check_operand("b", b, 3, FP8_DTYPES)

@@ -132,14 +132,14 @@ def tile_counts(M, N, num_m_tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 @gluon_jit
 def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n, num_tiles,
                    b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, B_TILES: gl.constexpr = 1):
+                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, B_TILES: gl.constexpr, TILE_N: gl.constexpr):
     """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
-    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k:+BLOCK_K] into it (rows
-    and columns past the tensors read as zeros), completing ready[s] when all have landed. B_TILES 2 (a gated GEMM1:
-    gate rows, then up rows up_offset further) loads B tile t from row off_n + t * up_offset of the expert's."""
+    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k:+BLOCK_K] into it, off_n =
+    pid_n * TILE_N (rows and columns past the tensors read as zeros), completing ready[s] when all have landed.
+    B_TILES 2 loads B tile t from row off_n + t * up_offset of the expert's (a gated GEMM1: gate rows, then up rows
+    F further; the FP8 GEMM's wide tile: its two column halves, BLOCK_N apart)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + B_TILES * b_desc.block_type.nbytes
     k_blocks = gl.cdiv(K, BLOCK_K)
@@ -147,7 +147,7 @@ def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K,
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
-        row_b = expert * b_rows_per_expert + pid_n * BLOCK_N
+        row_b = expert * b_rows_per_expert + pid_n * TILE_N
         for kb in range(k_blocks):
             stage = it % NUM_STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass waits on
