@@ -20,11 +20,12 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
    scales at Qwen3-30B-A3B (E 128, top-8, H 2048, F 768), DeepSeek-V3 (E 256, top-8, H 7168, F 2048) and
    Mixtral-8x7B (E 8, top-2, H 4096, F 14336) widths, T = 4096 and 16384, uniform random routing: the portable w8a8
    kernels (MOE_DISPATCH_GLUON_FP8=0), the Gluon engine (gemm/gluon_experts.py; the variable set to 1 in this
-   process, plans cleared after each change) with GEMM1's activation in a separate pass and fused into its epilogue
-   (gluon_experts.FUSED_ACTIVATION), and the bf16 path on the dequantized weights, each timed as a CUDA graph
-   (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused and
-   fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative error <
-   reference.W8A8_TOLERANCE: both quantize activations to e4m3 with different groups, or not at all).
+   process, plans cleared after each change) with GEMM1's activation in a separate pass, fused into its epilogue
+   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 128 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG), and
+   the bf16 path on the dequantized weights, each timed as a CUDA graph (do_bench_cudagraph, median). A table of ms,
+   TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused, gluon/wide and fp8/bf16; the Gluon results checked
+   against the portable one and the bf16 one (relative error < reference.W8A8_TOLERANCE: both quantize activations to
+   e4m3 with different groups, or not at all).
 4. The bf16 engine (`--sections bf16`; gemm/gluon_bf16.py, opt-in through MOE_DISPATCH_GLUON_BF16=1): the Gluon
    GEMM against float64 in bf16 and fp16 (dense at odd M, N and K tails; grouped with an empty expert, a one-row
    expert and tiles ending mid-expert; the gated GEMM1 with silu, and swiglu_oai with biases, at F = 200 and 768; a
@@ -170,7 +171,7 @@ def experts_sections(args, dev="cuda"):
     from moe_dispatch.gemm import gluon_experts, planner
     from moe_dispatch.reference import W8A8_TOLERANCE, relative_error
 
-    fused_default = gluon_experts.FUSED_ACTIVATION
+    fused_default, config_default = gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG
 
     for model in args.models:
         shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
@@ -189,27 +190,30 @@ def experts_sections(args, dev="cuda"):
                 flops = 6 * T * top_k * H * F  # gate/up (2 F x H) and down (H x F), 2 FLOPs a multiply-add
                 label = f"{model} T{T}"
                 times, outs = {}, {}
-                # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION)
-                for engine, mode, fused in (("portable w8a8", "0", False), ("gluon w8a8", "1", False),
-                                            ("gluon w8a8 fused", "1", True)):
+                # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION);
+                # "gluon w8a8 wide": the plain GEMMs on 128 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
+                for engine, mode, fused, cfg in (("portable w8a8", "0", False, config_default),
+                                                 ("gluon w8a8", "1", False, config_default),
+                                                 ("gluon w8a8 fused", "1", True, config_default),
+                                                 ("gluon w8a8 wide", "1", False, gluon_fp8.WIDE_CONFIG)):
                     os.environ[planner.GLUON_FP8_VARIABLE] = mode
-                    gluon_experts.FUSED_ACTIVATION = fused
-                    md.host.replay.clear()  # the variable and the switch are read when a plan is recorded
+                    gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG = fused, cfg
+                    md.host.replay.clear()  # the variable and the switches are read when a plan is recorded
                     run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False,
                                             **fp8)
                     outs[engine] = run()
                     times[engine], how = bench_graph_ms(run)
                     record(engine, label, times[engine], flops, how)
                 os.environ.pop(planner.GLUON_FP8_VARIABLE, None)
-                gluon_experts.FUSED_ACTIVATION = fused_default
+                gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG = fused_default, config_default
                 md.host.replay.clear()
                 run = functools.partial(md.fused_experts, x, bf16_gate_up, bf16_down, ids, weights, validate=False)
                 outs["bf16"] = run()
                 times["bf16"], how = bench_graph_ms(run)
                 record("bf16 (dequantized weights)", label, times["bf16"], flops, how)
                 EXPERTS_ROWS.append((label, times["portable w8a8"], times["gluon w8a8"], times["gluon w8a8 fused"],
-                                     times["bf16"], flops))
-                for engine in ("gluon w8a8", "gluon w8a8 fused"):
+                                     times["gluon w8a8 wide"], times["bf16"], flops))
+                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 wide"):
                     check(f"{label} {engine} vs portable w8a8", relative_error(outs[engine], outs["portable w8a8"]),
                           W8A8_TOLERANCE)
                     check(f"{label} {engine} vs bf16 weights", relative_error(outs[engine], outs["bf16"]),
@@ -219,16 +223,19 @@ def experts_sections(args, dev="cuda"):
             torch.cuda.empty_cache()
 
     if EXPERTS_ROWS:
-        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} {'bf16 ms':>8} "
-              f"{'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} {'fp8/bf16':>9}")
-        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} {'TFLOP/s':>7} "
-              f"{'portable':>9} {'fused':>7} {'(best)':>9}")
-        for label, portable, gluon, fused, bf16, flops in EXPERTS_ROWS:
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {bf16:8.3f} {tflops(flops, portable):9.1f} "
-                  f"{tflops(flops, min(gluon, fused)):7.1f} {tflops(flops, bf16):7.1f} {portable / gluon:8.2f}x "
-                  f"{gluon / fused:6.2f}x {bf16 / min(portable, gluon, fused):8.2f}x")
-        print("(gluon/portable, gluon/fused and fp8/bf16 are speedups: time of the first over time of the second; "
-              "'gluon' TFLOP/s is the faster Gluon form's)")
+        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} {'wide ms':>8} "
+              f"{'bf16 ms':>8} {'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} {'gluon/':>7} "
+              f"{'fp8/bf16':>9}")
+        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} {'TFLOP/s':>7} "
+              f"{'portable':>9} {'fused':>7} {'wide':>7} {'(best)':>9}")
+        for label, portable, gluon, fused, wide, bf16, flops in EXPERTS_ROWS:
+            best = min(gluon, fused, wide)
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {wide:8.3f} {bf16:8.3f} "
+                  f"{tflops(flops, portable):9.1f} {tflops(flops, best):7.1f} {tflops(flops, bf16):7.1f} "
+                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / wide:6.2f}x "
+                  f"{bf16 / min(portable, best):8.2f}x")
+        print("(gluon/portable, gluon/fused, gluon/wide and fp8/bf16 are speedups: time of the first over time of the "
+              "second; 'gluon' TFLOP/s is the fastest Gluon form's)")
 
 
 def random_experts(E, H, F, dev, experts_per_chunk=16):

@@ -182,7 +182,8 @@ def reference_engine(monkeypatch):
     one rounded to bf16 as the kernel writes, the gated one's activation quantized to e4m3 per row and 128 columns
     as its epilogue does. Yields the list of GEMM calls, in order, each led by "plain" or "gated"."""
     calls = swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_grouped_gemm", planner.GLUON_FP8_VARIABLE,
-                            fp8_block_grouped_gemm_ref, out_dtype=torch.bfloat16, label="plain")
+                            lambda *operands, cfg: fp8_block_grouped_gemm_ref(*operands), out_dtype=torch.bfloat16,
+                            label="plain")
     yield swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_gated_grouped_gemm", planner.GLUON_FP8_VARIABLE,
                           fp8_block_gated_grouped_gemm_ref, calls=calls, label="gated")
 
@@ -290,11 +291,12 @@ def _engine_calls(monkeypatch):
 
 
 @on_hopper
-@pytest.mark.parametrize("options,bias,fused", [({}, False, False), ({}, False, True),
-                                                ({"activation": "swiglu_oai"}, True, True),
-                                                ({"interleaved": True, "activation": "swiglu_oai"}, True, False)],
-                         ids=["silu", "silu-fused", "swiglu-bias-fused", "interleaved-swiglu-bias"])
-def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, monkeypatch):
+@pytest.mark.parametrize("options,bias,fused,cfg", [
+    ({}, False, False, gluon_fp8.DEFAULT_CONFIG), ({}, False, True, gluon_fp8.DEFAULT_CONFIG),
+    ({}, False, False, gluon_fp8.WIDE_CONFIG), ({"activation": "swiglu_oai"}, True, True, gluon_fp8.WIDE_CONFIG),
+    ({"interleaved": True, "activation": "swiglu_oai"}, True, False, gluon_fp8.DEFAULT_CONFIG)],
+    ids=["silu", "silu-fused", "silu-wide", "swiglu-bias-fused-wide", "interleaved-swiglu-bias"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, cfg, monkeypatch):
     """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
     on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for
     bit, and a CUDA graph replay bit for bit the eager call."""
@@ -314,6 +316,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, m
     monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
     md.host.replay.clear()  # the variable is read when a plan is recorded
     monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)  # read when a plan is recorded, as the variable
+    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", cfg)
     calls = _engine_calls(monkeypatch)
     out = run()
     assert calls, "the Gluon engine did not run"

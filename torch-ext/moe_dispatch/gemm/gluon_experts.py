@@ -63,6 +63,7 @@ from ..host.replay import launch
 from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, tile_epilogue, tile_rows,
                   tile_setup)
 from .gluon_bf16 import bf16_gated_grouped_gemm, bf16_grouped_gemm
+from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
 from .gluon_fp8 import SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
@@ -74,6 +75,10 @@ from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 # `fused_activation` overrides it. Read when a call runs the engine, so a recorded plan (host/replay.py) replays the
 # launches of the value it was recorded with.
 FUSED_ACTIVATION = False
+# The tiles of the w8a8 engine's plain FP8 GEMMs (GEMM2, and GEMM1 with the separate pass): gluon_fp8's measured
+# 128 x 128 default; gluon_fp8.WIDE_CONFIG (128 x 256) is the probe's alternative, not yet measured. Read like
+# FUSED_ACTIVATION.
+FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
 # the bf16 activation's output columns per program: it holds two [BLOCK_M, 64] fp32 tiles (gate and up), or one
@@ -278,10 +283,11 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
                                                   activation=activation, gate_bias=gate_bias, up_bias=up_bias,
                                                   alpha=alpha, limit=limit)
     else:
-        gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets)
+        gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
+                                         cfg=FP8_GEMM_CONFIG)
         h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
                                            gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
-    y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets)
+    y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets, cfg=FP8_GEMM_CONFIG)
     if down_bias is None:
         return y, topk_weights
     return _bias_routing_weight(y, info, down_bias, topk_weights), None
