@@ -51,8 +51,8 @@ def test_import_guard_and_availability_reason():
 def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
     offsets = _offsets(counts, "cpu")
     num_rows = sum(counts)
-    tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, num_rows, 128)
-    bound = num_rows // 128 + len(counts)
+    safe, tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, num_rows, 128)
+    bound = (num_rows + min(len(counts), num_rows) * 127) // 128  # dispatch.segments.max_tiles_bound
     assert tile_expert.dtype == tile_row.dtype == num_m_tiles.dtype == torch.int32
     assert tile_expert.shape == tile_row.shape == (bound, )
     want_expert, want_row = [], []
@@ -61,9 +61,21 @@ def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
             want_expert.append(e)
             want_row.append(offsets[e].item() + start)
     n = len(want_expert)
-    assert num_m_tiles.tolist() == [n]
+    assert num_m_tiles.tolist() == [n] and torch.equal(safe, offsets)
     assert tile_expert.tolist() == want_expert + [-1] * (bound - n)
-    assert tile_row.tolist() == want_row + [-1] * (bound - n)
+    assert tile_row.tolist()[:n] == want_row
+
+
+def test_grouped_tile_map_never_trusts_the_offsets():
+    """Offsets past the rows, decreasing or negative are clamped into [0, rows] and made non-decreasing before the
+    map (and the kernels, which read the experts' ends from the returned offsets) use them: no tile reaches past the
+    rows."""
+    offsets = torch.tensor([-5, 300, 200, 10_000], dtype=torch.int32)
+    safe, tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, 400, 128)
+    assert safe.tolist() == [0, 300, 300, 400]
+    n = num_m_tiles.item()
+    assert tile_expert.tolist()[:n] == [0, 0, 0, 2] and tile_row.tolist()[:n] == [0, 128, 256, 300]
+    assert (tile_expert[n:] == -1).all()
 
 
 def test_launchers_refuse_bad_arguments():

@@ -375,23 +375,50 @@ def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num
 
 @triton.jit
 def _segment_tile_map_kernel(
-    expert_offsets_ptr, stride_offsets, clean_offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
+    expert_offsets_ptr, stride_offsets, clean_offsets_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     E, num_rows, max_tiles,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_TILES: tl.constexpr,
+    COUNT_TILES: tl.constexpr,
 ):
     """Grid: (1,). Tile map for rows already in expert order, from the caller's expert_offsets [E + 1] (never
     trusted): clean_offsets [E + 1] gets them clamped into [0, num_rows] and made non-decreasing (a running maximum;
-    equal to the input when valid), and the map is built from those."""
+    equal to the input when valid), and the map is built from those; COUNT_TILES: num_tiles [1] gets the number of
+    real tiles (the entries before the sentinels)."""
     offs_e = tl.arange(0, BLOCK_E)  # BLOCK_E > E: lane E holds the last offset
     b_offsets = tl.load(expert_offsets_ptr + offs_e * stride_offsets, mask=offs_e <= E, other=0)
     b_start = tl.associative_scan(tl.minimum(tl.maximum(b_offsets, 0), num_rows), 0, _running_max)
     b_next = tl.load(expert_offsets_ptr + (offs_e + 1) * stride_offsets, mask=offs_e < E, other=0)
     b_end = tl.maximum(b_start, tl.minimum(tl.maximum(b_next, 0), num_rows))  # the running maximum one lane on
     tl.store(clean_offsets_ptr + offs_e, b_start, mask=offs_e <= E)
-    _write_tile_map((b_end - b_start).to(tl.int32), b_start.to(tl.int32), tile_expert_ptr, tile_row_start_ptr,
-                    max_tiles, BLOCK_E, BLOCK_M, BLOCK_TILES)
+    b_counts = (b_end - b_start).to(tl.int32)
+    _write_tile_map(b_counts, b_start.to(tl.int32), tile_expert_ptr, tile_row_start_ptr, max_tiles, BLOCK_E, BLOCK_M,
+                    BLOCK_TILES)
+    if COUNT_TILES:
+        tl.store(num_tiles_ptr, tl.sum((b_counts + BLOCK_M - 1) // BLOCK_M, axis=0))
+
+
+def segment_tile_map(expert_offsets: torch.Tensor, num_rows: int, num_experts: int, block_m: int, *,
+                     count_tiles: bool = False):
+    """The tile map of `num_rows` rows already sorted by expert, in one launch, no host sync -> (clean_offsets [E + 1]
+    (the offsets clamped into [0, num_rows] and made non-decreasing; equal to the input when valid), tile_expert and
+    tile_row_start int32 [max_tiles_bound(num_rows, E, block_m)] (DispatchInfo's), and with `count_tiles` the number of
+    real tiles as int32 [1], else None)."""
+    device = expert_offsets.device
+    clean_offsets = torch.empty(num_experts + 1, device=device, dtype=expert_offsets.dtype)
+    max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
+    tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    num_tiles = torch.empty(1, device=device, dtype=torch.int32) if count_tiles else None
+    launch(_segment_tile_map_kernel, (1,),
+        expert_offsets, expert_offsets.stride(0), clean_offsets, tile_expert, tile_row_start, num_tiles, num_experts,
+        num_rows, max_tiles,
+        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+        BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max(max_tiles, 1))), COUNT_TILES=count_tiles,
+        num_warps=SCAN_WARPS,
+    )
+    return clean_offsets, tile_expert, tile_row_start, num_tiles
 
 
 def segment_dispatch(expert_offsets: torch.Tensor, num_rows: int, num_experts: int, block_m: int,
@@ -399,22 +426,12 @@ def segment_dispatch(expert_offsets: torch.Tensor, num_rows: int, num_experts: i
     """DispatchInfo for `num_rows` rows already sorted by expert (v1 functions that take `expert_offsets`).
 
     gather_idx defaults to the identity (row p is assignment p); scatter_idx is not built (None). The offsets the
-    kernels see are a sanitised copy made by the tile-map kernel (clamped into [0, num_rows], non-decreasing; equal to
-    the input when valid): launches only, so the backward and the segment entry points replay (`host/replay.py`).
+    kernels see are a sanitised copy made by the tile-map kernel (`segment_tile_map`: clamped into [0, num_rows],
+    non-decreasing; equal to the input when valid): launches only, so the backward and the segment entry points replay
+    (`host/replay.py`).
     """
-    device = expert_offsets.device
-    clean_offsets = torch.empty(num_experts + 1, device=device, dtype=expert_offsets.dtype)
-    max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
-    tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
-    tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+    clean_offsets, tile_expert, tile_row_start, _ = segment_tile_map(expert_offsets, num_rows, num_experts, block_m)
     if gather_idx is None:
-        gather_idx = torch.arange(num_rows, device=device, dtype=torch.int32)
-    launch(_segment_tile_map_kernel, (1,),
-        expert_offsets, expert_offsets.stride(0), clean_offsets, tile_expert, tile_row_start, num_experts, num_rows,
-        max_tiles,
-        BLOCK_E=next_power_of_2(num_experts + 1), BLOCK_M=block_m,
-        BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max(max_tiles, 1))), num_warps=SCAN_WARPS,
-    )
-    expert_offsets = clean_offsets
-    return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, expert_offsets, gather_idx, None,
+        gather_idx = torch.arange(num_rows, device=expert_offsets.device, dtype=torch.int32)
+    return DispatchInfo(num_rows // top_k, top_k, num_experts, block_m, clean_offsets, gather_idx, None,
                         tile_expert, tile_row_start)

@@ -267,7 +267,8 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
 
     a [M, K] sorted by expert, b [E, N, K] (contiguous), both bfloat16 or both float16 with 16-byte aligned rows;
     expert_offsets int32 [E + 1] (o_0 = 0, nondecreasing, o_E <= M: rows past o_E are left unwritten, as torch.empty
-    leaves them). No host sync: the launch is sized by M // 128 + E row blocks.
+    leaves them; offsets outside that are clamped into it on the device, never read as given). No host sync: the
+    launch is sized by the tile map's bound (M + E * 127) // 128.
     """
     _check_config(cfg)
     _check_operands(a, b, 3)
@@ -278,9 +279,10 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
     out = torch.empty(M, N, device=device, dtype=a.dtype)
     if not needs_launch(out, K, E):
         return out
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M, cfg.BLOCK_N)
-    return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, expert_offsets, bound_tiles,
-                   True, cfg, N)
+    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
+                                                                             cfg.BLOCK_N)
+    return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, offsets, bound_tiles, True,
+                   cfg, N)
 
 
 def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, *,
@@ -313,8 +315,9 @@ def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: to
     out = torch.empty(M, F, device=device, dtype=a.dtype)
     if out.numel() == 0 or E == 0:
         return out
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, cfg.BLOCK_N)
+    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M,
+                                                                             cfg.BLOCK_N)
     gate_bias, up_bias = (None, None) if bias is None else (bias[:, :F], bias[:, F:])
     gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
-    return _launch(a, b.view(E * two_f, K), out, K, F, tile_expert, tile_row, num_m_tiles, expert_offsets,
-                   bound_tiles, True, cfg, two_f, gate)
+    return _launch(a, b.view(E * two_f, K), out, K, F, tile_expert, tile_row, num_m_tiles, offsets, bound_tiles,
+                   True, cfg, two_f, gate)

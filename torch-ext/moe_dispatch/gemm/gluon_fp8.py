@@ -342,9 +342,9 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     """out [M, N] bf16: rows of expert e, out[o_e:o_{e+1}] = (a * a_scale)[o_e:o_{e+1}] @ (b[e] * b_scale[e])^T.
 
     a [M, K] float8_e4m3fn sorted by expert, expert_offsets int32 [E + 1] (o_0 = 0, nondecreasing, o_E <= M: rows past
-    o_E are left unwritten, as torch.empty leaves them); b [E, N, K] float8_e4m3fn (contiguous), b_scale
-    [E, cdiv(N, 128), cdiv(K, 128)] and a_scale [M, cdiv(K, 128)] float32. No host sync: the launch is sized by
-    M // 128 + E row blocks.
+    o_E are left unwritten, as torch.empty leaves them; offsets outside that are clamped into it on the device, never
+    read as given); b [E, N, K] float8_e4m3fn (contiguous), b_scale [E, cdiv(N, 128), cdiv(K, 128)] and a_scale
+    [M, cdiv(K, 128)] float32. No host sync: the launch is sized by the tile map's bound (M + E * 127) // 128.
     """
     _check_config(cfg)
     check_operand("a", a, 2, FP8_DTYPES)
@@ -361,10 +361,10 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if not needs_launch(out, K, E):
         return out
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
-                                                                    cfg.BLOCK_N * cfg.N_TILES)
-    return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles,
-                   expert_offsets, bound_tiles, b_scale.stride(), True, cfg, N)
+    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
+                                                                             cfg.BLOCK_N * cfg.N_TILES)
+    return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles, offsets,
+                   bound_tiles, b_scale.stride(), True, cfg, N)
 
 
 def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -416,8 +416,9 @@ def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     h_scale = torch.empty((M, F // SCALE_BLOCK), device=device, dtype=torch.float32)
     if h.numel() == 0 or E == 0:
         return h, h_scale
-    tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M, cfg.BLOCK_N)
+    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M,
+                                                                             cfg.BLOCK_N)
     gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
-    _launch(a, b.view(E * two_f, K), a_scale, b_scale, h, K, F, tile_expert, tile_row, num_m_tiles, expert_offsets,
+    _launch(a, b.view(E * two_f, K), a_scale, b_scale, h, K, F, tile_expert, tile_row, num_m_tiles, offsets,
             bound_tiles, b_scale.stride(), True, cfg, two_f, gate, h_scale)
     return h, h_scale
