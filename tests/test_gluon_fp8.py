@@ -2,14 +2,15 @@
 
 The float64 references are moe_dispatch.reference's fp8_block_gemm_ref and fp8_block_grouped_gemm_ref (A and B
 dequantized block by block, then one matmul). On the CPU (and with another Triton) only the host side runs: the import
-guard, the tile map (gemm/gluon_ws.py's, which the bf16 GEMM walks too) and the launchers' argument checks; the
-kernels run where `gluon_fp8.available()` holds.
+guard, the tile map (dispatch.segments.segment_tile_map's, which the bf16 GEMM walks too) and the launchers' argument
+checks; the kernels run where `gluon_fp8.available()` holds.
 """
 
 import pytest
 import torch
 
-from moe_dispatch.gemm import gluon_fp8, gluon_ws
+from moe_dispatch.dispatch.segments import segment_tile_map
+from moe_dispatch.gemm import gluon_fp8
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import (FP8_GEMM_TOLERANCE, W8A8_MODEL_TOLERANCE_GPU, fp8_block_gated_grouped_gemm_ref,
                                     fp8_block_gemm_ref, fp8_block_grouped_gemm_ref, relative_error)
@@ -48,10 +49,12 @@ def test_import_guard_and_availability_reason():
     [0, 0, 0],  # no rows at all: only sentinels
     [128, 256],  # block-aligned experts: no partial tile
 ])
-def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
+def test_tile_map_covers_each_expert_with_its_own_blocks(counts):
+    """The grouped GEMMs' tile map (the dispatch's builder, with the real tiles counted): 128-row blocks of each
+    expert in order, -1 past them, num_m_tiles the blocks the kernels walk."""
     offsets = _offsets(counts, "cpu")
     num_rows = sum(counts)
-    safe, tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, num_rows, 128)
+    safe, tile_expert, tile_row, num_m_tiles = segment_tile_map(offsets, num_rows, len(counts), 128, count_tiles=True)
     bound = (num_rows + min(len(counts), num_rows) * 127) // 128  # dispatch.segments.max_tiles_bound
     assert tile_expert.dtype == tile_row.dtype == num_m_tiles.dtype == torch.int32
     assert tile_expert.shape == tile_row.shape == (bound, )
@@ -66,12 +69,12 @@ def test_grouped_tile_map_covers_each_expert_with_its_own_blocks(counts):
     assert tile_row.tolist()[:n] == want_row
 
 
-def test_grouped_tile_map_never_trusts_the_offsets():
+def test_tile_map_never_trusts_the_offsets():
     """Offsets past the rows, decreasing or negative are clamped into [0, rows] and made non-decreasing before the
     map (and the kernels, which read the experts' ends from the returned offsets) use them: no tile reaches past the
     rows."""
     offsets = torch.tensor([-5, 300, 200, 10_000], dtype=torch.int32)
-    safe, tile_expert, tile_row, num_m_tiles = gluon_ws.grouped_tile_map(offsets, 400, 128)
+    safe, tile_expert, tile_row, num_m_tiles = segment_tile_map(offsets, 400, 3, 128, count_tiles=True)
     assert safe.tolist() == [0, 300, 300, 400]
     n = num_m_tiles.item()
     assert tile_expert.tolist()[:n] == [0, 0, 0, 2] and tile_row.tolist()[:n] == [0, 128, 256, 300]

@@ -41,12 +41,13 @@ import dataclasses
 import torch
 import triton
 
+from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
                        check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
-                       gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
+                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring,
                        store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
 
@@ -279,8 +280,9 @@ def bf16_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Te
     out = torch.empty(M, N, device=device, dtype=a.dtype)
     if not needs_launch(out, K, E):
         return out
-    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
-                                                                             cfg.BLOCK_N)
+    offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, cfg.BLOCK_M,
+                                                                  count_tiles=True)
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, cfg.BLOCK_N)  # sizes the persistent grid
     return _launch(a, b.view(E * N, K), out, K, N, tile_expert, tile_row, num_m_tiles, offsets, bound_tiles, True,
                    cfg, N)
 
@@ -315,8 +317,9 @@ def bf16_gated_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: to
     out = torch.empty(M, F, device=device, dtype=a.dtype)
     if out.numel() == 0 or E == 0:
         return out
-    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M,
-                                                                             cfg.BLOCK_N)
+    offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, cfg.BLOCK_M,
+                                                                  count_tiles=True)
+    bound_tiles = tile_expert.numel() * triton.cdiv(F, cfg.BLOCK_N)  # sizes the persistent grid
     gate_bias, up_bias = (None, None) if bias is None else (bias[:, :F], bias[:, F:])
     gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
     return _launch(a, b.view(E * two_f, K), out, K, F, tile_expert, tile_row, num_m_tiles, offsets, bound_tiles,

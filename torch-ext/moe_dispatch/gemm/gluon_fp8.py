@@ -24,7 +24,7 @@ thread and 24 per producer-warp-group thread (240 + 240 + 24 = 3 x 168).
 
 Tiles: BLOCK_M 128 (two 64-row halves), BLOCK_N 128, BLOCK_K 128, NUM_STAGES 4: 4 x 32 KiB of fp8 stages. Tile order:
 grouped along M by GROUP_M (tiles that share B columns run together, for L2 reuse). The grouped form walks the tile
-map of `gluon_ws.grouped_tile_map`.
+map of dispatch.segments.segment_tile_map.
 
 Needs Triton 3.6's Gluon (`available()` says whether it can run here); importing this module never needs it.
 """
@@ -39,12 +39,13 @@ import torch
 import triton
 
 from ..formats.fp8 import W8A8_DTYPE, fp8_max
+from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the FP8 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
                        check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
-                       gluon_jit, grouped_tile_map, grouped_tiles, load_partition, mbarrier, needs_launch, stage_ring,
+                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring,
                        store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
 from .w8a8 import fp8_rows
@@ -361,8 +362,9 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
     if not needs_launch(out, K, E):
         return out
-    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, N, cfg.BLOCK_M,
-                                                                             cfg.BLOCK_N * cfg.N_TILES)
+    offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, cfg.BLOCK_M,
+                                                                  count_tiles=True)
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, cfg.BLOCK_N * cfg.N_TILES)  # sizes the persistent grid
     return _launch(a, b.view(E * N, K), a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m_tiles, offsets,
                    bound_tiles, b_scale.stride(), True, cfg, N)
 
@@ -416,8 +418,9 @@ def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     h_scale = torch.empty((M, F // SCALE_BLOCK), device=device, dtype=torch.float32)
     if h.numel() == 0 or E == 0:
         return h, h_scale
-    offsets, tile_expert, tile_row, num_m_tiles, bound_tiles = grouped_tiles(expert_offsets, M, F, cfg.BLOCK_M,
-                                                                             cfg.BLOCK_N)
+    offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, cfg.BLOCK_M,
+                                                                  count_tiles=True)
+    bound_tiles = tile_expert.numel() * triton.cdiv(F, cfg.BLOCK_N)  # sizes the persistent grid
     gate = Gate(int(Activation.of(activation)), gate_bias, up_bias, float(alpha), float(limit))
     _launch(a, b.view(E * two_f, K), a_scale, b_scale, h, K, F, tile_expert, tile_row, num_m_tiles, offsets,
             bound_tiles, b_scale.stride(), True, cfg, two_f, gate, h_scale)

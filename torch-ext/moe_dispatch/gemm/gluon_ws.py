@@ -16,9 +16,10 @@ The two consumers split each 128-row tile into 64-row halves (cooperative, not p
 and are not synchronised with each other. Registers: a kernel is built for 3 warp groups x 128 threads x MAXNREG 168
 (64512 of the SM's 65536); inside the partitions setmaxnreg moves them to the consumers and away from the producer.
 
-The grouped form walks a tile map over (expert, 128-row block) built on the device in one launch (`grouped_tile_map`,
-the dispatch's own map builder: no host sync, sized by an upper bound, -1 sentinels past the last tile, the caller's
-offsets clamped before anything reads them); a tile never straddles two experts (TMA may read the next expert's
+The grouped form walks a tile map over (expert, 128-row block) that the launchers build on the device in one launch
+(dispatch.segments.segment_tile_map, the dispatch's own builder: no host sync, sized by an upper bound, -1 sentinels
+past the last tile, num_m_tiles real tiles, the caller's offsets clamped before anything reads them); a tile never
+straddles two experts (TMA may read the next expert's
 rows, which the consumers' row mask never writes), and the B rows of expert e start at e * N of B viewed as one
 [E * N, K] matrix.
 
@@ -35,7 +36,6 @@ import dataclasses
 import torch
 import triton
 
-from ..dispatch.segments import segment_tile_map
 from .jit import Activation
 
 try:
@@ -186,20 +186,6 @@ def available(device: torch.device | str | None = None) -> bool:
     return unavailable_reason(device) is None
 
 
-def grouped_tile_map(expert_offsets: torch.Tensor, num_rows: int, block_m: int = 128):
-    """-> (offsets, tile_expert, tile_row, num_m_tiles): the row blocks of expert-sorted rows, on the device in one
-    launch (dispatch.segments.segment_tile_map), no host sync.
-
-    offsets is expert_offsets made safe (clamped into [0, num_rows], non-decreasing; equal to it when valid): the
-    kernels read the experts' ends there, never the caller's. Row block i covers rows [tile_row[i], min(tile_row[i] +
-    block_m, offsets[e + 1])) of expert e = tile_expert[i]; experts in order, an expert of c rows taking cdiv(c,
-    block_m) blocks (none when empty); tile_expert is -1 past the last block. num_m_tiles int32 [1] holds the number of
-    blocks, which the kernels walk.
-    """
-    num_experts = expert_offsets.numel() - 1
-    return segment_tile_map(expert_offsets, num_rows, num_experts, block_m, count_tiles=True)
-
-
 def check_stacked_weight(b: torch.Tensor) -> tuple[int, int]:
     """-> (E, N) of a grouped GEMM's b [E, N, K], which must be contiguous: its rows are read as one [E * N, K]
     matrix through one descriptor."""
@@ -217,13 +203,6 @@ def needs_launch(out: torch.Tensor, K: int, num_experts: int = 1) -> bool:
         out.zero_()
         return False
     return True
-
-
-def grouped_tiles(expert_offsets: torch.Tensor, M: int, N: int, block_m: int, block_n: int):
-    """-> (offsets, tile_expert, tile_row, num_m_tiles, bound_tiles): `grouped_tile_map`'s safe offsets and row blocks
-    of the M sorted rows, and the bound on output tiles (row blocks x column blocks) that sizes the persistent grid."""
-    offsets, tile_expert, tile_row, num_m_tiles = grouped_tile_map(expert_offsets, M, block_m)
-    return offsets, tile_expert, tile_row, num_m_tiles, tile_expert.numel() * triton.cdiv(N, block_n)
 
 
 def store_layout(half_m: int, block_n: int, element_bytes: int = 2):
