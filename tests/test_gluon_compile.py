@@ -84,6 +84,14 @@ VARIANTS = [
     *[(f"fp8-gemm-{form}-wide", (lambda g=grouped: _fp8_call(g, gluon_fp8.WIDE_CONFIG)), gluon_fp8.WIDE_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
+    # the probe's other tiles (benchmarks/gluon_fp8_probe.py): each must compile before a GPU run times it
+    *[(f"fp8-gemm-dense-{stages}-stages", (lambda c=cfg: _fp8_call(False, c)), cfg,
+       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
+      for stages, cfg in ((3, gluon_fp8.GluonFp8Config(NUM_STAGES=3)), (5, gluon_fp8.GluonFp8Config(NUM_STAGES=5)))],
+    *[(f"bf16-gemm-dense-{name}", (lambda c=cfg: _bf16_call(torch.bfloat16, False, c)), cfg,
+       f"wgmma.mma_async.sync.aligned.m64n{cfg.BLOCK_N}k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;")
+      for name, cfg in (("3-stages", gluon_bf16.GluonBf16Config(NUM_STAGES=3)),
+                        ("n128-6-stages", gluon_bf16.GluonBf16Config(BLOCK_N=128, NUM_STAGES=6)))],
     *[(f"fp8-gated-{activation}{'-bias' if bias else ''}",
        (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
