@@ -246,6 +246,28 @@ def test_foreign_ops_refuse_a_plan():
         cache.clear()
 
 
+def test_a_launch_outside_the_recorder_refuses_a_plan():
+    """A kernel started outside host.replay.launch (the Gluon GEMMs', announced with `unrecorded_launch`) is not in
+    the record, so a replay would skip it: the signature keeps no plan. The same call without the announcement, all
+    of its launches recorded, replays."""
+    from moe_dispatch.dispatch.segments import segment_tile_map
+
+    def tile_map(offsets, announce):
+        tile_expert = segment_tile_map(offsets, 300, 3, 128)[1]
+        if announce:
+            replay.unrecorded_launch("a kernel the recorder does not see")
+        return tile_expert
+
+    offsets = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device=DEVICE)
+    expected = tile_map(offsets, False)
+    for announce, replays in ((False, 2), (True, 0)):
+        cache = replay.PlanCache("test")
+        for _ in range(3):
+            assert torch.equal(cache.run(tile_map, (offsets,), (announce,)), expected)
+        assert cache.replays == replays, cache.last_reason
+    assert "launches a kernel the recorder does not see" in cache.last_reason
+
+
 def test_an_output_nothing_wrote_refuses_a_plan():
     """A fresh output that no recorded launch or fill wrote (the launches ran through another loaded copy of the
     package, whose operator this one shares) must not be replayed: the replay would return uninitialised memory."""

@@ -43,6 +43,7 @@ import triton
 
 from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
+from ..host.replay import unrecorded_launch
 # available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
@@ -235,6 +236,9 @@ def _launch(a, b_rows, out, K, N, tile_expert, tile_row, num_m_tiles, expert_off
     a_desc = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, cfg.BLOCK_K], a_layout)
     b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.BLOCK_N, cfg.BLOCK_K], b_layout)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
+    # Launched directly, not through host.replay.launch: a replay of its TMA descriptors and warp-specialized
+    # launch has not run on a GPU, so a call that reaches here keeps no plan (the whole host path every call).
+    unrecorded_launch(GEMM_NAME)
     _bf16_gemm_kernel[grid](
         a_desc, b_desc, out, tile_expert, tile_row, num_m_tiles, expert_offsets, a.shape[0], N, K, out.stride(0),
         b_rows_per_expert, N, *gate.bias_args(out), gate.alpha, gate.limit,

@@ -14,8 +14,9 @@ signature while recording what it does, and from then on replays the record (a `
              compiled launcher (`CompiledKernel.run`), on the current stream
 
 A record is kept only when the path did nothing but allocate, take views and launch Triton kernels: a torch op that
-computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, or an ambiguous alias
-leaves a `None` plan, and that signature runs the full path every time (correct, only not faster). Checks that read
+computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, an ambiguous alias or
+a kernel started outside `launch` (announced with `unrecorded_launch`: the Gluon GEMMs) leaves a `None` plan, and
+that signature runs the full path every time (correct, only not faster). Checks that read
 values (validate=True) are the caller's to keep out of plans; shape and dtype errors raise on the recording call and
 a signature that raised is never recorded, so bad inputs get the full path's errors every time. For that the key holds
 each option's type beside its value (4.0 and True equal 4 and 1 but are refused as ints), and a call with a
@@ -83,16 +84,25 @@ def launch(kernel, grid, *args, **kwargs):
     return compiled
 
 
+def unrecorded_launch(what: str) -> None:
+    """Say that the call is about to start a kernel outside `launch` (`what`: which one and why), which a plan could
+    not replay: the call being recorded, if any, keeps no plan and its signature always runs in full."""
+    recorder = _state.recorder
+    if recorder is not None and recorder.unrecorded is None:
+        recorder.unrecorded = what
+
+
 class _Recorder(TorchDispatchMode):
     """Runs the full path once, keeping every allocation alive (so no two buffers share memory), the launches and the
-    constant fills of fresh buffers (`.zero_()`, `.fill_(value)`) in their order (`events`), and the first op that is
-    none of these nor a view (`foreign_op`)."""
+    constant fills of fresh buffers (`.zero_()`, `.fill_(value)`) in their order (`events`), the first op that is
+    none of these nor a view (`foreign_op`) and the first launch announced outside `launch` (`unrecorded`)."""
 
     def __init__(self):
         super().__init__()
         self.allocations = []
         self.events = []  # (kernel, grid, args, kwargs, compiled) of a launch, or (tensor, value) of a fill
         self.foreign_op = None
+        self.unrecorded = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -286,6 +296,8 @@ class Plan:
 def _make_plan(recorder, inputs, result):
     if recorder.foreign_op is not None:
         raise NotReplayable(f"the call runs torch op {recorder.foreign_op}")
+    if recorder.unrecorded is not None:
+        raise NotReplayable(f"the call launches {recorder.unrecorded}")
     single = isinstance(result, torch.Tensor)
     results = (result,) if single else tuple(result)
     if not all(isinstance(r, torch.Tensor) for r in results):
