@@ -48,8 +48,8 @@ from ..host.replay import unrecorded_launch
 # the bf16 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
                        check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
-                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring,
-                       store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring, store_layout, store_tile,
+                       tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
 
 DTYPES = (torch.bfloat16, torch.float16)  # what both operands are (one of them for both)
@@ -118,11 +118,8 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         # out_layout is acc_layout (stores straight from the registers: no conversion) or a coalesced store layout
         # (the tile passes through shared memory first)
         b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
-        offs_m = row_start + WARP_GROUP * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-        mask = gl.expand_dims(offs_m < row_end, 1) & gl.expand_dims(offs_n < N, 0)
-        out_ptrs = out_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_n, 0)
-        gl.store(out_ptrs, b_out, mask=mask)
+        store_tile(out_ptr, stride_out_m, b_out, row_start + WARP_GROUP * HALF_M, row_end, pid_n * BLOCK_N, N,
+                   out_layout)
 
 
 @gluon_jit

@@ -46,8 +46,8 @@ from ..host.replay import unrecorded_launch
 # the FP8 engine's callers ask this module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
                        check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
-                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring,
-                       store_layout, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       gluon_jit, load_partition, mbarrier, needs_launch, stage_ring, store_layout, store_tile,
+                       tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import ACT_NONE, Activation, add_bias, apply_activation
 from .w8a8 import fp8_rows
 from .w8a8_jit import quantize_rows
@@ -153,25 +153,12 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                 gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
                 b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
             else:  # the wide tile: its second half here, its first below, both straight from the registers
-                _store_tile(out_ptr, stride_out_m, b_up.to(out_ptr.dtype.element_ty), row_half, row_end,
+                store_tile(out_ptr, stride_out_m, b_up.to(out_ptr.dtype.element_ty), row_half, row_end,
                             pid_n * TILE_N + BLOCK_N, N, acc_layout)
-                _store_tile(out_ptr, stride_out_m, b_acc.to(out_ptr.dtype.element_ty), row_half, row_end,
+                store_tile(out_ptr, stride_out_m, b_acc.to(out_ptr.dtype.element_ty), row_half, row_end,
                             pid_n * TILE_N, N, acc_layout)
         if B_TILES == 1 or ACTIVATION != ACT_NONE:
-            _store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, pid_n * TILE_N, N, out_layout)
-
-
-@gluon_jit
-def _store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout: gl.constexpr):
-    """Store b_out [HALF_M, BLOCK_N] (out_layout) at rows row_half.. and columns col_start.., masked to rows <
-    row_end and columns < N."""
-    HALF_M: gl.constexpr = b_out.type.shape[0]
-    BLOCK_N: gl.constexpr = b_out.type.shape[1]
-    offs_om = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
-    offs_on = col_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-    mask_out = gl.expand_dims(offs_om < row_end, 1) & gl.expand_dims(offs_on < N, 0)
-    out_ptrs = out_ptr + gl.expand_dims(offs_om.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_on, 0)
-    gl.store(out_ptrs, b_out, mask=mask_out)
+            store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, pid_n * TILE_N, N, out_layout)
 
 
 @gluon_jit

@@ -120,6 +120,19 @@ def consumer_stage(a_bufs, ready_bars, it, WARP_GROUP: gl.constexpr):
 
 
 @gluon_jit
+def store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout: gl.constexpr):
+    """A consumer's epilogue store: b_out [HALF_M, BLOCK_N] (in out_layout) at rows row_half.. and columns
+    col_start.. of out, masked to rows < row_end (the expert's end in the grouped form) and columns < N."""
+    HALF_M: gl.constexpr = b_out.type.shape[0]
+    BLOCK_N: gl.constexpr = b_out.type.shape[1]
+    offs_om = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, out_layout))
+    offs_on = col_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+    mask_out = gl.expand_dims(offs_om < row_end, 1) & gl.expand_dims(offs_on < N, 0)
+    out_ptrs = out_ptr + gl.expand_dims(offs_om.to(gl.int64) * stride_out_m, 1) + gl.expand_dims(offs_on, 0)
+    gl.store(out_ptrs, b_out, mask=mask_out)
+
+
+@gluon_jit
 def tile_counts(M, N, num_m_tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED: gl.constexpr):
     """-> (num_pid_m, num_pid_n, num_tiles) of the persistent order: cdiv(M, BLOCK_M) row blocks, or GROUPED the
     tile map's num_m_tiles[0], times cdiv(N, BLOCK_N) column blocks."""
