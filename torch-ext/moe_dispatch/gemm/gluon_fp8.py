@@ -77,7 +77,6 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
     `quantize_rows`, the portable kernels' arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32).
     Plain (the wide tile, `GluonFp8Config.N_TILES` 2): the two accumulators are the tile's two column halves, stored
     as bf16."""
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
