@@ -10,7 +10,8 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
 2. Speed (triton.testing.do_bench, median ms; TFLOP/s = 2 M N K / time): dense M = N = K in {4096, 8192} beside
    torch._scaled_mm with per-row / per-column scales (one scale per row of A and column of B: no promotion in the K
    loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192, and the 128 x 256 output tile
-   (`gluon_fp8.WIDE_CONFIG`, checked against the default's result) at both sizes and the MoE shape. The MoE shape:
+   (`gluon_fp8.WIDE_CONFIG`, checked against the default's result) at both sizes and the MoE shape, and at 64 rows
+   per expert the 64 x 256 tile (`gluon_fp8.ROWS64_CONFIG`) beside the default. The MoE shape:
    16384 expert-sorted rows over E = 8 experts (2048 each), N = 4096, K = 7168, beside _scaled_mm on the dense
    [16384, 7168] x [7168, 4096] of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose
    gate/up GEMM this is (H = 7168, 2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of
@@ -21,11 +22,11 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
    Mixtral-8x7B (E 8, top-2, H 4096, F 14336) widths, T = 4096 and 16384, uniform random routing: the portable w8a8
    kernels (MOE_DISPATCH_GLUON_FP8=0), the Gluon engine (gemm/gluon_experts.py; the variable set to 1 in this
    process, plans cleared after each change) with GEMM1's activation in a separate pass, fused into its epilogue
-   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 128 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG), and
-   the bf16 path on the dequantized weights, each timed as a CUDA graph (do_bench_cudagraph, median). A table of ms,
-   TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused, gluon/wide and fp8/bf16; the Gluon results checked
-   against the portable one and the bf16 one (relative error < reference.W8A8_TOLERANCE: both quantize activations to
-   e4m3 with different groups, or not at all).
+   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 128 x 256 or 64 x 256 tiles
+   (gluon_experts.FP8_GEMM_CONFIG), and the bf16 path on the dequantized weights, each timed as a CUDA graph
+   (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused,
+   gluon/wide, gluon/r64 and fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative
+   error < reference.W8A8_TOLERANCE: both quantize activations to e4m3 with different groups, or not at all).
 4. The bf16 engine (`--sections bf16`; gemm/gluon_bf16.py, opt-in through MOE_DISPATCH_GLUON_BF16=1): the Gluon
    GEMM against float64 in bf16 and fp16 (dense at odd M, N and K tails; grouped with an empty expert, a one-row
    expert and tiles ending mid-expert; the gated GEMM1 with silu, and swiglu_oai with biases, at F = 200 and 768; a
@@ -191,11 +192,12 @@ def experts_sections(args, dev="cuda"):
                 label = f"{model} T{T}"
                 times, outs = {}, {}
                 # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION);
-                # "gluon w8a8 wide": the plain GEMMs on 128 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
+                # "wide" / "rows64": the plain GEMMs on 128 x 256 / 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
                 for engine, mode, fused, cfg in (("portable w8a8", "0", False, config_default),
                                                  ("gluon w8a8", "1", False, config_default),
                                                  ("gluon w8a8 fused", "1", True, config_default),
-                                                 ("gluon w8a8 wide", "1", False, gluon_fp8.WIDE_CONFIG)):
+                                                 ("gluon w8a8 wide", "1", False, gluon_fp8.WIDE_CONFIG),
+                                                 ("gluon w8a8 rows64", "1", False, gluon_fp8.ROWS64_CONFIG)):
                     os.environ[planner.GLUON_FP8_VARIABLE] = mode
                     gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG = fused, cfg
                     md.host.replay.clear()  # the variable and the switches are read when a plan is recorded
@@ -212,8 +214,8 @@ def experts_sections(args, dev="cuda"):
                 times["bf16"], how = bench_graph_ms(run)
                 record("bf16 (dequantized weights)", label, times["bf16"], flops, how)
                 EXPERTS_ROWS.append((label, times["portable w8a8"], times["gluon w8a8"], times["gluon w8a8 fused"],
-                                     times["gluon w8a8 wide"], times["bf16"], flops))
-                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 wide"):
+                                     times["gluon w8a8 wide"], times["gluon w8a8 rows64"], times["bf16"], flops))
+                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 wide", "gluon w8a8 rows64"):
                     check(f"{label} {engine} vs portable w8a8", relative_error(outs[engine], outs["portable w8a8"]),
                           W8A8_TOLERANCE)
                     check(f"{label} {engine} vs bf16 weights", relative_error(outs[engine], outs["bf16"]),
@@ -224,18 +226,19 @@ def experts_sections(args, dev="cuda"):
 
     if EXPERTS_ROWS:
         print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} {'wide ms':>8} "
-              f"{'bf16 ms':>8} {'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} {'gluon/':>7} "
-              f"{'fp8/bf16':>9}")
-        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} {'TFLOP/s':>7} "
-              f"{'portable':>9} {'fused':>7} {'wide':>7} {'(best)':>9}")
-        for label, portable, gluon, fused, wide, bf16, flops in EXPERTS_ROWS:
-            best = min(gluon, fused, wide)
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {wide:8.3f} {bf16:8.3f} "
+              f"{'r64 ms':>8} {'bf16 ms':>8} {'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} "
+              f"{'gluon/':>7} {'gluon/':>7} {'fp8/bf16':>9}")
+        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} "
+              f"{'TFLOP/s':>7} {'portable':>9} {'fused':>7} {'wide':>7} {'r64':>7} {'(best)':>9}")
+        for label, portable, gluon, fused, wide, rows64, bf16, flops in EXPERTS_ROWS:
+            best = min(gluon, fused, wide, rows64)
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {wide:8.3f} {rows64:8.3f} {bf16:8.3f} "
                   f"{tflops(flops, portable):9.1f} {tflops(flops, best):7.1f} {tflops(flops, bf16):7.1f} "
-                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / wide:6.2f}x "
+                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / wide:6.2f}x {gluon / rows64:6.2f}x "
                   f"{bf16 / min(portable, best):8.2f}x")
-        print("(gluon/portable, gluon/fused, gluon/wide and fp8/bf16 are speedups: time of the first over time of the "
-              "second; 'gluon' TFLOP/s is the fastest Gluon form's)")
+        print("(gluon/portable, gluon/fused, gluon/wide, gluon/r64 and fp8/bf16 are speedups: time of the first over "
+              "time of the second; 'gluon' TFLOP/s is the fastest Gluon form's; at T = 1024 pass --tokens 1024, the "
+              "engine forced on below GLUON_FP8_MIN_ROWS)")
 
 
 def random_experts(E, H, F, dev, experts_per_chunk=16):
@@ -469,6 +472,17 @@ def main(argv=None):
                   relative_error(gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide), out), 1e-3)
             ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide))
             record("gluon grouped (128x256 tile)", f"E{E} {M}x{N}x{K}", ms, flops)
+            # 64 rows per expert (T = 512 tokens' worth at top-8 over 64 experts): the 64 x 256 tile against the
+            # default, the shape the Gluon engine leaves to the portable kernels today
+            small = offsets_of([64] * E)
+            a64, a64_s = a[:64 * E], a_s[:64 * E]
+            out64 = gluon_fp8.fp8_block_grouped_gemm(a64, a64_s, b, b_s, small)
+            for name, cfg in (("128x128", gluon_fp8.DEFAULT_CONFIG), ("64x256", gluon_fp8.ROWS64_CONFIG)):
+                check(f"grouped 64 rows per expert, {name} tile vs 128x128",
+                      relative_error(gluon_fp8.fp8_block_grouped_gemm(a64, a64_s, b, b_s, small, cfg=cfg), out64),
+                      1e-3)
+                ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a64, a64_s, b, b_s, small, cfg=cfg))
+                record(f"gluon grouped ({name} tile)", f"E{E} {64 * E}x{N}x{K}", ms, 2 * 64 * E * N * K)
             row_scale = torch.rand(M, 1, device=dev) + 0.5
             col_scale = torch.rand(1, N, device=dev) + 0.5
             ms = bench_ms(lambda: torch._scaled_mm(a, b[0].t(), scale_a=row_scale, scale_b=col_scale,

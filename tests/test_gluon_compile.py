@@ -6,7 +6,7 @@ Each launcher runs on CPU tensors with the availability check answering yes and 
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
 the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
 fp16, grouped and dense, the bf16 epilogue through shared memory, the gated GEMM1 with silu and with swiglu_oai and
-biases; the FP8 kernel's two, its 128 x 256 tile and its gated GEMM1 likewise) must compile without
+biases; the FP8 kernel's two, its 128 x 256 and 64 x 256 tiles and its gated GEMM1 likewise) must compile without
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
@@ -82,6 +82,9 @@ VARIANTS = [
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
     *[(f"fp8-gemm-{form}-wide", (lambda g=grouped: _fp8_call(g, gluon_fp8.WIDE_CONFIG)), gluon_fp8.WIDE_CONFIG,
+       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
+      for form, grouped in (("grouped", True), ("dense", False))],
+    *[(f"fp8-gemm-{form}-rows64", (lambda g=grouped: _fp8_call(g, gluon_fp8.ROWS64_CONFIG)), gluon_fp8.ROWS64_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
     # the probe's other tiles (benchmarks/gluon_fp8_probe.py): each must compile before a GPU run times it

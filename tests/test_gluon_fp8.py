@@ -98,6 +98,9 @@ def test_launchers_refuse_bad_arguments():
     for change in (dict(N_TILES=3), dict(N_TILES=2, BLOCK_N=64)):
         with pytest.raises(ValueError, match="N_TILES must be 1, or 2 with BLOCK_N 128"):
             gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2), cfg=gluon_fp8.GluonFp8Config(**change))
+    for change in (dict(BLOCK_M=64), dict(BLOCK_M=32, N_TILES=2)):
+        with pytest.raises(ValueError, match="BLOCK_M must be 128 .* or 64 with N_TILES 2"):
+            gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2), cfg=gluon_fp8.GluonFp8Config(**change))
     gated, offsets = gluon_fp8.fp8_block_gated_grouped_gemm, torch.tensor([0, 3, 8], dtype=torch.int32)
     b, b_scale = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 2)
     with pytest.raises(ValueError, match="F a multiple of 128"):
@@ -111,8 +114,8 @@ def test_launchers_refuse_bad_arguments():
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128))
     with pytest.raises(ValueError, match=r"up_bias must be \[E, F\]"):
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128), up_bias=torch.zeros(2, 64))
-    for cfg in (gluon_fp8.GluonFp8Config(BLOCK_N=64), gluon_fp8.WIDE_CONFIG):
-        with pytest.raises(ValueError, match="BLOCK_N must be 128 and N_TILES 1"):
+    for cfg in (gluon_fp8.GluonFp8Config(BLOCK_N=64), gluon_fp8.WIDE_CONFIG, gluon_fp8.ROWS64_CONFIG):
+        with pytest.raises(ValueError, match="BLOCK_N must be 128, N_TILES 1 and BLOCK_M 128"):
             gated(a, torch.ones(8, 2), b, b_scale, offsets, cfg=cfg)
     if not gluon_fp8.available():
         with pytest.raises(RuntimeError, match="unavailable"):
@@ -155,16 +158,16 @@ def test_gated_reference_is_the_quantized_activation(activation):
     torch.testing.assert_close(h_scale.double(), group_amax / 448, rtol=1e-6, atol=0)
 
 
-CONFIGS = [gluon_fp8.DEFAULT_CONFIG, gluon_fp8.WIDE_CONFIG]
-CONFIG_IDS = ["128x128", "128x256"]
+CONFIGS = [gluon_fp8.DEFAULT_CONFIG, gluon_fp8.WIDE_CONFIG, gluon_fp8.ROWS64_CONFIG]
+CONFIG_IDS = ["128x128", "128x256", "64x256"]
 
 
 @on_hopper
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("M, N, K", [(1, 256, 512), (77, 320, 1040), (4097, 512, 2048), (300, 128, 256)])
 def test_dense_matches_float64(M, N, K, cfg):
-    """N = 320: a last 128 x 256 tile whose second half is 64 columns wide; N = 128: its second half past N (not
-    read, not stored)."""
+    """N = 320: a last 256-column tile whose second half is 64 columns wide; N = 128: its second half past N (never
+    stored; the 64-row tile's second consumer reads the last scale row for it)."""
     a, a_scale = quantize_rows(torch.randn(M, K, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(1, N, K, device="cuda"))
     out = gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
@@ -176,8 +179,9 @@ def test_dense_matches_float64(M, N, K, cfg):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
 def test_grouped_matches_float64(counts, cfg):
-    """N = 384: the 128 x 256 tile's last column tile has one half inside N and one past it, whose B rows are the
-    next expert's (or past the last expert's: zeros) and whose scale row is not read."""
+    """N = 384: a 256-column tile's last column tile has one half inside N and one past it, whose B rows are the
+    next expert's (or past the last expert's: zeros), never stored; 64-row tiles cut the 77-, 129- and 300-row
+    experts differently."""
     N, K = 384, 1024
     offsets = _offsets(counts, "cuda")
     a, a_scale = quantize_rows(torch.randn(sum(counts), K, device="cuda"))

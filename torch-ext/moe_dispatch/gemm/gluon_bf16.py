@@ -81,7 +81,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         b_acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         if ACTIVATION == ACT_NONE:
             for kb in range(k_blocks):
-                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP, False)  # a_tile [HALF_M, BLOCK_K]
                 b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
                 b_acc = warpgroup_mma(a_tile, b_tile, b_acc, is_async=True)
                 # At most one wgmma in flight: this one. The previous K block's has retired, so its stage is free
@@ -95,7 +95,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, M, N, K, num
         else:
             b_up = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             for kb in range(k_blocks):
-                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP, False)  # a_tile [HALF_M, BLOCK_K]
                 gate_tile = b_bufs.index(2 * stage).permute((1, 0))  # [BLOCK_K, BLOCK_N]
                 up_tile = b_bufs.index(2 * stage + 1).permute((1, 0))
                 b_acc = warpgroup_mma(a_tile, gate_tile, b_acc, is_async=True)

@@ -76,8 +76,8 @@ from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 # launches of the value it was recorded with.
 FUSED_ACTIVATION = False
 # The tiles of the w8a8 engine's plain FP8 GEMMs (GEMM2, and GEMM1 with the separate pass): gluon_fp8's measured
-# 128 x 128 default; gluon_fp8.WIDE_CONFIG (128 x 256) is the probe's alternative, not yet measured. Read like
-# FUSED_ACTIVATION.
+# 128 x 128 default; gluon_fp8.WIDE_CONFIG (128 x 256) and ROWS64_CONFIG (64 x 256, for experts of fewer than 128
+# rows) are the probe's alternatives, not yet measured. Read like FUSED_ACTIVATION.
 FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)

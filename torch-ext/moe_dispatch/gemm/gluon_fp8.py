@@ -76,11 +76,15 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
     scale per row (BLOCK_N = 128: one scale group; gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's
     `quantize_rows`, the portable kernels' arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32).
     Plain (the wide tile, `GluonFp8Config.N_TILES` 2): the two accumulators are the tile's two column halves, stored
-    as bf16."""
+    as bf16. BLOCK_M 64 (SPLIT_N, with two B tiles): each consumer takes the whole 64-row A tile against its own B
+    tile, the 128-column half WARP_GROUP of a 64 x 256 output tile, with the single-accumulator loop above."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    # BLOCK_M 64 (`GluonFp8Config.BLOCK_M`): the consumers split the 64 x 2 BLOCK_N tile's columns, each the whole
+    # A tile against its own B tile; otherwise each takes a 64-row half of the 128-row tile
+    SPLIT_N: gl.constexpr = BLOCK_M == 64
+    HALF_M: gl.constexpr = BLOCK_M if SPLIT_N else BLOCK_M // 2  # a consumer's rows
     SCALE_BLOCK: gl.constexpr = 128
     # columns of an output tile: the gated tile's are act(gate, up) of BLOCK_N pairs, the wide tile's two B tiles'
     TILE_N: gl.constexpr = 2 * BLOCK_N if B_TILES == 2 and ACTIVATION == ACT_NONE else BLOCK_N
@@ -90,20 +94,29 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
                                                     expert_offsets_ptr, BLOCK_M, GROUP_M, GROUPED)
-        row_half = row_start + WARP_GROUP * HALF_M
+        if SPLIT_N:
+            row_half = row_start
+            col_start = pid_n * TILE_N + WARP_GROUP * BLOCK_N  # this consumer's columns
+            # a last tile's second half may lie past N: it reads the last scale row instead (and is never stored)
+            scale_row = gl.minimum(col_start, N - 1) // SCALE_BLOCK
+        else:
+            row_half = row_start + WARP_GROUP * HALF_M
+            col_start = pid_n * TILE_N
+            scale_row = col_start // SCALE_BLOCK
         offs_m = row_half + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
         mask_m = offs_m < row_end
         a_s_ptrs = a_scale_ptr + offs_m.to(gl.int64) * stride_a_scale_m
-        b_s_ptr = b_scale_ptr + expert * stride_b_scale_e + (pid_n * TILE_N // SCALE_BLOCK) * stride_b_scale_n
+        b_s_ptr = b_scale_ptr + expert * stride_b_scale_e + scale_row * stride_b_scale_n
 
         # The scales of K block kb are loaded one block ahead, under the wgmma of block kb - 1.
         b_a_s = gl.load(a_s_ptrs, mask=mask_m, other=0.0)  # [HALF_M]
         b_b_s = gl.load(b_s_ptr)
         b_acc = b_zero  # [HALF_M, BLOCK_N]
-        if B_TILES == 1:
+        if B_TILES == 1 or SPLIT_N:
             for kb in range(k_blocks):
-                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
-                b_tile = b_bufs.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP, SPLIT_N)  # [HALF_M, BLOCK_K]
+                b_index = 2 * stage + WARP_GROUP if SPLIT_N else stage
+                b_tile = b_bufs.index(b_index).permute((1, 0))  # [BLOCK_K, BLOCK_N], a K-major view
                 b_part = warpgroup_mma(a_tile, b_tile, b_zero, use_acc=False, is_async=True)
                 # The last block reloads its own scales rather than reading past the row.
                 k_next = gl.minimum(kb + 1, k_blocks - 1) * BLOCK_K // SCALE_BLOCK
@@ -126,7 +139,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
             # spills (the product form spills 120-208 bytes in the K loop at any register count up to 256).
             b_part = b_zero
             for kb in range(k_blocks):
-                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP)  # a_tile [HALF_M, BLOCK_K]
+                stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP, False)  # [HALF_M, BLOCK_K]
                 b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage).permute((1, 0)), b_part, use_acc=False,
                                        is_async=True)
                 k_scale = kb * BLOCK_K // SCALE_BLOCK
@@ -156,8 +169,8 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                             pid_n * TILE_N + BLOCK_N, N, acc_layout)
                 store_tile(out_ptr, stride_out_m, b_acc.to(out_ptr.dtype.element_ty), row_half, row_end,
                             pid_n * TILE_N, N, acc_layout)
-        if B_TILES == 1 or ACTIVATION != ACT_NONE:
-            store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, pid_n * TILE_N, N, out_layout)
+        if B_TILES == 1 or ACTIVATION != ACT_NONE or SPLIT_N:
+            store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout)
 
 
 @gluon_jit
@@ -185,7 +198,8 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
     B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE and N_TILES == 1 else 2
     TILE_N: gl.constexpr = N_TILES * BLOCK_N
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
-    gl.static_assert(BLOCK_M == 128, "two 64-row consumer halves")
+    gl.static_assert(BLOCK_M == 128 or (BLOCK_M == 64 and N_TILES == 2 and ACTIVATION == ACT_NONE),
+                     "two 64-row consumer halves, or (64 rows) two column halves")
     gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per B tile")
     gl.static_assert(ACTIVATION == ACT_NONE or (BLOCK_N == 128 and N_TILES == 1),
                      "gated: one 128-column scale group per tile")
@@ -218,10 +232,10 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
 class GluonFp8Config:
     """Launch parameters of `_fp8_block_scaled_gemm_kernel`.
 
-    BLOCK_M is fixed at 128 (two 64-row warp-group halves); BLOCK_N (the rows of a B tile) and BLOCK_K must divide
-    the 128 scale block. Registers: 3 warp groups x 128 threads x MAXNREG = 64512 of the SM's 65536; the producer's
-    warp group drops to PRODUCER_REGS, consumer 1 asks CONSUMER_REGS and consumer 0 (the default partition) gets what
-    is left.
+    BLOCK_M is 128 (two 64-row warp-group halves), or 64 with N_TILES 2 (the warp groups on the two column halves);
+    BLOCK_N (the rows of a B tile) and BLOCK_K must divide the 128 scale block. Registers: 3 warp groups x 128
+    threads x MAXNREG = 64512 of the SM's 65536; the producer's warp group drops to PRODUCER_REGS, consumer 1 asks
+    CONSUMER_REGS and consumer 0 (the default partition) gets what is left.
     """
     BLOCK_M: int = 128
     BLOCK_N: int = 128
@@ -239,14 +253,17 @@ class GluonFp8Config:
 
 DEFAULT_CONFIG = GluonFp8Config()
 WIDE_CONFIG = GluonFp8Config(N_TILES=2)  # the 128 x 256 tile, for the probe to time beside the default
+# 64 x 256 tiles, the consumers on the two column halves: for experts of fewer than 128 rows (half of a 128-row tile
+# idles there), for the probe to time against the portable kernels below GLUON_FP8_MIN_ROWS
+ROWS64_CONFIG = GluonFp8Config(BLOCK_M=64, N_TILES=2)
 
 
 def kernel_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG, gated: bool = False):
-    """-> (acc_layout, out_layout): the wgmma accumulator of one 64-row half (m64 n128 k32 steps over one warp
+    """-> (acc_layout, out_layout): the wgmma accumulator of a consumer's 64 rows (m64 n128 k32 steps over one warp
     group) and the epilogue's store layout: 16-byte vectors of bf16 (a warp writing two 256-byte rows) or, gated,
     of e4m3."""
     acc_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cfg.BLOCK_N, 32])
-    return acc_layout, store_layout(cfg.BLOCK_M // 2, cfg.BLOCK_N, 1 if gated else 2)
+    return acc_layout, store_layout(64, cfg.BLOCK_N, 1 if gated else 2)
 
 
 def operand_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
@@ -257,8 +274,9 @@ def operand_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
 
 
 def _check_config(cfg: GluonFp8Config) -> None:
-    if cfg.BLOCK_M != 128:
-        raise ValueError(f"BLOCK_M must be 128 (two 64-row warp groups), got {cfg.BLOCK_M}")
+    if cfg.BLOCK_M not in (64, 128) or (cfg.BLOCK_M == 64 and cfg.N_TILES != 2):
+        raise ValueError(f"BLOCK_M must be 128 (two 64-row warp groups), or 64 with N_TILES 2 (the two warp groups "
+                         f"on the two column halves), got {cfg.BLOCK_M} (N_TILES {cfg.N_TILES})")
     for name in ("BLOCK_N", "BLOCK_K"):
         value = getattr(cfg, name)
         if value not in (64, 128):
@@ -376,9 +394,10 @@ def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     Rows past the experts' last offset are left unwritten in h and h_scale.
     """
     _check_config(cfg)
-    if cfg.BLOCK_N != SCALE_BLOCK or cfg.N_TILES != 1:
-        raise ValueError(f"BLOCK_N must be {SCALE_BLOCK} and N_TILES 1 for the gated GEMM (one scale group per tile, "
-                         f"its two B tiles gate and up), got {cfg.BLOCK_N} and {cfg.N_TILES}")
+    if cfg.BLOCK_N != SCALE_BLOCK or cfg.N_TILES != 1 or cfg.BLOCK_M != 128:
+        raise ValueError(f"BLOCK_N must be {SCALE_BLOCK}, N_TILES 1 and BLOCK_M 128 for the gated GEMM (one scale "
+                         f"group per tile, its two B tiles gate and up), got {cfg.BLOCK_N}, {cfg.N_TILES} and "
+                         f"{cfg.BLOCK_M}")
     check_activation(activation)
     check_operand("a", a, 2, FP8_DTYPES)
     check_operand("b", b, 3, FP8_DTYPES)

@@ -108,15 +108,19 @@ def stage_ring(a_desc, b_desc, NUM_STAGES: gl.constexpr, B_TILES: gl.constexpr =
 
 
 @gluon_jit
-def consumer_stage(a_bufs, ready_bars, it, WARP_GROUP: gl.constexpr):
+def consumer_stage(a_bufs, ready_bars, it, WARP_GROUP: gl.constexpr, SPLIT_N: gl.constexpr):
     """A consumer's K step `it` (counted over all its tiles): its stage in the ring, once the stage's ready barrier
-    has completed (the producer's TMA bytes landed), and consumer WARP_GROUP's 64-row half of the stage's A tile.
-    -> (stage, a_tile [BLOCK_M / 2, BLOCK_K])."""
+    has completed (the producer's TMA bytes landed), and consumer WARP_GROUP's 64-row half of the stage's A tile, or
+    with SPLIT_N (the consumers split the tile's columns instead) the whole 64-row A tile.
+    -> (stage, a_tile [64, BLOCK_K])."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     HALF_M: gl.constexpr = a_bufs.type.shape[1] // 2
     stage = it % NUM_STAGES
     mbarrier.wait(ready_bars.index(stage), (it // NUM_STAGES) & 1)
-    return stage, a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)
+    if SPLIT_N:
+        return stage, a_bufs.index(stage)
+    else:
+        return stage, a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M)
 
 
 @gluon_jit
