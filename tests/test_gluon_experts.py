@@ -176,14 +176,36 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 # -- the glue on the CPU, the GEMM swapped for its float64 reference -----------------------------------------------
 
 
+def test_plain_gemm_tiles_by_rows_per_expert(monkeypatch):
+    """The engine's plain FP8 GEMMs take the 64 x 256 tile below ROWS64_BELOW_ROWS rows per expert (T * top_k / E)
+    once it is set, FP8_GEMM_CONFIG otherwise; unset (the default until measured), always FP8_GEMM_CONFIG."""
+    import types
+
+    def info(T, top_k=8, E=128):
+        return types.SimpleNamespace(num_tokens=T, top_k=top_k, num_experts=E)
+
+    assert gluon_experts.ROWS64_BELOW_ROWS is None
+    assert gluon_experts.fp8_gemm_config(info(16)) is gluon_experts.FP8_GEMM_CONFIG
+    monkeypatch.setattr(gluon_experts, "ROWS64_BELOW_ROWS", 128)
+    assert gluon_experts.fp8_gemm_config(info(1024)) is gluon_fp8.ROWS64_CONFIG  # 64 rows per expert
+    assert gluon_experts.fp8_gemm_config(info(2048)) is gluon_experts.FP8_GEMM_CONFIG  # 128
+    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", gluon_fp8.WIDE_CONFIG)
+    assert gluon_experts.fp8_gemm_config(info(4096)) is gluon_fp8.WIDE_CONFIG
+    assert gluon_experts.fp8_gemm_config(info(0)) is gluon_fp8.ROWS64_CONFIG
+
+
+PLAIN_GEMM_CONFIGS = []  # the `cfg` of each plain GEMM call under `reference_engine`, in order
+
+
 @pytest.fixture
 def reference_engine(monkeypatch):
     """The engine selected on this machine, its GEMMs the float64 references (helpers.swap_gluon_gemm): the plain
     one rounded to bf16 as the kernel writes, the gated one's activation quantized to e4m3 per row and 128 columns
     as its epilogue does. Yields the list of GEMM calls, in order, each led by "plain" or "gated"."""
+    PLAIN_GEMM_CONFIGS.clear()
     calls = swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_grouped_gemm", planner.GLUON_FP8_VARIABLE,
-                            lambda *operands, cfg: fp8_block_grouped_gemm_ref(*operands), out_dtype=torch.bfloat16,
-                            label="plain")
+                            lambda *operands, cfg: PLAIN_GEMM_CONFIGS.append(cfg) or fp8_block_grouped_gemm_ref(
+                                *operands), out_dtype=torch.bfloat16, label="plain")
     yield swap_gluon_gemm(monkeypatch, gluon_fp8, "fp8_block_gated_grouped_gemm", planner.GLUON_FP8_VARIABLE,
                           fp8_block_gated_grouped_gemm_ref, calls=calls, label="gated")
 
@@ -230,13 +252,16 @@ def _glue_inputs(case):
     return x, w_gate_up, w_down, ids, weights, scales, options
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["pass", "fused"])
+@pytest.mark.parametrize("form", ["pass", "fused", "rows64"])
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
-def test_engine_glue_matches_float64(case, fused, reference_engine, poison_empty, monkeypatch):
+def test_engine_glue_matches_float64(case, form, reference_engine, poison_empty, monkeypatch):
     """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts on
-    the dequantized weights and against the float64 model of the w8a8 arithmetic. Buffers start as NaN
-    (poison_empty): the passes write every row the GEMMs and combine read."""
+    the dequantized weights and against the float64 model of the w8a8 arithmetic, with GEMM1's activation in a pass,
+    fused, and with the plain GEMMs on the 64 x 256 tile (ROWS64_BELOW_ROWS: the launcher checks the operands under
+    that config). Buffers start as NaN (poison_empty): the passes write every row the GEMMs and combine read."""
+    fused = form == "fused"
     monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)
+    monkeypatch.setattr(gluon_experts, "ROWS64_BELOW_ROWS", 128 if form == "rows64" else None)
     x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
                            **options)
@@ -246,6 +271,8 @@ def test_engine_glue_matches_float64(case, fused, reference_engine, poison_empty
     gemm1 = "gated" if fused and not options.get("interleaved") and case.F % 128 == 0 else "plain"
     assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), fp8),
                                 ("plain", (N, case.F), (case.E, case.H, case.F), fp8)]
+    tiles = gluon_fp8.ROWS64_CONFIG if form == "rows64" else gluon_fp8.DEFAULT_CONFIG
+    assert PLAIN_GEMM_CONFIGS == [tiles] * (1 if gemm1 == "gated" else 2)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref_options = {k: v for k, v in options.items() if k != "w_gate_up_scale_layout"}
     assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,

@@ -64,7 +64,7 @@ from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, t
                   tile_setup)
 from .gluon_bf16 import bf16_gated_grouped_gemm, bf16_grouped_gemm
 from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
-from .gluon_fp8 import SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
+from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
@@ -79,6 +79,10 @@ FUSED_ACTIVATION = False
 # 128 x 128 default; gluon_fp8.WIDE_CONFIG (128 x 256) and ROWS64_CONFIG (64 x 256, for experts of fewer than 128
 # rows) are the probe's alternatives, not yet measured. Read like FUSED_ACTIVATION.
 FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
+# Below this many rows per expert (T * top_k / E, the host's average) the plain FP8 GEMMs take
+# gluon_fp8.ROWS64_CONFIG instead of FP8_GEMM_CONFIG; None: never (the 64 x 256 tile has not run on a GPU). With
+# planner.GLUON_FP8_MIN_ROWS at 128 the engine runs below 128 rows only where MOE_DISPATCH_GLUON_FP8=1 forces it.
+ROWS64_BELOW_ROWS: int | None = None
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
 # the bf16 activation's output columns per program: it holds two [BLOCK_M, 64] fp32 tiles (gate and up), or one
@@ -261,6 +265,13 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
     return y
 
 
+def fp8_gemm_config(info):
+    """The tiles of the w8a8 engine's plain FP8 GEMMs for dispatch `info`: ROWS64_CONFIG below ROWS64_BELOW_ROWS rows
+    per expert on average (host facts only), else FP8_GEMM_CONFIG."""
+    rows = info.num_tokens * info.top_k / max(info.num_experts, 1)
+    return ROWS64_CONFIG if ROWS64_BELOW_ROWS is not None and rows < ROWS64_BELOW_ROWS else FP8_GEMM_CONFIG
+
+
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
                        alpha=1.702, limit=7.0, fused_activation=None):
@@ -278,16 +289,16 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     `fused_activation` (None: FUSED_ACTIVATION) says so; elsewhere the separate pass does."""
     a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
     fused = FUSED_ACTIVATION if fused_activation is None else fused_activation
+    cfg = fp8_gemm_config(info)
     if fused and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
         h, h_scale = fp8_block_gated_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
                                                   activation=activation, gate_bias=gate_bias, up_bias=up_bias,
                                                   alpha=alpha, limit=limit)
     else:
-        gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
-                                         cfg=FP8_GEMM_CONFIG)
+        gate_up = fp8_block_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets, cfg=cfg)
         h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
                                            gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
-    y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets, cfg=FP8_GEMM_CONFIG)
+    y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets, cfg=cfg)
     if down_bias is None:
         return y, topk_weights
     return _bias_routing_weight(y, info, down_bias, topk_weights), None
