@@ -410,7 +410,7 @@ def segment_tile_map(expert_offsets: torch.Tensor, num_rows: int, num_experts: i
     max_tiles = max_tiles_bound(num_rows, num_experts, block_m)
     tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
     tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
-    num_tiles = torch.empty(1, device=device, dtype=torch.int32) if count_tiles else None
+    num_tiles = torch.empty(1, device=device, dtype=torch.int32)  # written only with count_tiles
     launch(_segment_tile_map_kernel, (1,),
         expert_offsets, expert_offsets.stride(0), clean_offsets, tile_expert, tile_row_start, num_tiles, num_experts,
         num_rows, max_tiles,
@@ -418,7 +418,7 @@ def segment_tile_map(expert_offsets: torch.Tensor, num_rows: int, num_experts: i
         BLOCK_TILES=min(BLOCK_TILES, next_power_of_2(max(max_tiles, 1))), COUNT_TILES=count_tiles,
         num_warps=SCAN_WARPS,
     )
-    return clean_offsets, tile_expert, tile_row_start, num_tiles
+    return clean_offsets, tile_expert, tile_row_start, num_tiles if count_tiles else None
 
 
 def segment_dispatch(expert_offsets: torch.Tensor, num_rows: int, num_experts: int, block_m: int,
