@@ -165,18 +165,56 @@ def bench_graph_ms(fn):
         return bench_ms(fn), "eager"
 
 
+def layer_widths(model):
+    """(E, top_k, H, F) of a --models name (benchmarks/model_shapes.py)."""
+    from model_shapes import MODEL_SHAPES
+
+    shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
+    return shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+
+
+def routed_tokens(T, E, top_k, H, dev):
+    """(x [T, H] bf16, topk ids [T, top_k] int32, softmaxed routing weights): uniform random routing."""
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+    return x, ids, torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+
+
+def time_engines(label, flops, run, variable, variants, prefix=""):
+    """Time `run()` (a fused_experts call) once per variant (name, the engine variable's value, gemm.gluon_experts
+    attributes to set), plans cleared after each change (both are read when a plan is recorded), each as a CUDA graph
+    and recorded as `prefix + name`; the variable and attributes are restored after. -> (ms by name, output by
+    name)."""
+    import moe_dispatch as md
+    from moe_dispatch.gemm import gluon_experts
+
+    saved = {name: getattr(gluon_experts, name) for _, _, switches in variants for name in switches}
+    times, outs = {}, {}
+    try:
+        for name, mode, switches in variants:
+            os.environ[variable] = mode
+            for attr, value in switches.items():
+                setattr(gluon_experts, attr, value)
+            md.host.replay.clear()
+            outs[name] = run()
+            times[name], how = bench_graph_ms(run)
+            record(prefix + name, label, times[name], flops, how)
+    finally:
+        os.environ.pop(variable, None)
+        for attr, value in saved.items():
+            setattr(gluon_experts, attr, value)
+        md.host.replay.clear()
+    return times, outs
+
+
 def experts_sections(args, dev="cuda"):
     """Part 3: fused_experts per engine at real layer widths (module docstring)."""
     import moe_dispatch as md
-    from model_shapes import MODEL_SHAPES
-    from moe_dispatch.gemm import gluon_experts, planner
+    from moe_dispatch.gemm import planner
     from moe_dispatch.reference import W8A8_TOLERANCE, relative_error
 
-    fused_default, config_default = gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG
-
     for model in args.models:
-        shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
-        E, top_k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+        E, top_k, H, F = layer_widths(model)
 
         @part(f"fused_experts engines: {model} (E {E}, top-{top_k}, H {H}, F {F})")
         def _():
@@ -185,30 +223,19 @@ def experts_sections(args, dev="cuda"):
             bf16_gate_up, bf16_down = dequantized_bf16(w_gate_up, s_gate_up), dequantized_bf16(w_down, s_down)
             fp8 = dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down, fp8_compute="w8a8")
             for T in args.tokens:
-                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-                ids = torch.rand(T, E, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
-                weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+                x, ids, weights = routed_tokens(T, E, top_k, H, dev)
                 flops = 6 * T * top_k * H * F  # gate/up (2 F x H) and down (H x F), 2 FLOPs a multiply-add
                 label = f"{model} T{T}"
-                times, outs = {}, {}
                 # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION);
                 # "wide" / "rows64": the plain GEMMs on 128 x 256 / 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
-                for engine, mode, fused, cfg in (("portable w8a8", "0", False, config_default),
-                                                 ("gluon w8a8", "1", False, config_default),
-                                                 ("gluon w8a8 fused", "1", True, config_default),
-                                                 ("gluon w8a8 wide", "1", False, gluon_fp8.WIDE_CONFIG),
-                                                 ("gluon w8a8 rows64", "1", False, gluon_fp8.ROWS64_CONFIG)):
-                    os.environ[planner.GLUON_FP8_VARIABLE] = mode
-                    gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG = fused, cfg
-                    md.host.replay.clear()  # the variable and the switches are read when a plan is recorded
-                    run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False,
-                                            **fp8)
-                    outs[engine] = run()
-                    times[engine], how = bench_graph_ms(run)
-                    record(engine, label, times[engine], flops, how)
-                os.environ.pop(planner.GLUON_FP8_VARIABLE, None)
-                gluon_experts.FUSED_ACTIVATION, gluon_experts.FP8_GEMM_CONFIG = fused_default, config_default
-                md.host.replay.clear()
+                default = dict(FUSED_ACTIVATION=False, FP8_GEMM_CONFIG=gluon_fp8.DEFAULT_CONFIG)
+                times, outs = time_engines(
+                    label, flops, functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights,
+                                                    validate=False, **fp8), planner.GLUON_FP8_VARIABLE,
+                    [("portable w8a8", "0", default), ("gluon w8a8", "1", default),
+                     ("gluon w8a8 fused", "1", {**default, "FUSED_ACTIVATION": True}),
+                     ("gluon w8a8 wide", "1", {**default, "FP8_GEMM_CONFIG": gluon_fp8.WIDE_CONFIG}),
+                     ("gluon w8a8 rows64", "1", {**default, "FP8_GEMM_CONFIG": gluon_fp8.ROWS64_CONFIG})])
                 run = functools.partial(md.fused_experts, x, bf16_gate_up, bf16_down, ids, weights, validate=False)
                 outs["bf16"] = run()
                 times["bf16"], how = bench_graph_ms(run)
@@ -256,11 +283,8 @@ def random_experts(E, H, F, dev, experts_per_chunk=16):
 def bf16_sections(args, dev="cuda"):
     """Part 4: the bf16 Gluon GEMM, then fused_experts per bf16 engine (module docstring)."""
     import moe_dispatch as md
-    from model_shapes import MODEL_SHAPES
-    from moe_dispatch.gemm import gluon_bf16, gluon_experts, planner
+    from moe_dispatch.gemm import gluon_bf16, planner
     from moe_dispatch.reference import TOLERANCE, gated_grouped_gemm_ref, grouped_gemm_ref, relative_error
-
-    fused_default = gluon_experts.FUSED_ACTIVATION
 
     @part("bf16 GEMM correctness")
     def _():
@@ -321,33 +345,22 @@ def bf16_sections(args, dev="cuda"):
             record("torch.matmul bf16", f"{M}x{N}x{K}", bench_ms(lambda: a @ b.T), flops, "(cuBLAS)")
 
     for model in args.models:
-        shape = MODEL_SHAPES[EXPERTS_MODELS[model]]
-        E, top_k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
+        E, top_k, H, F = layer_widths(model)
 
         @part(f"fused_experts bf16 engines: {model} (E {E}, top-{top_k}, H {H}, F {F})")
         def _():
             torch.manual_seed(0)
             w_gate_up, w_down = random_experts(E, H, F, dev)
             for T in args.tokens:
-                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-                ids = torch.rand(T, E, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
-                weights = torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
+                x, ids, weights = routed_tokens(T, E, top_k, H, dev)
                 flops = 6 * T * top_k * H * F
                 label = f"{model} T{T}"
-                times, outs = {}, {}
                 # "gluon": GEMM1 activates in its epilogue; "gluon pass": GEMM1 writes gate_up, a pass activates
-                for engine, mode, fused in (("portable", "0", False), ("gluon", "1", True),
-                                            ("gluon pass", "1", False)):
-                    os.environ[planner.GLUON_BF16_VARIABLE] = mode
-                    gluon_experts.FUSED_ACTIVATION = fused
-                    md.host.replay.clear()  # the variable and the switch are read when a plan is recorded
-                    run = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False)
-                    outs[engine] = run()
-                    times[engine], how = bench_graph_ms(run)
-                    record(f"fused_experts bf16 {engine}", label, times[engine], flops, how)
-                gluon_experts.FUSED_ACTIVATION = fused_default
-                os.environ.pop(planner.GLUON_BF16_VARIABLE, None)
-                md.host.replay.clear()
+                times, outs = time_engines(
+                    label, flops, functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights,
+                                                    validate=False), planner.GLUON_BF16_VARIABLE,
+                    [("portable", "0", {}), ("gluon", "1", {"FUSED_ACTIVATION": True}),
+                     ("gluon pass", "1", {"FUSED_ACTIVATION": False})], prefix="fused_experts bf16 ")
                 BF16_ROWS.append((label, times["portable"], times["gluon"], times["gluon pass"], flops))
                 for engine in ("gluon", "gluon pass"):
                     check(f"{label} {engine} vs portable bf16", relative_error(outs[engine], outs["portable"]),

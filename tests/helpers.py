@@ -124,3 +124,97 @@ class Refusal:
     why: str
     changes: object  # () -> the changed arguments
     says: str
+
+    def assert_refused(self, refusal):
+        """refusal(**changes) names a reason, and the reason says `says`."""
+        reason = refusal(**self.changes())
+        assert reason is not None and self.says in reason, reason
+
+
+def engine_refusals(gluon_module, tiles):
+    """The refusals every Gluon engine's planner makes, as `Refusal` cases: `gluon_module.available` False (another
+    Triton, another GPU), the real availability check on this machine's CPU, and the decode path (plan `tiles`)."""
+    from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
+
+    name = gluon_module.__name__.rsplit(".", 1)[-1]
+    return [
+        Refusal("gluon-unavailable", f"{name}.available is False (another Triton, another GPU)",
+                lambda: dict(available=lambda device: False), "cannot run"),
+        Refusal("cpu", "the real availability check on the CPU", lambda: dict(available=gluon_module.available),
+                "cannot run on cpu"),
+        Refusal("decode-path", "the decode path keeps its two launches",
+                lambda: dict(plan=ExpertsPlan(ExpertsPath.DECODE, tiles)), "decode path"),
+    ]
+
+
+def assert_forced_on(monkeypatch, variable, refusal, plan_engine, engine_plan, bad_values):
+    """An engine's variable set to "1": `refusal()` names no reason and `plan_engine()` is `engine_plan`; set to each
+    of `bad_values`, `refusal()` raises a ValueError naming the variable."""
+    monkeypatch.setenv(variable, "1")
+    assert refusal() is None
+    assert plan_engine() == engine_plan
+    for bad in bad_values:
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValueError, match=variable):
+            refusal()
+
+
+def distinct_ids(T, E, top_k, skip=(), device=DEVICE):
+    """topk ids [T, top_k]: distinct experts per token, never those in `skip`."""
+    pool = torch.tensor([e for e in range(E) if e not in skip])
+    return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
+
+
+def offsets_of(counts, device=DEVICE):
+    """int32 expert offsets [E + 1] of expert-sorted rows with `counts` rows per expert."""
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCase:
+    """A small experts call for an engine's glue tests on the CPU (tests/test_gluon_*.py add their own fields):
+    T tokens routed to top_k of E experts (never `skip_expert`), hidden H, intermediate F, `options` fused_experts
+    keywords as (name, value) pairs; `why` says what the case covers."""
+    id: str
+    why: str
+    T: int = 13
+    E: int = 4
+    top_k: int = 2
+    H: int = 136
+    F: int = 88
+    options: tuple = ()
+    skip_expert: int | None = 2
+
+
+def gpu_biases(E, H, F, dtype=torch.bfloat16):
+    """fused_experts' gate_up_bias [E, 2F] and down_bias [E, H] on the GPU, small (std 0.1)."""
+    return dict(gate_up_bias=(torch.randn(E, 2 * F, device="cuda") * 0.1).to(dtype),
+                down_bias=(torch.randn(E, H, device="cuda") * 0.1).to(dtype))
+
+
+def run_gluon_engine(monkeypatch, run, variable, engine, **switches):
+    """`run()` (a fused_experts call) with the Gluon engine forced off, then on (`variable` "1" and the
+    gemm.gluon_experts attributes `switches` set; plans cleared after each change, since both are read when a plan
+    is recorded): the engine (moe.`engine`) must run, two calls must agree bit for bit and a CUDA graph replay must
+    equal the eager call. -> (portable output, engine output)."""
+    import moe_dispatch as md
+    from moe_dispatch import moe
+    from moe_dispatch.gemm import gluon_experts
+
+    monkeypatch.delenv(variable, raising=False)
+    md.host.replay.clear()
+    portable = run()
+    monkeypatch.setenv(variable, "1")
+    for name, value in switches.items():
+        monkeypatch.setattr(gluon_experts, name, value)
+    md.host.replay.clear()
+    calls, real = [], getattr(moe, engine)
+    monkeypatch.setattr(moe, engine, lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = run()
+    assert calls, "the Gluon engine did not run"
+    assert torch.equal(run(), out), "two calls differ"
+    graph, static = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out), "CUDA graph replay differs from the eager call"
+    return portable, out

@@ -20,7 +20,8 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph, swap_gluon_gemm
+from helpers import (DEVICE, TOLERANCE, EngineCase, Refusal, assert_close, assert_forced_on, engine_refusals,
+                     distinct_ids, gpu_biases, offsets_of, run_gluon_engine, swap_gluon_gemm)
 
 import moe_dispatch as md
 from moe_dispatch import moe
@@ -37,16 +38,6 @@ def _experts(E, H, F, dtype=torch.bfloat16, device=DEVICE):
     """(w_gate_up [E, 2F, H], w_down [E, H, F]) of `dtype`, weights of std 0.1."""
     return ((torch.randn(E, 2 * F, H, device=device) * 0.1).to(dtype),
             (torch.randn(E, H, F, device=device) * 0.1).to(dtype))
-
-
-def _ids(T, E, top_k, skip=(), device=DEVICE):
-    """Distinct experts per token, never those in `skip`."""
-    pool = torch.tensor([e for e in range(E) if e not in skip])
-    return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
-
-
-def _offsets(counts, device=DEVICE):
-    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 # -- the GEMM's launchers --------------------------------------------------------------------------------------------
@@ -114,12 +105,7 @@ def _refusal(**changes):
 
 
 REFUSALS = [
-    Refusal("gluon-unavailable", "gluon_bf16.available is False (another Triton, another GPU)",
-            lambda: dict(available=lambda device: False), "cannot run"),
-    Refusal("cpu", "the real availability check on the CPU", lambda: dict(available=gluon_bf16.available),
-            "cannot run on cpu"),
-    Refusal("decode-path", "the decode path keeps its two launches", lambda: dict(
-        plan=ExpertsPlan(ExpertsPath.DECODE, PREFILL)), "decode path"),
+    *engine_refusals(gluon_bf16, PREFILL),
     Refusal("w8a8-path", "float8 weights on the w8a8 path (their own engine)", lambda: dict(
         plan=ExpertsPlan(ExpertsPath.W8A8, PREFILL)), "w8a8 path"),
     Refusal("decode-tiles", "16-row tiles: decode sizes on the grouped path",
@@ -158,20 +144,15 @@ def test_planner_engine_modes(monkeypatch):
             monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, off)
         assert planner.GLUON_BF16_VARIABLE in _refusal()
         assert planner.plan_grouped_engine(plan, *tensors, **args) is plan
-    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
-    assert _refusal() is None
-    assert planner.plan_grouped_engine(plan, *tensors, **args) == ExpertsPlan(ExpertsPath.GROUPED_GLUON, PREFILL)
-    for bad in ("auto", "true"):
-        monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, bad)
-        with pytest.raises(ValueError, match=planner.GLUON_BF16_VARIABLE):
-            _refusal()
+    assert_forced_on(monkeypatch, planner.GLUON_BF16_VARIABLE, _refusal,
+                     lambda: planner.plan_grouped_engine(plan, *tensors, **args),
+                     ExpertsPlan(ExpertsPath.GROUPED_GLUON, PREFILL), ("auto", "true"))
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
 def test_planner_falls_back(case, monkeypatch):
     monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
-    reason = _refusal(**case.changes())
-    assert reason is not None and case.says in reason, reason
+    case.assert_refused(_refusal)
 
 
 def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monkeypatch):
@@ -182,7 +163,7 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
     monkeypatch.setattr(moe, "gluon_bf16_experts", lambda *a, **k: calls.append(1))
     w_gate_up, w_down = _experts(2, 64, 32)
     x = torch.randn(3, 64, device=DEVICE).bfloat16()
-    ids, weights = _ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+    ids, weights = distinct_ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
 
     def run(x=x):
         md.host.replay.clear()  # the variable is read when a plan is recorded
@@ -217,19 +198,10 @@ def reference_engine(monkeypatch):
 
 
 @dataclasses.dataclass(frozen=True)
-class GlueCase:
-    id: str
-    why: str
-    T: int = 13
-    E: int = 4
-    top_k: int = 2
-    H: int = 136
-    F: int = 88
+class GlueCase(EngineCase):
     dtype: torch.dtype = torch.bfloat16
-    options: tuple = ()  # fused_experts keywords as (name, value) pairs
     gate_up_bias: bool = False
     down_bias: bool = False
-    skip_expert: int | None = 2  # an expert no token picks
     dropped: bool = False  # ids outside [0, E) (expert-parallel sentinels, -1): no row, no contribution
 
 
@@ -253,7 +225,7 @@ GLUE_CASES = [
 def _glue_inputs(case):
     w_gate_up, w_down = _experts(case.E, case.H, case.F, case.dtype)
     x = torch.randn(case.T, case.H, device=DEVICE).to(case.dtype)
-    ids = _ids(case.T, case.E, case.top_k, skip=() if case.skip_expert is None else (case.skip_expert,))
+    ids = distinct_ids(case.T, case.E, case.top_k, skip=() if case.skip_expert is None else (case.skip_expert,))
     if case.dropped:
         ids[::3, 0] = case.E + 2
         ids[1, 1] = -1
@@ -326,7 +298,7 @@ def test_gpu_dense_matches_float64(M, N, K, dtype):
 @pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
 def test_gpu_grouped_matches_float64(counts, dtype):
     N, K = 384, 1000
-    offsets = _offsets(counts, "cuda")
+    offsets = offsets_of(counts, "cuda")
     a = torch.randn(sum(counts), K, device="cuda").to(dtype)
     b = torch.randn(len(counts), N, K, device="cuda").to(dtype)
     out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
@@ -343,7 +315,7 @@ def test_gpu_gated_matches_float64(counts, F, activation, bias, dtype):
     rows and whose up rows past 2F read the next expert's (columns never stored); an empty expert; rows past the
     last offset are left as torch.empty leaves them (not compared)."""
     K, E = 1000, len(counts)
-    offsets = _offsets(counts, "cuda")
+    offsets = offsets_of(counts, "cuda")
     a = torch.randn(sum(counts) + 5, K, device="cuda").to(dtype)
     b = (torch.randn(E, 2 * F, K, device="cuda") / K**0.5).to(dtype)
     options = dict(activation=activation, bias=torch.randn(E, 2 * F, device="cuda").to(dtype) if bias else None)
@@ -360,17 +332,10 @@ def test_gpu_nan_in_a_reaches_its_row_only():
     b = torch.randn(2, 256, 512, device="cuda").bfloat16()
     a[3, 5] = float("nan")
     others = torch.arange(200, device="cuda") != 3
-    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, _offsets([100, 100], "cuda")),
-                gluon_bf16.bf16_gated_grouped_gemm(a, b, _offsets([100, 100], "cuda"))):
+    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], "cuda")),
+                gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([100, 100], "cuda"))):
         assert out[3].isnan().all()
         assert torch.isfinite(out[others]).all()
-
-
-def _engine_calls(monkeypatch):
-    calls = []
-    engine = moe.gluon_bf16_experts
-    monkeypatch.setattr(moe, "gluon_bf16_experts", lambda *a, **k: calls.append(1) or engine(*a, **k))
-    return calls
 
 
 @on_hopper
@@ -385,28 +350,13 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, m
     E, H, F, T, top_k = 8, 2048, 1024, 512, 2
     w_gate_up, w_down = _experts(E, H, F, device="cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
-    ids, weights = _ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
-    options = dict(options)
-    if bias:
-        options.update(gate_up_bias=torch.randn(E, 2 * F, device="cuda").bfloat16() * 0.1,
-                       down_bias=torch.randn(E, H, device="cuda").bfloat16() * 0.1)
+    ids, weights = distinct_ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
+    options = {**options, **(gpu_biases(E, H, F) if bias else {})}
 
     def run():
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, **options)
 
-    monkeypatch.delenv(planner.GLUON_BF16_VARIABLE, raising=False)
-    md.host.replay.clear()
-    portable = run()
-    monkeypatch.setenv(planner.GLUON_BF16_VARIABLE, "1")
-    md.host.replay.clear()  # the variable is read when a plan is recorded
-    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)  # read when a plan is recorded, as the variable
-    calls = _engine_calls(monkeypatch)
-    out = run()
-    assert calls, "the Gluon engine did not run"
-    assert torch.equal(run(), out), "two calls differ"
+    portable, out = run_gluon_engine(monkeypatch, run, planner.GLUON_BF16_VARIABLE, "gluon_bf16_experts",
+                                     FUSED_ACTIVATION=fused)
     assert_close(out, fused_experts_ref(x, w_gate_up, w_down, ids, weights, **options), what="engine vs float64")
     assert_close(out, portable.double(), what="engine vs portable")
-    graph, static = capture_cuda_graph(run)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, out), "CUDA graph replay differs from the eager call"

@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 import triton
-from helpers import INTERPRETED
+from helpers import INTERPRETED, offsets_of
 
 from moe_dispatch.gemm import gluon_bf16, gluon_experts, gluon_fp8, gluon_ws
 
@@ -31,15 +31,11 @@ pytestmark = pytest.mark.skipif(
     reason=f"Triton {triton.__version__}: the Gluon kernels are written for Triton {gluon_ws.COMPILED_TRITON}")
 
 
-def _offsets(counts):
-    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-
-
 def _bf16_call(dtype, grouped, cfg=gluon_bf16.DEFAULT_CONFIG):
     a = torch.zeros(1000, 1024, dtype=dtype)
     b = torch.zeros(4, 512, 1024, dtype=dtype)
     if grouped:
-        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, _offsets([300, 0, 400, 300]), cfg=cfg)
+        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([300, 0, 400, 300]), cfg=cfg)
     return lambda: gluon_bf16.bf16_gemm(a, b[0], cfg=cfg)
 
 
@@ -47,14 +43,14 @@ def _fp8_call(grouped, cfg=gluon_fp8.DEFAULT_CONFIG):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 512, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 4, 8)
     if grouped:
-        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]), cfg=cfg)
+        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300]), cfg=cfg)
     return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
 
 
 def _gated_call(activation, bias):
     a, b = torch.zeros(1000, 1024, dtype=torch.bfloat16), torch.zeros(4, 2 * 768, 1024, dtype=torch.bfloat16)
     bias = torch.zeros(4, 2 * 768, dtype=torch.bfloat16) if bias else None
-    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, _offsets([300, 0, 400, 300]), activation=activation,
+    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([300, 0, 400, 300]), activation=activation,
                                                       bias=bias)
 
 
@@ -62,7 +58,7 @@ def _fp8_gated_call(activation, bias):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 2 * 768, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 12, 8)
     biases = dict(gate_bias=torch.zeros(4, 768), up_bias=torch.zeros(4, 768)) if bias else {}
-    return lambda: gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, _offsets([300, 0, 400, 300]),
+    return lambda: gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300]),
                                                           activation=activation, **biases)
 
 

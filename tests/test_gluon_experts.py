@@ -22,7 +22,8 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import DEVICE, TOLERANCE, Refusal, assert_close, capture_cuda_graph, swap_gluon_gemm
+from helpers import (DEVICE, TOLERANCE, EngineCase, Refusal, assert_close, assert_forced_on, engine_refusals,
+                     distinct_ids, gpu_biases, run_gluon_engine, swap_gluon_gemm)
 
 import moe_dispatch as md
 from moe_dispatch import moe
@@ -45,12 +46,6 @@ def _block_fp8_experts(E, H, F, device=DEVICE):
     q_gate_up, s_gate_up = quantize_experts_fp8(torch.randn(E, 2 * F, H, device=device) * 0.2)
     q_down, s_down = quantize_experts_fp8(torch.randn(E, H, F, device=device) * 0.2)
     return q_gate_up, q_down, dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)
-
-
-def _ids(T, E, top_k, skip=(), device=DEVICE):
-    """Distinct experts per token, never those in `skip`."""
-    pool = torch.tensor([e for e in range(E) if e not in skip])
-    return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
 
 
 # -- selection ----------------------------------------------------------------------------------------------------
@@ -77,12 +72,7 @@ def _refusal(**changes):
 
 
 REFUSALS = [
-    Refusal("gluon-unavailable", "gluon_fp8.available is False (another Triton, another GPU)",
-            lambda: dict(available=lambda device: False), "cannot run"),
-    Refusal("cpu", "the real availability check on the CPU", lambda: dict(available=gluon_fp8.available),
-            "cannot run on cpu"),
-    Refusal("decode-path", "the decode path keeps its two launches", lambda: dict(
-        plan=ExpertsPlan(ExpertsPath.DECODE, PREFILL)), "decode path"),
+    *engine_refusals(gluon_fp8, PREFILL),
     Refusal("decode-tiles", "16-row tiles: decode sizes on the w8a8 path",
             lambda: dict(plan=ExpertsPlan(ExpertsPath.W8A8, MoeTiles(16, GemmTile(64, 32), GemmTile(32, 32)))),
             "decode-sized tiles"),
@@ -133,19 +123,15 @@ def test_planner_engine_modes(monkeypatch):
             ExpertsPath.W8A8_GLUON, PREFILL)
     monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "0")
     assert planner.GLUON_FP8_VARIABLE in _refusal(x=at_threshold, top_k=2)
-    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
-    assert _refusal(x=few) is None
-    assert planner.plan_w8a8_engine(plan, *tensors, **args) == ExpertsPlan(ExpertsPath.W8A8_GLUON, PREFILL)
-    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "true")
-    with pytest.raises(ValueError, match=planner.GLUON_FP8_VARIABLE):
-        _refusal()
+    assert_forced_on(monkeypatch, planner.GLUON_FP8_VARIABLE, lambda: _refusal(x=few),
+                     lambda: planner.plan_w8a8_engine(plan, *tensors, **args),
+                     ExpertsPlan(ExpertsPath.W8A8_GLUON, PREFILL), ("true",))
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=[c.id for c in REFUSALS])
 def test_planner_falls_back(case, monkeypatch):
     monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
-    reason = _refusal(**case.changes())
-    assert reason is not None and case.says in reason, reason
+    case.assert_refused(_refusal)
 
 
 def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monkeypatch):
@@ -156,7 +142,7 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
     monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1))
     w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
     x = torch.randn(3, 128, device=DEVICE).bfloat16()
-    ids, weights = _ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+    ids, weights = distinct_ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
 
     def run():
         md.host.replay.clear()  # the variable is read when a plan is recorded
@@ -211,17 +197,10 @@ def reference_engine(monkeypatch):
 
 
 @dataclasses.dataclass(frozen=True)
-class GlueCase:
-    id: str
-    why: str
-    T: int = 13
-    E: int = 4
-    top_k: int = 2
+class GlueCase(EngineCase):
     H: int = 144
     F: int = 80
-    options: tuple = ()  # fused_experts keywords as (name, value) pairs
     bias: bool = False
-    skip_expert: int | None = 2  # an expert no token picks
 
 
 GLUE_CASES = [
@@ -243,7 +222,7 @@ def _glue_inputs(case):
     w_gate_up, w_down, scales = _block_fp8_experts(case.E, case.H, case.F)
     x = torch.randn(case.T, case.H, device=DEVICE).bfloat16()
     skip = () if case.skip_expert is None else (case.skip_expert,)
-    ids = _ids(case.T, case.E, case.top_k, skip=skip)
+    ids = distinct_ids(case.T, case.E, case.top_k, skip=skip)
     weights = torch.rand(case.T, case.top_k, device=DEVICE)
     options = dict(case.options)
     if case.bias:
@@ -310,13 +289,6 @@ def test_engine_no_tokens(reference_engine):
 # -- the engine on a Hopper GPU --------------------------------------------------------------------------------------
 
 
-def _engine_calls(monkeypatch):
-    calls = []
-    engine = moe.gluon_w8a8_experts
-    monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1) or engine(*a, **k))
-    return calls
-
-
 @on_hopper
 @pytest.mark.parametrize("options,bias,fused,cfg", [
     ({}, False, False, gluon_fp8.DEFAULT_CONFIG), ({}, False, True, gluon_fp8.DEFAULT_CONFIG),
@@ -331,32 +303,17 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, c
     E, H, F, T, top_k = 8, 2048, 1024, 256, 2
     w_gate_up, w_down, scales = _block_fp8_experts(E, H, F, device="cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
-    ids, weights = _ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
-    options = dict(options)
-    if bias:
-        options.update(gate_up_bias=torch.randn(E, 2 * F, device="cuda").bfloat16() * 0.1,
-                       down_bias=torch.randn(E, H, device="cuda").bfloat16() * 0.1)
+    ids, weights = distinct_ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
+    options = {**options, **(gpu_biases(E, H, F) if bias else {})}
 
     def run():
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", **scales, **options)
 
-    portable = run()
-    monkeypatch.setenv(planner.GLUON_FP8_VARIABLE, "1")
-    md.host.replay.clear()  # the variable is read when a plan is recorded
-    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)  # read when a plan is recorded, as the variable
-    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", cfg)
-    calls = _engine_calls(monkeypatch)
-    out = run()
-    assert calls, "the Gluon engine did not run"
-    assert torch.equal(run(), out), "two calls differ"
-    ref_options = options
+    portable, out = run_gluon_engine(monkeypatch, run, planner.GLUON_FP8_VARIABLE, "gluon_w8a8_experts",
+                                     FUSED_ACTIVATION=fused, FP8_GEMM_CONFIG=cfg)
     assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,
-                                             gemm_out_dtype=torch.bfloat16, **scales, **ref_options),
+                                             gemm_out_dtype=torch.bfloat16, **scales, **options),
                  what="engine vs its model", tolerance=MODEL_TOLERANCE)
-    assert_close(out, fused_experts_fp8_ref(x, w_gate_up, w_down, ids, weights, **scales, **ref_options),
+    assert_close(out, fused_experts_fp8_ref(x, w_gate_up, w_down, ids, weights, **scales, **options),
                  what="engine vs dequantized weights", tolerance=W8A8_TOLERANCE)
     assert_close(out, portable, what="engine vs portable w8a8", tolerance=W8A8_TOLERANCE)
-    graph, static = capture_cuda_graph(run)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, out), "CUDA graph replay differs from the eager call"

@@ -91,6 +91,27 @@ ACTIVATION_BLOCK_N = 64
 
 
 @triton.jit
+def _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols,
+                  BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
+    """The gate and up sums of output tile [rows offs_m, columns offs_n] from GEMM1's gate_up [rows, 2 n_cols] in
+    fp32, zeros outside the masks -> (gate, up, offs_pair, mask_pair). Concatenated: gate and up [BLOCK_M, BLOCK_N]
+    (columns j and n_cols + j), offs_pair / mask_pair the tile's columns. PAIRED (gate and up alternating): the
+    tile's 2 BLOCK_N interleaved columns read as one contiguous block, returned unsplit as both gate and up
+    [BLOCK_M, 2 BLOCK_N] (gemm.jit's split_pairs or paired epilogue takes them apart), with their columns and mask."""
+    rows = gate_up_ptr + offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
+    if PAIRED:
+        offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
+        b_pairs = tl.load(rows + offs_pair[None, :], mask=mask_m[:, None] & mask_pair[None, :],
+                          other=0.0).to(tl.float32)
+        return b_pairs, b_pairs, offs_pair, mask_pair
+    else:
+        mask = mask_m[:, None] & mask_n[None, :]
+        b_gate = tl.load(rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_up = tl.load(rows + (offs_n + n_cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        return b_gate, b_up, offs_n, mask_n
+
+
+@triton.jit
 def _gated_activation_fp8_kernel(
     # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order: gate columns then up columns, or (PAIRED) gate and
     # up alternating, gate first
@@ -118,15 +139,10 @@ def _gated_activation_fp8_kernel(
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, GROUP, 1)
     if expert < 0:
         return
-    rows = gate_up_ptr + offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
+    b_gate, b_up, _, _ = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols,
+                                       GROUP, PAIRED)
     if PAIRED:
-        offs_pair, mask_pair = pair_columns(pid_n, n_cols, GROUP)
-        b_gate, b_up = split_pairs(tl.load(rows + offs_pair[None, :], mask=mask_m[:, None] & mask_pair[None, :],
-                                           other=0.0).to(tl.float32))  # [BLOCK_M, GROUP] each
-    else:
-        mask = mask_m[:, None] & mask_n[None, :]
-        b_gate = tl.load(rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        b_up = tl.load(rows + (offs_n + n_cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_gate, b_up = split_pairs(b_gate)  # [BLOCK_M, GROUP] each
     # Columns past n_cols are zeros (their bias too), so they never raise a group's amax.
     w8a8_epilogue(b_gate, b_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, offs_m, 1.0, None, 0, 1, 0,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, h_ptr, stride_h_m, 1, h_scale_ptr, 0,
@@ -162,17 +178,8 @@ def _gated_activation_kernel(
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N, 1)
     if expert < 0:
         return
-    rows = gate_up_ptr + offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
-    if PAIRED:
-        offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
-        b_gate = tl.load(rows + offs_pair[None, :], mask=mask_m[:, None] & mask_pair[None, :],
-                         other=0.0).to(tl.float32)  # [BLOCK_M, 2 BLOCK_N]
-        b_up = b_gate
-    else:
-        offs_pair, mask_pair = offs_n, mask_n
-        mask = mask_m[:, None] & mask_n[None, :]
-        b_gate = tl.load(rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        b_up = tl.load(rows + (offs_n + n_cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_gate, b_up, offs_pair, mask_pair = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n,
+                                                       mask_n, n_cols, BLOCK_N, PAIRED)
     tile_epilogue(b_gate, b_up, expert, offs_m, mask_m, offs_n, mask_n, offs_m, bias_ptr, bias_up_ptr, stride_bias_e,
                   stride_bias_n, h_ptr, stride_h_m, 1, None, 0, n_cols, None, 0, 0, alpha, limit, 1, ACTIVATION,
                   HAS_BIAS, False, False, PAIRED, offs_pair, mask_pair)
