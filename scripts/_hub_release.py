@@ -15,17 +15,22 @@ Build (what kernel-builder's noarch build writes, without nix), one variant per 
 
     rev = first 7 hex digits of HEAD, `_dirty` appended when tracked files have changes; id = _moe_dispatch_<backend>_<rev>
 
-Version of a build: from what the tree records, git tags only confirming it (recorded_release, build_version)::
+Version of a tree and of its builds (recorded_version, build_version): _version.py holds the tree's own version,
+what a checkout's `import moe_dispatch` reports, and every build of the tree reports the same, git tags only confirming
+a release::
 
-    _version.py X.Y.Z + CHANGELOG.md's [X.Y.Z] dated  -> the tree is release X.Y.Z or past it
-        clean, HEAD tagged vX.Y.Z                  -> X.Y.Z
-        anything else (a clone without tags too)   -> X.Y.(Z+1).dev0+g<rev7>[.dirty]
-    CHANGELOG.md's [X.Y.Z] unreleased              -> X.Y.Z.dev0+g<rev7>[.dirty] (before the first release)
+    _version.py X.Y.Z.dev0, CHANGELOG.md's [X.Y.Z] unreleased  -> a tree preparing X.Y.Z (every commit but a release's)
+        any HEAD                                    -> X.Y.Z.dev0+g<rev7>[.dirty]
+    _version.py X.Y.Z, CHANGELOG.md's [X.Y.Z] dated -> the release commit of X.Y.Z
+        clean, HEAD tagged vX.Y.Z                   -> X.Y.Z
+        anything else (a clone without tags too)    -> X.Y.Z+g<rev7>[.dirty]
 
-Release (scripts/release X.Y.Z)::
+Release (scripts/release X.Y.Z, on a tree preparing X.Y.Z)::
 
     checks -> _version.py = X.Y.Z and CHANGELOG.md's [X.Y.Z] dated -> commit "Release vX.Y.Z" -> branch v<major> at it
-    -> annotated tag vX.Y.Z; pushing the tag runs .github/workflows/publish.yml (scripts/publish --build --tag vX.Y.Z)
+    -> annotated tag vX.Y.Z -> on the branch released from, a commit opening X.Y.(Z+1): `## [X.Y.(Z+1)] - unreleased`
+    and _version.py X.Y.(Z+1).dev0. Pushing the tag runs .github/workflows/publish.yml (scripts/publish --build --tag
+    vX.Y.Z on the tagged commit)
 
 Publish (tag vX.Y.Z -> Hub)::
 
@@ -74,8 +79,13 @@ VERSION_FILE = "_version.py"
 SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = (".pyc", ".pyo")
 TAG_PATTERN = re.compile(r"v(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
-# The version a source _version.py holds: the release X.Y.Z the tree is or follows (scripts/release writes it).
-SOURCE_VERSION_PATTERN = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
+# A release, X.Y.Z: CHANGELOG.md's entries, tags without their `v`.
+RELEASE_PATTERN = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)")
+# The version a source _version.py holds: X.Y.Z in the release commit of X.Y.Z (scripts/release writes it), X.Y.Z.dev0
+# on every other commit, X.Y.Z being the release CHANGELOG.md prepares (its `unreleased` entry).
+SOURCE_VERSION_PATTERN = re.compile(rf"(?P<release>{RELEASE_PATTERN.pattern})(?P<dev>\.dev0)?")
+# The heading of a CHANGELOG.md section that adds to the API: its entry must be a minor (or major) release.
+ADDED_SECTION = re.compile(r"^### Added[ \t]*$", re.M)
 # A CHANGELOG.md heading: `## [X.Y.Z]`, then ` - <date>` once released (scripts/release writes the date) or
 # ` - unreleased`.
 CHANGELOG_HEADING = re.compile(r"^## \[(?P<version>[^\]]+)\](?: - (?P<date>\S+))?[ \t]*$", re.M)
@@ -315,64 +325,48 @@ __doc__ = _package.__doc__
 
 
 def source_version(project: Project) -> str:
-    """`__version__` of torch-ext/<module>/_version.py, read without importing: the release X.Y.Z the tree is or
-    follows. Refuses a version outside SOURCE_VERSION_PATTERN or of another API major than build.toml's."""
+    """`__version__` of torch-ext/<module>/_version.py, read without importing: "X.Y.Z" (a release commit) or
+    "X.Y.Z.dev0" (a tree preparing X.Y.Z). Refuses any other form, or another API major than build.toml's."""
     path = project.source_dir / VERSION_FILE
     tree = ast.parse(path.read_text())
     values = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
               and any(getattr(t, "id", None) == "__version__" for t in node.targets)
               and isinstance(node.value, ast.Constant)]
     if len(values) != 1 or not isinstance(values[0], str):
-        raise ReleaseError(f"{path.relative_to(project.root)} must assign __version__ = \"X.Y.Z\" once")
+        raise ReleaseError(f"{path.relative_to(project.root)} must assign __version__ = \"X.Y.Z.dev0\" (or, in a "
+                           "release commit, \"X.Y.Z\") once")
     version = values[0]
     match = SOURCE_VERSION_PATTERN.fullmatch(version)
     if match is None:
-        raise ReleaseError(f"{path.relative_to(project.root)} says __version__ = {version!r}: not X.Y.Z (the release "
-                           "the tree is or follows; scripts/build derives development versions)")
-    if int(match.group(1)) != project.version:
+        raise ReleaseError(f"{path.relative_to(project.root)} says __version__ = {version!r}: not X.Y.Z.dev0 (a tree "
+                           "preparing release X.Y.Z) nor X.Y.Z (its release commit); scripts/build adds the commit")
+    if int(match.group(2)) != project.version:
         raise ReleaseError(f"{path.relative_to(project.root)} says {version} but build.toml has version = "
                            f"{project.version} (the API major): they must agree")
     return version
 
 
 def _release_key(version: str) -> tuple[int, int, int]:
-    return tuple(int(part) for part in SOURCE_VERSION_PATTERN.fullmatch(version).groups())  # type: ignore[return-value]
+    return tuple(int(part) for part in RELEASE_PATTERN.fullmatch(version).groups())  # type: ignore[return-value]
 
 
 def changelog_entries(text: str) -> dict[str, str | None]:
     """CHANGELOG.md's release entries: X.Y.Z -> its date (YYYY-MM-DD), or None while it says `unreleased`."""
     entries = {}
     for heading in CHANGELOG_HEADING.finditer(text):
-        if SOURCE_VERSION_PATTERN.fullmatch(heading["version"]):
+        if RELEASE_PATTERN.fullmatch(heading["version"]):
             date = heading["date"]
             entries[heading["version"]] = date if date and RELEASE_DATE.fullmatch(date) else None
     return entries
 
 
-def recorded_release(project: Project) -> tuple[str, bool]:
-    """What the tree records of its releases, needing no git tag: (X.Y.Z, released).
-
-    X.Y.Z is `__version__` of _version.py; `released` says whether CHANGELOG.md dates its entry (scripts/release
-    writes both in the release commit, so a tree that dates it is that release or a later commit). An undated entry
-    (`unreleased`) is a tree before that release: the first one, or a version set by hand. Without CHANGELOG.md (a
-    copy of the package alone) _version.py counts as released. Refuses records that disagree: no entry for X.Y.Z, a
-    dated X.Y.Z below the newest dated entry, or an undated X.Y.Z not above it."""
-    version = source_version(project)
-    path = project.root / CHANGELOG
-    if not path.is_file():
-        return version, True
-    entries = changelog_entries(path.read_text())
-    source = f"torch-ext/{project.module}/{VERSION_FILE}"
-    if version not in entries:
-        raise ReleaseError(f"{source} says {version} but {CHANGELOG} has no `## [{version}]` entry: the two record the "
-                           "last release together (scripts/release writes both)")
-    dated = [v for v, date in entries.items() if date is not None]
-    newest = max(dated, key=_release_key) if dated else None
-    if newest is not None and _release_key(newest) > _release_key(version):
-        raise ReleaseError(f"{source} says {version} but {CHANGELOG} dates the later release {newest} "
-                           f"({entries[newest]}): its release commit sets __version__ = \"{newest}\" (scripts/release "
-                           "writes both); set it so")
-    return version, entries[version] is not None
+def changelog_section(text: str, version: str) -> str:
+    """The text of CHANGELOG.md's `## [version]` entry below its heading, up to the next entry's heading."""
+    heading = _changelog_section(text, version)
+    if heading is None:
+        return ""
+    following = CHANGELOG_HEADING.search(text, heading.end())
+    return text[heading.end():following.start() if following else len(text)]
 
 
 def _next_patch(version: str) -> str:
@@ -380,44 +374,103 @@ def _next_patch(version: str) -> str:
     return f"{major}.{minor}.{patch + 1}"
 
 
+def recorded_version(project: Project) -> tuple[str, bool]:
+    """The tree's version, from its records alone (no git tag needed): (X.Y.Z, released).
+
+    _version.py says "X.Y.Z.dev0" on a tree preparing release X.Y.Z, whose CHANGELOG.md entry says `unreleased`
+    (released False), and "X.Y.Z" in the release commit of X.Y.Z, whose entry scripts/release dates (released True).
+    Without CHANGELOG.md (a copy of the package alone) _version.py is taken as it is. Refuses records that disagree:
+    no entry for X.Y.Z; a release X.Y.Z whose entry is undated, below the newest dated one, or under an `unreleased`
+    entry; a development X.Y.Z whose entry is dated, not above the newest release, or beside another `unreleased`
+    one; an entry that adds to the API (`### Added`) named as a patch release."""
+    source = source_version(project)
+    match = SOURCE_VERSION_PATTERN.fullmatch(source)
+    version, released = match["release"], match["dev"] is None
+    path = project.root / CHANGELOG
+    if not path.is_file():
+        return version, released
+    text = path.read_text()
+    entries = changelog_entries(text)
+    name = f"torch-ext/{project.module}/{VERSION_FILE}"
+    if version not in entries:
+        raise ReleaseError(f"{name} says {source} but {CHANGELOG} has no `## [{version}]` entry: the two record the "
+                           "tree's version together")
+    dated = [v for v, date in entries.items() if date is not None]
+    newest = max(dated, key=_release_key) if dated else None
+    prepared = [v for v, date in entries.items() if date is None]
+    if released:
+        if entries[version] is None:
+            raise ReleaseError(f"{name} says {source}, a release, but {CHANGELOG}'s entry says unreleased: until "
+                               f"scripts/release {version} dates it, the tree says __version__ = \"{version}.dev0\"")
+        if newest != version:
+            raise ReleaseError(f"{name} says {source} but {CHANGELOG} dates the later release {newest} "
+                               f"({entries[newest]}): the tree is past it; set __version__ = \"{newest}\" (its "
+                               "release commit) or prepare the next one")
+        if prepared:
+            raise ReleaseError(f"{CHANGELOG} prepares {prepared[0]} (`## [{prepared[0]}] - unreleased`) but {name} "
+                               f"says {source}, the release before it: set __version__ = \"{prepared[0]}.dev0\"")
+        return version, True
+    if entries[version] is not None:
+        raise ReleaseError(f"{name} says {source} but {CHANGELOG} dates {version} ({entries[version]}): it is "
+                           "released; prepare the next one (`## [X.Y.Z] - unreleased` and __version__ = "
+                           "\"X.Y.Z.dev0\")")
+    if newest is not None and _release_key(version) <= _release_key(newest):
+        raise ReleaseError(f"{name} says {source} but {CHANGELOG} dates the release {newest} ({entries[newest]}): "
+                           f"the release being prepared must come after it, {_next_patch(newest)} or later")
+    if len(prepared) > 1:
+        raise ReleaseError(f"{CHANGELOG} has several `unreleased` entries ({', '.join(prepared)}): one release is "
+                           "prepared at a time")
+    if newest is not None and ADDED_SECTION.search(changelog_section(text, version)):
+        major, minor, _ = _release_key(newest)
+        if _release_key(version)[:2] == (major, minor):
+            raise ReleaseError(f"{CHANGELOG}'s [{version}] entry adds to the API (### Added): the release after "
+                               f"{newest} is then {major}.{minor + 1}.0; rename the entry and set __version__ = "
+                               f"\"{major}.{minor + 1}.0.dev0\"")
+    return version, False
+
+
 def build_version(project: Project, revision: Revision, log=None) -> str:
-    """The package's `__version__` in a build (PEP 440), from the tree's records (recorded_release) and HEAD's tags.
+    """The package's `__version__` in a build (PEP 440): the tree's own (recorded_version), with the commit as a
+    local label unless the build is the tagged release.
 
-    - Release X.Y.Z recorded (CHANGELOG.md dates it): a clean tree whose HEAD carries the tag vX.Y.Z builds "X.Y.Z";
-      any other tree, a clone without tags included, "X.Y.(Z+1).dev0+g<rev>[.dirty]" ("1.0.1.dev0+g1a2b3c4").
-    - X.Y.Z not released yet (its entry says `unreleased`): "X.Y.Z.dev0+g<rev>[.dirty]", tagged or not.
+    - A tree preparing X.Y.Z (_version.py "X.Y.Z.dev0"): "X.Y.Z.dev0+g<rev>[.dirty]", tagged or not.
+    - The release commit of X.Y.Z (_version.py "X.Y.Z"): "X.Y.Z" when the tree is clean and HEAD carries the tag
+      vX.Y.Z; otherwise "X.Y.Z+g<rev>[.dirty]" (a clone without tags, or local changes).
 
-    Tags only confirm: a release tag on HEAD that the records do not back (another version, or one CHANGELOG.md does
-    not date) changes nothing and is reported through `log` as a warning; scripts/publish refuses that tag."""
-    version, released = recorded_release(project)
+    So a build's public version (PEP 440, before the `+`) is always the checkout's `__version__`. Tags only confirm:
+    a release tag on HEAD that the records do not back (another version, or a tree preparing it) changes nothing and is
+    reported through `log` as a warning; scripts/publish refuses that tag."""
+    version, released = recorded_version(project)
+    source = version if released else f"{version}.dev0"
     local = f"+g{revision.commit[:7]}{'.dirty' if revision.dirty else ''}"
     tag = f"v{version}"
     unbacked = sorted(t for t in revision.tags_on_head if TAG_PATTERN.fullmatch(t) and (t != tag or not released))
     for other in unbacked if log is not None else ():
         record = (f"{CHANGELOG} does not date {version}" if other == tag
-                  else f"the tree says {version} ({VERSION_FILE})")
+                  else f"the tree says {source} ({VERSION_FILE})")
         log(f"warning: HEAD carries the tag {other} but {record}: the tag is ignored (this is a development build) "
             "and scripts/publish refuses it here")
-    if not released:
-        return f"{version}.dev0{local}"
-    if not revision.dirty and tag in revision.tags_on_head:
+    if released and not revision.dirty and tag in revision.tags_on_head:
         return version
-    return f"{_next_patch(version)}.dev0{local}"
+    return f"{source}{local}"
 
 
 def render_version_py(version: str) -> str:
-    return f'''"""Version of this build, written by scripts/build (a release's X.Y.Z, or X.Y.Z.dev0+g<commit>); do not edit."""
+    return f'''"""Version of this build, written by scripts/build: a release's X.Y.Z, else the tree's version with the commit
+(X.Y.Z.dev0+g<commit>); do not edit."""
 
 __version__ = "{version}"
 '''
 
 
 def render_source_version_py(version: str) -> str:
-    return f'''"""Version of the package: the last release this tree is or follows, X.Y.Z.
+    return f'''"""Version of the package as this tree holds it (PEP 440): what `import moe_dispatch` reports from a checkout.
 
-scripts/release sets it, and dates CHANGELOG.md's entry, in the release commit. scripts/build derives each build's own
-`__version__` from these two records, git tags only confirming (docs/releasing.md): X.Y.Z on a clean commit tagged
-vX.Y.Z, X.Y.(Z+1).dev0+g<commit> on any other commit after it, a clone without tags included."""
+X.Y.Z.dev0 on every commit but a release's, where X.Y.Z is the release CHANGELOG.md prepares (its entry headed
+`## [X.Y.Z] - unreleased`; a minor release when the entry adds to the API under `### Added`). X.Y.Z in the release
+commit scripts/release makes: it dates the entry, sets X.Y.Z here, then opens X.Y.(Z+1).dev0 in a second commit. A
+build of the tree reports the same version, with `+g<commit>` added unless it is the tagged release (scripts/build;
+docs/releasing.md, "Versions")."""
 
 __version__ = "{version}"
 '''
@@ -568,14 +621,17 @@ def _changelog_section(text: str, version: str) -> re.Match | None:
 
 
 def release(root: Path, version: str, *, today: str | None = None, log=print) -> str:
-    """Tag release `version` (X.Y.Z): set _version.py and date CHANGELOG.md's entry, commit, move branch v<major> to
-    that commit and create the annotated tag vX.Y.Z there. Returns the tagged commit. Sends nothing anywhere.
+    """Tag release `version` (X.Y.Z) of a tree preparing it: date CHANGELOG.md's entry and set _version.py to X.Y.Z,
+    commit "Release vX.Y.Z", move branch v<major> to that commit and create the annotated tag vX.Y.Z there; then, on
+    the branch released from, commit the opening of X.Y.(Z+1) (`## [X.Y.(Z+1)] - unreleased` above the release's entry,
+    _version.py X.Y.(Z+1).dev0), so that no later commit says it is the release. Returns the tagged commit. Sends
+    nothing anywhere.
 
     Refuses (changing nothing) when: `version` is not X.Y.Z or its major is not build.toml's `version`; the tree is
     dirty; tag vX.Y.Z exists; a release tag of the same major is not older; CHANGELOG.md has no `## [X.Y.Z]` entry;
-    the tree's records (recorded_release) disagree, or record X.Y.Z or a later release as made already (a clone
-    without tags included); branch v<major> exists and is not an ancestor of HEAD (the release would rewrite its
-    history)."""
+    the tree's records (recorded_version) disagree, record X.Y.Z or a later release as made already (a clone without
+    tags included), or prepare another version; branch v<major> exists and is not an ancestor of HEAD (the release
+    would rewrite its history)."""
     project = load_project(root)
     tag = f"v{version}"
     parsed = parse_release_tag(tag)
@@ -598,11 +654,15 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
     if entry is None:
         raise ReleaseError(f"{CHANGELOG} has no entry for {version}: add a `## [{version}] - unreleased` section "
                            "saying what changed, commit it, and run this again")
-    recorded, released = recorded_release(project)
-    if _release_key(version) < _release_key(recorded) or (released and version == recorded):
-        state = "records release" if released else "says"
-        raise ReleaseError(f"the tree {state} {recorded} (torch-ext/{project.module}/{VERSION_FILE}, {CHANGELOG}): "
-                           f"{version} is not after it; releases only go forward")
+    recorded, released = recorded_version(project)
+    records = f"torch-ext/{project.module}/{VERSION_FILE}, {CHANGELOG}"
+    if released or _release_key(version) < _release_key(recorded):
+        state = "records release" if released else "prepares"
+        raise ReleaseError(f"the tree {state} {recorded} ({records}): {version} is not after it; releases only go "
+                           "forward")
+    if version != recorded:
+        raise ReleaseError(f"the tree prepares {recorded} ({records}), not {version}: release {recorded}, or rename "
+                           f"its entry to [{version}] and set __version__ = \"{version}.dev0\" first")
     branch = f"v{project.version}"
     branches = git(root, "branch", "--list", "--format=%(refname:short)").split()
     if branch in branches:
@@ -612,16 +672,14 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
                                f"release from a commit that contains {branch}")
 
     today = today or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    if entry["date"] != today:
-        text = text[:entry.start()] + f"## [{version}] - {today}" + text[entry.end():]
-        changelog.write_text(text)
+    text = text[:entry.start()] + f"## [{version}] - {today}" + text[entry.end():]
+    changelog.write_text(text)
     version_file = project.source_dir / VERSION_FILE
-    if source_version(project) != version:
-        version_file.write_text(render_source_version_py(version))
-    if dirty_paths(root):
-        git(root, "add", "--", CHANGELOG, str(version_file.relative_to(root)))
-        git(root, "commit", "-q", "-m", f"Release {tag}", "--", CHANGELOG, str(version_file.relative_to(root)))
-        log(f"committed {CHANGELOG} ({version} dated {today}) and {version_file.relative_to(root)} ({version})")
+    version_rel = str(version_file.relative_to(root))
+    version_file.write_text(render_source_version_py(version))
+    git(root, "add", "--", CHANGELOG, version_rel)
+    git(root, "commit", "-q", "-m", f"Release {tag}", "--", CHANGELOG, version_rel)
+    log(f"committed {CHANGELOG} ({version} dated {today}) and {version_rel} ({version})")
     commit = head_commit(root)
     current = git(root, "rev-parse", "--abbrev-ref", "HEAD")
     if current != branch:
@@ -629,7 +687,19 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
     log(f"branch {branch} -> {commit[:7]}")
     git(root, "tag", "-a", tag, "-m", f"Release {tag}", commit)
     log(f"tagged {tag} -> {commit[:7]}")
-    log(f"next: `git push origin {branch} {tag}` (the tag runs .github/workflows/publish.yml), or publish from here: "
+    if current in (branch, "HEAD"):  # branch v<major> (or no branch): its tip stays the release
+        log(f"HEAD is {'branch ' + branch if current == branch else 'detached'}: it stays the release commit; "
+            f"open {_next_patch(version)}.dev0 on your development branch")
+    else:
+        opened = _next_patch(version)
+        heading = _changelog_section(text, version)
+        changelog.write_text(text[:heading.start()] + f"## [{opened}] - unreleased\n\n" + text[heading.start():])
+        version_file.write_text(render_source_version_py(f"{opened}.dev0"))
+        git(root, "commit", "-q", "-m", f"Open {opened}.dev0 after {tag}", "--", CHANGELOG, version_rel)
+        log(f"{current} -> {head_commit(root)[:7]}: opened {opened}.dev0 (`## [{opened}] - unreleased`; a release "
+            f"adding to the API renames it {parsed[0]}.{parsed[1] + 1}.0)")
+    log(f"next: `git push origin {branch} {tag}` (the tag runs .github/workflows/publish.yml on the tagged commit) "
+        f"and push {current}; or publish by hand from a checkout of the tag: `git checkout {tag}` then "
         f"HF_TOKEN=... .venv/bin/python scripts/publish --build --tag {tag}")
     return commit
 
@@ -847,12 +917,14 @@ def publish(
                            f"(scripts/release {tag[1:]})") from None
     if tagged != commit:
         raise ReleaseError(f"git tag {tag} points to {tagged[:7]}, not HEAD {commit[:7]}; check out the tag")
-    source, released = recorded_release(project)
-    if source != tag[1:]:
+    recorded, released = recorded_version(project)
+    source = source_version(project)
+    if recorded != tag[1:]:
         raise ReleaseError(f"tag {tag} is on HEAD but torch-ext/{project.module}/{VERSION_FILE} says {source}; "
                            f"scripts/release {tag[1:]} sets it in the release commit it tags")
     if not released:
-        raise ReleaseError(f"tag {tag} is on HEAD but {CHANGELOG} does not date {source} (its entry says unreleased); "
+        raise ReleaseError(f"tag {tag} is on HEAD but {CHANGELOG} does not date {recorded} (its entry says unreleased; "
+                           f"{VERSION_FILE} says {source}); "
                            f"scripts/release {tag[1:]} dates it in the release commit it tags")
     revision = source_revision(project)
     version = build_version(project, revision)
@@ -980,8 +1052,9 @@ def main_build(argv: list[str] | None = None) -> int:
 def main_release(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/release",
-        description="Tag release VERSION (X.Y.Z): set the package's _version.py, date its CHANGELOG.md entry, commit "
-        "'Release vX.Y.Z', move branch v<major> to that commit and tag it vX.Y.Z (annotated). Pushes nothing.",
+        description="Tag release VERSION (X.Y.Z) of a tree preparing it: date its CHANGELOG.md entry, set the "
+        "package's _version.py to X.Y.Z, commit 'Release vX.Y.Z', move branch v<major> to that commit and tag it "
+        "vX.Y.Z (annotated); then open X.Y.(Z+1).dev0 on the branch released from. Pushes nothing.",
     )
     parser.add_argument("version", help="the release, X.Y.Z (its major must be build.toml's version)")
     parser.add_argument("--root", type=Path, default=_project_root(), help="kernel repository (default: this one)")

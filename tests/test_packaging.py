@@ -108,14 +108,14 @@ def make_release_repo(path: Path) -> Path:
 
 def _as_before_the_first_release(path: Path) -> None:
     """The release tests start from the tree as it was before its first release, whatever this checkout has released
-    since: CHANGELOG.md's entries above 1.0.0 dropped, 1.0.0's undated, the package's version 1.0.0."""
+    since: CHANGELOG.md's entries above 1.0.0 dropped, 1.0.0's undated, the package's version 1.0.0.dev0."""
     changelog = path / "CHANGELOG.md"
     text = changelog.read_text()
     header, first = text.split("\n## [", 1)[0], text[text.index("\n## [1.0.0]"):]
     first = re.sub(r"^## \[1\.0\.0\] - .*$", "## [1.0.0] - unreleased", first, count=1, flags=re.M)
     changelog.write_text(header + "\n" + first)
     version_file = path / "torch-ext" / "moe_dispatch" / "_version.py"
-    version_file.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "1.0.0"', version_file.read_text()))
+    version_file.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "1.0.0.dev0"', version_file.read_text()))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -232,18 +232,9 @@ def built(build_run) -> Path:
 GENERATED = {"_ops.py", "_version.py", "moe_dispatch/__init__.py", "metadata.json"}
 
 
-def checkout_record() -> tuple[str, str | None]:
-    """The last release this checkout records, read here without scripts/: (_version.py's X.Y.Z, the date of its
-    CHANGELOG.md entry or None while it says unreleased)."""
-    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text())[1]
-    heading = re.search(rf"^## \[{re.escape(version)}\] - (\S+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
-    date = heading[1] if heading and re.fullmatch(r"\d{4}-\d\d-\d\d", heading[1]) else None
-    return version, date
-
-
-def next_patch(version: str) -> str:
-    major, minor, patch = map(int, version.split("."))
-    return f"{major}.{minor}.{patch + 1}"
+def checkout_version() -> str:
+    """`__version__` of this checkout's package, read here without scripts/ (what `import moe_dispatch` reports)."""
+    return re.search(r'__version__ = "([^"]+)"', (ROOT / "torch-ext" / "moe_dispatch" / "_version.py").read_text())[1]
 
 
 def package_files() -> set[str]:
@@ -288,12 +279,12 @@ def test_build_writes_each_variant(build_run):
         ops = (vdir / "_ops.py").read_text()
         assert f'NAMESPACE = f"_moe_dispatch_{{_torch_backend()}}_{metadata.id.removeprefix(f"_moe_dispatch_{backend}_")}"' in ops
         version = built_version(vdir)
-        Version(version)  # PEP 440, or this raises
-        # The version the tree records, the release itself only where its tag is on a clean HEAD: with no tags (a
-        # fresh clone) a checkout past release X.Y.Z builds X.Y.(Z+1).dev0+g<commit>.
-        recorded, date = checkout_record()
-        dev = rf"{re.escape(next_patch(recorded) if date else recorded)}\.dev0\+g{match.group(1)}(\.dirty)?"
-        assert re.fullmatch(dev, version) or (date and version == recorded), version
+        # The checkout's own version, the commit added unless the build is the tagged release: the same public
+        # version (PEP 440, before the "+") as `import moe_dispatch` from this checkout reports.
+        source = checkout_version()
+        assert Version(version).public == source, (version, source)
+        assert re.fullmatch(rf"{re.escape(source)}\+g{match.group(1)}(\.dirty)?", version) or (
+            version == source and ".dev" not in source), version
 
 
 def test_kernels_validation_passes_on_every_variant(built, caplog):
@@ -381,23 +372,58 @@ def test_reference_ships_and_launches_nothing_on_import(built):
     assert report == {"loaded": [], "ids": [3, 2], "dtype": "torch.float64"}, report
 
 
-def test_checkout_records_its_last_release():
-    """A checkout's __version__ is the last release, what its builds' versions come from without any git tag: X.Y.Z of
-    build.toml's major, and the newest release CHANGELOG.md dates. CHANGELOG.md lists its entries newest first."""
+def test_checkout_version_is_the_release_its_changelog_prepares():
+    """A checkout says what it is, in the form its builds report: X.Y.Z.dev0 while CHANGELOG.md prepares X.Y.Z (its
+    newest entry, `unreleased`, above every dated release), X.Y.Z only in a release commit (X.Y.Z the newest entry,
+    dated). An entry that adds to the API (`### Added`) is a minor release at least. The rule is checked here without
+    scripts/, and the same checks reject trees that break it (the last loop)."""
     with open(ROOT / "build.toml", "rb") as f:
         major = tomllib.load(f)["general"]["version"]
-    version, date = checkout_record()
-    assert Version(version).major == major and re.fullmatch(r"\d+\.\d+\.\d+", version), version
-    headings = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\S+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
-    versions = [Version(v) for v, _ in headings]
-    assert versions == sorted(versions, reverse=True), headings
-    assert all(when == "unreleased" or re.fullmatch(r"\d{4}-\d\d-\d\d", when) for _, when in headings), headings
-    dated = [v for v, when in headings if when != "unreleased"]
-    assert date is not None and dated[0] == version, (version, dated)
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+
+    def violations(source: str, changelog: str) -> list[str]:
+        found = []
+        version = Version(source)
+        if version.major != major:
+            found.append(f"major {version.major}, build.toml {major}")
+        if not re.fullmatch(r"\d+\.\d+\.\d+(\.dev0)?", source):
+            found.append(f"{source} is neither X.Y.Z nor X.Y.Z.dev0")
+        headings = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\S+)$", changelog, re.M)
+        versions = [Version(v) for v, _ in headings]
+        if versions != sorted(versions, reverse=True):
+            found.append(f"entries not newest first: {headings}")
+        if not headings or headings[0][0] != version.base_version:
+            found.append(f"the newest entry is not {version.base_version}: {headings[:1]}")
+            return found
+        undated = [v for v, when in headings if when == "unreleased"]
+        dated = [v for v, when in headings if re.fullmatch(r"\d{4}-\d\d-\d\d", when)]
+        if len(undated) + len(dated) != len(headings) or len(undated) > 1:
+            found.append(f"entries neither dated nor the one `unreleased`: {headings}")
+        if version.is_devrelease != (headings[0][1] == "unreleased"):
+            found.append(f"{source} but its entry says {headings[0][1]}")
+        body = changelog.split(f"## [{headings[0][0]}] - {headings[0][1]}", 1)[1].split("\n## [", 1)[0]
+        if version.is_devrelease and dated and "\n### Added" in body:
+            last = Version(dated[0])
+            if (version.major, version.minor) == (last.major, last.minor):
+                found.append(f"{source} adds to the API after {last}: a minor release")
+        return found
+
+    source = checkout_version()
+    assert violations(source, changelog) == [], (source, violations(source, changelog))
+    released = "## [1.0.0] - 2026-12-02\n"
+    for source, text in (("1.0.0", f"## [1.1.0] - unreleased\n\n### Added\n- x\n\n{released}"),  # says released
+                         ("1.1.0", f"## [1.1.0] - unreleased\n\n{released}"),  # a release before its release
+                         ("1.0.1.dev0", f"## [1.0.1] - unreleased\n\n### Added\n- x\n\n{released}"),  # a feature
+                         ("1.1.0.dev0", f"## [1.2.0] - unreleased\n\n{released}"),  # another version
+                         ("1.0.0.dev0", released)):  # dated already
+        assert violations(source, text), (source, text)
+    # The release commit's form passes, and so does the tree scripts/release opens after it.
+    assert violations("1.0.0", released) == [] and violations("1.0.1.dev0", f"## [1.0.1] - unreleased\n\n{released}") == []
 
 
-CHANGELOG_RELEASED = "# Changelog\n\n## [1.1.0] - unreleased\n\n## [1.0.0] - 2026-12-02\n"
-CHANGELOG_UNRELEASED = "# Changelog\n\n## [1.0.0] - unreleased\n"
+CHANGELOG_PREPARING = "# Changelog\n\n## [1.1.0] - unreleased\n\n### Added\n- A function.\n\n## [1.0.0] - 2026-12-02\n"
+CHANGELOG_RELEASED = "# Changelog\n\n## [1.0.0] - 2026-12-02\n"
+CHANGELOG_FIRST = "# Changelog\n\n## [1.0.0] - unreleased\n"
 
 
 def version_project(tmp_path, source: str, changelog: str | None):
@@ -412,25 +438,31 @@ def version_project(tmp_path, source: str, changelog: str | None):
     return release_module.load_project(root)
 
 
-@pytest.mark.parametrize("changelog,tags_on_head,dirty,want,warned", [
-    (CHANGELOG_RELEASED, ("v1.0.0",), False, "1.0.0", None),  # the release build: recorded and confirmed
-    (CHANGELOG_RELEASED, ("v1.0.0",), True, "1.0.1.dev0+g0123456.dirty", None),  # edits on the release: after it
-    (CHANGELOG_RELEASED, (), False, "1.0.1.dev0+g0123456", None),  # past the release; a clone without tags too
-    (CHANGELOG_RELEASED, ("v1.0.1",), False, "1.0.1.dev0+g0123456", "v1.0.1"),  # a tag the tree does not back
-    (CHANGELOG_RELEASED, ("nightly",), False, "1.0.1.dev0+g0123456", None),  # not a release tag: nothing to say
-    (None, (), False, "1.0.1.dev0+g0123456", None),  # _version.py alone: it holds the last release
-    (CHANGELOG_UNRELEASED, (), False, "1.0.0.dev0+g0123456", None),  # before the first release
-    (CHANGELOG_UNRELEASED, ("v1.0.0",), False, "1.0.0.dev0+g0123456", "v1.0.0"),  # a tag on an undated entry
-], ids=["release", "release-dirty", "after-release", "other-tag", "other-name", "no-changelog", "before-release",
-        "undated-tag"])
-def test_build_versions_come_from_the_tree(tmp_path, changelog, tags_on_head, dirty, want, warned):
+@pytest.mark.parametrize("source,changelog,tags_on_head,dirty,want,warned", [
+    ("1.1.0.dev0", CHANGELOG_PREPARING, (), False, "1.1.0.dev0+g0123456", None),  # preparing 1.1.0: a checkout of main
+    ("1.1.0.dev0", CHANGELOG_PREPARING, (), True, "1.1.0.dev0+g0123456.dirty", None),  # with local edits
+    ("1.1.0.dev0", CHANGELOG_PREPARING, ("v1.0.0",), False, "1.1.0.dev0+g0123456", "v1.0.0"),  # an old tag here
+    ("1.1.0.dev0", CHANGELOG_PREPARING, ("v1.1.0",), False, "1.1.0.dev0+g0123456", "v1.1.0"),  # a tag before its date
+    ("1.0.0", CHANGELOG_RELEASED, ("v1.0.0",), False, "1.0.0", None),  # the release build: recorded and confirmed
+    ("1.0.0", CHANGELOG_RELEASED, ("v1.0.0",), True, "1.0.0+g0123456.dirty", None),  # edits on the release
+    ("1.0.0", CHANGELOG_RELEASED, (), False, "1.0.0+g0123456", None),  # the release commit, no tag: a clone without
+    ("1.0.0", CHANGELOG_RELEASED, ("nightly",), False, "1.0.0+g0123456", None),  # not a release tag: nothing to say
+    ("1.0.1.dev0", None, (), False, "1.0.1.dev0+g0123456", None),  # _version.py alone: taken as it is
+    ("1.0.0", None, ("v1.0.0",), False, "1.0.0", None),
+    ("1.0.0.dev0", CHANGELOG_FIRST, (), False, "1.0.0.dev0+g0123456", None),  # before the first release
+    ("1.0.0.dev0", CHANGELOG_FIRST, ("v1.0.0",), False, "1.0.0.dev0+g0123456", "v1.0.0"),  # a tag on an undated entry
+], ids=["preparing", "preparing-dirty", "old-tag", "early-tag", "release", "release-dirty", "release-untagged",
+        "other-name", "no-changelog", "no-changelog-tagged", "before-release", "undated-tag"])
+def test_build_versions_come_from_the_tree(tmp_path, source, changelog, tags_on_head, dirty, want, warned):
+    """A build reports the tree's version (its public part is always _version.py's), with the commit added unless it
+    is the clean, tagged release."""
     release_module = hub_release()
-    project = version_project(tmp_path, "1.0.0", changelog)
+    project = version_project(tmp_path, source, changelog)
     revision = release_module.Revision(commit="0123456789" * 4, dirty=dirty, in_git=True, builder_dirty=False,
                                        tags_on_head=tags_on_head)
     logged = []
     version = release_module.build_version(project, revision, log=logged.append)
-    assert version == want and str(Version(version)) == want
+    assert version == want and str(Version(version)) == want and Version(version).public == source
     if warned is None:
         assert logged == []
     else:
@@ -439,18 +471,38 @@ def test_build_versions_come_from_the_tree(tmp_path, changelog, tags_on_head, di
 
 @pytest.mark.parametrize("source,changelog,reason", [
     ("1.0.0", "## [1.1.0] - 2026-12-09\n\n## [1.0.0] - 2026-12-02\n", "dates the later release 1.1.0"),
-    ("1.0.0", "## [1.1.0] - 2026-12-09\n\n## [1.0.0] - unreleased\n", "dates the later release 1.1.0"),
-    ("1.2.0", CHANGELOG_RELEASED, "no `## [1.2.0]` entry"),
-    ("1.2.0.dev0", CHANGELOG_RELEASED, "not X.Y.Z"),
+    ("1.0.0", CHANGELOG_PREPARING, "prepares 1.1.0 (`## [1.1.0] - unreleased`)"),
+    ("1.1.0", CHANGELOG_PREPARING, "a release, but CHANGELOG.md's entry says unreleased"),
+    ("1.2.0.dev0", CHANGELOG_PREPARING, "no `## [1.2.0]` entry"),
+    ("1.0.0.dev0", CHANGELOG_RELEASED, "dates 1.0.0 (2026-12-02): it is released"),
+    ("1.0.0.dev0", "## [1.0.0] - unreleased\n\n## [1.0.0] - 2026-12-02\n", "dates 1.0.0"),
+    ("1.0.0.dev0", "## [1.0.0] - unreleased\n\n## [1.1.0] - 2026-12-09\n", "must come after it, 1.1.1 or later"),
+    ("1.1.0.dev0", "## [1.2.0] - unreleased\n\n## [1.1.0] - unreleased\n\n## [1.0.0] - 2026-12-02\n",
+     "several `unreleased` entries (1.2.0, 1.1.0)"),
+    ("1.0.1.dev0", "## [1.0.1] - unreleased\n\n### Added\n- x\n\n## [1.0.0] - 2026-12-02\n",
+     "adds to the API (### Added): the release after 1.0.0 is then 1.1.0"),
+    ("1.1.0.dev1", CHANGELOG_PREPARING, "not X.Y.Z.dev0"),
+    ("1.1.0rc1", CHANGELOG_PREPARING, "not X.Y.Z.dev0"),
+    ("2.0.0.dev0", "## [2.0.0] - unreleased\n", "build.toml has version = 1"),
 ])
 def test_build_versions_refuse_records_that_disagree(tmp_path, source, changelog, reason):
-    """_version.py and CHANGELOG.md record the last release together (scripts/release writes both): a tree where they
-    disagree has no version, and every script refuses it."""
+    """_version.py and CHANGELOG.md record the tree's version together (scripts/release writes both): a tree where
+    they disagree has no version, and every script refuses it."""
     release_module = hub_release()
     project = version_project(tmp_path, source, changelog)
     revision = release_module.Revision(commit="0123456789" * 4, dirty=False, in_git=True, builder_dirty=False)
     with pytest.raises(release_module.ReleaseError, match=re.escape(reason)):
         release_module.build_version(project, revision)
+
+
+def test_a_patch_entry_without_additions_and_a_minor_one_with_them_pass(tmp_path):
+    """The other side of the ### Added rule: fixes alone may be a patch release, additions a minor one."""
+    release_module = hub_release()
+    revision = release_module.Revision(commit="0123456789" * 4, dirty=False, in_git=True, builder_dirty=False)
+    for source, changelog in (("1.0.1.dev0", "## [1.0.1] - unreleased\n\n### Fixed\n- x\n\n## [1.0.0] - 2026-12-02\n"),
+                              ("1.1.0.dev0", CHANGELOG_PREPARING)):
+        project = version_project(tmp_path / source, source, changelog)
+        assert release_module.build_version(project, revision) == f"{source}+g0123456"
 
 
 @requires_git
@@ -486,9 +538,8 @@ def test_build_outside_a_git_checkout_is_marked_dirty(tmp_path):
     metadata = json.loads((tree / "build" / "torch-rocm" / "metadata.json").read_text())
     assert metadata["id"] == "_moe_dispatch_rocm_0123456_dirty"
     assert "kernel" not in metadata["provenance"]  # no git: the kernel's revision is unknown
-    recorded, date = checkout_record()
-    want = f"{next_patch(recorded) if date else recorded}.dev0+g0123456.dirty"
-    assert built_version(tree / "build" / "torch-rocm") == want  # no git, no tags: what the tree records
+    want = f"{checkout_version()}+g0123456.dirty"
+    assert built_version(tree / "build" / "torch-rocm") == want  # no git, no tags: the tree's version
 
 
 @requires_git
@@ -562,16 +613,22 @@ def publish(repo: Path, hub: HubServer, *args: str, token: str | None = TOKEN) -
 
 
 def release(repo: Path, hub: HubServer, version: str) -> str:
-    """The release flow: scripts/release tags it on branch v1, then CI's command builds and publishes the tag.
-    Returns the Hub commit of the tag."""
+    """The release flow: scripts/release tags it on branch v1 and opens the next patch on main, then CI's command,
+    on a checkout of the tag, builds and publishes it. Returns the Hub commit of the tag."""
     result = run_script(repo, "release", version, env=clean_env(**GIT_ENV))
     assert result.returncode == 0, result.stdout + result.stderr
     tag = f"v{version}"
-    assert git(repo, "rev-parse", f"{tag}^{{commit}}") == git(repo, "rev-parse", "v1") == git(repo, "rev-parse", "HEAD")
+    assert git(repo, "rev-parse", f"{tag}^{{commit}}") == git(repo, "rev-parse", "v1") == git(repo, "rev-parse", "HEAD~1")
     assert git(repo, "cat-file", "-t", tag) == "tag"  # annotated
-    ci_args = CI_PUBLISH.split("scripts/publish ", 1)[1].replace('"$GITHUB_REF_NAME"', tag).split()
-    result = publish(repo, hub, *ci_args)
-    assert result.returncode == 0, result.stdout + result.stderr
+    major, minor, patch = version.split(".")
+    assert git(repo, "log", "-1", "--format=%s") == f"Open {major}.{minor}.{int(patch) + 1}.dev0 after {tag}"
+    git(repo, "checkout", "-q", tag)  # what CI checks out on the pushed tag
+    try:
+        ci_args = CI_PUBLISH.split("scripts/publish ", 1)[1].replace('"$GITHUB_REF_NAME"', tag).split()
+        result = publish(repo, hub, *ci_args)
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        git(repo, "checkout", "-q", "main")
     return hub.state.repos[("kernel", REPO_ID)].tags[tag]
 
 
@@ -614,9 +671,10 @@ def releases(hub, tmp_path_factory):
 
     init = repo / "torch-ext" / "moe_dispatch" / "__init__.py"
     init.write_text(init.read_text() + "# release v1.1.0\n")
-    changelog = repo / "CHANGELOG.md"
-    changelog.write_text(changelog.read_text().replace("\n## [1.0.0]", "\n## [1.1.0] - unreleased\n\n- A change.\n\n"
-                                                       "## [1.0.0]", 1))
+    changelog = repo / "CHANGELOG.md"  # the opened 1.0.1 becomes 1.1.0: it adds to the API
+    changelog.write_text(changelog.read_text().replace("## [1.0.1] - unreleased\n", "## [1.1.0] - unreleased\n\n"
+                                                       "### Added\n- A change.\n", 1))
+    (repo / "torch-ext" / "moe_dispatch" / "_version.py").write_text(hub_release().render_source_version_py("1.1.0.dev0"))
     git(repo, "commit", "-q", "-am", "change for v1.1.0")
     second = release(repo, hub, "1.1.0")
     return {"repo": repo, "v1.0.0": first, "v1.1.0": second, "lockfile": project / "kernels.lock", "base": base}
@@ -730,7 +788,11 @@ def test_publishing_the_same_release_again_changes_nothing(hub, releases):
     repo_state = hub.state.repos[("kernel", REPO_ID)]
     refs_before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
     n_requests = len(hub.state.requests)
-    result = publish(releases["repo"], hub)
+    git(releases["repo"], "checkout", "-q", "v1.1.0")  # the tag on HEAD, as CI checks it out
+    try:
+        result = publish(releases["repo"], hub)
+    finally:
+        git(releases["repo"], "checkout", "-q", "main")
     assert result.returncode == 0, result.stderr
     assert "already points to" in result.stdout and "nothing to do" in result.stdout
     assert (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits)) == refs_before
@@ -748,13 +810,14 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     before = (dict(repo_state.branches), dict(repo_state.tags), len(repo_state.commits))
     version_file = clone / "torch-ext" / "moe_dispatch" / "_version.py"
     changelog = clone / "CHANGELOG.md"
+    # The records of a release commit made here: the entry scripts/release opened after v1.1.0 taken out again.
+    released = changelog.read_text().replace("## [1.1.1] - unreleased\n\n", "", 1)
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
         git(clone, "tag", "-d", "v1.1.0")  # the tag under test is the one on HEAD, and the release the tree records
-        if version_file.read_text() != hub_release().render_source_version_py(tag[1:]):
-            version_file.write_text(hub_release().render_source_version_py(tag[1:]))
-            # The records of a 1.0.1 made on a tree that never had 1.1.0: its dated entry is the newest.
-            changelog.write_text(re.sub(r"^## \[1\.1\.0\]", f"## [{tag[1:]}]", changelog.read_text(), flags=re.M))
-            git(clone, "commit", "-q", "-am", f"source version {tag[1:]}")
+        version_file.write_text(hub_release().render_source_version_py(tag[1:]))
+        # The records of a 1.0.1 made on a tree that never had 1.1.0: its dated entry is the newest.
+        changelog.write_text(re.sub(r"^## \[1\.1\.0\]", f"## [{tag[1:]}]", released, flags=re.M))
+        git(clone, "commit", "-q", "-am", f"source version {tag[1:]}")
         git(clone, "tag", tag)
         assert run_script(clone, "build", env=clean_env()).returncode == 0
         result = publish(clone, hub, "--tag", tag)
@@ -786,9 +849,10 @@ def _tag_not_on_head(repo):
 
 
 def _release_commit(repo):
-    """The commit scripts/release 1.0.0 makes, without its tag: CHANGELOG.md dates 1.0.0 (_version.py says it already)."""
+    """The commit scripts/release 1.0.0 makes, without its tag: CHANGELOG.md dates 1.0.0, _version.py says 1.0.0."""
     changelog = repo / "CHANGELOG.md"
     changelog.write_text(changelog.read_text().replace("## [1.0.0] - unreleased", "## [1.0.0] - 2026-12-02", 1))
+    (repo / "torch-ext" / "moe_dispatch" / "_version.py").write_text(hub_release().render_source_version_py("1.0.0"))
     git(repo, "commit", "-q", "-am", "Release v1.0.0")
 
 
@@ -814,7 +878,7 @@ def _stale_files(repo):
 
 def _build_before_the_tag(repo):
     _release_commit(repo)
-    assert run_script(repo, "build", env=clean_env()).returncode == 0  # says 1.0.1.dev0+g<commit>: no tag confirms it
+    assert run_script(repo, "build", env=clean_env()).returncode == 0  # says 1.0.0+g<commit>: no tag confirms it
     git(repo, "tag", "v1.0.0")  # the build (made before) is not 1.0.0's (and so its digest)
     return [], "torch-cpu differs from torch-ext/moe_dispatch in ['_version.py', 'metadata.json']"
 
@@ -825,12 +889,12 @@ def _tag_the_tree_does_not_record(repo):
     assert result.returncode == 0 and "warning: HEAD carries the tag v1.0.0 but CHANGELOG.md does not date 1.0.0" \
         in result.stdout, result.stdout + result.stderr
     assert re.fullmatch(r"1\.0\.0\.dev0\+g[0-9a-f]{7}", built_version(repo / "build" / "torch-cpu"))
-    return [], "CHANGELOG.md does not date 1.0.0 (its entry says unreleased)"
+    return [], "CHANGELOG.md does not date 1.0.0 (its entry says unreleased; _version.py says 1.0.0.dev0)"
 
 
 def _tag_other_than_the_source_version(repo):
-    _tag_and_build(repo, "v1.0.1")  # the source says 1.0.0: scripts/release would have set 1.0.1
-    return [], "says 1.0.0; scripts/release 1.0.1 sets it"
+    _tag_and_build(repo, "v1.0.1")  # the source says 1.0.0.dev0: scripts/release would have set 1.0.1
+    return [], "says 1.0.0.dev0; scripts/release 1.0.1 sets it"
 
 
 def _missing_token(repo):
@@ -882,7 +946,16 @@ def _release_older_than_a_tag(repo):
 def _release_again_in_a_clone_without_tags(repo):
     assert run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV)).returncode == 0
     git(repo, "tag", "-d", "v1.0.0")
-    git(repo, "branch", "-D", "v1")  # what a clone of main alone has: the release commit, no tag, no branch v1
+    git(repo, "branch", "-D", "v1")  # what a clone of main alone has: the release commit and the next, no tag, no v1
+    return "1.0.0", ("the tree prepares 1.0.1 (torch-ext/moe_dispatch/_version.py, CHANGELOG.md): "
+                     "1.0.0 is not after")
+
+
+def _release_again_on_its_commit_without_tags(repo):
+    assert run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV)).returncode == 0
+    git(repo, "tag", "-d", "v1.0.0")
+    git(repo, "branch", "-D", "v1")
+    git(repo, "checkout", "-q", "--detach", "HEAD~1")  # the release commit itself
     return "1.0.0", ("the tree records release 1.0.0 (torch-ext/moe_dispatch/_version.py, CHANGELOG.md): "
                      "1.0.0 is not after")
 
@@ -897,7 +970,7 @@ def _release_rewriting_branch_v1(repo):
 
 RELEASE_REFUSALS = [_release_major_mismatch, _release_dirty_tree, _release_without_changelog_entry,
                     _release_tag_exists, _release_older_than_a_tag, _release_again_in_a_clone_without_tags,
-                    _release_rewriting_branch_v1]
+                    _release_again_on_its_commit_without_tags, _release_rewriting_branch_v1]
 
 
 @requires_git
@@ -914,27 +987,46 @@ def test_release_refuses_and_changes_nothing(tmp_path, case):
 
 
 @requires_git
-def test_release_dates_the_changelog_and_sets_the_version(tmp_path):
+def test_release_dates_the_changelog_sets_the_version_and_opens_the_next(tmp_path):
+    """scripts/release 1.0.0: the release commit (entry dated, _version.py 1.0.0) carries the tag and branch v1; main
+    goes on with 1.0.1.dev0 (an `unreleased` entry above the release), so no later commit says it is 1.0.0. Each
+    commit's build reports its checkout's version."""
     repo = make_release_repo(tmp_path / "repo")
     result = run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV))
     assert result.returncode == 0, result.stderr
-    assert git(repo, "log", "-1", "--format=%s") == "Release v1.0.0"
-    assert re.search(r"^## \[1\.0\.0\] - \d{4}-\d\d-\d\d$", (repo / "CHANGELOG.md").read_text(), re.M)
+    assert git(repo, "log", "-2", "--format=%s").splitlines() == ["Open 1.0.1.dev0 after v1.0.0", "Release v1.0.0"]
     assert 'git push origin v1 v1.0.0' in result.stdout
     assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"  # the branch it ran on; v1 follows releases
-    assert run_script(repo, "build", env=clean_env()).returncode == 0
-    assert built_version(repo / "build" / "torch-cpu") == "1.0.0"  # the release build
-    git(repo, "commit", "-q", "--allow-empty", "-m", "after the release")
+    assert git(repo, "rev-parse", "v1") == git(repo, "rev-parse", "v1.0.0^{commit}") == git(repo, "rev-parse", "HEAD~1")
+    version_file = repo / "torch-ext" / "moe_dispatch" / "_version.py"
+    changelog = (repo / "CHANGELOG.md").read_text()
+    assert re.search(r"^## \[1\.0\.1\] - unreleased\n\n## \[1\.0\.0\] - \d{4}-\d\d-\d\d$", changelog, re.M), changelog
+    assert '__version__ = "1.0.1.dev0"' in version_file.read_text()
     assert run_script(repo, "build", env=clean_env()).returncode == 0
     head = git(repo, "rev-parse", "HEAD")[:7]
-    assert built_version(repo / "build" / "torch-cpu") == f"1.0.1.dev0+g{head}"  # the tree has moved past 1.0.0
+    assert built_version(repo / "build" / "torch-cpu") == f"1.0.1.dev0+g{head}"  # past 1.0.0, as the checkout says
+    git(repo, "checkout", "-q", "v1.0.0")
+    assert '__version__ = "1.0.0"' in version_file.read_text()
+    assert run_script(repo, "build", env=clean_env()).returncode == 0
+    assert built_version(repo / "build" / "torch-cpu") == "1.0.0"  # the release build
 
 
 @requires_git
-def test_a_clone_without_tags_builds_after_the_recorded_release(tmp_path):
+def test_release_on_branch_v1_opens_nothing(tmp_path):
+    """Released from branch v1 itself, the release commit stays its tip: the next version is opened elsewhere."""
+    repo = make_release_repo(tmp_path / "repo")
+    git(repo, "checkout", "-q", "-b", "v1")
+    result = run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV))
+    assert result.returncode == 0, result.stderr
+    assert git(repo, "log", "-1", "--format=%s") == "Release v1.0.0" and "open 1.0.1.dev0 on your" in result.stdout
+    assert git(repo, "rev-parse", "HEAD") == git(repo, "rev-parse", "v1.0.0^{commit}") == git(repo, "rev-parse", "v1")
+
+
+@requires_git
+def test_a_clone_without_tags_builds_the_version_its_files_say(tmp_path):
     """The version comes from the tree: a clone that has neither the tags nor branch v1 (they live where the release
-    was made and on the Hub) builds X.Y.(Z+1).dev0+g<commit> after the release X.Y.Z its files record, the release
-    commit included (no tag confirms it), and scripts/publish refuses the untagged tree."""
+    was made and on the Hub) builds 1.0.1.dev0+g<commit> after the release, and 1.0.0+g<commit> on the release commit
+    (the release's files, no tag confirming them); scripts/publish refuses the untagged tree."""
     repo = make_release_repo(tmp_path / "repo")
     assert run_script(repo, "release", "1.0.0", env=clean_env(**GIT_ENV)).returncode == 0
     git(repo, "commit", "-q", "--allow-empty", "-m", "after the release")
@@ -942,11 +1034,12 @@ def test_a_clone_without_tags_builds_after_the_recorded_release(tmp_path):
     subprocess.run(["git", "clone", "-q", "--no-tags", "--single-branch", "--branch", "main", str(repo), str(clone)],
                    check=True, capture_output=True)
     assert git(clone, "tag", "--list") == "" and git(clone, "branch", "--list", "v1") == ""
-    for rev in ("HEAD", "HEAD~1"):  # after the release, then the release commit itself
-        git(clone, "checkout", "-q", "--detach", rev)
+    commits = [git(clone, "rev-parse", rev) for rev in ("HEAD", "HEAD~1", "HEAD~2")]  # after, the opening, the release
+    for commit, want in zip(commits, ("1.0.1.dev0", "1.0.1.dev0", "1.0.0")):
+        git(clone, "checkout", "-q", "--detach", commit)
         result = run_script(clone, "build", env=clean_env())
         assert result.returncode == 0 and "warning: HEAD carries" not in result.stdout, result.stdout + result.stderr
-        assert built_version(clone / "build" / "torch-cpu") == f"1.0.1.dev0+g{git(clone, 'rev-parse', 'HEAD')[:7]}"
+        assert built_version(clone / "build" / "torch-cpu") == f"{want}+g{git(clone, 'rev-parse', 'HEAD')[:7]}"
     result = run_script(clone, "publish", "--dry-run", env=clean_env())
     assert result.returncode == 2 and "HEAD carries no git tag" in result.stderr, result.stderr
 

@@ -88,7 +88,7 @@ V1_MODULE_PATHS = {"binned": binned, "expert_parallel": expert_parallel, "fp8": 
                    "tiles": tiles, "transformers_experts": transformers_experts, "_plan": _plan}
 _sys.modules.update({f"{__name__}.{name}": module for name, module in V1_MODULE_PATHS.items()})
 
-from ._version import __version__  # X.Y.Z; a build says its own (X.Y.Z, or X.Y.Z.dev0+g<commit>: scripts/build)
+from ._version import __version__  # X.Y.Z.dev0 (X.Y.Z in a release); a build adds +g<commit> (scripts/build)
 
 __all__ = [
     # v1 surface shared with bassrehab/moe-dispatch (same names, argument order, defaults, returns)
