@@ -17,9 +17,9 @@ converts, the e4m3 weights and their block scales against the original weights, 
 as it was); the peer kernel served from a source folder (`kernels.get_kernel` returns that copy, LOCAL_KERNELS keeps
 what it held); and a smoke run of Qwen3-MoE and DeepSeek-V3 through every implementation on a stand-in of the
 finegrained-fp8 kernel written here (its three matmuls in torch on the dequantized weights), so that at fp32 the
-package's FP8 path must give transformers' FP8 experts loop's tokens exactly. Where a checkout holds the real kernel's
-source in .peers/hub/finegrained-fp8 (not part of the repository), the smoke run also takes that one: its w8a8 matmul
-(activations quantized too) runs in the interpreter, so there the logits agree to FP8 rounding, not exactly.
+package's FP8 path must give transformers' FP8 experts loop's tokens exactly. Given the real kernel's source (not part
+of the repository: MOE_DISPATCH_FINEGRAINED_FP8_SOURCE names its folder), the smoke run also takes that one: its w8a8
+matmul (activations quantized too) runs in the interpreter, so there the logits agree to FP8 rounding, not exactly.
 """
 
 import json
@@ -37,8 +37,10 @@ import moe_dispatch
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
 ROOT = Path(__file__).resolve().parents[1]
-# A checkout's copy of the finegrained-fp8 kernel's source (ignored by git: a measuring instrument, not project code).
-PEER_SOURCE = ROOT / ".peers" / "hub" / "finegrained-fp8"
+# A source folder of the kernels-community/finegrained-fp8 kernel (its build.toml and torch-ext/finegrained_fp8/), what
+# benchmarks/generate_e2e.py --finegrained-fp8 takes: a measuring instrument, not project code, so the repository has
+# none. MOE_DISPATCH_FINEGRAINED_FP8_SOURCE names it; without it, a copy at .peers/hub/finegrained-fp8 of the checkout.
+PEER_SOURCE = Path(os.environ.get("MOE_DISPATCH_FINEGRAINED_FP8_SOURCE") or ROOT / ".peers" / "hub" / "finegrained-fp8")
 
 
 @pytest.fixture
@@ -492,7 +494,9 @@ def test_cpu_smoke_fp8_matches_transformers_fp8_loop(stand_in_source, fresh_fp8_
 
 @needs_interpreter
 @pytest.mark.skipif(not (PEER_SOURCE / "torch-ext" / "finegrained_fp8").is_dir(),
-                    reason="no finegrained-fp8 source in .peers/hub of this checkout")
+                    reason="needs the finegrained-fp8 kernel's source, which the repository does not hold: set "
+                           "MOE_DISPATCH_FINEGRAINED_FP8_SOURCE to a folder with its build.toml and "
+                           "torch-ext/finegrained_fp8/ (a copy of kernels-community's finegrained-fp8 source)")
 def test_cpu_smoke_fp8_on_the_real_finegrained_fp8_kernel(fresh_fp8_kernel, kernel_calls):
     """The kernel's own w8a8 matmul (activations quantized to e4m3 per 16 columns) runs transformers' FP8Linear layers
     and eager FP8 loop in the interpreter, each autotuner kept to its first config; the package (weight-only FP8 on
