@@ -1,9 +1,14 @@
 """One fused MoE forward against the float64 reference, with its time.
 
-    bash scripts/demo                       # its launcher: the project's .venv, the PYTHONPATH below
-    PYTHONPATH=torch-ext:benchmarks python3 examples/demo.py --model deepseek-v3 --tokens 32
+From the repository root:
 
-With a GPU: the model's real layer in bf16. Without: its routing on a shrunk layer through the Triton interpreter.
+    bash scripts/demo                                   # the project's .venv (made by scripts/setup-env if missing)
+    bash scripts/demo --model deepseek-v3 --tokens 32
+    PYTHONPATH=torch-ext:benchmarks .venv/bin/python examples/demo.py --model deepseek-v3 --tokens 32
+
+The last line is what scripts/demo runs; any Python with the pinned torch and triton (requirements.txt) does in place
+of .venv/bin/python. With a GPU: the model's real layer in bf16. Without: its routing on a shrunk layer through the
+Triton interpreter.
 """
 
 import argparse
@@ -23,9 +28,11 @@ from moe_dispatch.reference import fused_moe_forward_ref  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(MODEL_SHAPES))
-    parser.add_argument("--tokens", type=int, default=64 if ON_GPU else 16)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(MODEL_SHAPES),
+                        help="the model whose MoE layer runs (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=64 if ON_GPU else 16,
+                        help="tokens T in the batch (default: %(default)s here)")
     args = parser.parse_args()
     real = MODEL_SHAPES[args.model]
     shape = real if ON_GPU else shrunk(real)
