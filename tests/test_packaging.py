@@ -30,6 +30,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+import kernel_build
 from hub_server import HubServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +42,7 @@ REPO_ID = "org/moe-dispatch"  # the test double's repo; the real id lives in bui
 TOKEN = "hf_test_token"
 VARIANTS = ("torch-cpu", "torch-cuda", "torch-rocm")
 ARCHS = {"torch-cpu": None, "torch-cuda": ["8.0", "9.0"], "torch-rocm": ["gfx942"]}
-# The variant the loader picks from a full build on this machine: torch's own backend.
-PREFERRED_VARIANT = ("torch-cuda" if torch.version.cuda is not None else "torch-rocm" if torch.version.hip is not None
-                     else "torch-cpu")
+PREFERRED_VARIANT = kernel_build.PREFERRED_VARIANT  # the variant the loader picks from a full build on this machine
 RELEASE_FILES = ["build.toml", "flake.nix", "LICENSE", ".gitignore", "README.md", "CHANGELOG.md", "docs",
                  "benchmarks", "scripts/_hub_release.py", "scripts/build", "scripts/release", "scripts/publish",
                  "torch-ext/moe_dispatch"]
@@ -204,23 +203,11 @@ def test_workflows_test_every_push_and_publish_tags():
 
 # -- scripts/build -----------------------------------------------------------------------------------------------------
 
-def checkout_head() -> str | None:
-    """HEAD's first 7 hex digits, or None outside a git checkout (e.g. a copy of the tree on a GPU machine)."""
-    try:
-        return git(ROOT, "rev-parse", "HEAD")[:7] if HAS_GIT else None
-    except subprocess.CalledProcessError:
-        return None
-
-
 @pytest.fixture(scope="module")
-def build_run(tmp_path_factory) -> tuple[Path, set[str] | None]:
-    """scripts/build run on this checkout into a temporary directory -> (directory, possible HEADs or None)."""
-    out = tmp_path_factory.mktemp("build")
-    before = checkout_head()
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build"), "--out", str(out)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return out, None if before is None else {before, checkout_head()}  # others may commit while it runs
+def build_run() -> tuple[Path, frozenset[str] | None]:
+    """scripts/build run on this checkout into a temporary directory, shared with tests/test_kernels_ci.py
+    (kernel_build.build_variants) -> (directory, possible HEADs or None). Tests copy it before changing anything."""
+    return kernel_build.build_variants()
 
 
 @pytest.fixture(scope="module")
@@ -565,16 +552,12 @@ def test_each_variant_loads_with_get_local_kernel(built):
     assert Path(get_local_kernel(built).__file__).parent.name == PREFERRED_VARIANT
 
 
-def test_get_kernel_version_1_through_local_kernels(built, monkeypatch):
-    from kernels import get_kernel
-
-    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={built}")
-    module = get_kernel(REPO_ID, version=1)
+def test_get_kernel_version_1_through_local_kernels(built):
+    module = kernel_build.get_kernel_from(built, REPO_ID)  # LOCAL_KERNELS=<repo>=<build root>, get_kernel(version=1)
     assert Path(module.__file__).parent.name == PREFERRED_VARIANT
     check_forward(module)
     for variant in VARIANTS:  # a path to one variant directory loads that variant on any machine
-        monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={built / variant}")
-        module = get_kernel(REPO_ID, version=1)
+        module = kernel_build.get_kernel_from(built / variant, REPO_ID)
         assert Path(module.__file__).parent == built / variant
         check_forward(module)
 
