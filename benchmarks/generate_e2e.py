@@ -243,6 +243,7 @@ TINY_FP8_BLOCK = (16, 16)
 # The kernel transformers' FP8 layers run (transformers.integrations.hub_kernels: `lazy_load_kernel("finegrained-fp8")`
 # = kernels.get_kernel(FINEGRAINED_FP8_REPO, version=4)); --finegrained-fp8 serves it from a source folder.
 FINEGRAINED_FP8_REPO = "kernels-community/finegrained-fp8"
+FINEGRAINED_FP8_VERSION = 4
 GPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm," + ALWAYS_GROUPED, modes=",".join(MODES),
                     batches="1,16", new_tokens=64, prompt_len=32, layers=2, vocab=32000, repeats=3, warmup=1,
                     dtype="bfloat16", init_std=0.02, reference="grouped_mm", train=True)
@@ -565,35 +566,48 @@ def _package_digest(folder):
     return digest.hexdigest()
 
 
-def serve_finegrained_fp8(source):
-    """Serve the finegrained-fp8 kernel from its source folder `source` (build.toml, torch-ext/finegrained_fp8/):
-    copy the package into a temporary kernel repository laid out as `kernels` loads a local one (build/torch-<backend>/
-    holding the package and a metadata.json) and append `kernels-community/finegrained-fp8=<that folder>` to
-    LOCAL_KERNELS (entries separated by ':', as kernels parses them), so transformers' `lazy_load_kernel` gets this copy
-    instead of the Hub's; must run before anything loads the kernel. The folder is removed at exit. Returns the record
-    of where it came from: the folder as given, its build.toml name and version, a sha256 of its package files, the
-    module name it imports under."""
+def serve_kernel_source(source, repo_id, package, version=None, what="the kernel's source folder"):
+    """Serve a Hub kernel from its source folder `source` (build.toml, torch-ext/<package>/) as `kernels` loads a
+    local one: copy the package into a temporary kernel repository (build/torch-<backend>/ holding the package and a
+    metadata.json) and append `<repo_id>=<that folder>` to LOCAL_KERNELS (entries separated by ':', as kernels
+    parses them), so `kernels.get_kernel(repo_id, version=...)` gets this copy instead of the Hub's; must run before
+    anything loads the kernel. `version` is the metadata's where build.toml does not say (or is absent). The folder
+    is removed at exit. Raises ValueError when `source` holds no such package. Returns the record of where it came
+    from: the folder as given, the repo id it serves, its build.toml name and version, a sha256 of its package
+    files, the module name it imports under."""
     folder = Path(source)
-    package = folder / "torch-ext" / "finegrained_fp8"
-    if not (package / "__init__.py").is_file():
-        raise SystemExit(f"--finegrained-fp8 {source}: no torch-ext/finegrained_fp8/__init__.py there (a source folder "
-                         f"of {FINEGRAINED_FP8_REPO} is expected)")
+    package_dir = folder / "torch-ext" / package
+    if not (package_dir / "__init__.py").is_file():
+        raise ValueError(f"{what} {source}: no torch-ext/{package}/__init__.py there (a source folder of {repo_id} "
+                         "is expected)")
     build = folder / "build.toml"
     general = tomllib.loads(build.read_text()).get("general", {}) if build.is_file() else {}
-    digest = _package_digest(package)
+    digest = _package_digest(package_dir)
     backend = "cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu"
-    repo = Path(tempfile.mkdtemp(prefix="finegrained-fp8-"))
+    repo = Path(tempfile.mkdtemp(prefix=f"{repo_id.split('/')[-1]}-"))
     atexit.register(shutil.rmtree, repo, ignore_errors=True)
     variant = repo / "build" / f"torch-{backend}"
-    shutil.copytree(package, variant, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    module = f"_finegrained_fp8_{digest[:10]}"  # one module name per source: two sources never share sys.modules
-    metadata = {"name": general.get("name", "finegrained-fp8"), "id": module, "version": general.get("version"),
+    shutil.copytree(package_dir, variant, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    module = f"_{package}_{digest[:10]}"  # one module name per source: two sources never share sys.modules
+    name = general.get("name", repo_id.split("/")[-1])
+    metadata = {"name": name, "id": module, "version": general.get("version", version),
                 "license": general.get("license", "Apache-2.0"), "python-depends": [], "backend": {"type": backend}}
     (variant / "metadata.json").write_text(json.dumps(metadata))
-    entry = f"{FINEGRAINED_FP8_REPO}={repo}"
+    entry = f"{repo_id}={repo}"
     os.environ["LOCAL_KERNELS"] = ":".join(filter(None, [os.environ.get("LOCAL_KERNELS"), entry]))
-    return {"source": str(source), "served_as": FINEGRAINED_FP8_REPO, "name": metadata["name"],
-            "version": metadata["version"], "sha256": digest, "module": module}
+    return {"source": str(source), "served_as": repo_id, "name": name, "version": metadata["version"],
+            "sha256": digest, "module": module}
+
+
+def serve_finegrained_fp8(source):
+    """Serve the finegrained-fp8 kernel from its source folder `source` (build.toml, torch-ext/finegrained_fp8/) under
+    kernels-community/finegrained-fp8 (serve_kernel_source), so transformers' `lazy_load_kernel` gets this copy
+    instead of the Hub's; must run before anything loads the kernel."""
+    try:
+        return serve_kernel_source(source, FINEGRAINED_FP8_REPO, "finegrained_fp8", version=FINEGRAINED_FP8_VERSION,
+                                   what="--finegrained-fp8")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def load_finegrained_fp8(served, device):

@@ -29,9 +29,13 @@ are ~0.023 RMS; never a whole model), bf16 biases randn * 0.02, x randn, and GPT
                  autotuner is capped (--fg-trials, refinement off unless --fg-refine) and kept to the tiles that
                  divide H and F (its kernels mask neither N nor K; --fg-all-configs lifts that)
 
-The two Hub peers are imported by sys.path from --hub-dir (a folder holding the kernels' torch-ext folders, found as
-DIR/<package>, DIR/torch-ext/<package> or DIR/*/torch-ext/<package>); any failure to find, import, convert, compile or
-run one is recorded as its row's "skipped: reason" or "error" and the benchmark goes on. --no-hub leaves them out.
+The two Hub peers load as users load kernels, with `kernels.get_kernel(repo_id, version=N)` (the versions transformers
+asks for): from the Hub or its cache by default, or, with --hub-dir DIR, from DIR/<repository name> through
+LOCAL_KERNELS (no network). Such a folder is either the kernel repository as the Hub serves it (build/torch-<backend>/
+with metadata.json; `hf download kernels-community/gpt-oss-triton-kernels --repo-type kernel --revision v1 --local-dir
+DIR/gpt-oss-triton-kernels`) or its source (build.toml, torch-ext/<package>/), served as a local build first
+(generate_e2e.serve_kernel_source). Any failure to find, load, convert, compile or run one is recorded as its row's
+"skipped: reason" or "error" and the benchmark goes on. --no-hub leaves them out.
 
 Timing (a GPU): every implementation that ran is captured as a CUDA graph and the graphs are replayed alternately
 (harness.paired_graph_times: --pairs pairs, the order reversed every other pair): `us` is the median of one-call
@@ -52,7 +56,7 @@ Targets, per cell (R, the read bandwidth, and P, the bf16 matmul rate, measured 
 Writes OUT/mxfp4.json and OUT/mxfp4.md after every model (a run cut short keeps what it measured) and prints the short
 Markdown table last. --budget-s stops starting new cells (they are listed as skipped).
 
-    scripts/bench_mxfp4 --out results/mxfp4 --hub-dir .peers/hub    # both models, T = 1 .. 16384, the Hub peers
+    scripts/bench_mxfp4 --out results/mxfp4 --hub-dir DIR    # both models, T = 1 .. 16384, the Hub peers from DIR
     scripts/bench_mxfp4 --models gpt-oss-20b --tokens 1,4096 --no-hub --out mxfp4-out
     scripts/bench_mxfp4 --cpu-smoke --out mxfp4-smoke                  # the plumbing on the CPU (interpreter)
 """
@@ -60,7 +64,6 @@ Markdown table last. --budget-s stops starting new cells (they are listed as ski
 import argparse
 import dataclasses
 import datetime
-import importlib
 import os
 import platform
 import statistics
@@ -72,6 +75,7 @@ import torch
 
 import harness  # first (scripts/harness.py): without a GPU it turns on Triton's interpreter before triton imports
 import bench_layouts  # noqa: E402  (transformers' GPT-OSS experts as a peer, GPT-OSS's SwiGLU constants)
+from generate_e2e import serve_kernel_source  # noqa: E402  (benchmarks/: a Hub kernel's source as a local build)
 from harness import fmt  # noqa: E402
 from model_shapes import MODEL_SHAPES  # noqa: E402
 from moe_dispatch import reference  # noqa: E402
@@ -81,7 +85,24 @@ TOKENS = (1, 2, 4, 8, 16, 128, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 5)
 SMOKE_SIZES = bench_layouts.SMOKE_SIZES  # E 4, top_k 2, H 64, F 32: multiples of the 32 values of an e8m0 scale
 IMPLS = ("mxfp4", "bf16", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
-HUB_IMPLS = {"tk_matmul_ogs": "gpt_oss_triton_kernels", "fg_mxfp4": "finegrained_fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HubPeer:
+    """A Hub kernel timed beside the package, and how to find it."""
+
+    repo_id: str  # its Hub repository
+    version: int  # what get_kernel loads: the version transformers asks for
+    package: str  # its package folder in a source tree, torch-ext/<package>
+
+    @property
+    def folder(self) -> str:
+        """Its folder's name under --hub-dir: the repository's name."""
+        return self.repo_id.split("/")[-1]
+
+
+HUB_IMPLS = {"tk_matmul_ogs": HubPeer("kernels-community/gpt-oss-triton-kernels", 1, "gpt_oss_triton_kernels"),
+             "fg_mxfp4": HubPeer("kernels-community/finegrained-fp8", 4, "finegrained_fp8")}
 LABELS = {"mxfp4": "mxfp4", "bf16": "bf16", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
 DTYPE = torch.bfloat16
 ALPHA, LIMIT = harness.SWIGLU_ALPHA, harness.SWIGLU_LIMIT
@@ -106,9 +127,10 @@ def parse_args(argv):
     p.add_argument("--tokens", default=None, help=f"comma list of T (default {','.join(map(str, TOKENS))}; "
                                                   f"--cpu-smoke: {','.join(map(str, SMOKE_TOKENS))})")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default all)")
-    p.add_argument("--hub-dir", default=str(harness.ROOT / ".peers" / "hub"),
-                   help="folder holding the Hub kernels' torch-ext folders (gpt_oss_triton_kernels, finegrained_fp8)\n"
-                        "(default .peers/hub of the checkout)")
+    p.add_argument("--hub-dir", default=None, metavar="DIR",
+                   help="load the Hub peers from DIR/gpt-oss-triton-kernels and DIR/finegrained-fp8 (each the kernel\n"
+                        "repository as the Hub serves it, or its source) through LOCAL_KERNELS; default: the Hub or\n"
+                        "its cache, through kernels.get_kernel")
     p.add_argument("--no-hub", action="store_true", help="leave out the Hub peers (tk_matmul_ogs, fg_mxfp4)")
     p.add_argument("--fg-trials", type=int, default=8,
                    help="finegrained-fp8's autotune trials per key (FINEGRAINED_AUTOTUNE_TRIALS; its default is 60)")
@@ -238,44 +260,62 @@ def hf_impl(w):
                      "([E, H, 2F] interleaved, [E, F, H]): Mxfp4Config(dequantize=True)'s experts")
 
 
-def find_package(hub_dir, package):
-    """The folder of `package` (holding __init__.py) under hub_dir: DIR/<package>, DIR/torch-ext/<package>,
-    DIR/*/torch-ext/<package> or DIR/*/<package>; None when none is there."""
-    hub_dir = Path(hub_dir)
-    candidates = [hub_dir / package, hub_dir / "torch-ext" / package]
-    if hub_dir.is_dir():
-        candidates += sorted(hub_dir.glob(f"*/torch-ext/{package}")) + sorted(hub_dir.glob(f"*/{package}"))
-    return next((c for c in candidates if (c / "__init__.py").is_file()), None)
+def find_peer(hub_dir, peer):
+    """(folder, kind) of `peer` under hub_dir, DIR/<repository name>: kind "build" for the kernel repository as the Hub
+    serves it (variants with a metadata.json, in build/ or at its top), "source" for its source tree
+    (torch-ext/<package>/__init__.py); (None, None) when neither is there."""
+    folder = Path(hub_dir) / peer.folder
+    if any(folder.glob("build/*/metadata.json")) or any(folder.glob("*/metadata.json")):
+        return folder, "build"
+    if (folder / "torch-ext" / peer.package / "__init__.py").is_file():
+        return folder, "source"
+    return None, None
 
 
-def import_package(hub_dir, package):
-    """(module, None) or (None, why): `package` imported by name with its parent folder first on sys.path."""
-    folder = find_package(hub_dir, package)
-    if folder is None:
-        return None, f"no {package} package under {harness.portable_path(str(Path(hub_dir).resolve()))}"
-    parent = str(folder.parent)
-    if parent not in sys.path:
-        sys.path.insert(0, parent)
+def load_peer(hub_dir, peer):
+    """(module, None) or (None, why): `peer` loaded as users load a kernel, `kernels.get_kernel(repo_id, version=N)`.
+    With hub_dir, LOCAL_KERNELS maps its repo id to DIR/<repository name> first (a source tree is served as a local
+    build: generate_e2e.serve_kernel_source), so nothing is downloaded; without, the Hub or its cache answers."""
+    if hub_dir is not None:
+        folder, kind = find_peer(hub_dir, peer)
+        where = harness.portable_path(str(Path(hub_dir).resolve()))
+        if folder is None:
+            return None, (f"no {peer.folder} under --hub-dir {where} (put there `hf download {peer.repo_id} "
+                          f"--repo-type kernel --revision v{peer.version} --local-dir DIR/{peer.folder}`, or its "
+                          f"source: build.toml and torch-ext/{peer.package}/)")
+        try:
+            if kind == "source":
+                serve_kernel_source(folder, peer.repo_id, peer.package, version=peer.version)
+            else:
+                entry = f"{peer.repo_id}={folder}"
+                os.environ["LOCAL_KERNELS"] = ":".join(filter(None, [os.environ.get("LOCAL_KERNELS"), entry]))
+        except Exception as exc:  # noqa: BLE001 (a folder that is not what it seems)
+            return None, f"serving {where}/{peer.folder} failed: {harness.error_text(exc)}"
     try:
-        return importlib.import_module(package), None
+        from kernels import get_kernel
+
+        return get_kernel(peer.repo_id, version=peer.version), None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 (a peer pinned to another Triton may fail anyhow)
-        return None, f"import {package} failed: {harness.error_text(exc)}"
+        return None, f"get_kernel({peer.repo_id!r}, version={peer.version}) failed: {harness.error_text(exc)}"
 
 
 def load_hub(args, device):
     """{impl: (module or None, status)} for the Hub peers asked for."""
     hub = {}
-    for impl, package in HUB_IMPLS.items():
+    for impl, peer in HUB_IMPLS.items():
         if impl not in args.impls:
             continue
         if device.type != "cuda":
-            folder = find_package(args.hub_dir, package)
-            where = f"found {package}" if folder is not None else f"no {package} package under --hub-dir"
+            if args.hub_dir is None:
+                where = f"{peer.repo_id} would come from the Hub"
+            else:
+                found = find_peer(args.hub_dir, peer)[0] is not None
+                where = f"{'found' if found else 'no'} {peer.folder} under --hub-dir"
             hub[impl] = (None, f"skipped: needs a CUDA device (its kernels are GPU-only; {where})")
             continue
         if impl == "fg_mxfp4":
             os.environ["FINEGRAINED_AUTOTUNE_TRIALS"] = str(args.fg_trials)  # read when its autotuners are made
-        module, why = import_package(args.hub_dir, package)
+        module, why = load_peer(args.hub_dir, peer)
         if module is not None and impl == "fg_mxfp4":
             dims = {d for name in args.models for d in (model_shape(name, False).hidden, model_shape(name, False).ffn)}
             try:

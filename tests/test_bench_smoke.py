@@ -29,6 +29,7 @@ import pytest
 import torch
 import tune
 from helpers import DEVICE, TOLERANCE, assert_close, needs_interpreter
+from kernel_build import PREFERRED_VARIANT
 from model_shapes import MODEL_SHAPES, shrunk
 from moe_dispatch.reference import W8A8_TOLERANCE
 
@@ -747,8 +748,9 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     """scripts/bench_mxfp4.py's pieces: the decode floor (1.15 x (MXFP4 + scale bytes of the experts hit) / R + 10 us)
     and the prefill ratio (MXFP4 / bf16 <= 1.1 from T = 1024, the per-pair ratio preferred), the weights it builds
     (its bf16 copy is the float64 dequantization exactly), finegrained-fp8's layout of them (the same values, gate
-    rows then up rows), its float64 reference a few experts at a time (= all at once), and the Hub peers' discovery (a
-    package in a kernel repo's torch-ext is found; one whose import fails is reported, not raised)."""
+    rows then up rows), its float64 reference a few experts at a time (= all at once), and the Hub peers' loading through
+    LOCAL_KERNELS + get_kernel from --hub-dir (a source tree served as a local build, a Hub-layout kernel repository
+    loaded as it is; one that fails to load is reported, not raised; a missing one says how to get it)."""
     import bench_mxfp4 as bm
 
     import moe_dispatch as md
@@ -782,14 +784,28 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     chunked = harness.mxfp4_reference(w, inp.x, inp.ids, inp.weights, chunk=1)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-15)
 
-    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # import_package prepends the peer's folder
+    # The Hub peers load through LOCAL_KERNELS + kernels.get_kernel(repo_id, version=N), from DIR/<repository name>.
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)  # load_peer appends its entries; restored after the test
     hub = tmp_path / "hub"
-    package = hub / "gpt-oss-triton-kernels" / "torch-ext" / "gpt_oss_triton_kernels"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("raise ImportError('built for another Triton')\n")
-    assert bm.find_package(hub, "gpt_oss_triton_kernels") == package
-    assert bm.find_package(hub, "finegrained_fp8") is None
-    module, why = bm.import_package(hub, "gpt_oss_triton_kernels")
-    assert module is None and "built for another Triton" in why
-    module, why = bm.import_package(hub, "finegrained_fp8")
-    assert module is None and why.startswith("no finegrained_fp8 package under")
+    tk, fg = bm.HUB_IMPLS["tk_matmul_ogs"], bm.HUB_IMPLS["fg_mxfp4"]
+    assert (tk.repo_id, tk.version, fg.repo_id, fg.version) == (
+        "kernels-community/gpt-oss-triton-kernels", 1, "kernels-community/finegrained-fp8", 4)  # transformers' asks
+    source = hub / "gpt-oss-triton-kernels"  # a source tree: served as a local build first
+    (source / "torch-ext" / "gpt_oss_triton_kernels").mkdir(parents=True)
+    (source / "torch-ext" / "gpt_oss_triton_kernels" / "__init__.py").write_text(
+        "raise ImportError('built for another Triton')\n")
+    assert bm.find_peer(hub, tk) == (source, "source") and bm.find_peer(hub, fg) == (None, None)
+    module, why = bm.load_peer(hub, tk)
+    assert module is None and "get_kernel('kernels-community/gpt-oss-triton-kernels', version=1)" in why, why
+    assert "built for another Triton" in why and "kernels-community/gpt-oss-triton-kernels=" in os.environ["LOCAL_KERNELS"]
+    module, why = bm.load_peer(hub, fg)
+    assert module is None and why.startswith("no finegrained-fp8 under --hub-dir") and "hf download" in why, why
+    variant = hub / "finegrained-fp8" / "build" / PREFERRED_VARIANT  # the kernel repository as the Hub serves it
+    variant.mkdir(parents=True)
+    (variant / "__init__.py").write_text("SERVED = 'from --hub-dir'\n")
+    (variant / "metadata.json").write_text(json.dumps({
+        "name": "finegrained-fp8", "id": "_finegrained_fp8_bench_smoke", "version": 4, "license": "Apache-2.0",
+        "python-depends": [], "backend": {"type": PREFERRED_VARIANT.removeprefix("torch-")}}))
+    assert bm.find_peer(hub, fg) == (hub / "finegrained-fp8", "build")
+    module, why = bm.load_peer(hub, fg)
+    assert why is None and module.SERVED == "from --hub-dir" and module.__name__ == "_finegrained_fp8_bench_smoke"
