@@ -15,12 +15,9 @@
 #                           first on PYTHONPATH)
 #   SUITE_TESTS=0           skip pytest. SUITE_TEST_PATHS: what pytest runs (default tests); PYTEST_ARGS: extra
 #                           arguments; PYTEST_BUDGET_S: a time limit for each pytest process (default none)
-#   SUITE_PYTEST_GROUPS=N   run the test files as N concurrent pytest processes (each file to the group with the fewest
-#                           bytes of tests so far, largest first), then the files of SUITE_PYTEST_ALONE (default
-#                           tests/test_gpu_backward.py, which needs the GPU's memory) alone; one log per group. The
-#                           whole GPU suite takes about 20 minutes serially on one H200; 4 groups suit a 16-core host
-#                           (6 groups: 6 minutes, but the processes' cached GPU memory ran out before
-#                           tests/conftest.py released it after each test).
+#   SUITE_PYTEST_WORKERS=N  scripts/test's pytest-xdist workers sharing the GPU (default 4; 0: one process). Tests are
+#                           handed out one by one as workers free up (--dist load), and each test returns its cached
+#                           GPU memory to the driver (tests/conftest.py), so the processes do not starve each other.
 #   SUITE_BINNED=0          skip the binned-routing benchmark (scripts/bench_binned.py)
 #   SUITE_TRAIN=1           also the training benchmark (scripts/bench_train.py); SUITE_TRAIN_LIGER=model,... adds
 #                           Liger-Kernel where its wheel is installed (minutes of autotuning per shape)
@@ -30,8 +27,8 @@
 #                           left is skipped (and counts as failed), and the last ones get what remains (default none)
 #   MOE_DISPATCH_COMMIT     the commit recorded in results when .git is absent
 #
-# Files under $OUT: suite.log (everything, in order), pytest.log (or pytest-<i>.log per group and pytest-alone.log),
-# failures*.txt (only when a test failed: id and message of each failure as it happened), bench/ (bench.json,
+# Files under $OUT: suite.log (everything, in order), pytest.log,
+# failures.txt (only when a test failed: id and message of each failure as it happened), bench/ (bench.json,
 # bench.md, summary.txt, roofline.png when matplotlib imports), binned/binned.json, train/ and, with SUITE_TUNE, the
 # tuned table and its tuning log.
 set -uo pipefail
@@ -107,63 +104,17 @@ fi
 if [ "${SUITE_TESTS:-1}" != "0" ]; then
   per_test=()
   if "$python" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 300); fi
-  # shellcheck disable=SC2206  # PYTEST_ARGS and SUITE_TEST_PATHS are word lists
-  pytest_cmd=("$python" -m pytest -q -p no:cacheprovider --tb=line -rfE "${per_test[@]}" ${PYTEST_ARGS:-})
-  groups="${SUITE_PYTEST_GROUPS:-1}"
-  if [ "$groups" -le 1 ]; then
-    say "GPU test suite: ${SUITE_TEST_PATHS:-tests}"
-    # failures are written as they happen (tests/conftest.py), so a run cut by its limit still says why
-    # shellcheck disable=SC2086
-    MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" \
-      ${SUITE_TEST_PATHS:-tests} > "$OUT/pytest.log" 2>&1
-    rc=$?
-    tail -n 25 "$OUT/pytest.log" | tee -a "$log"
-    record "pytest" "$rc" "$(pytest_note "$rc" "$OUT/pytest.log")"
-  else
-    alone=()
-    files=()
-    for path in ${SUITE_TEST_PATHS:-tests}; do
-      if [ -d "$path" ]; then while IFS= read -r f; do files+=("$f"); done < <(find "$path" -name 'test_*.py' | sort)
-      else files+=("$path"); fi
-    done
-    grouped=()
-    for f in "${files[@]}"; do
-      is_alone=0
-      for a in ${SUITE_PYTEST_ALONE-tests/test_gpu_backward.py}; do [ "$f" -ef "$a" ] && is_alone=1; done
-      if [ "$is_alone" = 1 ]; then alone+=("$f"); else grouped+=("$f"); fi
-    done
-    # Largest file first, each to the group with the fewest bytes so far: one line of files per group.
-    mapfile -t group_files < <(for f in "${grouped[@]}"; do echo "$(wc -c < "$f") $f"; done | sort -rn | awk -v n="$groups" '
-      { best = 1; for (i = 2; i <= n; i++) if (load[i] < load[best]) best = i; load[best] += $1; g[best] = g[best] " " $2 }
-      END { for (i = 1; i <= n; i++) print g[i] }')
-    say "GPU test suite: ${#grouped[@]} files in $groups concurrent groups, then ${alone[*]:-nothing} alone"
-    pids=()
-    for i in $(seq 1 "$groups"); do
-      group="${group_files[$((i - 1))]:-}"
-      [ -z "${group// /}" ] && { pids+=(""); continue; }
-      echo "group $i:$group" | tee -a "$log"
-      # shellcheck disable=SC2086
-      MOE_DISPATCH_FAILURE_LOG="$OUT/failures-$i.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" $group \
-        > "$OUT/pytest-$i.log" 2>&1 &
-      pids+=("$!")
-    done
-    for i in $(seq 1 "$groups"); do
-      pid="${pids[$((i - 1))]}"
-      [ -z "$pid" ] && { record "pytest group $i/$groups" 0 "empty (fewer files than groups)"; continue; }
-      wait "$pid"
-      rc=$?
-      record "pytest group $i/$groups" "$rc" "$(pytest_note "$rc" "$OUT/pytest-$i.log")"
-      echo "group $i: $(tail -n 1 "$OUT/pytest-$i.log")" | tee -a "$log"
-    done
-    if [ "${#alone[@]}" -gt 0 ]; then
-      say "GPU test suite, alone: ${alone[*]}"
-      MOE_DISPATCH_FAILURE_LOG="$OUT/failures-alone.txt" limited "${PYTEST_BUDGET_S:-}" "${pytest_cmd[@]}" \
-        "${alone[@]}" > "$OUT/pytest-alone.log" 2>&1
-      rc=$?
-      tail -n 5 "$OUT/pytest-alone.log" | tee -a "$log"
-      record "pytest alone" "$rc" "$(pytest_note "$rc" "$OUT/pytest-alone.log")"
-    fi
-  fi
+  workers="${SUITE_PYTEST_WORKERS:-4}"
+  say "GPU test suite: scripts/test ${SUITE_TEST_PATHS:-tests} on ${workers} pytest-xdist workers"
+  # scripts/test, the test command, with this python as it is; failures are written as they happen
+  # (tests/conftest.py), so a run cut by its limit still says why
+  # shellcheck disable=SC2086  # PYTEST_ARGS and SUITE_TEST_PATHS are word lists
+  PYTHON="$python" MOE_DISPATCH_TEST_WORKERS="$workers" MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" \
+    limited "${PYTEST_BUDGET_S:-}" bash scripts/test -q -p no:cacheprovider --tb=line -rfE "${per_test[@]}" \
+    ${PYTEST_ARGS:-} ${SUITE_TEST_PATHS:-tests} > "$OUT/pytest.log" 2>&1
+  rc=$?
+  tail -n 40 "$OUT/pytest.log" | tee -a "$log"
+  record "pytest" "$rc" "$(pytest_note "$rc" "$OUT/pytest.log")"
   for f in "$OUT"/failures*.txt; do
     if [ -s "$f" ]; then echo "--- failures as they happened ($(basename "$f")):"; cut -c1-300 "$f"; fi
   done | tee -a "$log"

@@ -17,7 +17,10 @@ __all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "Refusal", "TOLERANCE", "assert_cl
            "needs_gpu", "needs_interpreter", "poison_empty", "relative_error", "swap_gluon_gemm"]
 
 ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"  # every test tensor lives here; Triton needs the GPU when there is one
+# The device a test's kernels run on: the GPU where there is one, else the CPU (through Triton's interpreter). Tests
+# name it (DEVICE, or the `device` fixture of conftest.py); no helper here chooses a device for them: the helpers that
+# build tensors take a required `device` keyword, so a test that builds CPU operands on a GPU host says so.
+DEVICE = "cuda" if ON_GPU else "cpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # conftest turns it on where there is no GPU
 # Tests of the CPU set-up (kernels on CPU tensors through Triton's interpreter: the README's CPU blocks, the scripts'
@@ -70,7 +73,7 @@ def capture_cuda_graph(fn, warmups=1):
     return graph, static
 
 
-def make_weights(E, H, F, dtype, device=DEVICE, scale=0.1):
+def make_weights(E, H, F, dtype, *, device, scale=0.1):
     """Seed-layout expert weights: w_gate, w_up [E, F, H] and w_down [E, H, F], randn * scale."""
     w_gate = (torch.randn(E, F, H) * scale).to(device, dtype)
     w_up = (torch.randn(E, F, H) * scale).to(device, dtype)
@@ -159,13 +162,13 @@ def assert_forced_on(monkeypatch, variable, refusal, plan_engine, engine_plan, b
             refusal()
 
 
-def distinct_ids(T, E, top_k, skip=(), device=DEVICE):
+def distinct_ids(T, E, top_k, skip=(), *, device):
     """topk ids [T, top_k]: distinct experts per token, never those in `skip`."""
     pool = torch.tensor([e for e in range(E) if e not in skip])
     return torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(device)
 
 
-def offsets_of(counts, device=DEVICE):
+def offsets_of(counts, *, device):
     """int32 expert offsets [E + 1] of expert-sorted rows with `counts` rows per expert."""
     return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
@@ -186,10 +189,10 @@ class EngineCase:
     skip_expert: int | None = 2
 
 
-def gpu_biases(E, H, F, dtype=torch.bfloat16):
-    """fused_experts' gate_up_bias [E, 2F] and down_bias [E, H] on the GPU, small (std 0.1)."""
-    return dict(gate_up_bias=(torch.randn(E, 2 * F, device="cuda") * 0.1).to(dtype),
-                down_bias=(torch.randn(E, H, device="cuda") * 0.1).to(dtype))
+def gpu_biases(E, H, F, dtype=torch.bfloat16, *, device):
+    """fused_experts' gate_up_bias [E, 2F] and down_bias [E, H], small (std 0.1)."""
+    return dict(gate_up_bias=(torch.randn(E, 2 * F, device=device) * 0.1).to(dtype),
+                down_bias=(torch.randn(E, H, device=device) * 0.1).to(dtype))
 
 
 def run_gluon_engine(monkeypatch, run, variable, engine, **switches):

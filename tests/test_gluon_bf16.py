@@ -163,7 +163,7 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
     monkeypatch.setattr(moe, "gluon_bf16_experts", lambda *a, **k: calls.append(1))
     w_gate_up, w_down = _experts(2, 64, 32)
     x = torch.randn(3, 64, device=DEVICE).bfloat16()
-    ids, weights = distinct_ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+    ids, weights = distinct_ids(3, 2, 1, device=DEVICE), torch.rand(3, 1, device=DEVICE)
 
     def run(x=x):
         md.host.replay.clear()  # the variable is read when a plan is recorded
@@ -225,7 +225,7 @@ GLUE_CASES = [
 def _glue_inputs(case):
     w_gate_up, w_down = _experts(case.E, case.H, case.F, case.dtype)
     x = torch.randn(case.T, case.H, device=DEVICE).to(case.dtype)
-    ids = distinct_ids(case.T, case.E, case.top_k, skip=() if case.skip_expert is None else (case.skip_expert,))
+    ids = distinct_ids(case.T, case.E, case.top_k, skip=() if case.skip_expert is None else (case.skip_expert,), device=DEVICE)
     if case.dropped:
         ids[::3, 0] = case.E + 2
         ids[1, 1] = -1
@@ -298,7 +298,7 @@ def test_gpu_dense_matches_float64(M, N, K, dtype):
 @pytest.mark.parametrize("counts", [[77, 0, 1, 4019], [1], [129, 128, 0, 0, 300]])
 def test_gpu_grouped_matches_float64(counts, dtype):
     N, K = 384, 1000
-    offsets = offsets_of(counts, "cuda")
+    offsets = offsets_of(counts, device="cuda")
     a = torch.randn(sum(counts), K, device="cuda").to(dtype)
     b = torch.randn(len(counts), N, K, device="cuda").to(dtype)
     out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
@@ -315,7 +315,7 @@ def test_gpu_gated_matches_float64(counts, F, activation, bias, dtype):
     rows and whose up rows past 2F read the next expert's (columns never stored); an empty expert; rows past the
     last offset are left as torch.empty leaves them (not compared)."""
     K, E = 1000, len(counts)
-    offsets = offsets_of(counts, "cuda")
+    offsets = offsets_of(counts, device="cuda")
     a = torch.randn(sum(counts) + 5, K, device="cuda").to(dtype)
     b = (torch.randn(E, 2 * F, K, device="cuda") / K**0.5).to(dtype)
     options = dict(activation=activation, bias=torch.randn(E, 2 * F, device="cuda").to(dtype) if bias else None)
@@ -332,8 +332,8 @@ def test_gpu_nan_in_a_reaches_its_row_only():
     b = torch.randn(2, 256, 512, device="cuda").bfloat16()
     a[3, 5] = float("nan")
     others = torch.arange(200, device="cuda") != 3
-    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], "cuda")),
-                gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([100, 100], "cuda"))):
+    for out in (gluon_bf16.bf16_gemm(a, b[0]), gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], device="cuda")),
+                gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([100, 100], device="cuda"))):
         assert out[3].isnan().all()
         assert torch.isfinite(out[others]).all()
 
@@ -351,7 +351,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, m
     w_gate_up, w_down = _experts(E, H, F, device="cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids, weights = distinct_ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
-    options = {**options, **(gpu_biases(E, H, F) if bias else {})}
+    options = {**options, **(gpu_biases(E, H, F, device="cuda") if bias else {})}
 
     def run():
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, **options)

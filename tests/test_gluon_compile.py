@@ -10,6 +10,8 @@ biases; the FP8 kernel's two, its 128 x 256 and 64 x 256 tiles and its gated GEM
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
+
+Every operand is a CPU tensor on any host, a GPU host included: nothing here runs a kernel.
 """
 
 import os
@@ -35,7 +37,7 @@ def _bf16_call(dtype, grouped, cfg=gluon_bf16.DEFAULT_CONFIG):
     a = torch.zeros(1000, 1024, dtype=dtype)
     b = torch.zeros(4, 512, 1024, dtype=dtype)
     if grouped:
-        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([300, 0, 400, 300]), cfg=cfg)
+        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([300, 0, 400, 300], device="cpu"), cfg=cfg)
     return lambda: gluon_bf16.bf16_gemm(a, b[0], cfg=cfg)
 
 
@@ -43,14 +45,14 @@ def _fp8_call(grouped, cfg=gluon_fp8.DEFAULT_CONFIG):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 512, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 4, 8)
     if grouped:
-        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300]), cfg=cfg)
+        return lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300], device="cpu"), cfg=cfg)
     return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
 
 
 def _gated_call(activation, bias):
     a, b = torch.zeros(1000, 1024, dtype=torch.bfloat16), torch.zeros(4, 2 * 768, 1024, dtype=torch.bfloat16)
     bias = torch.zeros(4, 2 * 768, dtype=torch.bfloat16) if bias else None
-    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([300, 0, 400, 300]), activation=activation,
+    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([300, 0, 400, 300], device="cpu"), activation=activation,
                                                       bias=bias)
 
 
@@ -58,7 +60,7 @@ def _fp8_gated_call(activation, bias):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 2 * 768, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 12, 8)
     biases = dict(gate_bias=torch.zeros(4, 768), up_bias=torch.zeros(4, 768)) if bias else {}
-    return lambda: gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300]),
+    return lambda: gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets_of([300, 0, 400, 300], device="cpu"),
                                                           activation=activation, **biases)
 
 

@@ -142,7 +142,7 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
     monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1))
     w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
     x = torch.randn(3, 128, device=DEVICE).bfloat16()
-    ids, weights = distinct_ids(3, 2, 1), torch.rand(3, 1, device=DEVICE)
+    ids, weights = distinct_ids(3, 2, 1, device=DEVICE), torch.rand(3, 1, device=DEVICE)
 
     def run():
         md.host.replay.clear()  # the variable is read when a plan is recorded
@@ -222,7 +222,7 @@ def _glue_inputs(case):
     w_gate_up, w_down, scales = _block_fp8_experts(case.E, case.H, case.F)
     x = torch.randn(case.T, case.H, device=DEVICE).bfloat16()
     skip = () if case.skip_expert is None else (case.skip_expert,)
-    ids = distinct_ids(case.T, case.E, case.top_k, skip=skip)
+    ids = distinct_ids(case.T, case.E, case.top_k, skip=skip, device=DEVICE)
     weights = torch.rand(case.T, case.top_k, device=DEVICE)
     options = dict(case.options)
     if case.bias:
@@ -304,7 +304,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, c
     w_gate_up, w_down, scales = _block_fp8_experts(E, H, F, device="cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
     ids, weights = distinct_ids(T, E, top_k, device="cuda"), torch.rand(T, top_k, device="cuda")
-    options = {**options, **(gpu_biases(E, H, F) if bias else {})}
+    options = {**options, **(gpu_biases(E, H, F, device="cuda") if bias else {})}
 
     def run():
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", **scales, **options)

@@ -8,7 +8,7 @@ checks; the kernels run where `gluon_fp8.available()` holds.
 
 import pytest
 import torch
-from helpers import offsets_of
+from helpers import DEVICE, offsets_of
 
 from moe_dispatch.dispatch.segments import segment_tile_map
 from moe_dispatch.gemm import gluon_fp8
@@ -49,7 +49,7 @@ def test_import_guard_and_availability_reason():
 def test_tile_map_covers_each_expert_with_its_own_blocks(counts):
     """The grouped GEMMs' tile map (the dispatch's builder, with the real tiles counted): 128-row blocks of each
     expert in order, -1 past them, num_m_tiles the blocks the kernels walk."""
-    offsets = offsets_of(counts, "cpu")
+    offsets = offsets_of(counts, device=DEVICE)  # segment_tile_map launches a Triton kernel
     num_rows = sum(counts)
     safe, tile_expert, tile_row, num_m_tiles = segment_tile_map(offsets, num_rows, len(counts), 128, count_tiles=True)
     bound = (num_rows + min(len(counts), num_rows) * 127) // 128  # dispatch.segments.max_tiles_bound
@@ -70,7 +70,7 @@ def test_tile_map_never_trusts_the_offsets():
     """Offsets past the rows, decreasing or negative are clamped into [0, rows] and made non-decreasing before the
     map (and the kernels, which read the experts' ends from the returned offsets) use them: no tile reaches past the
     rows."""
-    offsets = torch.tensor([-5, 300, 200, 10_000], dtype=torch.int32)
+    offsets = torch.tensor([-5, 300, 200, 10_000], dtype=torch.int32, device=DEVICE)
     safe, tile_expert, tile_row, num_m_tiles = segment_tile_map(offsets, 400, 3, 128, count_tiles=True)
     assert safe.tolist() == [0, 300, 300, 400]
     n = num_m_tiles.item()
@@ -136,7 +136,7 @@ def test_gated_reference_is_the_quantized_activation(activation):
     x, w = torch.randn(sum(counts), K, dtype=torch.float64), torch.randn(E, 2 * F, K, dtype=torch.float64) / K**0.5
     a, a_scale = quantize_rows(x)
     b, b_scale = quantize_blocks(w)
-    offsets = offsets_of(counts, "cpu")
+    offsets = offsets_of(counts, device="cpu")
     gate_bias, up_bias = torch.randn(E, F), torch.randn(E, F)
     h, h_scale = fp8_block_gated_grouped_gemm_ref(a, a_scale, b, b_scale, offsets, activation=activation,
                                                   gate_bias=gate_bias, up_bias=up_bias)
@@ -180,7 +180,7 @@ def test_grouped_matches_float64(counts, cfg):
     next expert's (or past the last expert's: zeros), never stored; 64-row tiles cut the 77-, 129- and 300-row
     experts differently."""
     N, K = 384, 1024
-    offsets = offsets_of(counts, "cuda")
+    offsets = offsets_of(counts, device="cuda")
     a, a_scale = quantize_rows(torch.randn(sum(counts), K, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(len(counts), N, K, device="cuda"))
     out = gluon_fp8.fp8_block_grouped_gemm(a, a_scale, b, b_scale, offsets, cfg=cfg)
@@ -212,7 +212,7 @@ def test_gated_matches_float64(counts, F, activation, bias):
     fp32 sums (wgmma's narrower ones inside each K block) move a few e4m3 roundings by one step
     (W8A8_MODEL_TOLERANCE_GPU); an empty expert; rows past the last offset are not compared."""
     K, E = 1024, len(counts)
-    offsets = offsets_of(counts, "cuda")
+    offsets = offsets_of(counts, device="cuda")
     rows = sum(counts)
     a, a_scale = quantize_rows(torch.randn(rows + 5, K, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(E, 2 * F, K, device="cuda") / K**0.5)
@@ -232,7 +232,7 @@ def test_gated_nan_in_a_reaches_its_row_only():
     a, a_scale = quantize_rows(torch.randn(200, 512, device="cuda"))
     b, b_scale = quantize_blocks(torch.randn(2, 256, 512, device="cuda"))
     a.view(torch.uint8)[3, 5] = 0x7F  # e4m3fn NaN
-    h, h_scale = gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets_of([100, 100], "cuda"))
+    h, h_scale = gluon_fp8.fp8_block_gated_grouped_gemm(a, a_scale, b, b_scale, offsets_of([100, 100], device="cuda"))
     assert h[3].float().isnan().all()
     others = torch.arange(200, device="cuda") != 3
     assert torch.isfinite(h[others].float()).all() and torch.isfinite(h_scale[others]).all()

@@ -1,5 +1,5 @@
 """scripts/gpu_suite.sh on the CPU, with cheap stages: it exits non-zero when a stage fails, says which python it
-runs, ends with its one-screen summary, and runs pytest as concurrent groups of files plus the files run alone.
+runs, ends with its one-screen summary, and runs pytest on pytest-xdist workers (or in one process).
 
 The pytest stage runs tiny test files written here (no GPU needed); the benchmarks are skipped, except where a
 benchmark's failure is the point (an unknown flag makes scripts/bench.py exit 2 at once).
@@ -51,33 +51,28 @@ FAIL = "def test_passes():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n
 
 @needs_bash
 def test_failing_stages_fail_the_suite_and_the_summary_says_which(tmp_path):
-    """A failing test in one of two concurrent groups, the file run alone after them, and a benchmark that fails."""
+    """A failing test among files run on two workers, and a benchmark that fails: both stages named, the run red."""
     folder = tmp_path / "t"
-    write_tests(folder, test_a=PASS, test_b=PASS, test_big="# a larger file\n" * 40 + FAIL, test_alone=PASS)
-    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(folder), SUITE_PYTEST_GROUPS="2",
-                        SUITE_PYTEST_ALONE=str(folder / "test_alone.py"), SUITE_BENCH="1", BENCH_ARGS="--no-such-flag")
+    write_tests(folder, test_a=PASS, test_b=PASS, test_c=FAIL)
+    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(folder), SUITE_PYTEST_WORKERS="2", SUITE_BENCH="1",
+                        BENCH_ARGS="--no-such-flag")
     assert result.returncode == 1, result.stdout + result.stderr
     rows = summary(result.stdout)
-    # the largest file alone in group 1 balances the two small ones in group 2
-    assert rows["pytest group 1/2"] == ("1", "FAILED: 1 failed, 1 passed (pytest-1.log)")
-    assert rows["pytest group 2/2"] == ("0", "ok: 2 passed")
-    assert rows["pytest alone"] == ("0", "ok: 1 passed")
+    assert rows["pytest"] == ("1", "FAILED: 1 failed, 3 passed (pytest.log)")
     rc, note = rows["benchmark (quick)"]
     assert rc == "2" and note.startswith("FAILED"), rows
     assert rows["environment"][0] == "0" and sys.executable in rows["environment"][1]
     assert f"python {sys.executable} ($PYTHON)" in result.stdout  # which python, and why
     assert "suite: FAILED (2 of" in result.stdout
-    assert "test_big.py::test_fails" in (out / "pytest-1.log").read_text()
-    suite_log = (out / "suite.log").read_text()
-    assert "test_big.py" in suite_log.split("group 1:")[1].splitlines()[0] and "== summary" in suite_log
-    for log in ("pytest-2.log", "pytest-alone.log"):
-        assert "passed" in (out / log).read_text()
+    log = (out / "pytest.log").read_text()
+    assert "test_c.py::test_fails" in log and "bringing up nodes" in log  # on xdist workers
+    assert "== summary" in (out / "suite.log").read_text()
 
 
 @needs_bash
 def test_a_passing_run_exits_0(tmp_path):
     write_tests(tmp_path / "t", test_good=PASS)
-    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(tmp_path / "t"))
+    result, out = suite(tmp_path, SUITE_TEST_PATHS=str(tmp_path / "t"), SUITE_PYTEST_WORKERS="0")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = summary(result.stdout)
     assert rows["pytest"] == ("0", "ok: 1 passed")

@@ -29,7 +29,7 @@ def test_fused_moe_forward(case, poison_empty, monkeypatch):
     if case.chunked:
         monkeypatch.setattr(segments, "SINGLE_MAX", 0)
     x, router_weight, extras = make_inputs(case)
-    w_gate, w_up, w_down = make_weights(case.E, case.H, case.F, case.dtype)
+    w_gate, w_up, w_down = make_weights(case.E, case.H, case.F, case.dtype, device=DEVICE)
     kwargs = dict(case.routing_kwargs(), **extras)
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, case.E, case.top_k, case.gating,
                                              **kwargs)
@@ -127,7 +127,7 @@ def test_fused_experts_3d_and_noncontiguous():
 def test_fused_moe_forward_3d():
     x = torch.randn(2, 3, 32, device=DEVICE)
     router_weight = torch.randn(4, 32, device=DEVICE)
-    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32)
+    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32, device=DEVICE)
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, 4, 2)
     ref_out, ref_ids, _ = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, 4, 2)
     assert out.shape == x.shape and ids.shape == (6, 2)
@@ -138,7 +138,7 @@ def test_fused_moe_forward_3d():
 def test_zero_tokens():
     x = torch.randn(0, 32, device=DEVICE)
     router_weight = torch.randn(4, 32, device=DEVICE)
-    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32)
+    w_gate, w_up, w_down = make_weights(4, 32, 16, torch.float32, device=DEVICE)
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, 4, 2)
     assert out.shape == (0, 32) and ids.shape == (0, 2) and weights.shape == (0, 2)
     w_gate_up = torch.cat([w_gate, w_up], 1)
@@ -152,7 +152,7 @@ def test_deterministic():
     """Same inputs, bit-identical outputs (no float atomics anywhere)."""
     case = FORWARD_CASES[1]
     x, router_weight, extras = make_inputs(case)
-    weights = make_weights(case.E, case.H, case.F, case.dtype)
+    weights = make_weights(case.E, case.H, case.F, case.dtype, device=DEVICE)
     runs = [md.fused_moe_forward(x, router_weight, *weights, case.E, case.top_k, **case.routing_kwargs())[0]
             for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
@@ -286,7 +286,7 @@ def test_v1_segment_functions(dtype):
     permuted, offsets, sorted_idx, _ = md.permute_tokens(x, ids, E)
     w = (torch.randn(E, F, H) * 0.1).to(DEVICE, dtype)
     assert_close(md.grouped_gemm(permuted, w, offsets, E), grouped_gemm_ref(permuted, w, offsets, E), dtype)
-    w_gate, w_up, w_down = make_weights(E, H, F, dtype)
+    w_gate, w_up, w_down = make_weights(E, H, F, dtype, device=DEVICE)
     assert_close(md.expert_ffn_triton(permuted, w_gate, w_up, w_down, offsets, E),
                  expert_ffn_ref(permuted, w_gate, w_up, w_down, offsets, E), dtype)
     args = (permuted, w_gate, w_up, w_down, offsets, E, weights, sorted_idx, T, top_k)
@@ -382,7 +382,7 @@ def test_fused_moe_forward_capacity(capacity_factor):
     x = torch.randn(T, H, device=DEVICE)
     router_weight = torch.randn(E, H, device=DEVICE)
     router_weight[0] += 0.5 * x.mean(0)  # skew the routing so expert 0 overflows
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, top_k,
                                              capacity_factor=capacity_factor)
     capacity = int(capacity_factor * T * top_k / E)

@@ -27,7 +27,7 @@ def fresh_plans(monkeypatch):
 def _inputs(T, E, top_k, H, F, dtype=torch.float32, seed=0, transposed=False):
     torch.manual_seed(seed)
     x = torch.randn(T, H).to(DEVICE, dtype)
-    w_gate, w_up, w_down = make_weights(E, H, F, dtype)
+    w_gate, w_up, w_down = make_weights(E, H, F, dtype, device=DEVICE)
     w_gate_up = torch.cat([w_gate, w_up], dim=1)
     if transposed:
         w_gate_up, w_down = w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
@@ -309,7 +309,7 @@ def test_disabled_plans_and_user_dispatch_modes_run_in_full():
 
 def test_fused_moe_forward_replays():
     T, E, top_k, H, F = 3, 8, 2, 32, 16
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     for seed in range(3):
         torch.manual_seed(seed)
         x = torch.randn(T, H).to(DEVICE)
