@@ -9,7 +9,8 @@ Each test names the defect it guards:
   5 forward-only v1 functions warn once when they cut a gradient
   6 a non-tensor or a meta tensor for a tensor argument, a float or a bool for an int one: an error naming the argument
     from every public function, on a first call and after a valid one (a planned function then replays, see
-    host/replay.py)
+    host/replay.py); the other options (bools, real numbers, choices, forced tiles, environment switches) in
+    tests/test_options.py, over the same `PUBLIC_CALLS`
 Shapes are tiny (the interpreter runs every kernel); values are compared with the float64 references.
 """
 
@@ -53,7 +54,7 @@ def _permuted(dtype=torch.float32):
 def test_fused_expert_ffn_rejects_bad_sorted_idx():
     """An out-of-range sorted_idx segfaulted (rc 139); a duplicated one gave a silently wrong sum."""
     _, _, permuted, offsets, sorted_idx, _ = _permuted()
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     weights = torch.rand(T, TOP_K, device=DEVICE)
     for bad_value, what in ((10**6, "lie in"), (int(sorted_idx[1]), "not a permutation"), (-1, "negative")):
         bad = sorted_idx.clone()
@@ -123,7 +124,7 @@ def test_segment_functions_clamp_unvalidated_expert_offsets(offsets):
         md.grouped_gemm(tokens, w, bad, E, validate=True)
     out = md.grouped_gemm(tokens, w, bad, E, validate=False)
     assert_close(out, grouped_gemm_ref(tokens, w, clamped, E), torch.float32)
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     out = md.expert_ffn_triton(tokens, w_gate, w_up, w_down, bad, E, validate=False)
     assert out.shape == (M, H) and torch.isfinite(out).all()
 
@@ -179,7 +180,7 @@ def test_padded_gather_names_a_negative_row_count():
 
 
 def _forward(x, router_weight, gating="softmax", **kwargs):
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     out, ids, weights = md.fused_moe_forward(x, router_weight, w_gate, w_up, w_down, E, TOP_K, gating, **kwargs)
     ref, ref_ids, _ = fused_moe_forward_ref(x, router_weight, w_gate, w_up, w_down, E, TOP_K, gating, **kwargs)
     assert ((ids >= 0) & (ids < E)).all(), f"ids out of [0, {E}): {ids.tolist()}"
@@ -338,15 +339,21 @@ def test_errors_name_their_argument():
 def test_cpu_tensors_without_the_interpreter_are_refused_naming_the_argument(monkeypatch):
     """On the CPU, Triton runs kernels only through its interpreter; without it a launch would fail inside Triton
     ("cannot be accessed from Triton"), so every entry point refuses CPU tensors once its arguments are validated,
-    naming the operator's argument."""
+    naming the public argument (the operators' inner names, "fused_experts's x", "route's x", leaked before)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, ids = torch.randn(T, H), _routed().cpu()
     w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device="cpu")
     weights = torch.rand(T, TOP_K)
-    with pytest.raises(ValueError, match="fused_experts's x is on the CPU.*TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="^hidden_states is on the CPU.*TRITON_INTERPRET=1"):
         md.fused_experts(x, torch.cat([w_gate, w_up], dim=1), w_down, ids, weights)
-    with pytest.raises(ValueError, match="'s x is on the CPU"):
+    with pytest.raises(ValueError, match="^hidden_states is on the CPU"):
         md.fused_moe_forward(x, torch.randn(E, H), w_gate, w_up, w_down, E, TOP_K)
+    with pytest.raises(ValueError, match="^hidden_states is on the CPU"):
+        md.moe_router(x, torch.randn(E, H), TOP_K)
+    with pytest.raises(ValueError, match="^tokens is on the CPU"):
+        md.grouped_gemm(torch.randn(T, H), w_gate, torch.tensor([0, 2, 4, 6, 6]), E)
+    with pytest.raises(ValueError, match="^permuted_tokens is on the CPU"):
+        md.expert_ffn_triton(torch.randn(T, H), w_gate, w_up, w_down, torch.tensor([0, 2, 4, 6, 6]), E)
     with pytest.raises(ValueError, match="hidden_states is on the CPU"):
         md.permute_tokens(x, ids, E)
     with pytest.raises(ValueError, match="expert_outputs is on the CPU"):
@@ -383,7 +390,7 @@ def _forward_only_calls(x):
         permuted, offsets, sorted_idx, restore_idx = md.permute_tokens(x, ids, E)
     permuted.requires_grad_(True)
     w = torch.randn(E, F, H, device=DEVICE, requires_grad=True)
-    w_gate, w_up, w_down = (t.requires_grad_(True) for t in make_weights(E, H, F, torch.float32))
+    w_gate, w_up, w_down = (t.requires_grad_(True) for t in make_weights(E, H, F, torch.float32, device=DEVICE))
     return {
         "permute_tokens": lambda: md.permute_tokens(x, ids, E),
         "unpermute_tokens": lambda: md.unpermute_tokens(permuted, weights, restore_idx, T, TOP_K),
@@ -440,7 +447,7 @@ def _inputs():
     """Valid tiny arguments of every public function, one namespace for all (made by the references: no launch)."""
     x = torch.randn(T, H, device=DEVICE)
     ids, weights = _routed(), torch.rand(T, TOP_K, device=DEVICE)
-    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32)
+    w_gate, w_up, w_down = make_weights(E, H, F, torch.float32, device=DEVICE)
     w_gate_up = torch.cat([w_gate, w_up], dim=1)
     permuted, offsets, sorted_idx, restore_idx = permute_tokens_ref(x, ids, E)
     indices, bins = binned_routing_ref(ids, E)
@@ -469,6 +476,10 @@ class PublicCall:
     optional: tuple = ()
     ints: tuple = ()  # int arguments
     plans: replay.PlanCache | None = None  # where a valid call records a plan
+    bools: tuple = ()  # True / False arguments (None too where the signature's default is None)
+    reals: tuple = ()  # real-number arguments (None too where the signature's default is None)
+    choices: tuple = ()  # arguments that name one of a few strings
+    launches: bool = True  # launches kernels: reads the environment switches (host/device.py)
 
 
 PUBLIC_CALLS = [
@@ -476,14 +487,17 @@ PUBLIC_CALLS = [
     PublicCall(md.fused_moe_forward, lambda i: dict(
         hidden_states=i.x, router_weight=i.router_weight, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down,
         num_experts=E, top_k=TOP_K, router_bias=i.router_bias, e_score_correction_bias=i.router_bias),
-        optional=("router_bias", "e_score_correction_bias"), ints=("num_experts", "top_k"), plans=_FUSED_MOE_PLANS),
+        optional=("router_bias", "e_score_correction_bias"), ints=("num_experts", "top_k"), plans=_FUSED_MOE_PLANS,
+        bools=("renormalize",), reals=("routed_scaling_factor", "capacity_factor"), choices=("gating",)),
     # planned with validate=False (validate=None reads CPU ids: such calls run in full); the scales go with float8
     # weights, but a non-tensor or meta scale is refused before that is looked at
     PublicCall(md.fused_experts, lambda i: dict(
         hidden_states=i.x, w_gate_up=i.w_gate_up, w_down=i.w_down, topk_ids=i.ids, topk_weights=i.weights,
         gate_up_bias=i.gate_up_bias, down_bias=i.down_bias, validate=False),
         optional=("gate_up_bias", "down_bias", "w_gate_up_scale", "w_down_scale", "gate_up_input_scale",
-                  "down_input_scale"), plans=_FUSED_EXPERTS_PLANS),
+                  "down_input_scale"), plans=_FUSED_EXPERTS_PLANS,
+        bools=("interleaved", "transposed", "validate", "validate_ids"), reals=("swiglu_alpha", "swiglu_limit"),
+        choices=("activation", "fp8_compute", "w_gate_up_scale_layout")),
     # the transformers experts interface: fused_experts' tensors under other names (named as the caller knows them)
     PublicCall(md.moe_dispatch_experts, lambda i: dict(
         self=i.experts, hidden_states=i.x, top_k_index=i.ids, top_k_weights=i.weights), plans=_FUSED_EXPERTS_PLANS),
@@ -491,7 +505,9 @@ PUBLIC_CALLS = [
     PublicCall(md.ep_fused_experts, lambda i: dict(
         hidden_states=i.x, w_gate_up_local=i.w_gate_up, w_down_local=i.w_down, topk_ids=i.ids, topk_weights=i.weights,
         gate_up_bias_local=i.gate_up_bias, down_bias_local=i.down_bias, num_experts=E, validate=False),
-        optional=("gate_up_bias_local", "down_bias_local"), ints=("num_experts",), plans=_FUSED_EXPERTS_PLANS),
+        optional=("gate_up_bias_local", "down_bias_local"), ints=("num_experts",), plans=_FUSED_EXPERTS_PLANS,
+        bools=("interleaved", "transposed", "validate", "return_stats"),
+        reals=("swiglu_alpha", "swiglu_limit", "capacity_factor"), choices=("activation",)),
     PublicCall(_ep_layer, lambda i: dict(
         w_gate_up_local=i.w_gate_up, w_down_local=i.w_down, hidden_states=i.x, topk_ids=i.ids, topk_weights=i.weights,
         gate_up_bias_local=i.gate_up_bias, down_bias_local=i.down_bias),
@@ -499,56 +515,63 @@ PUBLIC_CALLS = [
     # the v1 functions
     PublicCall(md.moe_router, lambda i: dict(
         hidden_states=i.x, router_weight=i.router_weight, top_k=TOP_K, router_bias=i.router_bias,
-        e_score_correction_bias=i.router_bias), optional=("router_bias", "e_score_correction_bias"), ints=("top_k",)),
+        e_score_correction_bias=i.router_bias), optional=("router_bias", "e_score_correction_bias"), ints=("top_k",),
+        bools=("renormalize",), reals=("routed_scaling_factor",), choices=("gating",)),
     PublicCall(md.permute_tokens, lambda i: dict(hidden_states=i.x, top_k_indices=i.ids, num_experts=E),
-               ints=("num_experts",)),
+               ints=("num_experts",), bools=("validate", "validate_ids")),
     PublicCall(md.unpermute_tokens, lambda i: dict(
         expert_outputs=i.permuted, top_k_weights=i.weights, restore_idx=i.restore_idx, num_tokens=T, top_k=TOP_K),
-        ints=("num_tokens", "top_k")),
+        ints=("num_tokens", "top_k"), bools=("validate",)),
     PublicCall(md.grouped_gemm, lambda i: dict(
-        tokens=i.permuted, weights=i.w_gate, expert_offsets=i.offsets, num_experts=E), ints=("num_experts",)),
+        tokens=i.permuted, weights=i.w_gate, expert_offsets=i.offsets, num_experts=E), ints=("num_experts",),
+        bools=("validate",)),
     PublicCall(md.expert_ffn_triton, lambda i: dict(
         permuted_tokens=i.permuted, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down, expert_offsets=i.offsets,
-        num_experts=E), ints=("num_experts",)),
+        num_experts=E), ints=("num_experts",), bools=("validate",)),
     PublicCall(md.fused_expert_ffn, lambda i: dict(
         permuted_tokens=i.permuted, w_gate=i.w_gate, w_up=i.w_up, w_down=i.w_down, expert_offsets=i.offsets,
         num_experts=E, top_k_weights=i.weights, sorted_idx=i.sorted_idx, num_tokens=T, top_k=TOP_K),
-        ints=("num_experts", "num_tokens", "top_k")),
+        ints=("num_experts", "num_tokens", "top_k"), bools=("validate",)),
     # binned routing: weights may be None; bin_ids and padded_bins are required where an op takes them
     PublicCall(md.binned_gather, lambda i: dict(
         x=i.x, indices=i.indices, weights=i.assignment_weights, bins=i.bins, expert_capacity=2, top_k=TOP_K),
-        optional=("weights",), ints=("expert_capacity", "top_k")),
+        optional=("weights",), ints=("expert_capacity", "top_k"), bools=("validate",)),
     PublicCall(md.binned_scatter, lambda i: dict(
         x=i.binned_rows, indices=i.indices, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
-        optional=("weights",), ints=("top_k",)),
+        optional=("weights",), ints=("top_k",), bools=("validate",)),
     PublicCall(md.binned_scatter_wgrad, lambda i: dict(
-        x=i.binned_rows, grad=i.x, indices=i.indices, bins=i.bins, top_k=TOP_K), ints=("top_k",)),
+        x=i.binned_rows, grad=i.x, indices=i.indices, bins=i.bins, top_k=TOP_K), ints=("top_k",),
+        bools=("validate",)),
     PublicCall(md.gather, lambda i: dict(
         x=i.x, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
-        optional=("weights",), ints=("top_k",)),
+        optional=("weights",), ints=("top_k",), bools=("validate",)),
     PublicCall(md.scatter, lambda i: dict(
         x=i.permuted, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins, top_k=TOP_K),
-        optional=("weights",), ints=("top_k",)),
+        optional=("weights",), ints=("top_k",), bools=("validate",)),
     PublicCall(md.scatter_wgrad, lambda i: dict(
-        x=i.permuted, grad=i.x, indices=i.indices, bin_ids=i.bin_ids, bins=i.bins, top_k=TOP_K), ints=("top_k",)),
+        x=i.permuted, grad=i.x, indices=i.indices, bin_ids=i.bin_ids, bins=i.bins, top_k=TOP_K), ints=("top_k",),
+        bools=("validate",)),
     PublicCall(md.padded_gather, lambda i: dict(
         x=i.x, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins,
         padded_bins=i.padded_bins, top_k=TOP_K, num_rows=i.padded_rows.shape[0]),
-        optional=("weights",), ints=("top_k", "num_rows")),
+        optional=("weights",), ints=("top_k", "num_rows"), bools=("validate",)),
     PublicCall(md.padded_scatter, lambda i: dict(
         x=i.padded_rows, indices=i.indices, bin_ids=i.bin_ids, weights=i.assignment_weights, bins=i.bins,
-        padded_bins=i.padded_bins, top_k=TOP_K), optional=("weights",), ints=("top_k",)),
+        padded_bins=i.padded_bins, top_k=TOP_K), optional=("weights",), ints=("top_k",), bools=("validate",)),
     PublicCall(md.padded_scatter_wgrad, lambda i: dict(
         x=i.padded_rows, grad=i.x, indices=i.indices, bin_ids=i.bin_ids, bins=i.bins, padded_bins=i.padded_bins,
-        top_k=TOP_K), ints=("top_k",)),
-    PublicCall(md.sort, lambda i: dict(x=i.indices, end_bit=8), ints=("end_bit",)),
-    PublicCall(md.histogram, lambda i: dict(x=i.indices, max_val=E), ints=("max_val",)),
-    PublicCall(md.inclusive_cumsum, lambda i: dict(x=i.bins, dim=0), ints=("dim",)),
+        top_k=TOP_K), ints=("top_k",), bools=("validate",)),
+    # plain torch
+    PublicCall(md.sort, lambda i: dict(x=i.indices, end_bit=8), ints=("end_bit",), launches=False),
+    PublicCall(md.histogram, lambda i: dict(x=i.indices, max_val=E), ints=("max_val",), launches=False),
+    PublicCall(md.inclusive_cumsum, lambda i: dict(x=i.bins, dim=0), ints=("dim",), launches=False),
     PublicCall(md.expert_capacity, lambda i: dict(num_tokens=T, top_k=TOP_K, num_experts=E, capacity_factor=1.0),
-               ints=("num_tokens", "top_k", "num_experts")),
-    # FP8 weights (plain torch)
-    PublicCall(md.quantize_experts_fp8, lambda i: dict(w=i.w_gate_up, block_shape=(8, 8))),
-    PublicCall(md.dequantize_experts_fp8, lambda i: dict(w_fp8=i.w_fp8, scale=i.scale, block_shape=(8, 8))),
+               ints=("num_tokens", "top_k", "num_experts"), reals=("capacity_factor",), launches=False),
+    # FP8 weights (plain torch); n_axis=True was taken for 1
+    PublicCall(md.quantize_experts_fp8, lambda i: dict(w=i.w_gate_up, block_shape=(8, 8), n_axis=1),
+               ints=("n_axis",), choices=("scheme",), launches=False),
+    PublicCall(md.dequantize_experts_fp8, lambda i: dict(w_fp8=i.w_fp8, scale=i.scale, block_shape=(8, 8), n_axis=1),
+               ints=("n_axis",), choices=("scheme",), launches=False),
 ]
 TENSOR_CALLS = [call for call in PUBLIC_CALLS if call.function is not md.expert_capacity]
 INT_CALLS = [call for call in PUBLIC_CALLS if call.ints]

@@ -22,10 +22,10 @@ from .backward.experts import ExpertsGrads, experts_backward
 from .dispatch.binned import drop_over_capacity, expert_capacity
 from .dispatch.combine import combine
 from .dispatch.segments import dispatch, segment_dispatch
-from .formats.fp8 import (WeightScale, check_block_shape, check_fp8_dtype_on_device, check_fp8_weight,
-                          check_gate_up_scale_layout, check_input_scale, gate_up_row_offset, infer_scheme,
-                          input_scale_problems, is_fp8, kernel_scale)
-from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_weight_scale
+from .formats.fp8 import (FP8_COMPUTE, GATE_UP_SCALE_LAYOUTS, WeightScale, check_block_shape,
+                          check_fp8_dtype_on_device, check_fp8_weight, check_gate_up_scale_layout, check_input_scale,
+                          gate_up_row_offset, infer_scheme, input_scale_problems, is_fp8, kernel_scale)
+from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_k, mxfp4_weight_scale
 from .formats.scale_codes import WeightScaleCode
 from .gemm import gluon_bf16, gluon_fp8
 from .gemm.args import weight_k
@@ -36,13 +36,15 @@ from .gemm.mxfp4_dequant import dequantize_mxfp4_experts
 from .gemm.planner import (ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts,
                            plan_grouped_engine, plan_segments, plan_w8a8_engine)
 from .gemm.w8a8 import w8a8_experts
-from .host.checks import (ROUTING_WEIGHT_DTYPES, check_choice, check_dim, check_float, check_ids_in_range, check_index,
-                          check_int, check_same_device, check_tensor, check_token_weights, index_map_problems,
-                          raise_problems, reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
+from .host.checks import (ROUTING_WEIGHT_DTYPES, check_bool, check_choice, check_dim, check_float, check_ids_in_range,
+                          check_index, check_int, check_kernel_device, check_real, check_same_device, check_tensor,
+                          check_token_weights, index_map_problems, raise_problems, reads_values, segment_rows_problems,
+                          validate_option, warn_if_gradient_cut)
+from .host.device import call_scope
 from .host.library import call, custom_op, needs_operator
 from .host.replay import PlanCache
-from .host.tiles import DecodeTiles, MoeTiles, tiles_from_list
-from .routing.router import check_router_args, route_with_grad
+from .host.tiles import DecodeTiles, MoeTiles, check_forced_tiles, tiles_from_list
+from .routing.router import check_router_args, check_router_options, route_with_grad
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
 DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
@@ -79,13 +81,15 @@ class Fp8Scales:
 
     def detached(self) -> "Fp8Scales":
         """The same scales cut from autograd (the FP8 path is forward only)."""
-        cut = {f: getattr(self, f) for f in ("w_gate_up_scale", "w_down_scale", "gate_up_input_scale",
-                                            "down_input_scale")}
+        cut = {f: getattr(self, f) for f in _SCALES}
         return dataclasses.replace(self, **{f: t.detach() if t is not None else None for f, t in cut.items()})
 
     def to_args(self) -> tuple:
         return (self.w_gate_up_scale, self.w_down_scale, list(self.block_shape), self.gate_up_input_scale,
                 self.down_input_scale, self.compute, self.gate_up_scale_layout)
+
+
+_SCALES = ("w_gate_up_scale", "w_down_scale", "gate_up_input_scale", "down_input_scale")  # Fp8Scales' tensors
 
 
 def _check_weight_dtype(name, weight, dtype):
@@ -315,6 +319,7 @@ def _fused_experts_backward_op(
                           needs, w_gate_up_scale, w_down_scale, fp8_block_shape, reuse_preact=False)
 
 
+@call_scope  # run by autograd after the forward's call returned: the backward reads the switches once for itself
 def _experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                    expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs,
                    w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None, *, reuse_preact):
@@ -441,11 +446,12 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
     """The experts operator on validated 2-D x; saves the pre-activations only when a gradient will be needed.
 
     Quantized weights (float8 or MXFP4; `fp8` their scales, its `compute` resolved by planner.choose_fp8_compute)
-    are frozen: they and their scales are detached (a weight that requires grad is warned about once), and on the
-    dequant path the other inputs (hidden_states, routing weights, biases) get their gradients, those of the experts
-    with the dequantized weights. The w8a8 path is forward only: every input is detached (warned once)."""
+    are frozen: they and their scales are detached (a weight or a scale that requires grad is warned about once),
+    and on the dequant path the other inputs (hidden_states, routing weights, biases) get their gradients, those of
+    the experts with the dequantized weights. The w8a8 path is forward only: every input is detached (warned once)."""
     quantized = is_fp8(w_gate_up) or is_fp8(w_down) or is_mxfp4(w_gate_up)
     if quantized:
+        scales = {name: getattr(fp8, name) for name in _SCALES} if fp8 is not None else {}
         fp8 = (fp8 or Fp8Scales(None, None)).detached()
         if fp8.compute == "w8a8":
             warn_if_gradient_cut("fused_experts with fp8_compute='w8a8'", hidden_states=x, topk_weights=topk_weights,
@@ -453,7 +459,8 @@ def _run_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bia
             x, topk_weights, gate_up_bias, down_bias = (t.detach() if t is not None else None
                                                         for t in (x, topk_weights, gate_up_bias, down_bias))
         frozen = {name: w for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)) if is_fp8(w) or is_mxfp4(w)}
-        warn_if_gradient_cut("fused_experts with quantized (float8 or MXFP4) weights (frozen)", **frozen)
+        # their scales are frozen with them (transformers keeps `*_scale_inv` as Parameters that require grad)
+        warn_if_gradient_cut("fused_experts with quantized (float8 or MXFP4) weights (frozen)", **frozen, **scales)
         w_gate_up, w_down = (w.detach() if name in frozen else w for name, w in (("w_gate_up", w_gate_up),
                                                                               ("w_down", w_down)))
     else:
@@ -515,7 +522,8 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
         check_dim(w_down_name, w_down, 0, E, f"number of experts E of {w_gate_up_name}")
         down_h_axis, down_f_axis = (2, 1) if transposed else (1, 2)
         check_dim(w_down_name, w_down, down_h_axis, H, "hidden size H")
-        check_dim(w_down_name, w_down, down_f_axis, F, f"ffn size F (half of {w_gate_up_name}'s 2F)")
+        _check_gate_up_rows(w_gate_up_name, 2 * F, f"dimension {f_axis} (layout {layout})", w_down_name,
+                            w_down.shape[down_f_axis], f"dimension {down_f_axis}")
     T = hidden_states.shape[:-1].numel()
     check_dim("topk_ids", topk_ids, 0, T, "number of tokens T")
     if topk_weights.shape != topk_ids.shape:
@@ -547,7 +555,34 @@ def check_experts_args(hidden_states, w_gate_up, w_down, topk_ids, topk_weights,
                       **{gate_up_bias_name: gate_up_bias, down_bias_name: down_bias,
                          "w_gate_up_scale" + suffix: w_gate_up_scale, "w_down_scale" + suffix: w_down_scale},
                       gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
+    check_kernel_device("hidden_states", hidden_states)
     return T, H, E, F
+
+
+def _check_gate_up_rows(w_gate_up_name, two_f, where, w_down_name, num_ffn, down_where):
+    """w_gate_up's 2F rows (gate and up) are twice the F of w_down: a gate/up weight holding only F rows (gate alone)
+    is w_gate_up's fault, not w_down's, and the message says so first."""
+    if two_f != 2 * num_ffn:
+        raise ValueError(f"{w_gate_up_name} has {two_f} in {where} but must hold 2F = {2 * num_ffn} there (gate and "
+                         f"up, for the F = {num_ffn} of {w_down_name}'s {down_where}); a gate-only weight has F")
+
+
+def check_experts_options(*, activation, interleaved, transposed, swiglu_alpha, swiglu_limit, validate,
+                          validate_ids=None, tiles=None, fp8_block_shape=DEFAULT_FP8_BLOCK_SHAPE, fp8_compute="auto",
+                          w_gate_up_scale_layout="fused"):
+    """The non-tensor options of `fused_experts` (and of `ep_fused_experts`, under the same names), checked by kind
+    before anything else runs, a plan lookup included (host/checks.py): a TypeError or ValueError naming the option."""
+    check_choice("activation", activation, EXPERT_ACTIVATIONS)
+    check_bool("interleaved", interleaved)
+    check_bool("transposed", transposed)
+    check_real("swiglu_alpha", swiglu_alpha)
+    check_real("swiglu_limit", swiglu_limit, minimum=0)
+    check_bool("validate", validate, none=True)
+    check_bool("validate_ids", validate_ids, none=True)
+    check_forced_tiles("tiles", tiles)
+    check_block_shape(fp8_block_shape)
+    check_choice("fp8_compute", fp8_compute, FP8_COMPUTE)
+    check_choice("w_gate_up_scale_layout", w_gate_up_scale_layout, GATE_UP_SCALE_LAYOUTS)
 
 
 def _check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H, *, transposed, suffix, input_scales):
@@ -570,11 +605,14 @@ def _check_mxfp4_experts(w_gate_up, w_down, w_gate_up_scale, w_down_scale, H, *,
     if two_f % 2:
         raise ValueError(f"{w_gate_up_name} has {two_f} rows per expert (2F: gate and up) but that must be even")
     F = two_f // 2
-    check_mxfp4_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, num_experts=E, rows=H, k=F,
-                       rows_source="hidden_states has H", k_source=f"F (half of {w_gate_up_name}'s {two_f} rows) is")
+    check_mxfp4_weight(w_down_name, w_down, "w_down_scale" + suffix, w_down_scale, num_experts=E, rows=H,
+                       rows_source="hidden_states has H")
+    _check_gate_up_rows(w_gate_up_name, two_f, "dimension 1 (rows per expert)", w_down_name, mxfp4_k(w_down),
+                        "values per row (K)")
     return E, F
 
 
+@call_scope
 def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, *, activation: Literal["silu", "swiglu_oai"] = "silu",
                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
@@ -639,7 +677,15 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     Eager inference calls are planned (`host/replay.py`): the first call of an input signature runs in full and is
     recorded, later ones replay its launches through Triton's compiled launcher (same results, a fraction of the host
     time).
+
+    Every option is checked before anything runs (`check_experts_options`): a bool is True or False (the string
+    "False" is refused, not taken as true), a number a real number, a choice one of its strings, forced tiles what the
+    kernels take; the environment switches are read once per call (host/device.py: `call_scope`).
     """
+    check_experts_options(activation=activation, interleaved=interleaved, transposed=transposed,
+                          swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, validate=validate,
+                          validate_ids=validate_ids, tiles=tiles, fp8_block_shape=fp8_block_shape,
+                          fp8_compute=fp8_compute, w_gate_up_scale_layout=w_gate_up_scale_layout)
     tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)
     options = (activation, interleaved, transposed, swiglu_alpha, swiglu_limit, validate, validate_ids, tiles,
@@ -677,8 +723,6 @@ def _fused_experts_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weights
                                     w_gate_up_scale_layout=w_gate_up_scale_layout)
     validate = validate_option(validate, validate_ids, "fused_experts")
     check_ids_in_range("topk_ids", topk_ids, E, validate)
-    if tiles is not None and not isinstance(tiles, (MoeTiles, DecodeTiles)):
-        raise TypeError(f"tiles must be a MoeTiles, a DecodeTiles or None, got {type(tiles).__name__}")
     x = hidden_states.reshape(T, H)
     if is_mxfp4(w_gate_up):  # the [E, N, K / 2] byte views and uint8 scale codes the kernels read (no copy)
         if fp8_compute == "w8a8":
@@ -737,6 +781,7 @@ def _check_expert_weights(w_gate, w_up, w_down, num_experts, hidden, dtype):
     return F
 
 
+@call_scope
 def fused_moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, w_gate: torch.Tensor,
                       w_up: torch.Tensor, w_down: torch.Tensor, num_experts: int, top_k: int,
                       gating: Literal["softmax", "sigmoid"] = "softmax", *, renormalize: bool | None = None,
@@ -755,6 +800,10 @@ def fused_moe_forward(hidden_states: torch.Tensor, router_weight: torch.Tensor, 
     Differentiable in hidden_states, router_weight, router_bias and the three expert weights (see `fused_experts`; the
     routing weights' gradient flows through the softmax / sigmoid, the top-k choice is not differentiated).
     """
+    check_int("num_experts", num_experts, 1)
+    check_router_options(top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor)
+    check_real("capacity_factor", capacity_factor, none=True, minimum=0)
+    check_forced_tiles("tiles", tiles)
     tensors = (hidden_states, router_weight, w_gate, w_up, w_down, router_bias, e_score_correction_bias)
     options = (num_experts, top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor, capacity_factor,
                tiles)
@@ -838,17 +887,21 @@ def _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offset
                          more_problems=more_problems)
     _check_expert_weights(w_gate, w_up, w_down, num_experts, permuted_tokens.shape[1], permuted_tokens.dtype)
     check_same_device(permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    check_kernel_device("permuted_tokens", permuted_tokens)
 
 
+@call_scope
 def expert_ffn_triton(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                       expert_offsets: torch.Tensor, num_experts: int, *, validate: bool | None = None) -> torch.Tensor:
     """v1 API: per-expert SwiGLU FFN on rows already in expert order. Returns [M, H]; rows past expert_offsets[-1]
     are zero. `validate` as in grouped_gemm. Forward-only."""
+    check_bool("validate", validate, none=True)
     _check_segment_ffn_args(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts, validate)
     warn_if_gradient_cut("expert_ffn_triton", permuted_tokens=permuted_tokens, w_gate=w_gate, w_up=w_up, w_down=w_down)
     return call(_expert_ffn_op, permuted_tokens, w_gate, w_up, w_down, expert_offsets, None, 1, None)
 
 
+@call_scope
 def fused_expert_ffn(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                      expert_offsets: torch.Tensor, num_experts: int, top_k_weights: torch.Tensor,
                      sorted_idx: torch.Tensor, num_tokens: int, top_k: int, *,
@@ -860,6 +913,7 @@ def fused_expert_ffn(permuted_tokens: torch.Tensor, w_gate: torch.Tensor, w_up: 
     none negative inside a segment); None checks CPU tensors only, True also on a GPU (one sync), False never.
     Forward-only.
     """
+    check_bool("validate", validate, none=True)
     check_float("permuted_tokens", permuted_tokens, ndim=2)
     check_index("sorted_idx", sorted_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)

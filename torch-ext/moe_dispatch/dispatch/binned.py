@@ -47,7 +47,9 @@ assignments MegaBlocks drops (per expert, the earliest assignments in order a = 
 
 import torch
 
-from ..host.checks import check_finite_number, check_int, check_same_device, check_tensor, reads_values
+from ..host.checks import (check_bool, check_finite_number, check_int, check_kernel_device, check_same_device,
+                           check_tensor, reads_values)
+from ..host.device import call_scope
 from ..host.library import call, custom_op
 from .row_copies import BINNED, PADDED, PLAIN, Layout, buffer_rows, launch_gather, launch_scatter, launch_wgrad
 
@@ -133,18 +135,21 @@ _row_scatter_op.register_autograd(_scatter_backward, setup_context=_save_copy_co
 
 
 def _gather(x, weights, indices, bins, padded_bins, layout, n_rows):
+    check_kernel_device("x", x)  # what every public function here calls its first tensor
     weights = weights.contiguous() if weights is not None else None
     return call(_row_gather_op, x.contiguous(), weights, indices, bins, padded_bins, layout.kind, layout.top_k,
                 layout.capacity, n_rows)
 
 
 def _scatter(x, weights, indices, bins, padded_bins, layout, num_tokens):
+    check_kernel_device("x", x)  # what every public function here calls its first tensor
     weights = weights.contiguous() if weights is not None else None
     return call(_row_scatter_op, x.contiguous(), weights, indices, bins, padded_bins, layout.kind, layout.top_k,
                 layout.capacity, num_tokens)
 
 
 def _wgrad(x, grad, indices, bins, padded_bins, layout):
+    check_kernel_device("x", x)  # what every public function here calls its first tensor
     return call(_row_wgrad_op, x.detach().contiguous(), grad.detach().contiguous(), indices, bins, padded_bins,
                 layout.kind, layout.top_k, layout.capacity, x.dtype)
 
@@ -226,6 +231,7 @@ def _check_grad(grad, x, num_assignments, top_k):
     _check_num_tokens("grad", grad.shape[0], num_assignments, top_k)
 
 
+@call_scope
 def binned_gather(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
                   expert_capacity: int, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Capacity-limited gather: x [T, H] -> [E, C, H], each expert's first C assignments, unused slots zero.
@@ -234,6 +240,7 @@ def binned_gather(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor 
     position >= C of their expert are dropped (never read). `weights` may be None (plain copy). C = 0 gives an empty
     [E, 0, H] buffer. Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k)
     check_int("expert_capacity", expert_capacity, 0)
@@ -246,6 +253,7 @@ def binned_gather(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor 
     return out.view(num_experts, expert_capacity, hidden)
 
 
+@call_scope
 def binned_scatter(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
                    *, validate: bool | None = None) -> torch.Tensor:
     """Capacity-limited scatter: [E, C, H] -> [T, H], summing each token's top_k kept rows; dropped ones add zero.
@@ -254,6 +262,7 @@ def binned_scatter(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     x.shape[1]), summed in the order j = 0..top_k-1 in fp32. T = len(indices) // top_k. `weights` may be None.
     Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 3)
     num_assignments = _check_routing(indices, weights, bins, top_k)
     if x.shape[0] != bins.shape[0]:
@@ -265,12 +274,14 @@ def binned_scatter(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     return _scatter(x.reshape(-1, x.shape[2]), weights, indices, bins, None, layout, num_assignments // top_k)
 
 
+@call_scope
 def binned_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, top_k: int, *,
                          validate: bool | None = None) -> torch.Tensor:
     """Gradient of `binned_scatter` with respect to its weights: [T * top_k] in x's dtype, 0 for dropped assignments.
 
     wgrad[a] = sum_h x[e, i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 3)
     num_assignments = _check_routing(indices, None, bins, top_k)
     if x.shape[0] != bins.shape[0]:
@@ -283,12 +294,14 @@ def binned_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
     return _wgrad(x.reshape(-1, x.shape[2]), grad, indices, bins, None, layout)
 
 
+@call_scope
 def gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
            bins: torch.Tensor, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Dropless gather: x [T, H] -> [N, H] in expert-sorted order, no padding, nothing dropped.
 
     out[p] = x[indices[p] // top_k] * weights[indices[p]]. `weights` may be None. Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
@@ -298,6 +311,7 @@ def gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weight
     return _gather(x, weights, indices, None, None, layout, num_assignments)
 
 
+@call_scope
 def scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
             bins: torch.Tensor, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Dropless scatter: [N, H] in expert-sorted order -> [T, H], summing each token's top_k rows.
@@ -305,6 +319,7 @@ def scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weigh
     out[t] = sum_j x[p(a)] * weights[a] over a = t * top_k + j, p(a) its sorted position, summed in order j in fp32.
     `weights` may be None. Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids)
     if x.shape[0] != num_assignments:
@@ -316,12 +331,14 @@ def scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weigh
     return _scatter(x, weights, indices, None, None, layout, num_assignments // top_k)
 
 
+@call_scope
 def scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
                   top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """Gradient of `scatter` with respect to its weights: [T * top_k] in x's dtype.
 
     wgrad[a] = sum_h x[p(a), h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, None, bins, top_k, bin_ids=bin_ids)
     if x.shape[0] != num_assignments:
@@ -333,6 +350,7 @@ def scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bi
     return _wgrad(x, grad, indices, None, None, Layout(PLAIN.value, top_k))
 
 
+@call_scope
 def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
                   bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *, num_rows: int | None = None,
                   validate: bool | None = None) -> torch.Tensor:
@@ -342,6 +360,7 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     past padded_bins[-1] are zero; no host sync); otherwise R = padded_bins[-1], read from the device (one host sync,
     as in MegaBlocks). `weights` may be None. Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     _check_num_tokens("x", x.shape[0], num_assignments, top_k)
@@ -358,6 +377,7 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     return _gather(x, weights, indices, bins, padded_bins, layout, num_rows)
 
 
+@call_scope
 def padded_scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: torch.Tensor | None,
                    bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
                    validate: bool | None = None) -> torch.Tensor:
@@ -366,6 +386,7 @@ def padded_scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor
     out[t] = sum_j x[padded_start_e + i] * weights[a] over a = t * top_k + j (e its expert, i its rank inside e).
     `weights` may be None. Differentiable in x and weights.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, weights, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     check_same_device(x=x, indices=indices, bin_ids=bin_ids, weights=weights, bins=bins, padded_bins=padded_bins)
@@ -375,6 +396,7 @@ def padded_scatter(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor
     return _scatter(x, weights, indices, bins, padded_bins, layout, num_assignments // top_k)
 
 
+@call_scope
 def padded_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
                          bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
                          validate: bool | None = None) -> torch.Tensor:
@@ -382,6 +404,7 @@ def padded_scatter_wgrad(x: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
 
     wgrad[a] = sum_h x[padded_start_e + i, h] * grad[a // top_k, h], accumulated in fp32. Not differentiable itself.
     """
+    check_bool("validate", validate, none=True)
     _check_x("x", x, 2)
     num_assignments = _check_routing(indices, None, bins, top_k, bin_ids=bin_ids, padded_bins=padded_bins)
     _check_grad(grad, x, num_assignments, top_k)

@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host.checks import (check_dim, check_float, check_index, check_kernel_device, check_same_device,
+from ..host.checks import (check_bool, check_dim, check_float, check_index, check_kernel_device, check_same_device,
                            check_token_weights, index_map_problems, raise_problems, reads_values, warn_if_gradient_cut)
+from ..host.device import call_scope
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.pdl import pdl_options, wait_for_producer
 from ..host.replay import launch
@@ -70,6 +71,7 @@ def combine(y: torch.Tensor, row_idx: torch.Tensor, num_tokens: int, top_k: int,
     return out
 
 
+@call_scope
 def unpermute_tokens(expert_outputs: torch.Tensor, top_k_weights: torch.Tensor, restore_idx: torch.Tensor,
                      num_tokens: int, top_k: int, *, validate: bool | None = None) -> torch.Tensor:
     """v1 API: out[t] = sum_j top_k_weights[t, j] * expert_outputs[restore_idx[t * top_k + j]] -> [T, H].
@@ -80,6 +82,7 @@ def unpermute_tokens(expert_outputs: torch.Tensor, top_k_weights: torch.Tensor, 
     None checks CPU tensors only, True also on a GPU (one sync), False never. Unchecked bad entries are bounded in the
     kernel (rows past the end add nothing). Forward-only.
     """
+    check_bool("validate", validate, none=True)
     check_float("expert_outputs", expert_outputs, ndim=2)
     check_index("restore_idx", restore_idx, ndim=1)
     check_token_weights(top_k_weights, num_tokens, top_k)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..host.checks import (check_float, check_ids_in_range, check_index, check_int, check_kernel_device,
                            check_same_device, validate_option, warn_if_gradient_cut)
+from ..host.device import call_scope
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.pdl import pdl_options, wait_for_producer
 from ..host.replay import launch
@@ -343,6 +344,7 @@ def dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Dispatch
     return info
 
 
+@call_scope
 def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num_experts: int, *,
                    validate: bool | None = None,
                    validate_ids: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,6 +357,7 @@ def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num
     `validate` in fused_experts; `validate_ids` is its deprecated v1.0 spelling); on a GPU they are dropped:
     restore_idx = -1 and no row. Forward-only.
     """
+    validate = validate_option(validate, validate_ids, "permute_tokens")
     check_float("hidden_states", hidden_states, ndim=2)
     check_index("top_k_indices", top_k_indices, ndim=2)
     if top_k_indices.shape[0] != hidden_states.shape[0]:
@@ -362,7 +365,6 @@ def permute_tokens(hidden_states: torch.Tensor, top_k_indices: torch.Tensor, num
                          f"{hidden_states.shape[0]} tokens")
     check_int("num_experts", num_experts, 1)
     check_same_device(hidden_states=hidden_states, top_k_indices=top_k_indices)
-    validate = validate_option(validate, validate_ids, "permute_tokens")
     check_ids_in_range("top_k_indices", top_k_indices, num_experts, validate)
     warn_if_gradient_cut("permute_tokens", hidden_states=hidden_states)
     check_kernel_device("hidden_states", hidden_states)

@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from ..host.checks import check_choice, check_tensor
+from ..host.checks import check_choice, check_int, check_tensor
 from ..host.device import FP8_MIN_CAPABILITY, capability, has_fp8_tensor_cores, is_cuda, is_hip, on_gpu
 from .scale_codes import WeightScaleCode
 
@@ -68,11 +68,21 @@ def is_fp8(tensor: object) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES
 
 
-def check_block_shape(block_shape: tuple[int, int] | list[int]) -> tuple[int, int]:
+def check_block_shape(block_shape: tuple[int, int] | list[int], name: str = "fp8_block_shape") -> tuple[int, int]:
+    """Two positive ints (a tuple or a list); `name` is the caller's argument (`fused_experts`' fp8_block_shape, the
+    quantizers' block_shape)."""
     if (not isinstance(block_shape, (tuple, list)) or len(block_shape) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_shape)):
-        raise ValueError(f"fp8_block_shape must be two positive ints, got {block_shape!r}")
+        raise ValueError(f"{name} must be two positive ints, got {block_shape!r}")
     return tuple(block_shape)
+
+
+def check_n_axis(n_axis: int) -> int:
+    """The quantizers' `n_axis`: the int 1 or 2 (not True, not 1.0)."""
+    check_int("n_axis", n_axis, 1)
+    if n_axis not in (1, 2):
+        raise ValueError(f"n_axis must be 1 or 2, got {n_axis!r}")
+    return n_axis
 
 
 def scale_shape(weight_shape: Sequence[int], scheme: Literal["block", "channel", "tensor"],
@@ -100,7 +110,7 @@ def infer_scheme(scale: torch.Tensor) -> Literal["block", "channel", "tensor", "
 
 def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor | None,
                      block_shape: tuple[int, int] | list[int], *, n_axis: Literal[1, 2] = 1,
-                     gate_up_layout: Literal["fused", "merged"] | None = None
+                     gate_up_layout: Literal["fused", "merged"] | None = None, block_name: str = "fp8_block_shape"
                      ) -> Literal["block", "channel", "tensor"] | None:
     """A weight and its optional scale: float8 needs an fp32 scale of a matching shape, a float weight takes none.
     `gate_up_layout`: the `w_gate_up_scale_layout` of a gate/up weight's scale (None for other weights). Returns the
@@ -123,7 +133,7 @@ def check_fp8_weight(name: str, weight: torch.Tensor, scale_name: str, scale: to
                          f"{tuple(scale.shape)}")
     expected = scale_shape(weight.shape, scheme, block_shape, n_axis=n_axis, gate_up_layout=gate_up_layout or "fused")
     if tuple(scale.shape) != expected:
-        extra = f" with fp8_block_shape {tuple(block_shape)}" if scheme == "block" else ""
+        extra = f" with {block_name} {tuple(block_shape)}" if scheme == "block" else ""
         if gate_up_layout is not None and scheme == "block":
             extra += f" and w_gate_up_scale_layout={gate_up_layout!r}"
             other = "merged" if gate_up_layout == "fused" else "fused"
@@ -216,11 +226,10 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def _check_quantize_args(w, scheme, block_shape, dtype):
     check_tensor("w", w, ndim=3)
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
-    return check_block_shape(block_shape)
+    check_choice("scheme", scheme, SCHEMES)
+    if not isinstance(dtype, torch.dtype) or dtype not in FP8_DTYPES:
+        raise TypeError(f"dtype must be one of {FP8_DTYPES}, got {dtype!r}")
+    return check_block_shape(block_shape, "block_shape")
 
 
 def _block_view(t, block_shape):
@@ -258,8 +267,7 @@ def quantize_experts_fp8(w: torch.Tensor, scheme: Literal["block", "channel", "t
     its group keeps its scale.
     """
     block_shape = _check_quantize_args(w, scheme, block_shape, dtype)
-    if n_axis not in (1, 2):
-        raise ValueError(f"n_axis must be 1 or 2, got {n_axis!r}")
+    check_n_axis(n_axis)
     w32 = w.detach().to(torch.float32)
     finite = torch.isfinite(w32)
     magnitude = torch.where(finite, w32.abs(), 0.0)
@@ -284,8 +292,13 @@ def dequantize_experts_fp8(w_fp8: torch.Tensor, scale: torch.Tensor,
     the one the scale's rank names; `n_axis` as in `quantize_experts_fp8`."""
     check_tensor("w_fp8", w_fp8, ndim=3)
     check_tensor("scale", scale)
-    block_shape = check_block_shape(block_shape)
-    inferred = check_fp8_weight("w_fp8", w_fp8, "scale", scale, block_shape, n_axis=n_axis)
+    if scheme is not None:
+        check_choice("scheme", scheme, SCHEMES)
+    block_shape = check_block_shape(block_shape, "block_shape")
+    check_n_axis(n_axis)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype!r}")
+    inferred = check_fp8_weight("w_fp8", w_fp8, "scale", scale, block_shape, n_axis=n_axis, block_name="block_shape")
     if scheme is not None and scheme != inferred:
         raise ValueError(f"scheme={scheme!r} but scale has shape {tuple(scale.shape)}, the shape of {inferred} scales")
     scheme = inferred

@@ -179,8 +179,8 @@ def quantize_experts_mxfp4(w: torch.Tensor, *, scale_dtype: torch.dtype = torch.
       forward), at the price of its 31 neighbours (the FP8 quantizer, whose format has NaN, spoils only the value).
     """
     check_tensor("w", w, ndim=3, dtypes=QUANTIZE_DTYPES)
-    if scale_dtype not in SCALE_DTYPES:
-        raise TypeError(f"scale_dtype must be torch.uint8 or torch.float8_e8m0fnu, got {scale_dtype}")
+    if not isinstance(scale_dtype, torch.dtype) or scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be torch.uint8 or torch.float8_e8m0fnu, got {scale_dtype!r}")
     num_experts, num_rows, num_k = w.shape
     if num_k % MXFP4_GROUP:
         raise ValueError(f"w has K = {num_k} values per row (shape {tuple(w.shape)}); MXFP4 needs K a multiple of "
@@ -206,8 +206,8 @@ def dequantize_experts_mxfp4(blocks: torch.Tensor, scale: torch.Tensor, dtype: t
     group where the code is 0xFF. Computed in float32 (float64 for dtype float64), then converted: a value beyond
     `dtype`'s range (6 * 2^127 with code 254) becomes inf."""
     packed, codes = check_mxfp4_weight("blocks", blocks, "scale", scale)
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype!r}")
     work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     num_experts, num_rows, half_k = packed.shape
     values = torch.tensor(E2M1_VALUES, dtype=work_dtype, device=packed.device)

@@ -42,8 +42,10 @@ import triton.language as tl
 from ..dispatch.row_copies import PLAIN, Layout, launch_gather
 from ..dispatch.segments import segment_dispatch
 from ..formats.fp8 import WeightScale
-from ..host.checks import (check_dim, check_float, check_index, check_int, check_same_device, expert_offsets_problems,
-                           raise_problems, reads_values, warn_if_gradient_cut)
+from ..host.checks import (check_bool, check_dim, check_float, check_index, check_int, check_kernel_device,
+                           check_same_device, expert_offsets_problems, raise_problems, reads_values,
+                           warn_if_gradient_cut)
+from ..host.device import call_scope
 from ..host.host_math import cdiv
 from ..host.library import call, custom_op
 from ..host.pdl import release_dependents, wait_for_producer
@@ -196,6 +198,7 @@ def _(tokens, weights, expert_offsets):
     return tokens.new_empty((tokens.shape[0], weights.shape[1]))
 
 
+@call_scope
 def grouped_gemm(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int, *,
                  validate: bool | None = None) -> torch.Tensor:
     """v1 API: out[r] = tokens[r] @ weights[e].T for every row r of segment e. tokens [M, K], weights [E, N, K].
@@ -204,6 +207,7 @@ def grouped_gemm(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: to
     CPU tensors only, True also on a GPU (one sync), False never (bad offsets are clamped into the rows). Rows outside
     every segment are zero. Forward-only.
     """
+    check_bool("validate", validate, none=True)
     check_segmented_rows("tokens", tokens, expert_offsets, num_experts, validate)
     check_float("weights", weights, ndim=3)
     check_dim("weights", weights, 0, num_experts, "num_experts")
@@ -212,4 +216,5 @@ def grouped_gemm(tokens: torch.Tensor, weights: torch.Tensor, expert_offsets: to
     if weights.dtype != tokens.dtype:
         raise TypeError(f"weights dtype {weights.dtype} differs from tokens dtype {tokens.dtype}")
     warn_if_gradient_cut("grouped_gemm", tokens=tokens, weights=weights)
+    check_kernel_device("tokens", tokens)
     return call(_grouped_gemm_op, tokens, weights, expert_offsets)

@@ -29,14 +29,14 @@ Every decision reads only what a CUDA graph or torch.compile also knows: no devi
 
 import dataclasses
 import enum
-import os
 from collections.abc import Callable
 
 import torch
 
 from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import has_tma, has_wgmma, is_interpreter, on_gpu
+from ..host.device import (GLUON_BF16_VARIABLE, GLUON_FP8_VARIABLE, SWITCH_VALUES, current_environment, has_tma,
+                           has_wgmma, is_interpreter, on_gpu)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -63,10 +63,9 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 MXFP4_DEQUANTIZE_MIN_ROWS = 128
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 # The Gluon engine of the w8a8 path (gemm/gluon_experts.py): "auto" (the variable unset or empty) runs it from
-# GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read when a call's plan is
-# recorded (host/replay.py): after changing it in a running process, call moe_dispatch.host.replay.clear().
-GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
-GLUON_FP8_MODES = ("auto", "1", "0")
+# GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read and validated with the
+# package's other switches once per call (host/device.py: `Environment`), and part of every plan key.
+GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
 # Measured on the H200 (Triton 3.6, v24; performance.md), beside the portable w8a8 kernels at five models' widths: the
 # engine was faster in all 13 cells from 128 rows per expert (1.03-1.43x) and slower in the 4 cells at 32-64 rows
 # that it ran (0.75-0.95x): its 128-row M tiles are mostly empty there.
@@ -74,10 +73,9 @@ GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = (128, 128)  # the one weight block the Gluon GEMM reads (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`)
 TMA_ALIGN = 16  # bytes: the Gluon GEMMs read both operands through TMA descriptors (row strides and bases)
 # The bf16 engine of the grouped path (gemm/gluon_experts.py's gluon_bf16_experts on gemm/gluon_bf16.py): opt-in, never
-# measured on a GPU yet, so off unless the variable is "1" ("0", unset or empty: off; any other value raises). Read when
-# a call's plan is recorded, as GLUON_FP8_VARIABLE is.
-GLUON_BF16_VARIABLE = "MOE_DISPATCH_GLUON_BF16"
-GLUON_BF16_MODES = ("0", "1")
+# measured on a GPU yet, so off unless the variable is "1" ("0", unset or empty: off; any other value raises). Read as
+# GLUON_FP8_VARIABLE is.
+GLUON_BF16_MODES = SWITCH_VALUES[GLUON_BF16_VARIABLE]
 # Prefill tiles: the table's buckets from 64 rows per M tile. Below, decode sizes: the Gluon GEMM's 128-row tiles
 # would be mostly empty, and the portable kernels' small tiles are tuned for them.
 GLUON_BF16_MIN_BLOCK_M = 64
@@ -140,13 +138,9 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
 
 
 def gluon_fp8_mode() -> str:
-    """GLUON_FP8_VARIABLE's value, one of GLUON_FP8_MODES ("auto" when unset or empty); read on every call that plans
-    (a recorded plan replays without asking). Any other value raises ValueError."""
-    value = os.environ.get(GLUON_FP8_VARIABLE, "") or "auto"
-    if value not in GLUON_FP8_MODES:
-        raise ValueError(f"{GLUON_FP8_VARIABLE} must be one of {', '.join(map(repr, GLUON_FP8_MODES))} (or unset), "
-                         f"got {value!r}")
-    return value
+    """GLUON_FP8_VARIABLE's value in the call's switches (device.current_environment), one of GLUON_FP8_MODES
+    ("auto" when unset or empty). Any other value raises ValueError."""
+    return current_environment().gluon_fp8
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -217,13 +211,9 @@ def plan_w8a8_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor
 
 
 def gluon_bf16_mode() -> str:
-    """GLUON_BF16_VARIABLE's value, "1" or "0" ("0" when unset or empty); read on every call that plans (a recorded
-    plan replays without asking). Any other value raises ValueError."""
-    value = os.environ.get(GLUON_BF16_VARIABLE, "") or "0"
-    if value not in GLUON_BF16_MODES:
-        raise ValueError(f"{GLUON_BF16_VARIABLE} must be one of {', '.join(map(repr, GLUON_BF16_MODES))} (or unset), "
-                         f"got {value!r}")
-    return value
+    """GLUON_BF16_VARIABLE's value in the call's switches (device.current_environment), "1" or "0" ("0" when unset or
+    empty). Any other value raises ValueError."""
+    return current_environment().gluon_bf16
 
 
 def gluon_bf16_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,

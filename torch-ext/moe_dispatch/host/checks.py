@@ -1,8 +1,12 @@
 """Argument validation shared by the public entry points. Every error names the argument at fault.
 
 Every tensor argument goes through `check_tensor` (or `check_same_device`, which calls it): anything but a tensor is a
-TypeError, a tensor on the meta device (no data for a kernel to read) a ValueError. Integer arguments (`num_experts`,
-`top_k`, ...) go through `check_int`: a float or a bool is a TypeError even where it equals an int.
+TypeError, a tensor on the meta device (no data for a kernel to read) a ValueError. The other options are checked by
+kind, at the public entry before anything else runs (a plan lookup included): integers (`num_experts`, `top_k`, ...)
+by `check_int` (a float or a bool is a TypeError even where it equals an int), switches by `check_bool` (only True or
+False: the string "False" is truthy, 0 and 1 are ints), real numbers by `check_real` (an int or a float, not a bool,
+a string or None unless None means something; NaN and, where asked, infinities refused), and values chosen from a
+list by `check_choice` (ValueError listing the choices).
 
 Index tensors from a caller (`expert_offsets`, `sorted_idx`, `restore_idx`, ids) are checked by value only where that
 is free (CPU tensors) or asked for (`validate=True`: one device-to-host sync); the kernels bound every index they read
@@ -10,6 +14,7 @@ anyway, so an unchecked bad index gives a wrong result, never a crash or a write
 """
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -77,8 +82,36 @@ def check_kernel_device(name, tensor):
 
 
 def check_choice(name, value, choices):
-    if value not in choices:
+    """One of the strings `choices`; anything else (another string, a non-string) is a ValueError listing them."""
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def check_bool(name, value, *, none=False):
+    """True or False (or None, where `none` says None means something): a TypeError for anything else, the string
+    "False" (truthy) and the ints 0 and 1 included."""
+    if type(value) is bool or (none and value is None):
+        return value
+    allowed = "a bool or None" if none else "a bool"
+    raise TypeError(f"{name} must be {allowed} (True or False), got {type(value).__name__} {value!r}")
+
+
+def check_real(name, value, *, none=False, finite=True, minimum=None, above=None):
+    """A real number: an int or a float (numpy's too), not a bool, a string or a tensor; None only where `none`. NaN is
+    a ValueError, and so are infinities where `finite`, values below `minimum` and values not above `above`."""
+    if none and value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        allowed = "a real number (int or float) or None" if none else "a real number (int or float)"
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name} must be {'finite' if finite else 'a number (not NaN)'}, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if above is not None and value <= above:
+        raise ValueError(f"{name} must be > {above}, got {value}")
+    return value
 
 
 def check_int(name, value, minimum):
@@ -127,18 +160,15 @@ def check_hidden_size(name, value):
 
 
 def check_finite_number(name, value, *, minimum=None):
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    """A finite real number (`check_real`) >= minimum."""
+    return check_real(name, value, minimum=minimum)
 
 
 def validate_option(validate, validate_ids, function):
     """The one `validate` switch of a function that also accepts the v1.0 spelling `validate_ids` (deprecated alias:
     same meaning, kept so v1.0 callers keep working)."""
+    check_bool("validate", validate, none=True)
+    check_bool("validate_ids", validate_ids, none=True)
     if validate_ids is None:
         return validate
     warnings.warn(f"{function}(validate_ids=...) is deprecated; pass validate=... (same meaning)", DeprecationWarning,
@@ -151,8 +181,7 @@ def validate_option(validate, validate_ids, function):
 def reads_values(validate, *tensors):
     """Whether to check index values: always with validate=True (one sync on a GPU), never with False, and by
     default (None) only when every tensor is on the CPU, where reading them costs nothing."""
-    if validate is not None and not isinstance(validate, bool):
-        raise TypeError(f"validate must be None, True or False, got {validate!r}")
+    check_bool("validate", validate, none=True)
     if torch.compiler.is_compiling():  # data-dependent reads would break the graph; the kernels bound indices anyway
         return False
     if validate is None:

@@ -8,6 +8,22 @@ portable Triton source for NVIDIA, AMD and the CPU interpreter.
 A `CompileTarget` set with `compile_target` makes the facts below those of a GPU that is not here, for every device:
 the host path then picks and binds the launches that GPU would get, on CPU tensors, and Triton compiles them ahead of
 time for it (scripts/compile_report.py; tests/test_targets.py). Nothing else sets one.
+
+The package's environment switches, the other facts a launch is decided by, are read and validated here too, once per
+call (`Environment`, `call_scope`, `current_environment`):
+
+    MOE_DISPATCH_PLANS       "1" (unset) or "0"           eager calls replay recorded plans (host/replay.py)
+    MOE_DISPATCH_PDL         "1" (unset) or "0"           programmatic dependent launch on Hopper (host/pdl.py)
+    MOE_DISPATCH_GLUON_FP8   "auto" (unset), "1" or "0"   the w8a8 path's Gluon engine (gemm/planner.py)
+    MOE_DISPATCH_GLUON_BF16  "0" (unset) or "1"           the grouped path's Gluon bf16 engine (gemm/planner.py)
+
+An empty value counts as unset; any other value raises ValueError naming the variable. Every public entry point that
+launches kernels is wrapped in `call_scope`, which reads the switches once when the outermost entry of a call starts,
+before any plan lookup, and holds them on the thread until it returns; the layers below ask `current_environment()`
+(the planner for the Gluon engines, each launch for PDL, the plan caches for their keys). Outside a call (a backward
+run by autograd, an operator run by a compiled graph, a test asking the planner) it reads them afresh. The switches
+that change what runs (`Environment.plan_key`) are part of every plan key: changing one between calls records a new
+plan rather than replaying the old one, and a replayed call refuses a bad value as the first call does.
 """
 
 import contextlib
@@ -15,6 +31,7 @@ import dataclasses
 import functools
 import os
 import re
+import threading
 
 import torch
 
@@ -187,3 +204,79 @@ def fp8_dtype(device: torch.device) -> torch.dtype:
     the w8a8 path where `has_fp8_tensor_cores` holds; e4m3fnuz on AMD and the interpreter (Triton's NVIDIA backend has
     no such type: `fused_experts` refuses it there)."""
     return torch.float8_e4m3fnuz if on_gpu(device) and is_hip() else torch.float8_e4m3fn
+
+
+PLANS_VARIABLE = "MOE_DISPATCH_PLANS"
+PDL_VARIABLE = "MOE_DISPATCH_PDL"
+GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
+GLUON_BF16_VARIABLE = "MOE_DISPATCH_GLUON_BF16"
+# Each switch's accepted values, the first one what unset (or empty) means.
+SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0"),
+                 GLUON_BF16_VARIABLE: ("0", "1")}
+_SWITCHES = tuple(SWITCH_VALUES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """The environment switches of one call, validated (module docstring)."""
+
+    plans: bool  # MOE_DISPATCH_PLANS: replay recorded plans
+    pdl: bool  # MOE_DISPATCH_PDL: launch with programmatic dependent launch where the device has it
+    gluon_fp8: str  # MOE_DISPATCH_GLUON_FP8: "auto", "1" or "0"
+    gluon_bf16: str  # MOE_DISPATCH_GLUON_BF16: "0" or "1"
+
+    def plan_key(self) -> tuple:
+        """The switches that change a recorded call's launches (`plans` only says whether there is a plan)."""
+        return self.pdl, self.gluon_fp8, self.gluon_bf16
+
+
+def read_environment() -> Environment:
+    """The switches as the environment holds them now; ValueError naming a variable set to a value it does not take."""
+    get = os.environ.get
+    return _parse_environment(tuple(get(name) or None for name in _SWITCHES))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_environment(raw: tuple) -> Environment:
+    """`Environment` of the raw values (None: unset) in `_SWITCHES` order; a bad value raises (and is not cached)."""
+    values = []
+    for name, value in zip(_SWITCHES, raw):
+        accepted = SWITCH_VALUES[name]
+        if value is None:
+            value = accepted[0]
+        elif value not in accepted:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))} (or unset), got {value!r}")
+        values.append(value)
+    plans, pdl, gluon_fp8, gluon_bf16 = values
+    return Environment(plans == "1", pdl == "1", gluon_fp8, gluon_bf16)
+
+
+class _CallState(threading.local):
+    environment = None  # the switches of the public call running on this thread (`call_scope`), if any
+
+
+_call = _CallState()
+
+
+def current_environment() -> Environment:
+    """The switches of the call in progress on this thread, read when it started; outside a call, read now."""
+    environment = _call.environment
+    return environment if environment is not None else read_environment()
+
+
+def call_scope(fn):
+    """Decorator of a public entry point: the switches are read and validated once, before the function runs, and
+    held for every layer of the call (`current_environment`); an entry called inside another shares its caller's.
+    Under torch.compile tracing nothing is read (the operators read them when the graph runs)."""
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        if torch.compiler.is_compiling() or _call.environment is not None:
+            return fn(*args, **kwargs)
+        _call.environment = read_environment()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _call.environment = None
+
+    return entry

@@ -11,16 +11,14 @@ kernel's main loop) lets the next PDL kernel's programs be placed before this on
 epilogues.
 
 Off on AMD, SM80 and the interpreter (the calls compile to nothing there), and when MOE_DISPATCH_PDL=0 (for A/B
-measurements and as an escape hatch).
+measurements and as an escape hatch; read with the package's other switches, host/device.py).
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .device import capability, is_cuda, is_interpreter, on_gpu, per_device
+from .device import capability, current_environment, is_cuda, is_interpreter, on_gpu, per_device
 
 HAS_GDC = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
 
@@ -51,8 +49,8 @@ else:  # a Triton without the grid dependency intrinsics: PDL is never on (`pdl_
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: an NVIDIA GPU of compute capability >= 9.0, a Triton with the
-    intrinsics, and MOE_DISPATCH_PDL not set to 0."""
-    if not on_gpu(device) or os.environ.get("MOE_DISPATCH_PDL", "1") == "0":
+    intrinsics, and MOE_DISPATCH_PDL not set to 0 (the call's switches: current_environment)."""
+    if not on_gpu(device) or not current_environment().pdl:
         return False
     return _pdl_capable(device)
 

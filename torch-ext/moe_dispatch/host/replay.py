@@ -27,21 +27,22 @@ torch.compile tracing and any user TorchDispatchMode, on plain tensors. CUDA-gra
 (its allocations come from the graph's pool, its launches go to the capturing stream). Under Triton's interpreter
 and when a launch hook is set (profilers), replay re-launches through `kernel[grid](...)` with the recorded arguments
 instead of the compiled launcher: the package's own Python is still skipped, and the CPU tests exercise the same
-records. `ENABLED = False` (or MOE_DISPATCH_PLANS=0 at import) runs every call in full, for A/B timing.
+records. `ENABLED = False` (or MOE_DISPATCH_PLANS=0) runs every call in full, for A/B timing.
 
-A plan is valid while nothing the path reads besides its arguments changes: module attributes of the package (the
-A/B switches in scripts/) and of the environment variable MOE_DISPATCH_PDL must be followed by `clear()` (reading the
-environment costs more than the rest of a key); the current CUDA device, grad mode and
-`torch.backends.cuda.matmul.allow_tf32` are part of every key.
+A plan is valid while nothing the path reads besides its arguments changes: a change of a module attribute of the
+package (the A/B switches in scripts/) must be followed by `clear()`; the current CUDA device, grad mode,
+`torch.backends.cuda.matmul.allow_tf32` and the package's environment switches that change what runs (PDL, the Gluon
+engines: `device.Environment.plan_key`, read once per call by the public entry) are part of every key.
 """
 
 import dataclasses
 import inspect
-import os
 import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
+
+from .device import current_environment
 
 try:  # the compiled-launch fast path needs Triton's knobs (3.4+) and driver; without them replay re-launches
     from triton import knobs as _knobs
@@ -49,7 +50,7 @@ try:  # the compiled-launch fast path needs Triton's knobs (3.4+) and driver; wi
 except ImportError:  # pragma: no cover - older Triton
     _knobs = _driver = None
 
-ENABLED = os.environ.get("MOE_DISPATCH_PLANS", "1") != "0"
+ENABLED = True  # False: every call in full (A/B timing); MOE_DISPATCH_PLANS=0 does the same (host/device.py)
 MAX_PLANS = 1024  # signatures kept per cache; past this the cache starts over (prefill T varies without bound)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -454,9 +455,12 @@ def replayable(tensors) -> bool:
 def _key(tensors, options):
     """The plan key of a call, or None when it may not be replayed (see `replayable`). The tensors give what the full
     path and Triton's specialization read from them (shape, strides, dtype, device, 16-byte alignment); the rest is
-    what every path reads besides its arguments."""
+    what every path reads besides its arguments, the call's environment switches included."""
     if torch.compiler.is_compiling() or not ENABLED or _state.recorder is not None:  # tracing first: nothing else
         return None                                                                   # is read under torch.compile
+    switches = current_environment()
+    if not switches.plans:
+        return None
     if torch._C._len_torch_dispatch_stack():
         return None
     if tensors[0] is None:  # refused by the full path, which names the argument
@@ -475,7 +479,8 @@ def _key(tensors, options):
             signature.append((t.shape, t.stride(), t.dtype, device, t.data_ptr() % _ALIGN == 0))
     # allow_tf32 read as torch.backends.cuda.matmul's getter does, without its __getattr__
     current = torch._C._cuda_getDevice() if tensors[0].is_cuda else -1
-    return options, _types(options), tuple(signature), grad_mode, current, torch._C._get_cublas_allow_tf32()
+    return (options, _types(options), tuple(signature), grad_mode, current, torch._C._get_cublas_allow_tf32(),
+            switches.plan_key())
 
 
 def _types(options):

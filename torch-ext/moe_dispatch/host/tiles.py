@@ -54,6 +54,11 @@ _log = logging.getLogger(__name__)
 # The decode path's bound: the largest N = T * top_k its gate/up kernel's [BLOCK_A] id comparison is sized for.
 MAX_DECODE_ASSIGNMENTS = 256
 
+# What the kernels take of a forced tile (`check_forced_tiles`): block sides are `tl.arange` lengths (powers of two)
+# and `tl.dot` operand sides (at least 16); a CTA has at most 32 warps (1024 threads), a power of two of them.
+MIN_BLOCK = 16
+MAX_WARPS = 32
+
 
 class Persistent(enum.IntEnum):
     """`GemmTile.persistent`: which GEMM kernel a tile asks for, where the device and the operands allow it
@@ -160,7 +165,10 @@ class DecodeTile:
     dot: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "dot", bool(self.dot))  # from flat ints (`DecodeTiles.from_list`) too
+        if type(self.dot) is not bool:  # from flat ints (`DecodeTiles.from_list`) too; bool("False") would be True
+            if type(self.dot) is not int or self.dot not in (0, 1):
+                raise TypeError(f"DecodeTile.dot must be a bool, got {type(self.dot).__name__} {self.dot!r}")
+            object.__setattr__(self, "dot", bool(self.dot))
 
 
 # First element of `DecodeTiles.to_list()`: a block_m of 0 (the decode path has no row tiles) tells it from MoeTiles'.
@@ -189,6 +197,54 @@ class DecodeTiles:
     def from_list(cls, values):
         n = len(field_names(DecodeTile))
         return cls(DecodeTile(*values[1:1 + n]), DecodeTile(*values[1 + n:1 + 2 * n]))
+
+
+def check_forced_tiles(name: str, tiles) -> "MoeTiles | DecodeTiles | None":
+    """A caller's forced tiles (the `tiles` argument, named `name`): None, or a MoeTiles of GemmTiles or a DecodeTiles
+    of DecodeTiles whose fields the kernels take: ints (not bools or floats), block sides powers of two >= MIN_BLOCK,
+    num_warps a power of two <= MAX_WARPS, num_stages, group_m and split_k >= 1, `persistent` a `Persistent` (or its
+    int), `dot` a bool. TypeError / ValueError naming the field (`tiles.gate_up.block_k`) before anything runs."""
+    if tiles is None:
+        return None
+    if isinstance(tiles, MoeTiles):
+        _check_tile_int(f"{name}.block_m", tiles.block_m, block=True)
+        parts, kind = {"gate_up": tiles.gate_up, "down": tiles.down}, GemmTile
+    elif isinstance(tiles, DecodeTiles):
+        parts, kind = {"gate_up": tiles.gate_up, "down": tiles.down}, DecodeTile
+    else:
+        raise TypeError(f"{name} must be a MoeTiles, a DecodeTiles or None, got {type(tiles).__name__}")
+    for part, tile in parts.items():
+        where = f"{name}.{part}"
+        if not isinstance(tile, kind):
+            raise TypeError(f"{where} must be a {kind.__name__}, got {type(tile).__name__}")
+        _check_tile_int(f"{where}.block_n", tile.block_n, block=True)
+        _check_tile_int(f"{where}.block_k", tile.block_k, block=True)
+        _check_tile_int(f"{where}.num_warps", tile.num_warps)
+        if tile.num_warps & (tile.num_warps - 1) or tile.num_warps > MAX_WARPS:
+            raise ValueError(f"{where}.num_warps must be a power of two <= {MAX_WARPS}, got {tile.num_warps}")
+        _check_tile_int(f"{where}.num_stages", tile.num_stages)
+        if kind is GemmTile:
+            _check_tile_int(f"{where}.group_m", tile.group_m)
+            persistent = tile.persistent
+            if (not isinstance(persistent, int) or isinstance(persistent, bool)
+                    or persistent not in Persistent._value2member_map_):
+                names = ", ".join(f"Persistent.{member.name}" for member in Persistent)
+                raise ValueError(f"{where}.persistent must be one of {names}, got {persistent!r}")
+        else:
+            _check_tile_int(f"{where}.split_k", tile.split_k)
+            if type(tile.dot) is not bool:
+                raise TypeError(f"{where}.dot must be a bool, got {type(tile.dot).__name__} {tile.dot!r}")
+    return tiles
+
+
+def _check_tile_int(name, value, *, block=False):
+    """An int field of a forced tile: >= 1, and a power of two >= MIN_BLOCK where it is a block side."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if block and (value < MIN_BLOCK or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK} (a Triton block side), got {value}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 def tiles_from_list(values) -> "MoeTiles | DecodeTiles":

@@ -69,7 +69,8 @@ import torch
 
 from ..formats.fp8 import FP8_DTYPES
 from ..formats.mxfp4 import E8M0_NAN, MXFP4_GROUP, dequantize_experts_mxfp4, quantize_experts_mxfp4
-from ..host.checks import check_tensor
+from ..host.checks import check_bool, check_real, check_tensor, warn_if_gradient_cut
+from ..host.device import call_scope
 from ..moe import fused_experts
 
 EXPERTS_IMPLEMENTATION = "moe_dispatch"
@@ -100,6 +101,20 @@ def _unsupported(experts: torch.nn.Module, what: str) -> NotImplementedError:
     )
 
 
+def _flag(experts: torch.nn.Module, name: str, default: bool) -> bool:
+    """A layout flag of an experts module (`use_experts_implementation` sets them as bools): True or False, named
+    `<class>.<flag>` in the TypeError otherwise (the string "False" would read as true)."""
+    return check_bool(f"{type(experts).__name__}.{name}", getattr(experts, name, default))
+
+
+def _swiglu_options(experts: torch.nn.Module, alpha_name: str, limit_name: str) -> dict[str, float]:
+    """`swiglu_alpha` / `swiglu_limit` from the module's attributes, real numbers (named `<class>.<attribute>`)."""
+    where = type(experts).__name__
+    alpha = check_real(f"{where}.{alpha_name}", getattr(experts, alpha_name, None))
+    limit = check_real(f"{where}.{limit_name}", getattr(experts, limit_name, None), minimum=0)
+    return {"swiglu_alpha": float(alpha), "swiglu_limit": float(limit)}
+
+
 def _is_silu(act_fn) -> bool:
     # transformers' ACT2FN gives SiLUActivation for "silu" and nn.SiLU for "swish"; both are x * sigmoid(x).
     return (
@@ -115,9 +130,9 @@ def fused_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     Reads the layout flags transformers' `use_experts_implementation` sets (`has_gate`, `has_bias`, `is_transposed`,
     `is_concatenated`, `has_post_expert_norm`), the gate function and `act_fn`, or GPT-OSS's `alpha` / `limit`.
     """
-    if not getattr(experts, "has_gate", True):
+    if not _flag(experts, "has_gate", True):
         raise _unsupported(experts, "experts without a gate projection (has_gate=False) are not supported")
-    if getattr(experts, "has_post_expert_norm", False):
+    if _flag(experts, "has_post_expert_norm", False):
         raise _unsupported(experts, "a norm after each expert (has_post_expert_norm=True) is not supported")
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name, None)
@@ -127,10 +142,10 @@ def fused_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
             raise _unsupported(experts, f"`{name}` has dtype {weight.dtype}; float16, bfloat16 or float32 expected")
 
     options = {
-        "transposed": bool(getattr(experts, "is_transposed", False)),
-        "interleaved": not getattr(experts, "is_concatenated", True),
+        "transposed": _flag(experts, "is_transposed", False),
+        "interleaved": not _flag(experts, "is_concatenated", True),
     }
-    if getattr(experts, "has_bias", False):
+    if _flag(experts, "has_bias", False):
         options["gate_up_bias"] = experts.gate_up_proj_bias
         options["down_bias"] = experts.down_proj_bias
 
@@ -142,8 +157,7 @@ def fused_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
         options["activation"] = "silu"
     elif _is_gate(apply_gate, _GPT_OSS_GATE):
         options["activation"] = "swiglu_oai"
-        options["swiglu_alpha"] = float(experts.alpha)
-        options["swiglu_limit"] = float(experts.limit)
+        options.update(_swiglu_options(experts, "alpha", "limit"))
     else:
         raise _unsupported(
             experts,
@@ -157,7 +171,7 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     """`fused_experts` keyword arguments for transformers' `FP8Experts` (weights, scales, static activation scales,
     block shape, layout and gate); raises `NotImplementedError` for the variants it does not run (see the module
     doc)."""
-    if not getattr(experts, "has_gate", True):
+    if not _flag(experts, "has_gate", True):
         raise _unsupported(experts, "experts without a gate projection (has_gate=False) are not supported")
     scheme = getattr(experts, "activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
@@ -165,8 +179,8 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
     block_size = getattr(experts, "block_size", None)
     if block_size is None:
         raise _unsupported(experts, "block_size=None (per-tensor FP8 scales) is not supported; block scales are")
-    options = {"transposed": bool(getattr(experts, "is_transposed", False)),
-               "interleaved": not getattr(experts, "is_concatenated", True),
+    options = {"transposed": _flag(experts, "is_transposed", False),
+               "interleaved": not _flag(experts, "is_concatenated", True),
                "fp8_block_shape": tuple(int(b) for b in block_size)}
     for name, key in (("gate_up_proj", "w_gate_up_scale"), ("down_proj", "w_down_scale")):
         weight = getattr(experts, name, None)
@@ -193,15 +207,14 @@ def fp8_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
                 raise _unsupported(experts, f"activation_scheme='static' with `{name}` = {what}; float32 "
                                             f"activation scales expected")
             options[key] = scale
-    if getattr(experts, "has_bias", False):
+    if _flag(experts, "has_bias", False):
         options["gate_up_bias"] = experts.gate_up_proj_bias
         options["down_bias"] = experts.down_proj_bias
     apply_gate = getattr(type(experts), "_apply_gate", None)
     if apply_gate is None or not _is_gate(apply_gate, _FP8_EXPERTS_GATE):
         raise _unsupported(experts, "a gate function other than FP8Experts' own")
     if getattr(experts, "swiglu_alpha", None) is not None:
-        options.update(activation="swiglu_oai", swiglu_alpha=float(experts.swiglu_alpha),
-                       swiglu_limit=float(experts.swiglu_limit))
+        options.update(activation="swiglu_oai", **_swiglu_options(experts, "swiglu_alpha", "swiglu_limit"))
     elif getattr(experts, "limit", None) is not None:
         raise _unsupported(experts, "a clamped SiLU gate (`limit` without `swiglu_alpha`) is not supported")
     elif not _is_silu(getattr(experts, "act_fn", None)):
@@ -230,10 +243,10 @@ def mxfp4_experts_options(experts: torch.nn.Module) -> dict[str, Any]:
                                       f"scales of `{name}_blocks`) is missing")
         options[key] = scales
     for name in ("alpha", "limit"):
-        if not isinstance(getattr(experts, name, None), (int, float)):
+        if getattr(experts, name, None) is None:
             raise NotImplementedError(f"moe_dispatch cannot run {type(experts).__name__}: its clamped SwiGLU's "
                                       f"`{name}` is missing")
-    options["swiglu_alpha"], options["swiglu_limit"] = float(experts.alpha), float(experts.limit)
+    options.update(_swiglu_options(experts, "alpha", "limit"))
     for name, key in (("gate_up_proj_bias", "gate_up_bias"), ("down_proj_bias", "down_bias")):
         bias = getattr(experts, name, None)
         if bias is not None:
@@ -317,6 +330,25 @@ def _experts_options(experts) -> tuple:
     return options, kind
 
 
+# fused_experts' scale arguments -> the FP8Experts attributes they are read from (what a warning names)
+_FP8_SCALE_ATTRIBUTES = {"w_gate_up_scale": "gate_up_proj_scale_inv", "w_down_scale": "down_proj_scale_inv",
+                         "gate_up_input_scale": "gate_up_proj_activation_scale",
+                         "down_input_scale": "down_proj_activation_scale"}
+
+
+def _frozen_scales(experts: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the scales that require grad detached (transformers keeps `*_scale_inv` as Parameters; the
+    quantized experts are frozen), warned about once under the module's attribute names."""
+    needing = {key: options[key] for key in _FP8_SCALE_ATTRIBUTES
+               if isinstance(options.get(key), torch.Tensor) and options[key].requires_grad}
+    if not needing or not torch.is_grad_enabled():
+        return options
+    warn_if_gradient_cut(f"moe_dispatch_experts with FP8 experts (frozen: {type(experts).__name__})",
+                         **{_FP8_SCALE_ATTRIBUTES[key]: scale for key, scale in needing.items()})
+    return {**options, **{key: scale.detach() for key, scale in needing.items()}}
+
+
+@call_scope
 def moe_dispatch_experts(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -338,6 +370,8 @@ def moe_dispatch_experts(
         options, kind = _options_of(self)
     else:
         options, kind = _experts_options(self)
+    if kind == "fp8":
+        options = _frozen_scales(self, options)
     if kind == "mxfp4":
         w_gate_up, w_down = self.gate_up_proj_blocks, self.down_proj_blocks
         bias = options.get("gate_up_bias")

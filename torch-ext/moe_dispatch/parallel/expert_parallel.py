@@ -65,9 +65,10 @@ import torch.distributed as dist
 
 from ..formats.fp8 import is_fp8
 from ..formats.mxfp4 import is_mxfp4
-from ..host.checks import check_finite_number, check_ids_in_range, check_int, check_tensor
+from ..host.checks import check_bool, check_finite_number, check_ids_in_range, check_int, check_real, check_tensor
+from ..host.device import call_scope
 from ..integrations.transformers_experts import fused_experts_options
-from ..moe import check_experts_args, fused_experts
+from ..moe import check_experts_args, check_experts_options, fused_experts
 from .ep_plan import count_rows, route_rows
 
 
@@ -264,6 +265,7 @@ class _Combine(torch.autograd.Function):
                          ctx.world_size), None, None, None
 
 
+@call_scope
 def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor,
                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                      capacity_factor: float | None = None, max_tokens_per_rank: int | None = None,
@@ -288,6 +290,14 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     backward. Differentiable in hidden_states, the local weights and biases and topk_weights. See the module
     docstring for the data flow.
     """
+    check_experts_options(activation=activation, interleaved=interleaved, transposed=transposed,
+                          swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, validate=validate)
+    check_real("capacity_factor", capacity_factor, none=True, minimum=0)
+    if max_tokens_per_rank is not None:
+        check_int("max_tokens_per_rank", max_tokens_per_rank, 0)
+    if num_experts is not None:
+        check_int("num_experts", num_experts, 1)
+    check_bool("return_stats", return_stats)
     W, _ = _group_size_and_rank(group)
     for name, weight in (("w_gate_up_local", w_gate_up_local), ("w_down_local", w_down_local)):
         if is_fp8(weight) or is_mxfp4(weight):
@@ -296,17 +306,13 @@ def ep_fused_experts(hidden_states: torch.Tensor, w_gate_up_local: torch.Tensor,
     T, H, E_local, _ = check_experts_args(hidden_states, w_gate_up_local, w_down_local, topk_ids, topk_weights,
                                           activation=activation, gate_up_bias=gate_up_bias_local,
                                           down_bias=down_bias_local, transposed=transposed, suffix="_local")
-    if num_experts is not None and check_int("num_experts", num_experts, 1) != E_local * W:
+    if num_experts is not None and num_experts != E_local * W:
         raise ValueError(f"num_experts={num_experts!r} but w_gate_up_local holds {E_local} experts on each of {W} "
                          f"ranks ({E_local * W} in all)")
-    if not isinstance(return_stats, bool):
-        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
     capacity = None
     if capacity_factor is not None:
         if max_tokens_per_rank is None:
             max_tokens_per_rank = T
-        elif not isinstance(max_tokens_per_rank, int) or isinstance(max_tokens_per_rank, bool):
-            raise TypeError(f"max_tokens_per_rank must be an int, got {type(max_tokens_per_rank).__name__}")
         elif max_tokens_per_rank < T:
             raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} but this rank holds T={T} tokens")
         capacity = ep_capacity(max_tokens_per_rank, topk_ids.shape[1], W, capacity_factor)

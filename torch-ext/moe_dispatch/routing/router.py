@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host.checks import (check_choice, check_dim, check_float, check_hidden_size, check_int, check_same_device,
-                           check_top_k)
+from ..host.checks import (check_bool, check_choice, check_dim, check_float, check_hidden_size, check_int,
+                           check_kernel_device, check_real, check_same_device, check_top_k)
 from ..host.device import dot_needs_fp32
+from ..host.device import call_scope
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.library import call, custom_op
 from ..host.replay import launch
@@ -286,7 +287,21 @@ def check_router_args(hidden_states, router_weight, top_k, gating, router_bias, 
         raise ValueError("topk_group needs n_group")
     check_same_device(hidden_states=hidden_states, router_weight=router_weight, router_bias=router_bias,
                       e_score_correction_bias=e_score_correction_bias)
+    check_kernel_device("hidden_states", hidden_states)
     return E
+
+
+def check_router_options(top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor):
+    """The router's non-tensor options by kind, before anything else runs (the ranges that depend on E are
+    `check_router_args`'): a TypeError or ValueError naming the option."""
+    check_int("top_k", top_k, 1)
+    check_choice("gating", gating, GATINGS)
+    check_bool("renormalize", renormalize, none=True)
+    if n_group is not None:
+        check_int("n_group", n_group, 1)
+    if topk_group is not None:
+        check_int("topk_group", topk_group, 1)
+    check_real("routed_scaling_factor", routed_scaling_factor)
 
 
 @custom_op("route")
@@ -358,6 +373,7 @@ def route_with_grad(x, router_weight, top_k, gating="softmax", router_bias=None,
     return topk_ids, topk_weights, logits
 
 
+@call_scope
 def moe_router(hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: int,
                gating: Literal["softmax", "sigmoid"] = "softmax", router_bias: torch.Tensor | None = None, *,
                renormalize: bool | None = None, n_group: int | None = None, topk_group: int | None = None,
@@ -368,6 +384,7 @@ def moe_router(hidden_states: torch.Tensor, router_weight: torch.Tensor, top_k: 
     hidden_states [..., H], router_weight [E, H]. Returns (top_k_indices [T, top_k] int64, top_k_weights [T, top_k] in
     the input dtype, router_logits [T, E] in the input dtype) with T the product of the leading dims.
     """
+    check_router_options(top_k, gating, renormalize, n_group, topk_group, routed_scaling_factor)
     check_router_args(hidden_states, router_weight, top_k, gating, router_bias, n_group, topk_group,
                       e_score_correction_bias)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
