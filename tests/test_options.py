@@ -77,13 +77,15 @@ def test_a_choice_option_refuses_other_values_listing_the_choices(call, when):
                 call.function(**{**arguments, name: bad})
 
 
-def test_transformers_experts_flags_must_be_bools():
+@pytest.mark.parametrize("when", WHEN)
+def test_transformers_experts_flags_must_be_bools(when):
     """transformers sets an experts module's layout flags as bools; is_concatenated="False" read as true (the
     interleaved layout). A non-bool flag is a TypeError naming the module's attribute, also once the module's
-    options are cached from a valid call."""
+    options are cached (and its call planned) from a valid call."""
     i = _inputs()
     experts = _Experts(i.w_gate_up, i.w_down)
-    md.moe_dispatch_experts(experts, i.x, i.ids, i.weights)  # caches the module's options
+    if when == "after-a-valid-call":
+        md.moe_dispatch_experts(experts, i.x, i.ids, i.weights)
     for flag in ("is_concatenated", "is_transposed", "has_bias"):
         setattr(experts, flag, "False")
         with pytest.raises(TypeError, match=rf"^_Experts\.{flag} must be a bool"):
@@ -225,9 +227,10 @@ def test_a_scale_that_requires_grad_is_warned_about(scale, when, fp8_experts, fr
     assert not out.requires_grad
 
 
-def test_transformers_fp8_scales_that_require_grad_are_named_as_the_module_names_them(fresh_gradient_warnings):
+@pytest.mark.parametrize("when", WHEN)
+def test_transformers_fp8_scales_that_require_grad_are_named_as_the_module_names_them(when, fresh_gradient_warnings):
     """FP8Experts keeps `gate_up_proj_scale_inv` as a Parameter that requires grad: the experts function warns under
-    that name (the caller's), and runs on the detached scales."""
+    that name (the caller's), and runs on the detached scales (after a call under no_grad too, which warns nothing)."""
     finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
     i = _inputs()
 
@@ -243,6 +246,9 @@ def test_transformers_fp8_scales_that_require_grad_are_named_as_the_module_names
             self.block_size, self.act_fn = (8, 8), torch.nn.SiLU()
 
     experts = Fp8Experts()
+    if when == "after-a-valid-call":
+        with torch.no_grad():
+            md.moe_dispatch_experts(experts, i.x, i.ids, i.weights)
     with pytest.warns(UserWarning, match=r"no gradient to gate_up_proj_scale_inv, down_proj_scale_inv"):
         out = md.moe_dispatch_experts(experts, i.x, i.ids, i.weights)
     ref = md.fused_experts(i.x, experts.gate_up_proj, experts.down_proj, i.ids, i.weights, fp8_block_shape=(8, 8),
