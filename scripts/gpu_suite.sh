@@ -28,7 +28,8 @@
 #   MOE_DISPATCH_COMMIT     the commit recorded in results when .git is absent
 #
 # Files under $OUT: suite.log (everything, in order), pytest.log,
-# failures.txt (only when a test failed: id and message of each failure as it happened), bench/ (bench.json,
+# failures.txt (only when a test failed: id and message of each failure as it happened), test-seconds.txt (each test's
+# seconds as it ended), bench/ (bench.json,
 # bench.md, summary.txt, roofline.png when matplotlib imports), binned/binned.json, train/ and, with SUITE_TUNE, the
 # tuned table and its tuning log.
 set -uo pipefail
@@ -110,6 +111,7 @@ if [ "${SUITE_TESTS:-1}" != "0" ]; then
   # (tests/conftest.py), so a run cut by its limit still says why
   # shellcheck disable=SC2086  # PYTEST_ARGS and SUITE_TEST_PATHS are word lists
   PYTHON="$python" MOE_DISPATCH_TEST_WORKERS="$workers" MOE_DISPATCH_FAILURE_LOG="$OUT/failures.txt" \
+    MOE_DISPATCH_TIMES_LOG="$OUT/test-seconds.txt" \
     limited "${PYTEST_BUDGET_S:-}" bash scripts/test -q -p no:cacheprovider --tb=line -rfE "${per_test[@]}" \
     ${PYTEST_ARGS:-} ${SUITE_TEST_PATHS:-tests} > "$OUT/pytest.log" 2>&1
   rc=$?

@@ -174,9 +174,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_runtest_logreport(report):
-    """With MOE_DISPATCH_FAILURE_LOG set (scripts/gpu_suite.sh sets it), each failure's test id and message are
-    appended to that file as it happens: a GPU run cut by its time limit never reaches pytest's summary, and then
-    still says which tests failed and why."""
+    """Logs written as the run goes (scripts/gpu_suite.sh sets both): a GPU run cut by its time limit never reaches
+    pytest's summary, and then still says which tests failed and why, and where the time went.
+    MOE_DISPATCH_FAILURE_LOG: each failure's test id and message. MOE_DISPATCH_TIMES_LOG: each test's seconds
+    (setup + call + teardown), one line per test when its teardown ends. Written where every report arrives once: by
+    the pytest-xdist controller, not its workers."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    times_path = os.environ.get("MOE_DISPATCH_TIMES_LOG")
+    if times_path:
+        _TEST_SECONDS[report.nodeid] += report.duration
+        if report.when == "teardown":
+            with open(times_path, "a") as f:
+                f.write(f"{_TEST_SECONDS.pop(report.nodeid):8.2f} {report.nodeid}\n")
     path = os.environ.get("MOE_DISPATCH_FAILURE_LOG")
     if not path or not report.failed:
         return
@@ -185,3 +195,5 @@ def pytest_runtest_logreport(report):
     with open(path, "a") as f:
         f.write(f"{report.nodeid} ({report.when}): {' '.join(message.split())[:400]}\n")
 
+
+_TEST_SECONDS = collections.defaultdict(float)
