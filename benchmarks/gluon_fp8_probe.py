@@ -1,8 +1,7 @@
-"""Probe of the Gluon GEMMs on a Hopper GPU with Triton 3.6: the FP8 block-scaled ones (moe_dispatch.gemm.gluon_fp8)
-and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts paths' engines.
+"""Probe of the Gluon FP8 block-scaled GEMMs (moe_dispatch.gemm.gluon_fp8) on a Hopper GPU with Triton 3.6, alone and
+as the w8a8 path's engine.
 
-    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py [--sections gemm experts bf16] [--models ...]
-        [--tokens ...]
+    PYTHONPATH=torch-ext python benchmarks/gluon_fp8_probe.py [--sections gemm experts] [--models ...] [--tokens ...]
 
 1. Correctness against the float64 references (moe_dispatch.reference, norm-wise relative error): dense at odd M
    (1, 77, 4097) and N, K tails; grouped with an empty expert, a one-row expert and tiles ending mid-expert; a NaN in
@@ -27,16 +26,6 @@ and the bf16 / fp16 one (moe_dispatch.gemm.gluon_bf16), alone and as the experts
    (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused,
    gluon/wide, gluon/r64 and fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative
    error < reference.W8A8_TOLERANCE: both quantize activations to e4m3 with different groups, or not at all).
-4. The bf16 engine (`--sections bf16`; gemm/gluon_bf16.py, opt-in through MOE_DISPATCH_GLUON_BF16=1): the Gluon
-   GEMM against float64 in bf16 and fp16 (dense at odd M, N and K tails; grouped with an empty expert, a one-row
-   expert and tiles ending mid-expert; the gated GEMM1 with silu, and swiglu_oai with biases, at F = 200 and 768; a
-   NaN in A reaching its own row only); dense M = N = K in {4096, 8192} beside
-   torch.matmul (do_bench, median; rows sampled against float64), at 8192 also with 3 stages, with BLOCK_N 128 and 6
-   stages and with the epilogue through shared memory (each checked against the default's result); then
-   `fused_experts` on bf16 weights at part 3's widths and T: the portable kernels (MOE_DISPATCH_GLUON_BF16=0), the
-   Gluon engine (=1; plans cleared after each change) with GEMM1's activation fused into its epilogue and in a
-   separate pass (gluon_experts.FUSED_ACTIVATION), each timed as a CUDA graph (median), checked against the portable
-   result (relative error < TOLERANCE[bf16]). A table of ms, TFLOP/s, gluon/portable and pass/gluon.
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
 Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
@@ -60,8 +49,7 @@ from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
 EXPERTS_ROWS = []  # (label, portable ms, gluon ms, bf16 ms, FLOPs)
-BF16_ROWS = []  # (label, portable ms, gluon ms, gluon with the activation pass ms, FLOPs)
-SECTIONS = ("gemm", "experts", "bf16")
+SECTIONS = ("gemm", "experts")
 EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
 EXPERTS_TOKENS = (4096, 16384)
 
@@ -120,11 +108,11 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="gemm: parts 1-2 (the FP8 GEMMs alone, ~40 s); experts: part 3 (fused_experts per FP8 "
-                             "engine); bf16: part 4 (the bf16 GEMM, and fused_experts per bf16 engine)")
+                             "engine)")
     parser.add_argument("--models", nargs="+", choices=list(EXPERTS_MODELS), default=list(EXPERTS_MODELS),
-                        help="parts 3 and 4's layer widths (benchmarks/model_shapes.py)")
+                        help="part 3's layer widths (benchmarks/model_shapes.py)")
     parser.add_argument("--tokens", nargs="+", type=int, default=list(EXPERTS_TOKENS),
-                        help="parts 3 and 4's T values")
+                        help="part 3's T values")
     return parser.parse_args(argv)
 
 
@@ -180,10 +168,10 @@ def routed_tokens(T, E, top_k, H, dev):
     return x, ids, torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
 
 
-def time_engines(label, flops, run, variable, variants, prefix=""):
+def time_engines(label, flops, run, variable, variants):
     """Time `run()` (a fused_experts call) once per variant (name, the engine variable's value, gemm.gluon_experts
     attributes to set), plans cleared after each change (both are read when a plan is recorded), each as a CUDA graph
-    and recorded as `prefix + name`; the variable and attributes are restored after. -> (ms by name, output by
+    and recorded; the variable and attributes are restored after. -> (ms by name, output by
     name)."""
     import moe_dispatch as md
     from moe_dispatch.gemm import gluon_experts
@@ -198,7 +186,7 @@ def time_engines(label, flops, run, variable, variants, prefix=""):
             md.host.replay.clear()
             outs[name] = run()
             times[name], how = bench_graph_ms(run)
-            record(prefix + name, label, times[name], flops, how)
+            record(name, label, times[name], flops, how)
     finally:
         os.environ.pop(variable, None)
         for attr, value in saved.items():
@@ -266,118 +254,6 @@ def experts_sections(args, dev="cuda"):
         print("(gluon/portable, gluon/fused, gluon/wide, gluon/r64 and fp8/bf16 are speedups: time of the first over "
               "time of the second; 'gluon' TFLOP/s is the fastest Gluon form's; at T = 1024 pass --tokens 1024, the "
               "engine forced on below GLUON_FP8_MIN_ROWS)")
-
-
-def random_experts(E, H, F, dev, experts_per_chunk=16):
-    """(w_gate_up [E, 2F, H], w_down [E, H, F]) bf16 of std 0.02, a chunk of experts at a time."""
-    def weight(rows, cols):
-        w = torch.empty(E, rows, cols, device=dev, dtype=torch.bfloat16)
-        for lo in range(0, E, experts_per_chunk):
-            hi = min(E, lo + experts_per_chunk)
-            w[lo:hi] = torch.randn(hi - lo, rows, cols, device=dev, dtype=torch.bfloat16) * 0.02
-        return w
-
-    return weight(2 * F, H), weight(H, F)
-
-
-def bf16_sections(args, dev="cuda"):
-    """Part 4: the bf16 Gluon GEMM, then fused_experts per bf16 engine (module docstring)."""
-    import moe_dispatch as md
-    from moe_dispatch.gemm import gluon_bf16, planner
-    from moe_dispatch.reference import TOLERANCE, gated_grouped_gemm_ref, grouped_gemm_ref, relative_error
-
-    @part("bf16 GEMM correctness")
-    def _():
-        for dtype in (torch.bfloat16, torch.float16):
-            tol = TOLERANCE[dtype]
-            for M, N, K in [(1, 256, 512), (77, 320, 1000), (4097, 512, 2048)]:
-                a, b = torch.randn(M, K, device=dev).to(dtype), torch.randn(N, K, device=dev).to(dtype)
-                out = gluon_bf16.bf16_gemm(a, b)
-                check(f"{dtype} dense M={M} N={N} K={K}", relative_error(out, a.double() @ b.double().T), tol)
-            for counts, N, K in [([77, 0, 1, 4019], 384, 1000), ([1], 256, 512), ([129, 128, 0, 0, 300], 320, 1040)]:
-                offsets = offsets_of(counts, dev)
-                a = torch.randn(sum(counts), K, device=dev).to(dtype)
-                b = torch.randn(len(counts), N, K, device=dev).to(dtype)
-                out = gluon_bf16.bf16_grouped_gemm(a, b, offsets)
-                check(f"{dtype} grouped counts={counts} N={N} K={K}",
-                      relative_error(out, grouped_gemm_ref(a, b, offsets, len(counts))), tol)
-            for counts, F, activation, bias in [([77, 0, 1, 4019], 200, "silu", False),
-                                                ([129, 128, 0, 300], 768, "swiglu_oai", True)]:
-                K, E = 1000, len(counts)
-                offsets = offsets_of(counts, dev)
-                a = torch.randn(sum(counts), K, device=dev).to(dtype)
-                b = (torch.randn(E, 2 * F, K, device=dev) / K**0.5).to(dtype)
-                gate = dict(activation=activation, bias=torch.randn(E, 2 * F, device=dev).to(dtype) if bias else None)
-                out = gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets, **gate)
-                check(f"{dtype} gated {activation} counts={counts} F={F} K={K}",
-                      relative_error(out, gated_grouped_gemm_ref(a, b, offsets, E, **gate)), tol)
-        a = torch.randn(200, 512, device=dev).bfloat16()
-        b = torch.randn(2, 256, 512, device=dev).bfloat16()
-        a[3, 5] = float("nan")
-        check_nan_row("bf16 ", [("dense", gluon_bf16.bf16_gemm(a, b[0])),
-                                ("grouped", gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([100, 100], dev))),
-                                ("gated", gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([100, 100], dev)))])
-
-    for size in (4096, 8192):
-        @part(f"bf16 dense {size}^3 timing")
-        def _():
-            M = N = K = size
-            flops = 2 * M * N * K
-            a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            b = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
-            out = gluon_bf16.bf16_gemm(a, b)
-            rows = torch.cat([torch.arange(128, device=dev), torch.arange(M - 77, M, device=dev)])
-            check(f"bf16 dense {size}^3 (rows sampled)",
-                  relative_error(out[rows], a[rows].double() @ b.double().T), TOLERANCE[torch.bfloat16])
-            default = gluon_bf16.DEFAULT_CONFIG
-            configs = [("", default)]
-            if size == 8192:  # the tiles' alternatives that fit the shared memory, each compiled without spills
-                configs += [(" 3 stages", gluon_bf16.GluonBf16Config(NUM_STAGES=3)),
-                            (" N128 6 stages", gluon_bf16.GluonBf16Config(BLOCK_N=128, NUM_STAGES=6)),
-                            (" coalesced", gluon_bf16.GluonBf16Config(COALESCED_STORES=True))]
-            for note, cfg in configs:
-                if cfg is not default:
-                    # the same K order per output: at most a few last-bit differences
-                    check(f"bf16 dense {size}^3{note} vs default",
-                          relative_error(gluon_bf16.bf16_gemm(a, b, cfg=cfg), out), 1e-3)
-                record(f"gluon bf16 dense{note}", f"{M}x{N}x{K}", bench_ms(lambda: gluon_bf16.bf16_gemm(a, b, cfg=cfg)),
-                       flops)
-            record("torch.matmul bf16", f"{M}x{N}x{K}", bench_ms(lambda: a @ b.T), flops, "(cuBLAS)")
-
-    for model in args.models:
-        E, top_k, H, F = layer_widths(model)
-
-        @part(f"fused_experts bf16 engines: {model} (E {E}, top-{top_k}, H {H}, F {F})")
-        def _():
-            torch.manual_seed(0)
-            w_gate_up, w_down = random_experts(E, H, F, dev)
-            for T in args.tokens:
-                x, ids, weights = routed_tokens(T, E, top_k, H, dev)
-                flops = 6 * T * top_k * H * F
-                label = f"{model} T{T}"
-                # "gluon": GEMM1 activates in its epilogue; "gluon pass": GEMM1 writes gate_up, a pass activates
-                times, outs = time_engines(
-                    label, flops, functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights,
-                                                    validate=False), planner.GLUON_BF16_VARIABLE,
-                    [("portable", "0", {}), ("gluon", "1", {"FUSED_ACTIVATION": True}),
-                     ("gluon pass", "1", {"FUSED_ACTIVATION": False})], prefix="fused_experts bf16 ")
-                BF16_ROWS.append((label, times["portable"], times["gluon"], times["gluon pass"], flops))
-                for engine in ("gluon", "gluon pass"):
-                    check(f"{label} {engine} vs portable bf16", relative_error(outs[engine], outs["portable"]),
-                          TOLERANCE[torch.bfloat16])
-                del outs
-            del w_gate_up, w_down
-            torch.cuda.empty_cache()
-
-    if BF16_ROWS:
-        print(f"\n{'fused_experts bf16':<24} {'portable ms':>11} {'gluon ms':>9} {'pass ms':>8} {'portable':>9} "
-              f"{'gluon':>8} {'gluon/':>9} {'pass/':>7}")
-        print(f"{'':<24} {'':>11} {'':>9} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>8} {'portable':>9} {'gluon':>7}")
-        for label, portable, gluon, unfused, flops in BF16_ROWS:
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {unfused:8.3f} {tflops(flops, portable):9.1f} "
-                  f"{tflops(flops, gluon):8.1f} {portable / gluon:8.2f}x {unfused / gluon:6.2f}x")
-        print("(gluon/portable and pass/gluon are speedups: the portable time, and the engine's time with GEMM1's "
-              "activation in a separate pass, over the engine's)")
 
 
 def main(argv=None):
@@ -524,9 +400,6 @@ def main(argv=None):
 
     if "experts" in args.sections:
         experts_sections(args)
-
-    if "bf16" in args.sections:
-        bf16_sections(args)
 
     print("\n" + "-" * 100)
     print(f"{'kernel':<34} {'shape':<26} {'ms':>8} {'TFLOP/s':>9}  note")

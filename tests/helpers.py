@@ -175,7 +175,7 @@ def offsets_of(counts, *, device):
 
 @dataclasses.dataclass(frozen=True)
 class EngineCase:
-    """A small experts call for an engine's glue tests on the CPU (tests/test_gluon_*.py add their own fields):
+    """A small experts call for the engine's glue tests on the CPU (tests/test_gluon_experts.py adds its own fields):
     T tokens routed to top_k of E experts (never `skip_expert`), hidden H, intermediate F, `options` fused_experts
     keywords as (name, value) pairs; `why` says what the case covers."""
     id: str

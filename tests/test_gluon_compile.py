@@ -1,12 +1,12 @@
-"""The Gluon GEMMs (gemm/gluon_bf16.py, gemm/gluon_fp8.py) compiled ahead of time for sm_90 (an H200), without the
+"""The Gluon GEMM (gemm/gluon_fp8.py) and its engine's passes compiled ahead of time for sm_90 (an H200), without the
 GPU, by any Triton whose Gluon API they are written for (gluon_ws.COMPILED_TRITON, the CPU suite's pinned Triton and
 the GPU machine's among them; skipped under any other).
 
 Each launcher runs on CPU tensors with the availability check answering yes and Triton's launch replaced: the launch
 is bound as Triton binds it for the target (signature, constexprs, alignment attributes, options: what a launch on
-the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (bf16 and
-fp16, grouped and dense, the bf16 epilogue through shared memory, the gated GEMM1 with silu and with swiglu_oai and
-biases; the FP8 kernel's two, its 128 x 256 and 64 x 256 tiles and its gated GEMM1 likewise) must compile without
+the GPU would compile), then compiled by `triton.compile` from a GluonASTSource, never run. Each variant (grouped
+and dense, its 128 x 256 and 64 x 256 tiles, the probe's stage counts, the gated GEMM1 with silu and with swiglu_oai
+and biases) must compile without
 spills (ptxas's: the cubin's STACK and LOCAL bytes), without ptxas serializing its wgmma pipeline, within the MAXNREG
 it is built for and within an H200 program's shared memory, and to the wgmma shape and the wait its consumers are
 written for. The numbers are printed (`pytest -s`).
@@ -25,20 +25,12 @@ import torch
 import triton
 from helpers import INTERPRETED, offsets_of
 
-from moe_dispatch.gemm import gluon_bf16, gluon_experts, gluon_fp8, gluon_ws
+from moe_dispatch.gemm import gluon_experts, gluon_fp8, gluon_ws
 
 H200_SMEM = 227 * 1024  # the opt-in maximum of shared memory per block (scripts/compile_report.py's H200 target)
 pytestmark = pytest.mark.skipif(
     gluon_ws._GLUON_ERROR is not None or not triton.__version__.startswith(gluon_ws.COMPILED_TRITON),
     reason=f"Triton {triton.__version__}: the Gluon kernels are written for Triton {gluon_ws.COMPILED_TRITON}")
-
-
-def _bf16_call(dtype, grouped, cfg=gluon_bf16.DEFAULT_CONFIG):
-    a = torch.zeros(1000, 1024, dtype=dtype)
-    b = torch.zeros(4, 512, 1024, dtype=dtype)
-    if grouped:
-        return lambda: gluon_bf16.bf16_grouped_gemm(a, b, offsets_of([300, 0, 400, 300], device="cpu"), cfg=cfg)
-    return lambda: gluon_bf16.bf16_gemm(a, b[0], cfg=cfg)
 
 
 def _fp8_call(grouped, cfg=gluon_fp8.DEFAULT_CONFIG):
@@ -49,13 +41,6 @@ def _fp8_call(grouped, cfg=gluon_fp8.DEFAULT_CONFIG):
     return lambda: gluon_fp8.fp8_block_gemm(a, a_scale, b[0], b_scale[0], cfg=cfg)
 
 
-def _gated_call(activation, bias):
-    a, b = torch.zeros(1000, 1024, dtype=torch.bfloat16), torch.zeros(4, 2 * 768, 1024, dtype=torch.bfloat16)
-    bias = torch.zeros(4, 2 * 768, dtype=torch.bfloat16) if bias else None
-    return lambda: gluon_bf16.bf16_gated_grouped_gemm(a, b, offsets_of([300, 0, 400, 300], device="cpu"), activation=activation,
-                                                      bias=bias)
-
-
 def _fp8_gated_call(activation, bias):
     a, a_scale = torch.zeros(1000, 1024, dtype=torch.float8_e4m3fn), torch.ones(1000, 8)
     b, b_scale = torch.zeros(4, 2 * 768, 1024, dtype=torch.float8_e4m3fn), torch.ones(4, 12, 8)
@@ -64,18 +49,8 @@ def _fp8_gated_call(activation, bias):
                                                           activation=activation, **biases)
 
 
-COALESCED = gluon_bf16.GluonBf16Config(COALESCED_STORES=True)
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
 VARIANTS = [
-    *[(f"bf16-gemm-{name}-{form}", (lambda d=dtype, g=grouped: _bf16_call(d, g)), gluon_bf16.DEFAULT_CONFIG,
-       f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{name}.{name}", "wgmma.wait_group.sync.aligned 1;")
-      for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)) for form, grouped in (("grouped", True),
-                                                                                                 ("dense", False))],
-    ("bf16-gemm-bf16-grouped-coalesced-stores", lambda: _bf16_call(torch.bfloat16, True, COALESCED), COALESCED,
-     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
-    *[(f"bf16-gated-{activation}{'-bias' if bias else ''}", (lambda act=activation, bias=bias: _gated_call(act, bias)),
-       gluon_bf16.GATED_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-       "wgmma.wait_group.sync.aligned 2;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for form, grouped in (("grouped", True), ("dense", False))],
@@ -89,10 +64,6 @@ VARIANTS = [
     *[(f"fp8-gemm-dense-{stages}-stages", (lambda c=cfg: _fp8_call(False, c)), cfg,
        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "wgmma.wait_group.sync.aligned 0;")
       for stages, cfg in ((3, gluon_fp8.GluonFp8Config(NUM_STAGES=3)), (5, gluon_fp8.GluonFp8Config(NUM_STAGES=5)))],
-    *[(f"bf16-gemm-dense-{name}", (lambda c=cfg: _bf16_call(torch.bfloat16, False, c)), cfg,
-       f"wgmma.mma_async.sync.aligned.m64n{cfg.BLOCK_N}k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;")
-      for name, cfg in (("3-stages", gluon_bf16.GluonBf16Config(NUM_STAGES=3)),
-                        ("n128-6-stages", gluon_bf16.GluonBf16Config(BLOCK_N=128, NUM_STAGES=6)))],
     *[(f"fp8-gated-{activation}{'-bias' if bias else ''}",
        (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
@@ -112,10 +83,6 @@ def _pass_call(name):
     info, dtype = _dispatch_stand_in(), torch.bfloat16
     gate_up, bias = torch.zeros(4096, 2048, dtype=dtype), torch.zeros(8, 2048, dtype=dtype)
     calls = {
-        "concatenated-silu": lambda: gluon_experts._gated_activation(
-            gate_up, info, interleaved=False, activation="silu", gate_up_bias=None, alpha=1.702, limit=7.0),
-        "interleaved-swiglu-bias": lambda: gluon_experts._gated_activation(
-            gate_up, info, interleaved=True, activation="swiglu_oai", gate_up_bias=bias, alpha=1.702, limit=7.0),
         "down-bias-routing-weight": lambda: gluon_experts._bias_routing_weight(
             torch.zeros(4096, 2048, dtype=dtype), info, bias, torch.zeros(2048, 2)),
         "fp8-concatenated-silu": lambda: gluon_experts._gated_activation_fp8(
@@ -223,15 +190,14 @@ def test_compiles_for_sm90(variant, monkeypatch, tmp_path, capfd):
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx  # the producer's registers given back
 
 
-PASSES = ["concatenated-silu", "interleaved-swiglu-bias", "down-bias-routing-weight", "fp8-concatenated-silu",
-          "fp8-interleaved-swiglu-bias"]
+PASSES = ["down-bias-routing-weight", "fp8-concatenated-silu", "fp8-interleaved-swiglu-bias"]
 
 
 @compiled_here
 @pytest.mark.parametrize("name", PASSES)
 def test_engine_passes_compile_for_sm90(name, monkeypatch, tmp_path):
-    """The engines' elementwise passes (gemm/gluon_experts.py) at the engines' tiles: without spills and within the
-    shared memory. They launch only where an engine runs, so scripts/compile_report never reaches them."""
+    """The engine's elementwise passes (gemm/gluon_experts.py) at the engine's tiles: without spills and within the
+    shared memory. They launch only where the engine runs, so scripts/compile_report never reaches them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -147,7 +147,7 @@ def test_a_decode_tile_refuses_a_string_for_dot():
     assert DecodeTile(16, 16, dot=1).dot is True  # the flat ints of DecodeTiles.to_list still load
 
 
-SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8", "MOE_DISPATCH_GLUON_BF16"]
+SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8"]
 
 
 @pytest.mark.parametrize("when", WHEN)
@@ -167,7 +167,7 @@ def test_a_bad_environment_switch_is_refused_on_every_path(call, when, monkeypat
 
 
 @pytest.mark.parametrize("variable,value", [("MOE_DISPATCH_PDL", "0"), ("MOE_DISPATCH_GLUON_FP8", "1"),
-                                            ("MOE_DISPATCH_GLUON_FP8", "0"), ("MOE_DISPATCH_GLUON_BF16", "1")])
+                                            ("MOE_DISPATCH_GLUON_FP8", "0")])
 def test_changing_a_switch_records_a_new_plan(variable, value, monkeypatch):
     """The switches that change what runs are in the plan key: after changing one, the next call records a plan of
     its own instead of replaying the old one (which needed moe_dispatch.host.replay.clear() before), and replays it
@@ -186,6 +186,23 @@ def test_changing_a_switch_records_a_new_plan(variable, value, monkeypatch):
     monkeypatch.setenv("MOE_DISPATCH_PLANS", "0")
     md.fused_experts(**arguments)
     assert _FUSED_EXPERTS_PLANS.replays == replays + 1
+
+
+def test_the_removed_gluon_bf16_switch_is_ignored(monkeypatch):
+    """MOE_DISPATCH_GLUON_BF16 chose a Gluon bf16 engine that was removed before any release (it measured no faster
+    than the portable kernels): like any variable the package does not read, a set value, valid once or not, changes
+    nothing, not even the plan key."""
+    assert "MOE_DISPATCH_GLUON_BF16" not in device.SWITCH_VALUES
+    i = _inputs()
+    arguments = dict(hidden_states=i.x, w_gate_up=i.w_gate_up, w_down=i.w_down, topk_ids=i.ids,
+                     topk_weights=i.weights, tiles=VALID_TILES, validate=False)
+    reference = fused_experts_ref(i.x, i.w_gate_up, i.w_down, i.ids, i.weights)
+    md.fused_experts(**arguments)
+    replays = _FUSED_EXPERTS_PLANS.replays
+    for value in ("1", "yes"):
+        monkeypatch.setenv("MOE_DISPATCH_GLUON_BF16", value)
+        assert_close(md.fused_experts(**arguments), reference, torch.float32)
+    assert _FUSED_EXPERTS_PLANS.replays == replays + 2, "a new plan was recorded"
 
 
 @pytest.mark.parametrize("when", WHEN)

@@ -27,14 +27,14 @@ from .formats.fp8 import (FP8_COMPUTE, GATE_UP_SCALE_LAYOUTS, WeightScale, check
                           gate_up_row_offset, infer_scheme, input_scale_problems, is_fp8, kernel_scale)
 from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_k, mxfp4_weight_scale
 from .formats.scale_codes import WeightScaleCode
-from .gemm import gluon_bf16, gluon_fp8
+from .gemm import gluon_fp8
 from .gemm.args import weight_k
 from .gemm.decode import decode_experts
-from .gemm.gluon_experts import gluon_bf16_experts, gluon_w8a8_experts
+from .gemm.gluon_experts import gluon_w8a8_experts
 from .gemm.grouped import check_segmented_rows, expert_gemm
 from .gemm.mxfp4_dequant import dequantize_mxfp4_experts
-from .gemm.planner import (ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts,
-                           plan_grouped_engine, plan_segments, plan_w8a8_engine)
+from .gemm.planner import (ExpertsPath, choose_fp8_compute, mxfp4_dequantizes_first, plan_experts, plan_segments,
+                           plan_w8a8_engine)
 from .gemm.w8a8 import w8a8_experts
 from .host.checks import (ROUTING_WEIGHT_DTYPES, check_bool, check_choice, check_dim, check_float, check_ids_in_range,
                           check_index, check_int, check_kernel_device, check_real, check_same_device, check_tensor,
@@ -178,10 +178,7 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
                                 scale_layout=fp8.gate_up_scale_layout,
                                 static_input_scales=gate_up_input_scale is not None or down_input_scale is not None,
                                 transposed=transposed, top_k=top_k, available=gluon_fp8.available)
-    elif plan.path is ExpertsPath.GROUPED and float_weights:
-        plan = plan_grouped_engine(plan, x, w_gate_up, w_down, separate_up=separate_up, transposed=transposed,
-                                   save_preact=save_preact, available=gluon_bf16.available)
-    paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON, ExpertsPath.GROUPED_GLUON)
+    paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON)
     gate_up_scale, down_scale = _weight_scales(fp8, F, interleaved, transposed, paired, mxfp4=is_mxfp4(w_gate_up))
     if paired:
         w_gate, w_up, gate_bias, up_bias = w_gate_up, None, gate_up_bias, None
@@ -195,11 +192,7 @@ def _fused_experts_launches(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     info = dispatch(topk_ids, E, moe_tiles.block_m)
     preact = torch.empty((T * top_k, 2 * F), device=x.device, dtype=x.dtype) if save_preact else None
     combine_weights = None  # routing weights still to apply: the paths below apply them in their last GEMM's epilogue
-    if plan.path is ExpertsPath.GROUPED_GLUON:
-        y, combine_weights = gluon_bf16_experts(
-            x, w_gate_up, w_down, info, topk_weights=topk_weights, interleaved=interleaved, activation=activation,
-            gate_up_bias=gate_up_bias, down_bias=down_bias, alpha=alpha, limit=limit)
-    elif plan.path is ExpertsPath.W8A8_GLUON:
+    if plan.path is ExpertsPath.W8A8_GLUON:
         y, combine_weights = gluon_w8a8_experts(
             x, w_gate_up, w_down, info, fp8.w_gate_up_scale, fp8.w_down_scale, topk_weights=topk_weights,
             interleaved=interleaved, activation=activation, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias,

@@ -148,18 +148,6 @@ def grouped_gemm_ref(tokens, weights, expert_offsets, num_experts):
     return out
 
 
-def gated_grouped_gemm_ref(tokens, weights, expert_offsets, num_experts, *, activation="silu", bias=None,
-                           alpha=1.702, limit=7.0):
-    """GEMM1 with its activation over expert-sorted rows: weights [E, 2F, K] hold each expert's gate rows then its up
-    rows, bias [E, 2F] in the same order -> act(gate, up) [rows, F] in float64."""
-    gate_up = grouped_gemm_ref(tokens, weights, expert_offsets, num_experts)
-    if bias is not None:
-        for e, (lo, hi) in enumerate(_segments(expert_offsets)):
-            gate_up[lo:hi] += _f64(bias[e])
-    gate, up = gate_up.chunk(2, dim=1)
-    return _activation(gate, up, activation, alpha, limit)
-
-
 def expert_ffn_ref(permuted_tokens, w_gate, w_up, w_down, expert_offsets, num_experts):
     a = _f64(permuted_tokens)
     out = torch.zeros_like(a)

@@ -15,15 +15,12 @@
                         experts path
   w8a8_persistent.py    the w8a8 GEMM as a persistent descriptor kernel (FP8 prefill)
   mxfp4_dequant.py      MXFP4 weights decoded once into a float buffer: the prefill strategy for MXFP4 experts
-  gluon_ws.py           the warp-specialized skeleton of the Gluon GEMMs (SM90, Triton 3.6): the guarded Gluon import,
+  gluon_ws.py           the warp-specialized skeleton of the Gluon GEMM (SM90, Triton 3.6): the guarded Gluon import,
                         `available`, the TMA producer warp, the tile order and the expert tile map, launch checks
   gluon_fp8.py          a warp-specialized SM90 block-scaled FP8 GEMM in Gluon on that skeleton (dense and over
                         expert-sorted rows)
-  gluon_bf16.py         a warp-specialized SM90 bf16 / fp16 GEMM in Gluon on that skeleton (dense and over
-                        expert-sorted rows)
-  gluon_experts.py      the experts paths on the Gluon GEMMs: w8a8 on gluon_fp8.py's (128 x 128 block scales, bf16;
-                        the engine at prefill on SM90: planner.plan_w8a8_engine, MOE_DISPATCH_GLUON_FP8) and float
-                        weights on gluon_bf16.py's (opt-in: planner.plan_grouped_engine, MOE_DISPATCH_GLUON_BF16)
+  gluon_experts.py      the w8a8 experts path on gluon_fp8.py's GEMM (128 x 128 block scales, bf16; the engine at
+                        prefill on SM90: planner.plan_w8a8_engine, MOE_DISPATCH_GLUON_FP8)
 
 Reference: `reference.grouped_gemm_ref`, `expert_ffn_ref`, `fused_experts_ref`, `fused_experts_fp8_ref`,
 `fused_experts_w8a8_ref`, `fp8_block_gemm_ref`, `fp8_block_grouped_gemm_ref`.

@@ -1,7 +1,7 @@
-"""The experts paths on the warp-specialized Gluon GEMMs (Hopper, Triton 3.6): an engine for the w8a8 path on
-gemm/gluon_fp8.py and one for float weights on gemm/gluon_bf16.py. No host sync anywhere.
+"""The w8a8 experts path on the warp-specialized Gluon FP8 GEMM of gemm/gluon_fp8.py (Hopper, Triton 3.6). No host
+sync anywhere.
 
-The w8a8 engine (`gluon_w8a8_experts`): float8_e4m3fn weights with 128 x 128 block scales, run where
+The engine (`gluon_w8a8_experts`): float8_e4m3fn weights with 128 x 128 block scales, run where
 planner.plan_w8a8_engine says so (SM90 with Triton's Gluon, from planner.GLUON_FP8_MIN_ROWS rows per expert unless
 MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else gemm/w8a8.py's portable kernels run)::
 
@@ -20,58 +20,36 @@ MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else gemm/w8a8.py's portable k
       -> y [N, H] bf16 -> dispatch/combine.py, which applies the routing weights where the pass did not (one pass
                           over y less: 1-12% of the call at T = 16384, Mixtral to Qwen3-30B widths)
 
-The bf16 engine (`gluon_bf16_experts`): bf16 or fp16 float weights, inference only, run where
-planner.plan_grouped_engine says so (opt-in: MOE_DISPATCH_GLUON_BF16=1, SM90 with Triton's Gluon; not yet measured on
-a GPU, so everywhere else, and by default, gemm/grouped.py's portable kernels run)::
-
-    x [T, H] bf16 / fp16
-      -> launch_gather (dispatch/row_copies.py)  rows copied into expert-sorted order (the copy of the portable
-                                                 path's GATHER_FIRST tiles) -> a [N, H]
-      -> bf16_gated_grouped_gemm                 with FUSED_ACTIVATION (off until measured): GEMM1 against the
-                                                 whole w_gate_up [E, 2F, H] (gate rows then up rows), bias and
-                                                 activation in its epilogue -> h [N, F]
-         (otherwise, and for interleaved rows: bf16_grouped_gemm -> gate_up [N, 2F], then _gated_activation_kernel,
-         bias and activation (gemm.jit.tile_epilogue) -> h [N, F])
-      -> bf16_grouped_gemm                       GEMM2 against w_down [E, H, F] -> y [N, H]
-      -> _bias_routing_weight_kernel             with a down bias only, as above
-      -> y [N, H] -> dispatch/combine.py, the routing weights applied there where the pass did not
-
 N = T * top_k; row p of every [N, .] buffer is sorted position p of the dispatch (DispatchInfo); rows past
-expert_offsets[E] (dropped assignments) are never written past the first pass (quantization or gather), and combine
-never reads them.
+expert_offsets[E] (dropped assignments) are never written past the quantization pass, and combine never reads them.
 
-The w8a8 engine's arithmetic is the portable w8a8 path's with its groups at 128 (one K step per weight block,
+The engine's arithmetic is the portable w8a8 path's with its groups at 128 (one K step per weight block,
 DeepSeek-V3's activation group), except that on the separate pass GEMM1's sums reach the activation as bf16 (the plain
 Gluon GEMM writes bf16; the portable kernel and the gated GEMM activate their fp32 accumulators) and y is rounded to
 bf16 before the routing weight multiplies it: about
 2^-9 relative, which moves a few of h's e4m3 roundings by one step (reference.W8A8_MODEL_TOLERANCE_GPU bounds the
-difference from the w8a8 model). The bf16 engine's likewise differs from the portable path's by roundings only: on
-interleaved rows GEMM1's sums reach the activation rounded to x's dtype (the portable kernel and the gated GEMM
-activate their fp32 accumulators), and without a down bias y is rounded before the routing weight multiplies it (in
-combine, in fp32) rather than after.
+difference from the w8a8 model).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..dispatch.row_copies import PLAIN, Layout, launch_gather
 from ..formats.fp8 import W8A8_DTYPE, fp8_max
 from ..host.device import is_interpreter
 from ..host.host_math import cdiv
 from ..host.replay import launch
 from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, tile_epilogue, tile_rows,
                   tile_setup)
-from .gluon_bf16 import bf16_gated_grouped_gemm, bf16_grouped_gemm
 from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
 from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
-# Whether GEMM1 activates in its epilogue (the gated GEMMs, `bf16_gated_grouped_gemm` and
-# `fp8_block_gated_grouped_gemm`) where the layout allows it, rather than writing gate_up for a separate pass. Off
-# until the gated kernels have run on a GPU (compiled for sm_90 and checked on the CPU against float64 only):
-# benchmarks/gluon_fp8_probe.py times both and the GPU tests check the gated GEMMs; an engine call's
+# Whether GEMM1 activates in its epilogue (the gated GEMM, `fp8_block_gated_grouped_gemm`) where the layout allows
+# it, rather than writing gate_up for a separate pass. Off until the gated kernels have run on a GPU (compiled for
+# sm_90 and checked on the CPU against float64 only): benchmarks/gluon_fp8_probe.py times both and the GPU tests check
+# the gated GEMMs; an engine call's
 # `fused_activation` overrides it. Read when a call runs the engine, so a recorded plan (host/replay.py) replays the
 # launches of the value it was recorded with.
 FUSED_ACTIVATION = False
@@ -85,30 +63,26 @@ FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
 ROWS64_BELOW_ROWS: int | None = None
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
-# the bf16 activation's output columns per program: it holds two [BLOCK_M, 64] fp32 tiles (gate and up), or one
-# [BLOCK_M, 128] of interleaved pairs
-ACTIVATION_BLOCK_N = 64
 
 
 @triton.jit
 def _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols,
                   BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
-    """The gate and up sums of output tile [rows offs_m, columns offs_n] from GEMM1's gate_up [rows, 2 n_cols] in
-    fp32, zeros outside the masks -> (gate, up, offs_pair, mask_pair). Concatenated: gate and up [BLOCK_M, BLOCK_N]
-    (columns j and n_cols + j), offs_pair / mask_pair the tile's columns. PAIRED (gate and up alternating): the
-    tile's 2 BLOCK_N interleaved columns read as one contiguous block, returned unsplit as both gate and up
-    [BLOCK_M, 2 BLOCK_N] (gemm.jit's split_pairs or paired epilogue takes them apart), with their columns and mask."""
+    """The gate and up sums [BLOCK_M, BLOCK_N] each of output tile [rows offs_m, columns offs_n] from GEMM1's gate_up
+    [rows, 2 n_cols] in fp32, zeros outside the masks. Concatenated: columns j and n_cols + j. PAIRED (gate and up
+    alternating): the tile's 2 BLOCK_N interleaved columns read as one contiguous block and split in registers (two
+    stride-2 reads hold a 64-bit address per element: 255 registers and spills at BLOCK_M 128)."""
     rows = gate_up_ptr + offs_m[:, None].to(tl.int64) * stride_gate_up_m  # [BLOCK_M, 1]
     if PAIRED:
         offs_pair, mask_pair = pair_columns(pid_n, n_cols, BLOCK_N)
         b_pairs = tl.load(rows + offs_pair[None, :], mask=mask_m[:, None] & mask_pair[None, :],
-                          other=0.0).to(tl.float32)
-        return b_pairs, b_pairs, offs_pair, mask_pair
+                          other=0.0).to(tl.float32)  # [BLOCK_M, 2 BLOCK_N]
+        return split_pairs(b_pairs)
     else:
         mask = mask_m[:, None] & mask_n[None, :]
         b_gate = tl.load(rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         b_up = tl.load(rows + (offs_n + n_cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-        return b_gate, b_up, offs_n, mask_n
+        return b_gate, b_up
 
 
 @triton.jit
@@ -132,57 +106,18 @@ def _gated_activation_fp8_kernel(
 ):
     """Grid: (max_tiles * cdiv(n_cols, GROUP),). Each program reads the gate and up columns of one [BLOCK_M, GROUP]
     tile of the tile map (rows of one expert), adds the expert's biases, activates, and writes the tile as e4m3 with
-    one scale per row (one group): GEMM2's A. PAIRED reads the tile's 2 GROUP interleaved columns as one contiguous
-    block and splits them in registers (two stride-2 reads hold a 64-bit address per element: 255 registers and
-    spills at BLOCK_M 128). Sentinel tiles exit."""
+    one scale per row (one group): GEMM2's A (`_load_gate_up` reads PAIRED columns). Sentinel tiles exit."""
     expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                                                num_rows, n_cols, E, max_tiles, BLOCK_M, GROUP, 1)
     if expert < 0:
         return
-    b_gate, b_up, _, _ = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols,
-                                       GROUP, PAIRED)
-    if PAIRED:
-        b_gate, b_up = split_pairs(b_gate)  # [BLOCK_M, GROUP] each
+    b_gate, b_up = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols, GROUP,
+                                 PAIRED)  # [BLOCK_M, GROUP] each
     # Columns past n_cols are zeros (their bias too), so they never raise a group's amax.
     w8a8_epilogue(b_gate, b_up, expert, offs_m, mask_m, pid_n, offs_n, mask_n, offs_m, 1.0, None, 0, 1, 0,
                   bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n, h_ptr, stride_h_m, 1, h_scale_ptr, 0,
                   stride_h_scale_m, n_cols, None, 0, 0, alpha, limit, fp8_max, 1, ACTIVATION, HAS_BIAS, False,
                   A_FP8_GROUPS, SCALE_NONE, OUT_DYNAMIC, GROUP, ROUND_IN_FP32, BLOCK_M, GROUP)
-
-
-@triton.jit
-def _gated_activation_kernel(
-    # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order: gate columns then up columns, or (PAIRED) gate and
-    # up alternating, gate first
-    gate_up_ptr, stride_gate_up_m,
-    # the gate/up bias [E, 2 n_cols] in gate_up's column order; bias_up_ptr: its up half (concatenated: n_cols columns
-    # on; PAIRED reads the whole bias through bias_ptr)
-    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-    # h: [num_rows, n_cols] in gate_up's dtype
-    h_ptr, stride_h_m,
-    # dispatch metadata (DispatchInfo's tile map)
-    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-    num_rows, n_cols, E, max_tiles,
-    alpha, limit,
-    ACTIVATION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PAIRED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). Each program reads the gate and up columns of output tile
-    [BLOCK_M, BLOCK_N] of the tile map (rows of one expert), adds the expert's biases, activates in fp32 and writes
-    the tile in h's dtype: GEMM2's A. PAIRED reads the tile's 2 BLOCK_N interleaved columns as one contiguous block
-    and splits them in registers (gemm.jit's paired epilogue), as the portable kernels do. Sentinel tiles exit."""
-    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N, 1)
-    if expert < 0:
-        return
-    b_gate, b_up, offs_pair, mask_pair = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n,
-                                                       mask_n, n_cols, BLOCK_N, PAIRED)
-    tile_epilogue(b_gate, b_up, expert, offs_m, mask_m, offs_n, mask_n, offs_m, bias_ptr, bias_up_ptr, stride_bias_e,
-                  stride_bias_n, h_ptr, stride_h_m, 1, None, 0, n_cols, None, 0, 0, alpha, limit, 1, ACTIVATION,
-                  HAS_BIAS, False, False, PAIRED, offs_pair, mask_pair)
 
 
 @triton.jit
@@ -232,27 +167,6 @@ def _gated_activation_fp8(gate_up, info, *, interleaved, activation, gate_bias, 
         ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, PAIRED=interleaved,
         ROUND_IN_FP32=is_interpreter(), BLOCK_M=info.block_m, GROUP=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return h, h_scale
-
-
-def _gated_activation(gate_up, info, *, interleaved, activation, gate_up_bias, alpha, limit):
-    """gate_up [N, 2F] (sorted rows; `interleaved`: gate and up columns alternate) -> h [N, F] in gate_up's dtype:
-    bias (gate_up_bias [E, 2F] in the same column order), then act(gate, up)."""
-    num_rows, num_ffn = gate_up.shape[0], gate_up.shape[1] // 2
-    h = torch.empty((num_rows, num_ffn), device=gate_up.device, dtype=gate_up.dtype)
-    if num_rows == 0 or num_ffn == 0 or info.max_tiles == 0:
-        return h
-    bias = gate_up_bias is not None
-    up_bias = None if not bias else gate_up_bias if interleaved else gate_up_bias[:, num_ffn:]
-    launch(_gated_activation_kernel, (info.max_tiles * cdiv(num_ffn, ACTIVATION_BLOCK_N),),
-        gate_up, gate_up.stride(0),
-        gate_up_bias, up_bias, gate_up_bias.stride(0) if bias else 0, gate_up_bias.stride(1) if bias else 0,
-        h, h.stride(0),
-        info.tile_expert, info.tile_row_start, info.expert_offsets,
-        num_rows, num_ffn, info.num_experts, info.max_tiles,
-        float(alpha), float(limit),
-        ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, PAIRED=interleaved, BLOCK_M=info.block_m,
-        BLOCK_N=ACTIVATION_BLOCK_N, num_warps=ELEMENTWISE_WARPS)
-    return h
 
 
 def _bias_routing_weight(y, info, down_bias, topk_weights):
@@ -306,33 +220,6 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
         h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
                                            gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
     y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets, cfg=cfg)
-    if down_bias is None:
-        return y, topk_weights
-    return _bias_routing_weight(y, info, down_bias, topk_weights), None
-
-
-def gluon_bf16_experts(x, w_gate_up, w_down, info, *, topk_weights, interleaved=False, activation="silu",
-                       gate_up_bias=None, down_bias=None, alpha=1.702, limit=7.0, fused_activation=None):
-    """Both GEMMs of the grouped path on the Gluon bf16 GEMM -> (y [N, H] in x's dtype with rows in the dispatch's
-    sorted order, the routing weights combine must still apply), as `gluon_w8a8_experts` returns them (module
-    docstring). For what planner.gluon_bf16_refusal accepts.
-
-    x [T, H] bf16 or fp16; w_gate_up [E, 2F, H] of x's dtype, contiguous, gate rows then up rows (`interleaved`:
-    alternating, gate first); w_down [E, H, F]; info the dispatch (dispatch.segments.DispatchInfo; any block_m);
-    gate_up_bias [E, 2F] in w_gate_up's row order, down_bias [E, H]. GEMM1 activates in its epilogue
-    (`bf16_gated_grouped_gemm`) where the gate and up rows are concatenated and `fused_activation` (None:
-    FUSED_ACTIVATION) says so; interleaved rows take the separate activation pass."""
-    x = x.contiguous()  # the gather reads rows of x.shape[1] elements
-    a = launch_gather(x, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), info.num_assignments)
-    fused = FUSED_ACTIVATION if fused_activation is None else fused_activation
-    if fused and not interleaved:
-        h = bf16_gated_grouped_gemm(a, w_gate_up, info.expert_offsets, activation=activation, bias=gate_up_bias,
-                                    alpha=alpha, limit=limit)
-    else:
-        gate_up = bf16_grouped_gemm(a, w_gate_up, info.expert_offsets)
-        h = _gated_activation(gate_up, info, interleaved=interleaved, activation=activation,
-                              gate_up_bias=gate_up_bias, alpha=alpha, limit=limit)
-    y = bf16_grouped_gemm(h, w_down, info.expert_offsets)
     if down_bias is None:
         return y, topk_weights
     return _bias_routing_weight(y, info, down_bias, topk_weights), None

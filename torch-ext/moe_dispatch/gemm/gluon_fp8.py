@@ -42,8 +42,8 @@ from ..formats.fp8 import W8A8_DTYPE, fp8_max
 from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
 from ..host.replay import unrecorded_launch
-# available, unavailable_reason and TESTED_TRITON are gluon_ws's (one answer for both Gluon GEMMs), named here too:
-# the FP8 engine's callers ask this module whether its GEMM runs.
+# available, unavailable_reason and TESTED_TRITON are gluon_ws's, named here too: the FP8 engine's callers ask this
+# module whether its GEMM runs.
 from .gluon_ws import (NO_GATE, TESTED_TRITON, Gate, TensorDescriptor, available, check_activation,  # noqa: F401
                        check_device, check_expert_offsets, check_operand, check_stacked_weight, consumer_stage, gl,
                        gluon_jit, load_partition, mbarrier, needs_launch, stage_ring, store_layout, store_tile,

@@ -1,7 +1,7 @@
-"""The warp-specialized persistent skeleton the Gluon GEMMs share (Hopper, SM90; Triton 3.6's Gluon): the guarded
-import of Gluon, where the kernels can run, the tile order, the TMA producer and the expert tile map, and the launch
-checks they share. The GEMMs themselves are gemm/gluon_fp8.py (FP8 with block-scale promotion) and gemm/gluon_bf16.py
-(bf16 / fp16); each adds its consumer partition, kernel, config and launchers.
+"""The warp-specialized persistent skeleton of the Gluon GEMM (Hopper, SM90; Triton 3.6's Gluon): the guarded import
+of Gluon, where the kernels can run, the tile order, the TMA producer and the expert tile map, and the launch checks.
+The GEMM itself is gemm/gluon_fp8.py (FP8 with block-scale promotion), which adds its consumer partition, kernel,
+config and launchers.
 
 One CTA per SM walks the output tiles of a grouped-M order (`tile_at`) and runs three partitions:
 
@@ -199,7 +199,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
 
 
 def available(device: torch.device | str | None = None) -> bool:
-    """Whether the Gluon GEMMs can run on `device` (Triton 3.6 Gluon, an SM90 GPU)."""
+    """Whether the Gluon GEMM can run on `device` (Triton 3.6 Gluon, an SM90 GPU)."""
     return unavailable_reason(device) is None
 
 

@@ -8,9 +8,6 @@ decides; it launches nothing and imports no launcher.
   plan_w8a8_engine     the w8a8 path's engine: the portable Triton GEMMs, or the warp-specialized Gluon GEMM
                        (gemm.gluon_experts; SM90 with Triton's Gluon, from GLUON_FP8_MIN_ROWS rows per expert, or
                        as MOE_DISPATCH_GLUON_FP8 says); `gluon_fp8_refusal` says why not
-  plan_grouped_engine  the grouped path's engine on float weights: the portable Triton GEMMs, or the warp-specialized
-                       Gluon bf16 GEMM (gemm.gluon_experts.gluon_bf16_experts; opt-in: MOE_DISPATCH_GLUON_BF16=1, not
-                       yet measured); `gluon_bf16_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
@@ -35,8 +32,8 @@ import torch
 
 from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import (GLUON_BF16_VARIABLE, GLUON_FP8_VARIABLE, SWITCH_VALUES, current_environment, has_tma,
-                           has_wgmma, is_interpreter, on_gpu)
+from ..host.device import (GLUON_FP8_VARIABLE, SWITCH_VALUES, current_environment, has_tma, has_wgmma,
+                           is_interpreter, on_gpu)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -72,13 +69,6 @@ GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
 GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = (128, 128)  # the one weight block the Gluon GEMM reads (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`)
 TMA_ALIGN = 16  # bytes: the Gluon GEMMs read both operands through TMA descriptors (row strides and bases)
-# The bf16 engine of the grouped path (gemm/gluon_experts.py's gluon_bf16_experts on gemm/gluon_bf16.py): opt-in, never
-# measured on a GPU yet, so off unless the variable is "1" ("0", unset or empty: off; any other value raises). Read as
-# GLUON_FP8_VARIABLE is.
-GLUON_BF16_MODES = SWITCH_VALUES[GLUON_BF16_VARIABLE]
-# Prefill tiles: the table's buckets from 64 rows per M tile. Below, decode sizes: the Gluon GEMM's 128-row tiles
-# would be mostly empty, and the portable kernels' small tiles are tuned for them.
-GLUON_BF16_MIN_BLOCK_M = 64
 
 
 class ExpertsPath(enum.Enum):
@@ -90,9 +80,6 @@ class ExpertsPath(enum.Enum):
     # dispatch -> gemm.gluon_experts.gluon_w8a8_experts -> combine: the w8a8 path's arithmetic on the Gluon GEMM
     # (`plan_w8a8_engine`)
     W8A8_GLUON = "w8a8 on the Gluon GEMM"
-    # dispatch -> gemm.gluon_experts.gluon_bf16_experts -> combine: float weights on the Gluon bf16 GEMM
-    # (`plan_grouped_engine`; opt-in)
-    GROUPED_GLUON = "grouped on the Gluon bf16 GEMM"
 
 
 class GemmKernel(enum.Enum):
@@ -207,58 +194,6 @@ def plan_w8a8_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor
     `plan` unchanged (the portable kernels)."""
     if gluon_fp8_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
         return dataclasses.replace(plan, path=ExpertsPath.W8A8_GLUON)
-    return plan
-
-
-def gluon_bf16_mode() -> str:
-    """GLUON_BF16_VARIABLE's value in the call's switches (device.current_environment), "1" or "0" ("0" when unset or
-    empty). Any other value raises ValueError."""
-    return current_environment().gluon_bf16
-
-
-def gluon_bf16_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,
-                       separate_up: bool, transposed: bool, save_preact: bool,
-                       available: Callable[[torch.device], bool]) -> str | None:
-    """Why the Gluon bf16 engine (gemm/gluon_experts.py's gluon_bf16_experts) does not run this experts call (a
-    sentence), or None when it does.
-
-    It runs only when GLUON_BF16_VARIABLE is "1" (opt-in: not yet measured on a GPU), on the grouped path at prefill
-    tiles (BLOCK_M >= GLUON_BF16_MIN_BLOCK_M; the decode path and decode tiles keep the portable kernels), in
-    inference (no pre-activations saved for a backward: with autograd the portable kernels run), for bf16 or fp16
-    activations with float weights of the same dtype (not float8 or MXFP4), [E, 2F, H] / [E, H, F] (not transposed),
-    gate and up in one tensor (concatenated or interleaved), both weights contiguous with rows of whole 16 bytes
-    (H and F multiples of 8: TMA), and where `available(device)` says the Gluon GEMM can run
-    (gemm.gluon_bf16.available: Triton 3.6's Gluon, an SM90 GPU; the CPU never). Host facts only."""
-    if gluon_bf16_mode() == "0":
-        return f"{GLUON_BF16_VARIABLE} is not 1 (the engine is opt-in)"
-    if plan.path is not ExpertsPath.GROUPED:
-        return f"the call takes the {plan.path.value} path, not grouped"
-    if plan.tiles.block_m < GLUON_BF16_MIN_BLOCK_M:
-        return f"decode-sized tiles (BLOCK_M {plan.tiles.block_m} < {GLUON_BF16_MIN_BLOCK_M})"
-    if save_preact:
-        return "the pre-activations are saved for a backward; the engine is inference only"
-    if x.dtype not in DESCRIPTOR_DTYPES:
-        return f"activations are {x.dtype}; the Gluon GEMM takes bfloat16 or float16"
-    if transposed:
-        return "transposed weights; the Gluon GEMM reads [E, N, K] rows"
-    if separate_up:
-        return "gate and up are separate tensors; the Gluon GEMM reads one [E, 2F, H] weight"
-    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if weight.dtype != x.dtype:
-            return f"{name} is {weight.dtype}, not the activations' {x.dtype}"
-        if not weight.is_contiguous() or not _tma_rows(weight):
-            return f"{name} is not contiguous with rows of whole {TMA_ALIGN} bytes (TMA)"
-    if not available(x.device):
-        return f"the Gluon GEMM cannot run on {x.device}"
-    return None
-
-
-def plan_grouped_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                        **facts) -> ExpertsPlan:
-    """`plan` on ExpertsPath.GROUPED_GLUON where `gluon_bf16_refusal` (same arguments) finds no reason against it;
-    else `plan` unchanged (the portable kernels)."""
-    if gluon_bf16_refusal(plan, x, w_gate_up, w_down, **facts) is None:
-        return dataclasses.replace(plan, path=ExpertsPath.GROUPED_GLUON)
     return plan
 
 

@@ -15,12 +15,11 @@ call (`Environment`, `call_scope`, `current_environment`):
     MOE_DISPATCH_PLANS       "1" (unset) or "0"           eager calls replay recorded plans (host/replay.py)
     MOE_DISPATCH_PDL         "1" (unset) or "0"           programmatic dependent launch on Hopper (host/pdl.py)
     MOE_DISPATCH_GLUON_FP8   "auto" (unset), "1" or "0"   the w8a8 path's Gluon engine (gemm/planner.py)
-    MOE_DISPATCH_GLUON_BF16  "0" (unset) or "1"           the grouped path's Gluon bf16 engine (gemm/planner.py)
 
 An empty value counts as unset; any other value raises ValueError naming the variable. Every public entry point that
 launches kernels is wrapped in `call_scope`, which reads the switches once when the outermost entry of a call starts,
 before any plan lookup, and holds them on the thread until it returns; the layers below ask `current_environment()`
-(the planner for the Gluon engines, each launch for PDL, the plan caches for their keys). Outside a call (a backward
+(the planner for the Gluon FP8 engine, each launch for PDL, the plan caches for their keys). Outside a call (a backward
 run by autograd, an operator run by a compiled graph, a test asking the planner) it reads them afresh. The switches
 that change what runs (`Environment.plan_key`) are part of every plan key: changing one between calls records a new
 plan rather than replaying the old one, and a replayed call refuses a bad value as the first call does.
@@ -209,10 +208,8 @@ def fp8_dtype(device: torch.device) -> torch.dtype:
 PLANS_VARIABLE = "MOE_DISPATCH_PLANS"
 PDL_VARIABLE = "MOE_DISPATCH_PDL"
 GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
-GLUON_BF16_VARIABLE = "MOE_DISPATCH_GLUON_BF16"
 # Each switch's accepted values, the first one what unset (or empty) means.
-SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0"),
-                 GLUON_BF16_VARIABLE: ("0", "1")}
+SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0")}
 _SWITCHES = tuple(SWITCH_VALUES)
 
 
@@ -223,11 +220,10 @@ class Environment:
     plans: bool  # MOE_DISPATCH_PLANS: replay recorded plans
     pdl: bool  # MOE_DISPATCH_PDL: launch with programmatic dependent launch where the device has it
     gluon_fp8: str  # MOE_DISPATCH_GLUON_FP8: "auto", "1" or "0"
-    gluon_bf16: str  # MOE_DISPATCH_GLUON_BF16: "0" or "1"
 
     def plan_key(self) -> tuple:
         """The switches that change a recorded call's launches (`plans` only says whether there is a plan)."""
-        return self.pdl, self.gluon_fp8, self.gluon_bf16
+        return self.pdl, self.gluon_fp8
 
 
 def read_environment() -> Environment:
@@ -247,8 +243,8 @@ def _parse_environment(raw: tuple) -> Environment:
         elif value not in accepted:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))} (or unset), got {value!r}")
         values.append(value)
-    plans, pdl, gluon_fp8, gluon_bf16 = values
-    return Environment(plans == "1", pdl == "1", gluon_fp8, gluon_bf16)
+    plans, pdl, gluon_fp8 = values
+    return Environment(plans == "1", pdl == "1", gluon_fp8)
 
 
 class _CallState(threading.local):

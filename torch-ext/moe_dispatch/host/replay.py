@@ -15,7 +15,7 @@ signature while recording what it does, and from then on replays the record (a `
 
 A record is kept only when the path did nothing but allocate, take views and launch Triton kernels: a torch op that
 computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, an ambiguous alias or
-a kernel started outside `launch` (announced with `unrecorded_launch`: the Gluon GEMMs) leaves a `None` plan, and
+a kernel started outside `launch` (announced with `unrecorded_launch`: the Gluon GEMM) leaves a `None` plan, and
 that signature runs the full path every time (correct, only not faster). Checks that read
 values (validate=True) are the caller's to keep out of plans; shape and dtype errors raise on the recording call and
 a signature that raised is never recorded, so bad inputs get the full path's errors every time. For that the key holds
