@@ -8,9 +8,8 @@ as the w8a8 path's engine.
    A reaching its own output row and no other.
 2. Speed (triton.testing.do_bench, median ms; TFLOP/s = 2 M N K / time): dense M = N = K in {4096, 8192} beside
    torch._scaled_mm with per-row / per-column scales (one scale per row of A and column of B: no promotion in the K
-   loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192, and the 128 x 256 output tile
-   (`gluon_fp8.WIDE_CONFIG`, checked against the default's result) at both sizes and the MoE shape, and at 64 rows
-   per expert the 64 x 256 tile (`gluon_fp8.ROWS64_CONFIG`) beside the default. The MoE shape:
+   loop, the ceiling a block-scaled GEMM aims at); NUM_STAGES 3 / 4 / 5 at 8192, and at 64 rows per expert the
+   64 x 256 tile (`gluon_fp8.ROWS64_CONFIG`, checked against the default's result) beside the default. The MoE shape:
    16384 expert-sorted rows over E = 8 experts (2048 each), N = 4096, K = 7168, beside _scaled_mm on the dense
    [16384, 7168] x [7168, 4096] of the same FLOPs and the package's portable w8a8 fused_experts on the layer whose
    gate/up GEMM this is (H = 7168, 2F = 4096, T = 2048 tokens, top_k = 8: both GEMMs, dispatch and combine, FLOPs of
@@ -21,10 +20,9 @@ as the w8a8 path's engine.
    Mixtral-8x7B (E 8, top-2, H 4096, F 14336) widths, T = 4096 and 16384, uniform random routing: the portable w8a8
    kernels (MOE_DISPATCH_GLUON_FP8=0), the Gluon engine (gemm/gluon_experts.py; the variable set to 1 in this
    process, plans cleared after each change) with GEMM1's activation in a separate pass, fused into its epilogue
-   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 128 x 256 or 64 x 256 tiles
-   (gluon_experts.FP8_GEMM_CONFIG), and the bf16 path on the dequantized weights, each timed as a CUDA graph
-   (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused,
-   gluon/wide, gluon/r64 and fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative
+   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG),
+   and the bf16 path on the dequantized weights, each timed as a CUDA graph (do_bench_cudagraph, median). A table of
+   ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused, gluon/r64 and fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative
    error < reference.W8A8_TOLERANCE: both quantize activations to e4m3 with different groups, or not at all).
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
@@ -48,7 +46,7 @@ from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
-EXPERTS_ROWS = []  # (label, portable ms, gluon ms, bf16 ms, FLOPs)
+EXPERTS_ROWS = []  # (label, portable ms, gluon ms, fused ms, 64 x 256 tile ms, bf16 ms, FLOPs)
 SECTIONS = ("gemm", "experts")
 EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
 EXPERTS_TOKENS = (4096, 16384)
@@ -215,22 +213,21 @@ def experts_sections(args, dev="cuda"):
                 flops = 6 * T * top_k * H * F  # gate/up (2 F x H) and down (H x F), 2 FLOPs a multiply-add
                 label = f"{model} T{T}"
                 # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION);
-                # "wide" / "rows64": the plain GEMMs on 128 x 256 / 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
+                # "rows64": the plain GEMMs on 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
                 default = dict(FUSED_ACTIVATION=False, FP8_GEMM_CONFIG=gluon_fp8.DEFAULT_CONFIG)
                 times, outs = time_engines(
                     label, flops, functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights,
                                                     validate=False, **fp8), planner.GLUON_FP8_VARIABLE,
                     [("portable w8a8", "0", default), ("gluon w8a8", "1", default),
                      ("gluon w8a8 fused", "1", {**default, "FUSED_ACTIVATION": True}),
-                     ("gluon w8a8 wide", "1", {**default, "FP8_GEMM_CONFIG": gluon_fp8.WIDE_CONFIG}),
                      ("gluon w8a8 rows64", "1", {**default, "FP8_GEMM_CONFIG": gluon_fp8.ROWS64_CONFIG})])
                 run = functools.partial(md.fused_experts, x, bf16_gate_up, bf16_down, ids, weights, validate=False)
                 outs["bf16"] = run()
                 times["bf16"], how = bench_graph_ms(run)
                 record("bf16 (dequantized weights)", label, times["bf16"], flops, how)
                 EXPERTS_ROWS.append((label, times["portable w8a8"], times["gluon w8a8"], times["gluon w8a8 fused"],
-                                     times["gluon w8a8 wide"], times["gluon w8a8 rows64"], times["bf16"], flops))
-                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 wide", "gluon w8a8 rows64"):
+                                     times["gluon w8a8 rows64"], times["bf16"], flops))
+                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 rows64"):
                     check(f"{label} {engine} vs portable w8a8", relative_error(outs[engine], outs["portable w8a8"]),
                           W8A8_TOLERANCE)
                     check(f"{label} {engine} vs bf16 weights", relative_error(outs[engine], outs["bf16"]),
@@ -240,18 +237,18 @@ def experts_sections(args, dev="cuda"):
             torch.cuda.empty_cache()
 
     if EXPERTS_ROWS:
-        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} {'wide ms':>8} "
+        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} "
               f"{'r64 ms':>8} {'bf16 ms':>8} {'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} "
-              f"{'gluon/':>7} {'gluon/':>7} {'fp8/bf16':>9}")
-        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} "
-              f"{'TFLOP/s':>7} {'portable':>9} {'fused':>7} {'wide':>7} {'r64':>7} {'(best)':>9}")
-        for label, portable, gluon, fused, wide, rows64, bf16, flops in EXPERTS_ROWS:
-            best = min(gluon, fused, wide, rows64)
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {wide:8.3f} {rows64:8.3f} {bf16:8.3f} "
+              f"{'gluon/':>7} {'fp8/bf16':>9}")
+        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} "
+              f"{'TFLOP/s':>7} {'portable':>9} {'fused':>7} {'r64':>7} {'(best)':>9}")
+        for label, portable, gluon, fused, rows64, bf16, flops in EXPERTS_ROWS:
+            best = min(gluon, fused, rows64)
+            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {rows64:8.3f} {bf16:8.3f} "
                   f"{tflops(flops, portable):9.1f} {tflops(flops, best):7.1f} {tflops(flops, bf16):7.1f} "
-                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / wide:6.2f}x {gluon / rows64:6.2f}x "
+                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / rows64:6.2f}x "
                   f"{bf16 / min(portable, best):8.2f}x")
-        print("(gluon/portable, gluon/fused, gluon/wide, gluon/r64 and fp8/bf16 are speedups: time of the first over "
+        print("(gluon/portable, gluon/fused, gluon/r64 and fp8/bf16 are speedups: time of the first over "
               "time of the second; 'gluon' TFLOP/s is the fastest Gluon form's; at T = 1024 pass --tokens 1024, the "
               "engine forced on below GLUON_FP8_MIN_ROWS)")
 
@@ -329,11 +326,6 @@ def main(argv=None):
                     cfg = gluon_fp8.GluonFp8Config(NUM_STAGES=stages)
                     ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=cfg))
                     record(f"gluon dense (stages {stages})", f"{M}x{N}x{K}", ms, flops)
-                wide = gluon_fp8.WIDE_CONFIG  # the 128 x 256 tile: same K order, so the same sums
-                check(f"dense {size}^3 128x256 tile vs 128x128",
-                      relative_error(gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=wide), out), 1e-3)
-                ms = bench_ms(lambda: gluon_fp8.fp8_block_gemm(a, a_s, b, b_s, cfg=wide))
-                record("gluon dense (128x256 tile)", f"{M}x{N}x{K}", ms, flops)
                 row_scale = torch.rand(M, 1, device=dev) + 0.5
                 col_scale = torch.rand(1, N, device=dev) + 0.5
                 for fast in (False, True):
@@ -356,11 +348,6 @@ def main(argv=None):
                       sampled_error(out, a, a_s, b[e], b_s[e], [(lo, lo + 64), (hi - 64, hi)]), tol)
             ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets))
             record("gluon grouped", f"E{E} {M}x{N}x{K}", ms, flops)
-            wide = gluon_fp8.WIDE_CONFIG
-            check("grouped MoE 128x256 tile vs 128x128",
-                  relative_error(gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide), out), 1e-3)
-            ms = bench_ms(lambda: gluon_fp8.fp8_block_grouped_gemm(a, a_s, b, b_s, offsets, cfg=wide))
-            record("gluon grouped (128x256 tile)", f"E{E} {M}x{N}x{K}", ms, flops)
             # 64 rows per expert (T = 512 tokens' worth at top-8 over 64 experts): the 64 x 256 tile against the
             # default, the shape the Gluon engine leaves to the portable kernels today
             small = offsets_of([64] * E)

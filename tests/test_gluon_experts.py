@@ -175,8 +175,9 @@ def test_plain_gemm_tiles_by_rows_per_expert(monkeypatch):
     monkeypatch.setattr(gluon_experts, "ROWS64_BELOW_ROWS", 128)
     assert gluon_experts.fp8_gemm_config(info(1024)) is gluon_fp8.ROWS64_CONFIG  # 64 rows per expert
     assert gluon_experts.fp8_gemm_config(info(2048)) is gluon_experts.FP8_GEMM_CONFIG  # 128
-    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", gluon_fp8.WIDE_CONFIG)
-    assert gluon_experts.fp8_gemm_config(info(4096)) is gluon_fp8.WIDE_CONFIG
+    three_stages = gluon_fp8.GluonFp8Config(NUM_STAGES=3)
+    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", three_stages)
+    assert gluon_experts.fp8_gemm_config(info(4096)) is three_stages
     assert gluon_experts.fp8_gemm_config(info(0)) is gluon_fp8.ROWS64_CONFIG
 
 
@@ -292,10 +293,9 @@ def test_engine_no_tokens(reference_engine):
 @on_hopper
 @pytest.mark.parametrize("options,bias,fused,cfg", [
     ({}, False, False, gluon_fp8.DEFAULT_CONFIG), ({}, False, True, gluon_fp8.DEFAULT_CONFIG),
-    ({}, False, False, gluon_fp8.WIDE_CONFIG), ({"activation": "swiglu_oai"}, True, True, gluon_fp8.WIDE_CONFIG),
-    ({}, False, False, gluon_fp8.ROWS64_CONFIG),
+    ({"activation": "swiglu_oai"}, True, True, gluon_fp8.DEFAULT_CONFIG), ({}, False, False, gluon_fp8.ROWS64_CONFIG),
     ({"interleaved": True, "activation": "swiglu_oai"}, True, False, gluon_fp8.DEFAULT_CONFIG)],
-    ids=["silu", "silu-fused", "silu-wide", "swiglu-bias-fused-wide", "silu-rows64", "interleaved-swiglu-bias"])
+    ids=["silu", "silu-fused", "swiglu-bias-fused", "silu-rows64", "interleaved-swiglu-bias"])
 def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, cfg, monkeypatch):
     """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
     on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for

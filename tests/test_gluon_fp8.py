@@ -92,11 +92,12 @@ def test_launchers_refuse_bad_arguments():
     with pytest.raises(ValueError, match="BLOCK_N"):
         gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2),
                                  cfg=gluon_fp8.GluonFp8Config(BLOCK_N=256))
-    for change in (dict(N_TILES=3), dict(N_TILES=2, BLOCK_N=64)):
-        with pytest.raises(ValueError, match="N_TILES must be 1, or 2 with BLOCK_N 128"):
-            gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2), cfg=gluon_fp8.GluonFp8Config(**change))
-    for change in (dict(BLOCK_M=64), dict(BLOCK_M=32, N_TILES=2)):
-        with pytest.raises(ValueError, match="BLOCK_M must be 128 .* or 64 with N_TILES 2"):
+    with pytest.raises(ValueError, match="N_TILES must be 1, or 2 with BLOCK_N 128"):
+        gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2),
+                                 cfg=gluon_fp8.GluonFp8Config(BLOCK_M=64, N_TILES=2, BLOCK_N=64))
+    # the 128 x 256 tile (128 rows, two B tiles) measured slower than 128 x 128 and is gone
+    for change in (dict(BLOCK_M=64), dict(BLOCK_M=32, N_TILES=2), dict(N_TILES=2), dict(N_TILES=3)):
+        with pytest.raises(ValueError, match="BLOCK_M must be 128 with N_TILES 1 .* or 64 with N_TILES 2"):
             gluon_fp8.fp8_block_gemm(a, torch.ones(8, 2), a, torch.ones(1, 2), cfg=gluon_fp8.GluonFp8Config(**change))
     gated, offsets = gluon_fp8.fp8_block_gated_grouped_gemm, torch.tensor([0, 3, 8], dtype=torch.int32)
     b, b_scale = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 2)
@@ -111,7 +112,7 @@ def test_launchers_refuse_bad_arguments():
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128))
     with pytest.raises(ValueError, match=r"up_bias must be \[E, F\]"):
         gated(a, torch.ones(8, 2), b, b_scale, offsets, gate_bias=torch.zeros(2, 128), up_bias=torch.zeros(2, 64))
-    for cfg in (gluon_fp8.GluonFp8Config(BLOCK_N=64), gluon_fp8.WIDE_CONFIG, gluon_fp8.ROWS64_CONFIG):
+    for cfg in (gluon_fp8.GluonFp8Config(BLOCK_N=64), gluon_fp8.ROWS64_CONFIG):
         with pytest.raises(ValueError, match="BLOCK_N must be 128, N_TILES 1 and BLOCK_M 128"):
             gated(a, torch.ones(8, 2), b, b_scale, offsets, cfg=cfg)
     if not gluon_fp8.available():
@@ -155,8 +156,8 @@ def test_gated_reference_is_the_quantized_activation(activation):
     torch.testing.assert_close(h_scale.double(), group_amax / 448, rtol=1e-6, atol=0)
 
 
-CONFIGS = [gluon_fp8.DEFAULT_CONFIG, gluon_fp8.WIDE_CONFIG, gluon_fp8.ROWS64_CONFIG]
-CONFIG_IDS = ["128x128", "128x256", "64x256"]
+CONFIGS = [gluon_fp8.DEFAULT_CONFIG, gluon_fp8.ROWS64_CONFIG]
+CONFIG_IDS = ["128x128", "64x256"]
 
 
 @on_hopper

@@ -54,8 +54,8 @@ from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 # launches of the value it was recorded with.
 FUSED_ACTIVATION = False
 # The tiles of the w8a8 engine's plain FP8 GEMMs (GEMM2, and GEMM1 with the separate pass): gluon_fp8's measured
-# 128 x 128 default; gluon_fp8.WIDE_CONFIG (128 x 256) and ROWS64_CONFIG (64 x 256, for experts of fewer than 128
-# rows) are the probe's alternatives, not yet measured. Read like FUSED_ACTIVATION.
+# 128 x 128 default; the probe times gluon_fp8.ROWS64_CONFIG (64 x 256, for experts of fewer than 128 rows) beside it.
+# Read like FUSED_ACTIVATION.
 FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
 # Below this many rows per expert (T * top_k / E, the host's average) the plain FP8 GEMMs take
 # gluon_fp8.ROWS64_CONFIG instead of FP8_GEMM_CONFIG; None: never (the 64 x 256 tile has not run on a GPU). With

@@ -63,21 +63,20 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                    stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n, stride_b_scale_k,
                    out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr, stride_bias_e,
                    stride_bias_n, alpha, limit, fp8_max, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
-                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, B_TILES: gl.constexpr,
-                   acc_layout: gl.constexpr, out_layout: gl.constexpr):
+                   GROUPED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, acc_layout: gl.constexpr,
+                   out_layout: gl.constexpr):
     """Consumer warp group WARP_GROUP (0 or 1): rows [WARP_GROUP * BLOCK_M/2, +BLOCK_M/2) of every tile of this
     program. Per K block: wgmma of its A half and B into a fresh fp32 partial sum, the scales' loads under it, wait,
     release the stage, acc += partial * a_scale[rows, kb] * b_scale[n block, kb]. Epilogue: bf16, coalesced masked
     stores of rows < row_end (the expert's end in the grouped form) and columns < N.
 
-    B_TILES 2: the stage's first B tile, then its second, each into the partial sum and promoted into its own
-    accumulator (the second tile's scales up_scale_offset blocks of b_scale further). Gated (ACTIVATION not NONE;
-    the tiles are gate and up): the epilogue adds the biases, activates and quantizes the tile's row to e4m3 with one
-    scale per row (BLOCK_N = 128: one scale group; gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's
-    `quantize_rows`, the portable kernels' arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32).
-    Plain (the wide tile, `GluonFp8Config.N_TILES` 2): the two accumulators are the tile's two column halves, stored
-    as bf16. BLOCK_M 64 (SPLIT_N, with two B tiles): each consumer takes the whole 64-row A tile against its own B
-    tile, the 128-column half WARP_GROUP of a 64 x 256 output tile, with the single-accumulator loop above."""
+    Gated (ACTIVATION not NONE, two B tiles: gate and up): the stage's gate tile, then its up tile, each into the
+    partial sum and promoted into its own accumulator (the up tile's scales up_scale_offset blocks of b_scale
+    further); the epilogue adds the biases, activates and quantizes the tile's row to e4m3 with one scale per row
+    (BLOCK_N = 128: one scale group; gemm.jit's `add_bias` and `apply_activation`, gemm.w8a8_jit's `quantize_rows`,
+    the portable kernels' arithmetic), stored to out (e4m3) and out_scale [rows, N / 128] (fp32). BLOCK_M 64
+    (SPLIT_N, with two B tiles): each consumer takes the whole 64-row A tile against its own B tile, the 128-column
+    half WARP_GROUP of a 64 x 256 output tile, with the single-accumulator loop above."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -86,8 +85,8 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
     SPLIT_N: gl.constexpr = BLOCK_M == 64
     HALF_M: gl.constexpr = BLOCK_M if SPLIT_N else BLOCK_M // 2  # a consumer's rows
     SCALE_BLOCK: gl.constexpr = 128
-    # columns of an output tile: the gated tile's are act(gate, up) of BLOCK_N pairs, the wide tile's two B tiles'
-    TILE_N: gl.constexpr = 2 * BLOCK_N if B_TILES == 2 and ACTIVATION == ACT_NONE else BLOCK_N
+    # columns of an output tile: the gated tile's are act(gate, up) of BLOCK_N pairs, the 64-row tile's two B tiles'
+    TILE_N: gl.constexpr = 2 * BLOCK_N if SPLIT_N else BLOCK_N
     k_blocks = gl.cdiv(K, BLOCK_K)
     b_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
     it = 0
@@ -112,7 +111,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
         b_a_s = gl.load(a_s_ptrs, mask=mask_m, other=0.0)  # [HALF_M]
         b_b_s = gl.load(b_s_ptr)
         b_acc = b_zero  # [HALF_M, BLOCK_N]
-        if B_TILES == 1 or SPLIT_N:
+        if ACTIVATION == ACT_NONE:
             for kb in range(k_blocks):
                 stage, a_tile = consumer_stage(a_bufs, ready_bars, it, WARP_GROUP, SPLIT_N)  # [HALF_M, BLOCK_K]
                 b_index = 2 * stage + WARP_GROUP if SPLIT_N else stage
@@ -131,8 +130,6 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
             b_out = gl.convert_layout(b_acc.to(out_ptr.dtype.element_ty), out_layout)  # [HALF_M, BLOCK_N]
         else:
             b_s_up_ptr = b_s_ptr + up_scale_offset * stride_b_scale_n
-            # the wide tile's second half may lie past N (its scale row too: not read, the half never stored)
-            up_inside = pid_n * TILE_N + TILE_N - BLOCK_N < N
             b_up = b_zero
             # Three 64 x 128 fp32 tiles (gate, up, the partial sum). Promoting as (partial * b scale) * a scale,
             # one more multiply per element than partial * (a scale * b scale), is what ptxas allocates without
@@ -147,7 +144,7 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                 b_a_s = gl.load(a_scale_ptr + k_scale * stride_a_scale_k + rows_k * stride_a_scale_m,
                                 mask=rows_k < row_end, other=0.0)
                 b_g_s = gl.load(b_s_ptr + k_scale * stride_b_scale_k)
-                b_u_s = gl.load(b_s_up_ptr + k_scale * stride_b_scale_k, mask=up_inside, other=0.0)
+                b_u_s = gl.load(b_s_up_ptr + k_scale * stride_b_scale_k)
                 b_part = warpgroup_mma_wait(num_outstanding=0, deps=(b_part, ))
                 b_acc = gl.fma(b_part * b_g_s, gl.expand_dims(b_a_s, 1), b_acc)
                 b_part = warpgroup_mma(a_tile, b_bufs.index(2 * stage + 1).permute((1, 0)), b_part, use_acc=False,
@@ -156,21 +153,14 @@ def _mma_partition(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr,
                 mbarrier.arrive(empty_bars.index(stage), count=1)
                 b_up = gl.fma(b_part * b_u_s, gl.expand_dims(b_a_s, 1), b_up)
                 it += 1
-            if ACTIVATION != ACT_NONE:
-                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                if HAS_BIAS:
-                    b_acc, b_up = add_bias(b_acc, b_up, expert, offs_n, offs_n < N, bias_ptr, bias_up_ptr,
-                                           stride_bias_e, stride_bias_n, ACTIVATION)
-                b_q, b_q_s = quantize_rows(apply_activation(b_acc, b_up, alpha, limit, ACTIVATION), fp8_max, False)
-                gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
-                b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
-            else:  # the wide tile: its second half here, its first below, both straight from the registers
-                store_tile(out_ptr, stride_out_m, b_up.to(out_ptr.dtype.element_ty), row_half, row_end,
-                            pid_n * TILE_N + BLOCK_N, N, acc_layout)
-                store_tile(out_ptr, stride_out_m, b_acc.to(out_ptr.dtype.element_ty), row_half, row_end,
-                            pid_n * TILE_N, N, acc_layout)
-        if B_TILES == 1 or ACTIVATION != ACT_NONE or SPLIT_N:
-            store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout)
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            if HAS_BIAS:
+                b_acc, b_up = add_bias(b_acc, b_up, expert, offs_n, offs_n < N, bias_ptr, bias_up_ptr, stride_bias_e,
+                                       stride_bias_n, ACTIVATION)
+            b_q, b_q_s = quantize_rows(apply_activation(b_acc, b_up, alpha, limit, ACTIVATION), fp8_max, False)
+            gl.store(out_scale_ptr + offs_m.to(gl.int64) * stride_out_scale_m + pid_n, b_q_s, mask=mask_m)
+            b_out = gl.convert_layout(b_q, out_layout)  # [HALF_M, BLOCK_N] e4m3
+        store_tile(out_ptr, stride_out_m, b_out, row_half, row_end, col_start, N, out_layout)
 
 
 @gluon_jit
@@ -185,12 +175,13 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                                   out_layout: gl.constexpr, num_warps: gl.constexpr):
     """FP8 x FP8 -> bf16 GEMM with block-scale promotion, persistent and warp-specialized (module docstring); gated
     (ACTIVATION not NONE): GEMM1 with its activation, out e4m3 with out_scale (`fp8_block_gated_grouped_gemm`);
-    N_TILES 2 (plain only): output tiles of 2 BLOCK_N columns, two B tiles per stage.
+    N_TILES 2 (plain, BLOCK_M 64 only): output tiles of 2 BLOCK_N columns, two B tiles per stage.
 
     Grid: (min(#SMs, #tiles),). Program p owns tiles p, p + grid, ... of the grouped-M order over
     cdiv(M, BLOCK_M) x cdiv(N, TILE_N) tiles (TILE_N = N_TILES x BLOCK_N); GROUPED: over num_m_tiles[0] x
     cdiv(N, TILE_N) tiles, row block i being (tile_expert[i], tile_row[i]), the B rows of expert e starting at
-    e * b_rows_per_expert (the second B tile's up_offset further: gated, its up rows; wide, BLOCK_N). num_warps = 4:
+    e * b_rows_per_expert (the second B tile's up_offset further: gated, its up rows; 64-row tiles, BLOCK_N). num_warps
+    = 4:
     the default partition is consumer 0; consumer 1 (4 warps) and the producer (1 warp) are workers.
     """
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -198,12 +189,13 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
     B_TILES: gl.constexpr = 1 if ACTIVATION == ACT_NONE and N_TILES == 1 else 2
     TILE_N: gl.constexpr = N_TILES * BLOCK_N
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
-    gl.static_assert(BLOCK_M == 128 or (BLOCK_M == 64 and N_TILES == 2 and ACTIVATION == ACT_NONE),
+    gl.static_assert((BLOCK_M == 128 and N_TILES == 1)
+                     or (BLOCK_M == 64 and N_TILES == 2 and ACTIVATION == ACT_NONE),
                      "two 64-row consumer halves, or (64 rows) two column halves")
     gl.static_assert(128 % BLOCK_N == 0, "one b_scale block per B tile")
     gl.static_assert(ACTIVATION == ACT_NONE or (BLOCK_N == 128 and N_TILES == 1),
                      "gated: one 128-column scale group per tile")
-    gl.static_assert(N_TILES == 1 or BLOCK_N == 128, "wide: the second B tile starts on a b_scale block")
+    gl.static_assert(N_TILES == 1 or BLOCK_N == 128, "64 rows: the second B tile starts on a b_scale block")
     gl.static_assert(128 % a_desc.block_type.shape[1] == 0, "one scale per K block")
 
     a_bufs, b_bufs, ready_bars, empty_bars = stage_ring(a_desc, b_desc, NUM_STAGES, B_TILES)
@@ -215,13 +207,13 @@ def _fp8_block_scaled_gemm_kernel(a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
                           stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 0, GROUP_M, GROUPED, ACTIVATION,
-                          HAS_BIAS, B_TILES, acc_layout, out_layout)),
+                          HAS_BIAS, acc_layout, out_layout)),
         (_mma_partition, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                           num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           stride_out_m, stride_a_scale_m, stride_a_scale_k, stride_b_scale_e, stride_b_scale_n,
                           stride_b_scale_k, out_scale_ptr, stride_out_scale_m, up_scale_offset, bias_ptr, bias_up_ptr,
                           stride_bias_e, stride_bias_n, alpha, limit, fp8_max, 1, GROUP_M, GROUPED, ACTIVATION,
-                          HAS_BIAS, B_TILES, acc_layout, out_layout)),
+                          HAS_BIAS, acc_layout, out_layout)),
         (load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                           num_tiles, b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                           GROUP_M, GROUPED, B_TILES, TILE_N)),
@@ -245,14 +237,12 @@ class GluonFp8Config:
     MAXNREG: int = 168  # 65536 / (3 * 128), rounded down to a multiple of 8
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24  # the floor of setmaxnreg
-    # The plain GEMM's output tile in B tiles: 1 (128 x BLOCK_N), or 2 (128 x 256 with BLOCK_N 128: two B tiles per
-    # stage, each promoted into its own accumulator, as the gated GEMM1 does with gate and up; a quarter less
-    # operand traffic per output element, a second wgmma wait per K block). 1 is the measured one.
+    # The plain GEMM's output tile in B tiles: 1 (128 x BLOCK_N), or 2 with BLOCK_M 64 (64 x 256, BLOCK_N 128: two B
+    # tiles per stage, one per consumer)
     N_TILES: int = 1
 
 
 DEFAULT_CONFIG = GluonFp8Config()
-WIDE_CONFIG = GluonFp8Config(N_TILES=2)  # the 128 x 256 tile, for the probe to time beside the default
 # 64 x 256 tiles, the consumers on the two column halves: for experts of fewer than 128 rows (half of a 128-row tile
 # idles there), for the probe to time against the portable kernels below GLUON_FP8_MIN_ROWS
 ROWS64_CONFIG = GluonFp8Config(BLOCK_M=64, N_TILES=2)
@@ -274,14 +264,14 @@ def operand_layouts(cfg: GluonFp8Config = DEFAULT_CONFIG):
 
 
 def _check_config(cfg: GluonFp8Config) -> None:
-    if cfg.BLOCK_M not in (64, 128) or (cfg.BLOCK_M == 64 and cfg.N_TILES != 2):
-        raise ValueError(f"BLOCK_M must be 128 (two 64-row warp groups), or 64 with N_TILES 2 (the two warp groups "
-                         f"on the two column halves), got {cfg.BLOCK_M} (N_TILES {cfg.N_TILES})")
+    if (cfg.BLOCK_M, cfg.N_TILES) not in ((128, 1), (64, 2)):
+        raise ValueError(f"BLOCK_M must be 128 with N_TILES 1 (two 64-row warp groups), or 64 with N_TILES 2 (the two "
+                         f"warp groups on the two column halves), got {cfg.BLOCK_M} (N_TILES {cfg.N_TILES})")
     for name in ("BLOCK_N", "BLOCK_K"):
         value = getattr(cfg, name)
         if value not in (64, 128):
             raise ValueError(f"{name} must be 64 or 128 (a divisor of the 128 scale block), got {value}")
-    if cfg.N_TILES not in (1, 2) or (cfg.N_TILES == 2 and cfg.BLOCK_N != SCALE_BLOCK):
+    if cfg.N_TILES == 2 and cfg.BLOCK_N != SCALE_BLOCK:
         raise ValueError(f"N_TILES must be 1, or 2 with BLOCK_N {SCALE_BLOCK}, got {cfg.N_TILES} (BLOCK_N "
                          f"{cfg.BLOCK_N})")
 
@@ -310,7 +300,7 @@ def _launch(a, b_rows, a_scale, b_scale, out, K, N, tile_expert, tile_row, num_m
     _fp8_block_scaled_gemm_kernel[grid](
         a_desc, b_desc, out, a_scale, b_scale, tile_expert, tile_row, num_m_tiles, expert_offsets,
         a.shape[0], N, K, out.stride(0), a_scale.stride(0), a_scale.stride(1), *stride_b_scale,
-        # the second B tile: gated, the up rows (F = N further); wide, the next BLOCK_N rows
+        # the second B tile: gated, the up rows (F = N further); 64-row tiles, the next BLOCK_N rows
         b_rows_per_expert, up_offset, out_scale, out_scale.stride(0), up_offset // SCALE_BLOCK, *gate.bias_args(out),
         gate.alpha, gate.limit, fp8_max(W8A8_DTYPE),
         NUM_STAGES=cfg.NUM_STAGES, GROUP_M=cfg.GROUP_M, GROUPED=grouped, ACTIVATION=gate.activation,

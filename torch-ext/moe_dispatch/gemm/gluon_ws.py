@@ -156,7 +156,7 @@ def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K,
     A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k:+BLOCK_K] into it, off_n =
     pid_n * TILE_N (rows and columns past the tensors read as zeros), completing ready[s] when all have landed.
     B_TILES 2 loads B tile t from row off_n + t * up_offset of the expert's (a gated GEMM1: gate rows, then up rows
-    F further; the FP8 GEMM's wide tile: its two column halves, BLOCK_N apart)."""
+    F further; the FP8 GEMM's 64-row tile: its two column halves, BLOCK_N apart)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
