@@ -88,10 +88,10 @@ GENERAL_TILES = {  # per BLOCK_M regime, both GEMMs; gate_up loads two weight ti
         (128, 64, 4, 4, 8), (64, 64, 4, 4, 8), (64, 128, 4, 4, 8), (128, 128, 4, 3, 8)),
 }
 # --persistent, BLOCK_M >= 64: the persistent descriptor kernel (SM90; 128 x 256 x 64 with 3 stages is what reaches
-# cuBLAS on a plain GEMM); GATHER_FIRST copies the token rows into expert order so that A comes through a descriptor.
+# cuBLAS on a plain GEMM).
 GENERAL_PERSISTENT = {
     "gate_up": ((128, 64, 8, 3, 8, "ON"), (128, 64, 8, 4, 8, "ON"), (64, 64, 4, 4, 8, "ON"), (128, 64, 4, 4, 8, "ON"),
-                (64, 128, 4, 3, 8, "ON"), (128, 64, 8, 4, 8, "GATHER_FIRST"), (128, 64, 4, 4, 8, "GATHER_FIRST")),
+                (64, 128, 4, 3, 8, "ON")),
     "down": ((256, 64, 8, 3, 8, "ON"), (128, 64, 8, 4, 8, "ON"), (128, 64, 4, 4, 8, "ON"), (256, 64, 8, 4, 8, "ON"),
              (128, 128, 8, 3, 8, "ON")),
 }

@@ -88,20 +88,10 @@ def _tiles(block_m, persistent):
                     GemmTile(32, 64, group_m=2, persistent=persistent))
 
 
-# Persistent.GATHER_FIRST changes how GEMM1 reads A (the token rows: copied into expert order first, then through
-# descriptors as GEMM2 reads them), not the weights' descriptors nor the epilogue; so it runs on the cases whose
-# point is on A's side (rows: the tile map, a tile reaching into the next expert's rows, sentinel tiles; A's dtype and
-# its K tail's zero fill) and the base layout, while the weight layouts and epilogues run with gathered loads only.
-GATHER_FIRST_CASES = ("concat", "bm32-fp16", "one-expert", "K-tail")
-PERSISTENT_CASES = [(c, p) for c in CASES for p in (Persistent.ON, Persistent.GATHER_FIRST)
-                    if p == Persistent.ON or c.id in GATHER_FIRST_CASES]
-
-
-@pytest.mark.parametrize("case,persistent", PERSISTENT_CASES, ids=[
-    f"{c.id}-{'gathered-loads' if p == Persistent.ON else 'gather-first'}" for c, p in PERSISTENT_CASES])
-def test_persistent_matches_reference_and_pointer_kernel(case, persistent, monkeypatch, poison_empty):
-    """Persistent.GATHER_FIRST copies the rows into expert order first: GEMM1 then reads A through descriptors as GEMM2
-    does (PERSISTENT_CASES: which cases run it)."""
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_persistent_matches_reference_and_pointer_kernel(case, monkeypatch, poison_empty):
+    """Both GEMMs on the persistent kernel (GEMM1 gathering its rows in the loads) against float64 and the pointer
+    kernel."""
     gen = torch.Generator().manual_seed(0)
     x, w_gate_up, w_down, ids, weights, kwargs = _problem(case, gen)
     F = case.F
@@ -111,25 +101,23 @@ def test_persistent_matches_reference_and_pointer_kernel(case, persistent, monke
     else:
         run = lambda tiles: md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
     spy = _Spy(monkeypatch)
-    out = run(_tiles(case.block_m, persistent))
-    expected = [persistent != Persistent.GATHER_FIRST, False]
-    assert spy.calls == expected, "both GEMMs must run the persistent kernel (GEMM1 gathered unless gathered first)"
+    out = run(_tiles(case.block_m, Persistent.ON))
+    assert spy.calls == [True, False], "both GEMMs must run the persistent kernel, GEMM1 gathering its rows"
     ref = fused_experts_ref(x, w_gate_up, w_down, ids, weights, **kwargs)
     assert_close(out, ref)
     pointer = run(_tiles(case.block_m, 0))
     assert_close(out, pointer)
 
 
-@pytest.mark.parametrize("persistent", [Persistent.ON, Persistent.GATHER_FIRST], ids=["gathered-loads", "gather-first"])
-def test_persistent_nan_row_stays_in_its_token(persistent, monkeypatch):
+def test_persistent_nan_row_stays_in_its_token(monkeypatch):
     """A NaN token row gives NaN in its own output row only, though descriptor tiles read rows of other tokens."""
     case = CASES[0]
     gen = torch.Generator().manual_seed(1)
     x, w_gate_up, w_down, ids, weights, _ = _problem(case, gen)
     x[5] = float("nan")
     spy = _Spy(monkeypatch)
-    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, persistent))
-    assert spy.calls == [persistent != Persistent.GATHER_FIRST, False]
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=_tiles(16, Persistent.ON))
+    assert spy.calls == [True, False]
     assert torch.isnan(out[5]).all()
     others = torch.cat([out[:5], out[6:]])
     assert not torch.isnan(others).any()

@@ -135,28 +135,29 @@ def test_a_table_with_integer_kernels_selects_the_same_tiles(name, monkeypatch):
 
 
 @pytest.mark.parametrize("value,expected", [("on", tiles.Persistent.ON), ("Off", tiles.Persistent.OFF),
-                                            ("GATHER_FIRST", tiles.Persistent.GATHER_FIRST), (0, tiles.Persistent.OFF),
-                                            (2, tiles.Persistent.GATHER_FIRST)])
+                                            ("ON", tiles.Persistent.ON), (0, tiles.Persistent.OFF),
+                                            (1, tiles.Persistent.ON)])
 def test_persistent_reads_names_and_integers(value, expected):
     assert tiles.Persistent.parse(value) is expected
     tile = tiles.GemmTile.from_dict({"block_n": 64, "block_k": 32, "persistent": value})
     assert tile.persistent is expected
 
 
-@pytest.mark.parametrize("value", ["persistent", "gather first", 3, -1, True, None, 1.0])
+# "gather_first" and 2 named a kernel choice no table used and that measured within noise of "on"; it was removed
+@pytest.mark.parametrize("value", ["persistent", "gather first", "gather_first", 2, 3, -1, True, None, 1.0])
 def test_persistent_refuses_other_values(value):
     """A misspelt or out-of-range kernel in a hand-edited table fails at load, naming what is accepted."""
-    with pytest.raises(ValueError, match="'off', 'on', 'gather_first'"):
+    with pytest.raises(ValueError, match=r"one of 'off', 'on' \(or 0-1\)"):
         tiles.MoeTiles.from_dict({"block_m": 16, "gate_up": {"block_n": 64, "block_k": 32, "persistent": value},
                                   "down": {"block_n": 64, "block_k": 32}})
 
 
 def test_tiles_write_the_named_form_and_read_it_back():
     """What a tuner writes (`to_dict`, through json) names the kernel and loads back as the same tiles."""
-    chosen = tiles.MoeTiles(64, tiles.GemmTile(128, 64, 8, 4, 8, tiles.Persistent.GATHER_FIRST),
+    chosen = tiles.MoeTiles(64, tiles.GemmTile(128, 64, 8, 4, 8, tiles.Persistent.OFF),
                             tiles.GemmTile(256, 64, 8, 3, 8, 1))
     written = json.loads(json.dumps(chosen.to_dict()))
-    assert (written["gate_up"]["persistent"], written["down"]["persistent"]) == ("gather_first", "on")
+    assert (written["gate_up"]["persistent"], written["down"]["persistent"]) == ("off", "on")
     assert tiles.MoeTiles.from_dict(written) == chosen
 
 

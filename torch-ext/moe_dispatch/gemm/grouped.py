@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dispatch.row_copies import PLAIN, Layout, launch_gather
 from ..dispatch.segments import segment_dispatch
 from ..formats.fp8 import WeightScale
 from ..host.checks import (check_bool, check_dim, check_float, check_index, check_int, check_kernel_device,
@@ -138,11 +137,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     if num_rows == 0 or w.n_cols == 0 or info.max_tiles == 0:
         return c
     kernel = expert_gemm_kernel(a, w, tile, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale)
-    if kernel is GemmKernel.PERSISTENT_SORTED:
-        # A in sorted order first (one copy of N rows), so that its tiles too come through a descriptor
-        a = launch_gather(a, info.gather_idx, None, None, None, Layout(PLAIN.value, info.top_k), num_rows)
-        gather_a = False
-    if kernel is not GemmKernel.POINTER:
+    if kernel is GemmKernel.PERSISTENT:
         return persistent.persistent_expert_gemm(a, w, info, tile, c, gather_a=gather_a, activation=activation,
                                                  topk_weights=topk_weights, alpha=alpha, limit=limit, preact=preact,
                                                  transposed=transposed)

@@ -12,8 +12,7 @@ decides; it launches nothing and imports no launcher.
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
-  expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel, the persistent descriptor kernel, or that one
-                       after a copy of the rows into expert order (Persistent.GATHER_FIRST tiles)
+  expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel or the persistent descriptor kernel
   w8a8_gemm_kernel     one w8a8 GEMM: the pointer kernel (its operands swapped for small tiles on Hopper) or the
                        persistent descriptor kernel (gemm/w8a8_persistent.py)
   w8a8_input           how GEMM1 of the w8a8 path gets its float8 input: quantized in the loads, or by a pass over x
@@ -88,7 +87,6 @@ class GemmKernel(enum.Enum):
     POINTER = "pointer"  # one program per output tile, A's rows gathered in the loads where asked
     POINTER_SWAPPED = "pointer, operands swapped"  # w8a8 only: the same, summing the transposed tile W^T A^T
     PERSISTENT = "persistent"  # one program per SM walking the tiles, weights (and sorted A) through descriptors
-    PERSISTENT_SORTED = "persistent after sorting"  # A's rows copied into expert order first, then PERSISTENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,15 +281,10 @@ def _persistent_fits(a, w: GemmWeights, *, transposed, gather_a, weight_scale) -
 
 def expert_gemm_kernel(a, w: GemmWeights, tile: GemmTile, *, transposed, gather_a, weight_scale) -> GemmKernel:
     """The kernel of gemm.grouped.expert_gemm for these operands: what the tile asks for (`tile.persistent`) where
-    the operands allow it, else the pointer kernel. A GATHER_FIRST tile on gathered rows sorts them first when the
-    sorted copy (a fresh [rows, K] buffer in a's dtype) fits a descriptor: K * itemsize a multiple of 16 bytes."""
+    the operands allow it, else the pointer kernel."""
     if tile.persistent == Persistent.OFF:
         return GemmKernel.POINTER
-    fits = dict(transposed=transposed, weight_scale=weight_scale)
-    if (gather_a and tile.persistent == Persistent.GATHER_FIRST and (a.shape[1] * a.element_size()) % 16 == 0
-            and _persistent_fits(a, w, gather_a=True, **fits)):
-        return GemmKernel.PERSISTENT_SORTED
-    if _persistent_fits(a, w, gather_a=gather_a, **fits):
+    if _persistent_fits(a, w, transposed=transposed, gather_a=gather_a, weight_scale=weight_scale):
         return GemmKernel.PERSISTENT
     return GemmKernel.POINTER
 

@@ -10,8 +10,8 @@ number of rows per expert (`T * top_k / E`), optionally overridden per model sha
      "shapes": {"8,14336,4096": [<buckets>]}}
 
 The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A GEMM's
-optional `persistent` names a `Persistent` member in lower case ("off", the default; "on"; "gather_first"); the
-integers 0, 1, 2 of older tables load too. Provenance ("measured", "note", "fp8_note") stays at the top level, which
+optional `persistent` names a `Persistent` member in lower case ("off", the default; "on"); the integers 0 and 1 of
+older tables load too. Provenance ("measured", "note", "fp8_note") stays at the top level, which
 no selection reads. The w8a8 FP8 path (gemm/w8a8.py) reads its own buckets,
 `"fp8": {"buckets": [...], "shapes": {...}}`, in the same form (BLOCK_K there is the activation group;
 `gemm.w8a8.w8a8_tiles` applies the path's constraints); a table without them lends the FP8 path its bf16 buckets with
@@ -66,7 +66,6 @@ class Persistent(enum.IntEnum):
 
     OFF = 0  # the pointer kernel (one program per output tile)
     ON = 1  # the persistent kernel fed by tensor descriptors (gemm/persistent.py; gemm/w8a8_persistent.py on w8a8)
-    GATHER_FIRST = 2  # bf16/fp16 gate_up GEMM: the token rows copied into expert order, then the persistent kernel
 
     @classmethod
     def parse(cls, value) -> "Persistent":
@@ -102,9 +101,8 @@ class GemmTile:
     num_stages: int = 3
     group_m: int = 8  # M tiles walked together per N column, for L2 reuse of the weight tiles
     # Persistent.ON: the persistent kernel fed by tensor descriptors (gemm/persistent.py; gemm/w8a8_persistent.py on the
-    # w8a8 path, from block_m 64) where the device and layout allow it; Persistent.GATHER_FIRST (bf16/fp16 gate_up
-    # GEMM): the same, after a copy of the token rows into expert order, so that A's tiles come through a descriptor
-    # too instead of gathered loads. A plain int after `from_list` (equal to its member)
+    # w8a8 path, from block_m 64) where the device and layout allow it. A plain int after `from_list` (equal to its
+    # member)
     persistent: Persistent = Persistent.OFF
 
     @classmethod
