@@ -1160,6 +1160,36 @@ def test_package_import_graph_is_layered_without_cycles_and_the_kernels_floor_im
     assert not choosers, f"modules choosing tiles outside gemm/planner.py: {sorted(choosers)}"
 
 
+# Facts the package once wrote in several places, each now defined by one module and imported by the others.
+ONE_HOME = {"TMA_ALIGN": "host.device", "tma_readable": "host.device", "_PLAIN_TENSORS": "host.library",
+            "DEFAULT_FP8_BLOCK_SHAPE": "formats.fp8", "FP8_DTYPES": "formats.fp8"}
+
+
+def _top_level_definitions(source: str) -> set:
+    """Names a module defines at its top level: assignments, functions and classes (imports are not definitions)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        for target in node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]:
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+    return names
+
+
+def test_each_shared_fact_has_one_home():
+    """TMA's alignment and the test of it, the eager paths' plain tensor types, the FP8 block default and the float8
+    dtypes are each defined in one module (ONE_HOME), which the others import; reference.py, which imports nothing of
+    the package, keeps its own literals."""
+    definitions = {name: _top_level_definitions(source) for name, (source, _) in _package_modules().items()}
+    for fact, home in ONE_HOME.items():
+        homes = sorted(name for name, names in definitions.items() if fact in names)
+        assert homes == [home], f"{fact} is defined in {homes}; its one home is {home} (import it from there)"
+    assert _top_level_definitions("A = 1\nB: int = 2\ndef f(): pass\nfrom x import C\n") == {"A", "B", "f"}
+
+
 def test_python_minimum_is_stated_everywhere_and_checked():
     """Python >= 3.11 (tomllib in scripts/build): said in build.toml and the README, refused by scripts/setup-env and the
     release scripts with a clear message, what CI runs (test_workflows above), and the grammar of every source file."""

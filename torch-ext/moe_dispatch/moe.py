@@ -22,7 +22,7 @@ from .backward.experts import ExpertsGrads, experts_backward
 from .dispatch.binned import drop_over_capacity, expert_capacity
 from .dispatch.combine import combine
 from .dispatch.segments import dispatch, segment_dispatch
-from .formats.fp8 import (FP8_COMPUTE, GATE_UP_SCALE_LAYOUTS, WeightScale, check_block_shape,
+from .formats.fp8 import (DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, GATE_UP_SCALE_LAYOUTS, WeightScale, check_block_shape,
                           check_fp8_dtype_on_device, check_fp8_weight, check_gate_up_scale_layout, check_input_scale,
                           gate_up_row_offset, infer_scheme, input_scale_problems, is_fp8, kernel_scale)
 from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_k, mxfp4_weight_scale
@@ -47,7 +47,6 @@ from .host.tiles import DecodeTiles, MoeTiles, check_forced_tiles, tiles_from_li
 from .routing.router import check_router_args, check_router_options, route_with_grad
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
-DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ class Fp8Scales:
 
     w_gate_up_scale: torch.Tensor | None
     w_down_scale: torch.Tensor | None
-    block_shape: tuple[int, int] = (128, 128)
+    block_shape: tuple[int, int] = DEFAULT_FP8_BLOCK_SHAPE
     gate_up_input_scale: torch.Tensor | None = None
     down_input_scale: torch.Tensor | None = None
     compute: str = "dequant"

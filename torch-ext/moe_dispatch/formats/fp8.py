@@ -50,6 +50,8 @@ from ..host.checks import check_choice, check_int, check_tensor
 from ..host.device import FP8_MIN_CAPABILITY, capability, has_fp8_tensor_cores, is_cuda, is_hip, on_gpu
 from .scale_codes import WeightScaleCode
 
+# Every float8 dtype of weights the package takes (NVIDIA's e4m3fn, AMD's e4m3fnuz): what `is_fp8` recognizes.
+# W8A8_DTYPE below is the one the FP8 tensor cores take.
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # Scales of float8 weights: fp32, or e8m0 powers of two (DeepSeek-V3.1-style UE8M0 checkpoints, DeepGEMM), which the
 # kernels read as their uint8 codes (`kernel_scale`, gemm.jit.scale_values)
@@ -58,6 +60,7 @@ SCHEMES = ("block", "channel", "tensor")
 # The WEIGHT_SCALE code of each scheme (scale_codes.WeightScaleCode; float weights have NONE).
 SCHEME_CODES = {"tensor": WeightScaleCode.TENSOR, "channel": WeightScaleCode.CHANNEL, "block": WeightScaleCode.BLOCK}
 FP8_COMPUTE = ("auto", "w8a8", "dequant")
+DEFAULT_FP8_BLOCK_SHAPE = (128, 128)  # (N side, K side) of a block scale: DeepSeek-V3 / Qwen3-FP8 `weight_block_size`
 GATE_UP_SCALE_LAYOUTS = ("fused", "merged")  # `w_gate_up_scale_layout` (module docstring)
 W8A8_DTYPE = torch.float8_e4m3fn  # the operand type of NVIDIA's FP8 tensor cores (Triton's fp8e4nv)
 # Smallest K step of an fp8 x fp8 tensor-core dot (the K of one e4m3 MMA instruction on SM89 / SM90).
@@ -86,7 +89,7 @@ def check_n_axis(n_axis: int) -> int:
 
 
 def scale_shape(weight_shape: Sequence[int], scheme: Literal["block", "channel", "tensor"],
-                block_shape: tuple[int, int] | list[int] = (128, 128), *, n_axis: Literal[1, 2] = 1,
+                block_shape: tuple[int, int] | list[int] = DEFAULT_FP8_BLOCK_SHAPE, *, n_axis: Literal[1, 2] = 1,
                 gate_up_layout: Literal["fused", "merged"] = "fused") -> tuple[int, ...]:
     """Expected scale shape of an [E, d1, d2] weight under `scheme`; `n_axis` is the output (N) axis (1, or 2 for a
     transposed weight). `gate_up_layout` "merged": block scales of a gate/up weight (N = 2F) as two halves of
@@ -254,7 +257,7 @@ def _expand_scale(scale, scheme, shape, block_shape, n_axis=1):
 
 @torch.no_grad()
 def quantize_experts_fp8(w: torch.Tensor, scheme: Literal["block", "channel", "tensor"] = "block", *,
-                         block_shape: tuple[int, int] | list[int] = (128, 128),
+                         block_shape: tuple[int, int] | list[int] = DEFAULT_FP8_BLOCK_SHAPE,
                          dtype: torch.dtype = torch.float8_e4m3fn,
                          n_axis: Literal[1, 2] = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize expert weights w [E, d1, d2] (any float dtype) -> (w_fp8 of `dtype`, scale fp32) with w ≈ w_fp8 * scale.
@@ -286,7 +289,8 @@ def quantize_experts_fp8(w: torch.Tensor, scheme: Literal["block", "channel", "t
 
 def dequantize_experts_fp8(w_fp8: torch.Tensor, scale: torch.Tensor,
                            scheme: Literal["block", "channel", "tensor"] | None = None,
-                           block_shape: tuple[int, int] | list[int] = (128, 128), *, dtype: torch.dtype = torch.float32,
+                           block_shape: tuple[int, int] | list[int] = DEFAULT_FP8_BLOCK_SHAPE, *,
+                           dtype: torch.dtype = torch.float32,
                            n_axis: Literal[1, 2] = 1) -> torch.Tensor:
     """w_fp8 * scale (each element times the scale of its block, channel or expert) in `dtype`. `scheme` defaults to
     the one the scale's rank names; `n_axis` as in `quantize_experts_fp8`."""

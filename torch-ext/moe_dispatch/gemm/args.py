@@ -10,7 +10,7 @@ import torch
 from ..formats.fp8 import WeightScale
 from ..formats.mxfp4 import MXFP4_GROUP, is_mxfp4
 from ..formats.scale_codes import WeightScaleCode
-from ..host.device import dot_input_precision, dot_needs_fp32
+from ..host.device import dot_input_precision, dot_needs_fp32, tma_readable
 from ..host.pdl import pdl_options
 from ..host.tiles import GemmTile
 from .jit import Activation
@@ -130,23 +130,16 @@ def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, top
                 **pdl_options(info.tile_expert.device))
 
 
-# Tensor-descriptor facts (what TMA needs of a layout): gemm/planner.py decides with them, gemm/persistent.py builds the
-# descriptors.
-
-
-def aligned(t):
-    """Whether a tensor's base address is 16-byte aligned (what a descriptor's base needs)."""
-    return t.data_ptr() % 16 == 0
+# The descriptor views of the operands (what TMA needs of a layout, host.device.tma_readable, and what each view's
+# shape adds): gemm/planner.py decides with them, gemm/persistent.py builds the descriptors.
 
 
 def descriptor_rows(weight, n_cols):
     """Rows of the 2-D descriptor view of an [E, n_cols, K] weight (see gemm/persistent.py's docstring) and rows per
-    expert;
-    None when the layout does not allow one (K not contiguous, strides or base not 16-byte aligned, experts not a
-    whole number of rows apart)."""
-    stride_e, stride_n, stride_k = weight.stride()
-    size = weight.element_size()
-    if stride_k != 1 or stride_n <= 0 or stride_e % stride_n or (stride_n * size) % 16 or not aligned(weight):
+    expert; None when the layout does not allow one (not TMA-readable, or experts not a whole number of rows
+    apart)."""
+    stride_e, stride_n, _ = weight.stride()
+    if not tma_readable(weight) or stride_n <= 0 or stride_e % stride_n:
         return None
     rows_per_expert = stride_e // stride_n
     return (weight.shape[0] - 1) * rows_per_expert + n_cols, rows_per_expert
@@ -154,11 +147,9 @@ def descriptor_rows(weight, n_cols):
 
 def fits_k_outer_descriptor(weight):
     """Whether an [E, K, n] weight (a transposed layout: n contiguous) can be read through a 3-D descriptor of
-    [1, BLOCK_K, BLOCK_N] tiles: unit stride along n, the other strides and the base 16-byte aligned. The expert is
-    the descriptor's own dimension, so a K tile past K reads the zero fill, never the next expert's rows."""
-    stride_e, stride_k, stride_n = weight.stride()
-    size = weight.element_size()
-    return stride_n == 1 and (stride_e * size) % 16 == 0 and (stride_k * size) % 16 == 0 and aligned(weight)
+    [1, BLOCK_K, BLOCK_N] tiles: as it is (tma_readable). The expert is the descriptor's own dimension, so a K tile
+    past K reads the zero fill, never the next expert's rows."""
+    return tma_readable(weight)
 
 
 def weights_fit_descriptors(w: GemmWeights, transposed=False):
@@ -172,9 +163,9 @@ def weights_fit_descriptors(w: GemmWeights, transposed=False):
                                                                       and w.weight_up.stride() == w.weight.stride()))
     if descriptor_rows(w.weight, 2 * w.n_cols if w.paired else w.n_cols) is None:
         return False
-    return not w.gated or (aligned(w.weight_up) and w.weight_up.stride() == w.weight.stride())
+    return not w.gated or (tma_readable(w.weight_up) and w.weight_up.stride() == w.weight.stride())
 
 
 def rows_fit_descriptor(a):
-    """Whether [rows, K] A can be read as descriptor tiles: K contiguous, the row stride and base 16-byte aligned."""
-    return a.shape[1] > 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and aligned(a)
+    """Whether [rows, K] A can be read as descriptor tiles: K > 0 and tma_readable."""
+    return a.shape[1] > 0 and tma_readable(a)

@@ -53,7 +53,7 @@ from .w8a8 import fp8_rows
 from .w8a8_jit import quantize_rows
 
 SCALE_BLOCK = 128  # the side of a DeepSeek scale block, along K for A and along N and K for B
-FP8_DTYPES = (torch.float8_e4m3fn, )  # what both operands are
+OPERAND_DTYPES = (W8A8_DTYPE, )  # what both operands are: e4m3fn only (not AMD's e4m3fnuz of formats.fp8.FP8_DTYPES)
 GEMM_NAME = "Gluon FP8 GEMM"
 
 
@@ -318,8 +318,8 @@ def fp8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     b_scale [cdiv(N, 128), cdiv(K, 128)] float32 (any strides).
     """
     _check_config(cfg)
-    check_operand("a", a, 2, FP8_DTYPES)
-    check_operand("b", b, 2, FP8_DTYPES)
+    check_operand("a", a, 2, OPERAND_DTYPES)
+    check_operand("b", b, 2, OPERAND_DTYPES)
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K:
@@ -346,8 +346,8 @@ def fp8_block_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tens
     [M, cdiv(K, 128)] float32. No host sync: the launch is sized by the tile map's bound (M + E * 127) // 128.
     """
     _check_config(cfg)
-    check_operand("a", a, 2, FP8_DTYPES)
-    check_operand("b", b, 3, FP8_DTYPES)
+    check_operand("a", a, 2, OPERAND_DTYPES)
+    check_operand("b", b, 3, OPERAND_DTYPES)
     E, N = check_stacked_weight(b)
     M, K = a.shape
     if b.shape[2] != K:
@@ -389,8 +389,8 @@ def fp8_block_gated_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torc
                          f"group per tile, its two B tiles gate and up), got {cfg.BLOCK_N}, {cfg.N_TILES} and "
                          f"{cfg.BLOCK_M}")
     check_activation(activation)
-    check_operand("a", a, 2, FP8_DTYPES)
-    check_operand("b", b, 3, FP8_DTYPES)
+    check_operand("a", a, 2, OPERAND_DTYPES)
+    check_operand("b", b, 3, OPERAND_DTYPES)
     E, two_f = check_stacked_weight(b)
     F = two_f // 2
     if two_f % (2 * SCALE_BLOCK):

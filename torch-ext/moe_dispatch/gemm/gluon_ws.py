@@ -36,6 +36,7 @@ import dataclasses
 import torch
 import triton
 
+from ..host.device import TMA_ALIGN, tma_readable
 from .jit import Activation
 
 try:
@@ -56,7 +57,6 @@ TESTED_TRITON = ("3.6", )
 # Triton versions the kernels compile under for sm_90 without spills (tests/test_gluon_compile.py runs under any of
 # them, the CPU suite's pinned one included): the Gluon API each of them names (`tma_load`)
 COMPILED_TRITON = ("3.6", "3.9")
-TMA_ALIGN = 16  # bytes: row strides and bases of what a TMA descriptor reads
 
 
 def gluon_jit(fn):
@@ -262,16 +262,15 @@ def check_activation(activation: str) -> None:
 
 
 def check_operand(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    """`t` has one of `dtypes`, `ndim` dims, a contiguous last dimension and 16-byte aligned strides and base: what
-    a TMA descriptor reads (TypeError for the dtype, ValueError for the rest)."""
+    """`t` has one of `dtypes`, `ndim` dims, and a layout a TMA descriptor reads (host.device.tma_readable: a
+    contiguous last dimension, 16-byte aligned strides and base); TypeError for the dtype, ValueError for the rest."""
     if t.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must be {names}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    size = t.element_size()
-    if t.stride(-1) != 1 or any(s * size % TMA_ALIGN for s in t.stride()[:-1]) or t.data_ptr() % TMA_ALIGN:
-        raise ValueError(f"{name} must be K-contiguous with 16-byte aligned rows and base (TMA), got strides "
+    if not tma_readable(t):
+        raise ValueError(f"{name} must be K-contiguous with {TMA_ALIGN}-byte aligned rows and base (TMA), got strides "
                          f"{t.stride()}")
 
 

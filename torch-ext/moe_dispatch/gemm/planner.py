@@ -29,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..formats.fp8 import FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
+from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import (GLUON_FP8_VARIABLE, SWITCH_VALUES, current_environment, has_tma, has_wgmma,
-                           is_interpreter, on_gpu)
+from ..host.device import (GLUON_FP8_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment, has_tma, has_wgmma,
+                           is_interpreter, on_gpu, tma_readable)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -54,20 +54,17 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 # tiles that read it; above it that repeated decode costs more than one pass over the weights (one read of 4.25 bits
 # and one write of 16 per weight). The buffer exists for the call only, and only when it stays within
 # MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when gradients are taken (autograd
-# would keep it until the backward). 128: where the pass wins even at a pessimistic 2.5 TB/s (GPT-OSS-120B at 64 rows
-# per expert would break even there); not yet measured on a GPU, whose crossover may sit lower.
+# would keep it until the backward). 128: where the pass wins even at a pessimistic bandwidth (docs/performance.md).
 MXFP4_DEQUANTIZE_MIN_ROWS = 128
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 # The Gluon engine of the w8a8 path (gemm/gluon_experts.py): "auto" (the variable unset or empty) runs it from
 # GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read and validated with the
 # package's other switches once per call (host/device.py: `Environment`), and part of every plan key.
 GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
-# Measured on the H200 (Triton 3.6, v24; performance.md), beside the portable w8a8 kernels at five models' widths: the
-# engine was faster in all 13 cells from 128 rows per expert (1.03-1.43x) and slower in the 4 cells at 32-64 rows
-# that it ran (0.75-0.95x): its 128-row M tiles are mostly empty there.
+# Where the engine beat the portable w8a8 kernels on the H200 (docs/performance.md); below, its 128-row M tiles are
+# mostly empty.
 GLUON_FP8_MIN_ROWS = 128
-GLUON_FP8_BLOCK = (128, 128)  # the one weight block the Gluon GEMM reads (DeepSeek-V3 / Qwen3-FP8 `weight_block_size`)
-TMA_ALIGN = 16  # bytes: the Gluon GEMMs read both operands through TMA descriptors (row strides and bases)
+GLUON_FP8_BLOCK = DEFAULT_FP8_BLOCK_SHAPE  # the one weight block the Gluon GEMM reads: the default's
 
 
 class ExpertsPath(enum.Enum):
@@ -128,14 +125,6 @@ def gluon_fp8_mode() -> str:
     return current_environment().gluon_fp8
 
 
-def _tma_rows(t: torch.Tensor) -> bool:
-    """t's last dimension is contiguous and every other stride (in bytes) and its base are whole 16-byte units: a
-    TMA descriptor can read it."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and all(s * size % TMA_ALIGN == 0 for s in t.stride()[:-1])
-            and t.data_ptr() % TMA_ALIGN == 0)
-
-
 def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, *, separate_up: bool,
                       block_shape, scale_layout: str, static_input_scales: bool, transposed: bool, top_k: int,
@@ -170,7 +159,7 @@ def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
             return f"{name} is {weight.dtype}, not {W8A8_DTYPE}"
         if scale is None or infer_scheme(scale) != "block" or scale.dtype != torch.float32:
             return f"{name} has no fp32 block scales"
-        if not weight.is_contiguous() or not _tma_rows(weight):
+        if not weight.is_contiguous() or not tma_readable(weight):
             return f"{name} is not contiguous with rows of whole {TMA_ALIGN} bytes (TMA)"
     if tuple(block_shape) != GLUON_FP8_BLOCK:
         return f"block shape {tuple(block_shape)}, not {GLUON_FP8_BLOCK}"

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.fp8 import W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
+from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, W8A8_DTYPE, W8A8_MIN_GROUP, WeightScale, fp8_max, infer_scheme
 from ..formats.scale_codes import WeightScaleCode
 from ..host.device import is_interpreter
 from ..host.host_math import cdiv
@@ -252,7 +252,8 @@ def _uniform_block_scale(ws: WeightScale, block_n, gated):
     return ws.block_n % span == 0 and all(offset % span < ws.row_step for offset in offsets)
 
 
-def w8a8_groups(tiles: MoeTiles, w_gate_up_scale, w_down_scale, block_shape=(128, 128), *, transposed=False):
+def w8a8_groups(tiles: MoeTiles, w_gate_up_scale, w_down_scale, block_shape=DEFAULT_FP8_BLOCK_SHAPE, *,
+                transposed=False):
     """(G1, G2), the activation groups (K steps) the w8a8 path uses with `tiles` (before `w8a8_tiles`, e.g. from
     tiles.select_fp8_tiles) for these weight scales: what a model of its arithmetic needs (tests, benchmark)."""
     def weight_scale(scale):

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats.fp8 import W8A8_DTYPE, WeightScale, fp8_max
+from ..host.device import TMA_ALIGN
 from ..host.host_math import cdiv
 from ..host.pdl import wait_for_producer
 from ..host.replay import launch
@@ -212,7 +213,7 @@ def pair_descriptor(w: GemmWeights, K, tile):
     stride_e, stride_n, stride_k = w.strides
     up = w.weight_up.data_ptr() - w.weight.data_ptr()  # bytes = elements (float8)
     E, F = w.weight.shape[0], w.n_cols
-    if stride_k != 1 or up <= 0 or up % 16 or stride_n % 16:
+    if stride_k != 1 or up <= 0 or up % TMA_ALIGN or stride_n % TMA_ALIGN:
         return PAIR_NONE.value, None
     if up == F * stride_n and stride_e == 2 * up:
         return PAIR_CONCAT.value, TensorDescriptor(w.weight, [2 * E, F, K], [up, stride_n, 1],

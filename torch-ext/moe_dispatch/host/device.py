@@ -171,6 +171,19 @@ def has_tma(device: torch.device) -> bool:
     return is_cuda() and capability(device) >= (9, 0)
 
 
+# Bytes: what a TMA descriptor needs its base address and every stride but the last (unit) one to be whole multiples of
+TMA_ALIGN = 16
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read `t` as it is laid out: its last dimension contiguous, its base address and
+    every other stride (in bytes) whole multiples of TMA_ALIGN. The one test of it; the descriptor views built on it
+    (gemm/args.py) add what their own shapes need."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and all(s * size % TMA_ALIGN == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % TMA_ALIGN == 0)
+
+
 @per_device
 def has_wgmma(device: torch.device) -> bool:
     """Hopper's warpgroup MMA (wgmma), what Triton compiles a dot to on compute capability 9.x when the tile has at

@@ -13,7 +13,14 @@ from .._ops import add_op_namespace_prefix
 from . import device as _device
 from .checks import check_kernel_device
 
+# What the eager fast paths take as it is: no subclass (fake, functional and wrapped tensors need the operator)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_tensor(t: torch.Tensor, grad_mode: bool) -> bool:
+    """Whether the eager fast paths (`call` here, host/replay.py's plans) may take tensor `t` as it is: a plain
+    Tensor or Parameter, of which autograd needs no record under `grad_mode`."""
+    return type(t) in _PLAIN_TENSORS and not (grad_mode and t.requires_grad)
 
 
 def custom_op(name, mutates_args=()):
@@ -35,9 +42,8 @@ def needs_operator(args) -> bool:
         return True
     grad_mode = torch.is_grad_enabled()
     for arg in args:
-        if isinstance(arg, torch.Tensor):
-            if type(arg) not in _PLAIN_TENSORS or (grad_mode and arg.requires_grad):
-                return True
+        if isinstance(arg, torch.Tensor) and not plain_tensor(arg, grad_mode):
+            return True
     return False
 
 

@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
 from .device import current_environment
+from .library import plain_tensor
 
 try:  # the compiled-launch fast path needs Triton's knobs (3.4+) and driver; without them replay re-launches
     from triton import knobs as _knobs
@@ -53,7 +54,6 @@ except ImportError:  # pragma: no cover - older Triton
 ENABLED = True  # False: every call in full (A/B timing); MOE_DISPATCH_PLANS=0 does the same (host/device.py)
 MAX_PLANS = 1024  # signatures kept per cache; past this the cache starts over (prefill T varies without bound)
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ALIGN = 16  # Triton specializes pointer arguments on 16-byte alignment
 _SCRATCH_ALIGN = 256  # each buffer's offset in the call's scratch allocation (TMA wants 128-byte bases)
 
@@ -470,7 +470,7 @@ def _key(tensors, options):
     for t in tensors:
         if t is None:
             signature.append(None)
-        elif type(t) not in _PLAIN_TENSORS or (grad_mode and t.requires_grad):
+        elif not plain_tensor(t, grad_mode):
             return None
         else:
             device = t.get_device()

@@ -267,8 +267,8 @@ class WeightGradTile:
 PERSISTENT_WEIGHT_GRAD_TILE = WeightGradTile(128, 256, 32, num_warps=8, num_stages=4, persistent=True)
 
 
-# Rows per expert from which the persistent kernel wins on the H200 (Mixtral-8x7B, 1024 and 4096 rows: 564 / 606
-# against 449 / 448 TFLOP/s for the pointer kernel; at 128-256 rows, Qwen3, DeepSeek-V3, GPT-OSS, it lost 10-20%).
+# Rows per expert from which the persistent kernel beat the pointer kernel on the H200 (docs/performance.md,
+# "Training"); below, it lost.
 PERSISTENT_WEIGHT_GRAD_MIN_ROWS = 1024
 
 
@@ -280,18 +280,15 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_e
         # runs the persistent kernel, as the H200 does)
     wide = torch.empty((), dtype=dtype).element_size() <= 2
     if wide and has_tma(device) and rows_per_expert >= PERSISTENT_WEIGHT_GRAD_MIN_ROWS:
-        # H200, bf16 (docs/performance.md, "Training"): the persistent descriptor kernel, best of 6 tiles.
+        # The persistent descriptor kernel at the H200's best bf16 tile (docs/performance.md, "Training")
         return PERSISTENT_WEIGHT_GRAD_TILE
-    # The pointer kernel. H200, bf16, Mixtral-8x7B at T = 4096 (scripts/tune --path backward): 128 x 128 x 32 with 4
-    # warps and 4 stages was the best of 7 candidates. fp32 halves block_p so a stage keeps the bytes; AMD's 64 KB of
-    # LDS holds two stages.
+    # The pointer kernel at the H200's best bf16 tile (scripts/tune --path backward); fp32 halves block_p so a stage
+    # keeps its bytes, and AMD's 64 KB of LDS holds two stages.
     return WeightGradTile(128, 128, 32 if wide else 16, num_warps=4, num_stages=2 if is_hip() else 4)
 
 
-# Stages of the backward's dA GEMM on Hopper. It streams one weight tile per K step against the forward gate/up GEMM's
-# two, so the forward's tile (same widths) holds more stages in the same shared memory. H200, bf16, 128 x 128 x 64,
-# 8 warps, 3 -> 4 stages (same-run kernel times, docs/results/h200-down-grad-probe-v15.json): Mixtral-8x7B T = 4096
-# 2490 -> 2071 us, Qwen2-57B 1742 -> 1468, Qwen3-30B 414 -> 361, DeepSeek-V3 3507 -> 3043, GPT-OSS 1235 -> 1034.
+# Stages of the backward's dA GEMM on Hopper: it streams one weight tile per K step to the forward gate/up GEMM's two,
+# so the forward's tile holds more stages in the same shared memory (faster on the H200: docs/performance.md).
 DOWN_GRAD_STAGES = 4
 
 
@@ -360,12 +357,9 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
 
 
 # The decode down GEMM of transposed down weights ([E, F, H], H contiguous: GPT-OSS's layout), by the number of
-# assignments (up to, then the rest). The tables' down tiles are measured on [E, H, F], where a GEMV row reads
-# contiguous K; on [E, F, H] the GEMV reads BLOCK_N contiguous elements per K row, while the dot kernel reads
-# [BLOCK_K, BLOCK_N] tiles whole. H200, GPT-OSS-120B widths, the whole decode call in one run: 4 assignments
-# (T = 1) 80.2 us with the table's GEMV -> 66.0 us (the same weights laid [E, H, F]: 68 us in another run), 16 (T = 4)
-# 215.3 -> 201.9 us; nine GEMV tiles tried on the transposed weights took 83.5-471.6 us. Buckets past 16
-# assignments take the second tile unmeasured; other devices take them unmeasured too (the dot kernel is portable).
+# assignments (up to, then the rest): the dot kernel reads [BLOCK_K, BLOCK_N] tiles whole where the tables' GEMV tiles,
+# measured on [E, H, F], would read BLOCK_N elements per K row (faster on the H200 up to 16 assignments:
+# docs/performance.md; past them, and on other devices, not measured).
 TRANSPOSED_DOWN_DECODE_TILES = ((4, DecodeTile(64, 64, num_warps=4, num_stages=3, split_k=2, dot=True)),
                                 (None, DecodeTile(128, 64, num_warps=4, num_stages=3, dot=True)))
 
