@@ -61,11 +61,11 @@ enough() {
   record "$1" 1 "skipped: ${l}s of SUITE_BUDGET_S left, needs ${2}s"
   return 1
 }
-# pytest's closing counts in a log ("3 failed, 997 passed, 32 skipped"), or why there are none.
-pytest_counts() {
+pytest_counts() {  # pytest's closing counts in a log ("3 failed, 997 passed, 32 skipped"), one per pytest run in it
   local counts
-  counts=$(tail -n 3 "$1" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed|deselected)' \
-    | paste -sd, - | sed 's/,/, /g')
+  counts=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected).* in [0-9.]+s' "$1" | while IFS= read -r line; do
+    echo "$line" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed)' | paste -sd, - | sed 's/,/, /g'
+  done | paste -sd';' - | sed 's/;/; /g')
   echo "${counts:-no summary line}"
 }
 pytest_note() {  # rc log -> the summary's note for one pytest process

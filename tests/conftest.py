@@ -76,7 +76,7 @@ def _load_from_hub_build():
 LOADED_FROM = _load_from_hub_build() if os.environ.get("MOE_DISPATCH_FROM") == "hub" else "moe_dispatch from torch-ext"
 
 # After LOADED_FROM: helpers imports moe_dispatch.reference, under MOE_DISPATCH_FROM=hub the loaded build's.
-from helpers import poison_empty  # noqa: E402,F401  (a fixture every test can ask for)
+from helpers import h200_tile_table, poison_empty  # noqa: E402,F401  (fixtures every test can ask for)
 
 
 def pytest_report_header(config):

@@ -13,7 +13,8 @@ import torch
 
 from moe_dispatch.reference import TOLERANCE, assert_close, relative_error
 
-__all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "Refusal", "TOLERANCE", "assert_close", "capture_cuda_graph", "make_weights",
+__all__ = ["DEVICE", "INTERPRETED", "ON_GPU", "Refusal", "TOLERANCE", "assert_close", "capture_cuda_graph",
+           "h200_tile_table", "make_weights",
            "needs_gpu", "needs_interpreter", "poison_empty", "relative_error", "swap_gluon_gemm"]
 
 ON_GPU = torch.cuda.is_available()
@@ -193,6 +194,16 @@ def gpu_biases(E, H, F, dtype=torch.bfloat16, *, device):
     """fused_experts' gate_up_bias [E, 2F] and down_bias [E, H], small (std 0.1)."""
     return dict(gate_up_bias=(torch.randn(E, 2 * F, device=device) * 0.1).to(dtype),
                 down_bias=(torch.randn(E, H, device=device) * 0.1).to(dtype))
+
+
+@pytest.fixture
+def h200_tile_table(monkeypatch):
+    """The H200's tile table (configs/NVIDIA_H200.json) on whatever GPU runs the test: for GPU tests whose cases are
+    sized for the tiles that table chooses (an H100, the same SM90 with the same shared memory and SM count, reads
+    configs/default.json otherwise)."""
+    from moe_dispatch.host import tiles
+
+    monkeypatch.setattr(tiles, "device_key", lambda device: "NVIDIA_H200")
 
 
 def run_gluon_engine(monkeypatch, run, variable, engine, **switches):

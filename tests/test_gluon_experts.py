@@ -296,7 +296,7 @@ def test_engine_no_tokens(reference_engine):
     ({"activation": "swiglu_oai"}, True, True, gluon_fp8.DEFAULT_CONFIG), ({}, False, False, gluon_fp8.ROWS64_CONFIG),
     ({"interleaved": True, "activation": "swiglu_oai"}, True, False, gluon_fp8.DEFAULT_CONFIG)],
     ids=["silu", "silu-fused", "swiglu-bias-fused", "silu-rows64", "interleaved-swiglu-bias"])
-def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, cfg, monkeypatch):
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, cfg, monkeypatch, h200_tile_table):
     """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
     on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for
     bit, and a CUDA graph replay bit for bit the eager call."""

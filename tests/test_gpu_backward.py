@@ -44,6 +44,7 @@ def _forward(inputs, ids, options, fn=md.fused_experts):
               gate_up_bias=inputs.get("gate_up_bias"), down_bias=inputs.get("down_bias"), **options)
 
 
+@pytest.mark.whole_gpu  # GPT-OSS-120B's experts and their gradients: ~68 GiB at once
 @pytest.mark.parametrize("name,T,gpt_oss", [("mixtral-8x7b", 256, False), ("qwen2-57b-a14b", 512, False),
                                             ("qwen3-30b-a3b", 1024, False), ("gpt-oss-120b", 96, True),
                                             ("gpt-oss-120b", 2048, True)])

@@ -43,7 +43,7 @@ def _run(x, ids, weights, laid):
 
 
 @pytest.mark.parametrize("T", [1, 16, 33, 4096], ids=lambda T: f"T{T}")
-def test_gpt_oss_stored_layout_forward(T, monkeypatch):
+def test_gpt_oss_stored_layout_forward(T, monkeypatch, h200_tile_table):
     """T = 1, 16: the decode path; 33: the pointer grouped GEMMs; 4096: the persistent gate/up GEMM (3-D descriptors over the
     transposed weights, the interleaved pair read whole)."""
     x, ids, weights, stored, reference = _gpt_oss(T)

@@ -308,6 +308,11 @@ def _valid_experts_args():
                 topk_ids=torch.randint(0, E, (5, 2)), topk_weights=torch.rand(5, 2))
 
 
+def _on_device(args):
+    """The cases' tensors (built at collection, on the CPU) on the suite's device; a meta tensor stays on meta."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and not v.is_meta else v for k, v in args.items()}
+
+
 FORWARD_ERRORS = [
     # (change, exception, argument named in the message)
     (dict(hidden_states=torch.randint(0, 3, (5, 32))), TypeError, "hidden_states"),
@@ -330,7 +335,7 @@ FORWARD_ERRORS = [
 
 @pytest.mark.parametrize("change,exc,name", FORWARD_ERRORS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
 def test_fused_moe_forward_errors(change, exc, name):
-    args = dict(_valid_forward_args(), **change)
+    args = _on_device(dict(_valid_forward_args(), **change))
     with pytest.raises(exc, match=name):
         md.fused_moe_forward(**args)
 
@@ -352,7 +357,7 @@ EXPERTS_ERRORS = [
 
 @pytest.mark.parametrize("change,exc,name", EXPERTS_ERRORS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
 def test_fused_experts_errors(change, exc, name):
-    args = dict(_valid_experts_args(), **change)
+    args = _on_device(dict(_valid_experts_args(), **change))
     with pytest.raises(exc, match=name):
         md.fused_experts(**args)
 
