@@ -143,8 +143,16 @@ def test_persistent_reads_names_and_integers(value, expected):
     assert tile.persistent is expected
 
 
-# "gather_first" and 2 named a kernel choice no table used and that measured within noise of "on"; it was removed
-@pytest.mark.parametrize("value", ["persistent", "gather first", "gather_first", 2, 3, -1, True, None, 1.0])
+@pytest.mark.parametrize("value", ["gather_first", "GATHER_FIRST", 2])
+def test_v1_gather_first_reads_as_on_with_a_warning(value):
+    """1.0's "gather_first" (2), removed in 1.1 (it measured within noise of "on"): v1 tables and forced tiles keep
+    loading, as the persistent kernel, and say so."""
+    with pytest.warns(DeprecationWarning, match="gather_first"):
+        tile = tiles.GemmTile.from_dict({"block_n": 64, "block_k": 32, "persistent": value})
+    assert tile.persistent is tiles.Persistent.ON
+
+
+@pytest.mark.parametrize("value", ["persistent", "gather first", 3, -1, True, None, 1.0])
 def test_persistent_refuses_other_values(value):
     """A misspelt or out-of-range kernel in a hand-edited table fails at load, naming what is accepted."""
     with pytest.raises(ValueError, match=r"one of 'off', 'on' \(or 0-1\)"):

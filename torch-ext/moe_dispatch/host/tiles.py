@@ -42,6 +42,7 @@ import functools
 import json
 import logging
 import os
+import warnings
 
 import torch
 
@@ -66,11 +67,19 @@ class Persistent(enum.IntEnum):
 
     OFF = 0  # the pointer kernel (one program per output tile)
     ON = 1  # the persistent kernel fed by tensor descriptors (gemm/persistent.py; gemm/w8a8_persistent.py on w8a8)
+    GATHER_FIRST = 1  # 1.0's third kernel (rows copied into expert order first), an alias of ON since 1.1 (`parse`)
 
     @classmethod
     def parse(cls, value) -> "Persistent":
         """A table's `persistent`: a member's name in any case ("on"), or its integer (tables written before the
-        names). Anything else raises ValueError naming the accepted values."""
+        names); 1.0's "gather_first" (2) reads as ON with a DeprecationWarning. Anything else raises ValueError naming
+        the accepted values."""
+        if (isinstance(value, str) and value.lower() == "gather_first") or (type(value) is int and value == 2):
+            # 1.0's "gather_first" (2): a copy of the rows into expert order before the persistent kernel, removed in
+            # 1.1 as it measured within noise of "on"; v1 tables and forced tiles keep loading, as "on"
+            warnings.warn("a tile's persistent 'gather_first' (2) runs as 'on' since moe-dispatch 1.1.0 (the copy "
+                          "into expert order measured no faster); write 'on'", DeprecationWarning, stacklevel=3)
+            return cls.ON
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         if isinstance(value, int) and not isinstance(value, bool) and value in cls._value2member_map_:
