@@ -12,6 +12,7 @@ import pytest
 import moe_dispatch as md
 from moe_dispatch import expert_parallel, fp8, layers, moe, mxfp4, transformers_experts
 from moe_dispatch.routing import router
+from moe_dispatch.formats import quant
 
 PUBLIC_SUBMODULES = (layers, transformers_experts, fp8, mxfp4, expert_parallel)
 
@@ -24,6 +25,9 @@ CHOICES = {
     "w_gate_up_scale_layout": set(fp8.GATE_UP_SCALE_LAYOUTS),
     "gate_up_layout": set(fp8.GATE_UP_SCALE_LAYOUTS),
     "layout": set(fp8.GATE_UP_SCALE_LAYOUTS),  # fp8's gate/up scale layout helpers
+    "format": set(quant.QUANT_FORMATS),  # ExpertsQuant's fields
+    "gate_up_scale_layout": set(fp8.GATE_UP_SCALE_LAYOUTS),
+    "weight_layout": set(quant.WEIGHT_LAYOUTS),
 }
 
 

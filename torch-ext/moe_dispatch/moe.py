@@ -26,6 +26,7 @@ from .formats.fp8 import (DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, GATE_UP_SCALE_LA
                           check_fp8_dtype_on_device, check_fp8_weight, check_gate_up_scale_layout, check_input_scale,
                           gate_up_row_offset, infer_scheme, input_scale_problems, is_fp8, kernel_scale)
 from .formats.mxfp4 import MXFP4_GROUP, check_mxfp4_weight, is_mxfp4, mxfp4_k, mxfp4_weight_scale
+from .formats.quant import ExpertsQuant, resolve_quant
 from .formats.scale_codes import WeightScaleCode
 from .gemm import gluon_fp8
 from .gemm.args import weight_k
@@ -615,7 +616,8 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
                   fp8_block_shape: tuple[int, int] | list[int] = DEFAULT_FP8_BLOCK_SHAPE,
                   gate_up_input_scale: torch.Tensor | None = None, down_input_scale: torch.Tensor | None = None,
                   fp8_compute: Literal["auto", "w8a8", "dequant"] = "auto",
-                  w_gate_up_scale_layout: Literal["fused", "merged"] = "fused") -> torch.Tensor:
+                  w_gate_up_scale_layout: Literal["fused", "merged"] = "fused",
+                  quant: ExpertsQuant | None = None) -> torch.Tensor:
     """Experts path for callers with their own router: out[t] = sum_j topk_weights[t, j] * expert_{ids[t, j]}(x_t).
 
     hidden_states [..., H]; w_gate_up [E, 2F, H] (gate rows then up rows, the transformers layout) and w_down [E, H, F];
@@ -659,6 +661,11 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     "w8a8" instead of the dynamic scales (values beyond 448 * scale saturate); "dequant" does not quantize
     activations and ignores them.
 
+    `quant` (since 1.1.0): the weights' quantization as one `ExpertsQuant` (formats/quant.py), e.g.
+    `ExpertsQuant.fp8(w_gate_up_scale, w_down_scale, block_shape=(128, 128))` or `ExpertsQuant.mxfp4(w_gate_up_scale,
+    w_down_scale)`, in place of the seven keywords above and below (passing both is a TypeError); its format is
+    declared and checked against the weights' dtypes.
+
     MXFP4 expert weights (v1.x addition; formats/mxfp4.py): w_gate_up and w_down as uint8 blocks, as GPT-OSS checkpoints
     store them ([E, 2F, H/32, 16] and [E, H, F/32, 16], or those bytes as [E, 2F, H/2] and [E, H, F/2]: two e2m1
     values per byte, low nibble first), with their e8m0 scales `w_gate_up_scale` [E, 2F, H/32] and `w_down_scale`
@@ -674,6 +681,12 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
     "False" is refused, not taken as true), a number a real number, a choice one of its strings, forced tiles what the
     kernels take; the environment switches are read once per call (host/device.py: `call_scope`).
     """
+    if quant is not None:  # the one quantization object, in the v1 keywords the experts path reads
+        (w_gate_up_scale, w_down_scale, fp8_block_shape, gate_up_input_scale, down_input_scale, fp8_compute,
+         w_gate_up_scale_layout) = resolve_quant(quant, w_gate_up, w_down, dict(
+             w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, fp8_block_shape=fp8_block_shape,
+             gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale, fp8_compute=fp8_compute,
+             w_gate_up_scale_layout=w_gate_up_scale_layout)).values()
     check_experts_options(activation=activation, interleaved=interleaved, transposed=transposed,
                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, validate=validate,
                           validate_ids=validate_ids, tiles=tiles, fp8_block_shape=fp8_block_shape,
