@@ -463,17 +463,16 @@ __version__ = "{version}"
 '''
 
 
-def render_source_version_py(version: str) -> str:
-    return f'''"""Version of the package as this tree holds it (PEP 440): what `import moe_dispatch` reports from a checkout.
+VERSION_LINE = re.compile(r'^__version__ = "[^"\n]*"$', re.MULTILINE)
 
-X.Y.Z.dev0 on every commit but a release's, where X.Y.Z is the release CHANGELOG.md prepares (its entry headed
-`## [X.Y.Z] - unreleased`; a minor release when the entry adds to the API under `### Added`). X.Y.Z in the release
-commit scripts/release makes: it dates the entry, sets X.Y.Z here, then opens X.Y.(Z+1).dev0 in a second commit. A
-build of the tree reports the same version, with `+g<commit>` added unless it is the tagged release (scripts/build;
-docs/releasing.md, "Versions")."""
 
-__version__ = "{version}"
-'''
+def set_source_version(version_file: Path, version: str) -> None:
+    """Sets `__version__` in the tree's _version.py, the one line: the rule of versions its docstring states stays that
+    file's own. ReleaseError unless the file holds exactly one such line."""
+    text, count = VERSION_LINE.subn(f'__version__ = "{version}"', version_file.read_text())
+    if count != 1:
+        raise ReleaseError(f"{version_file}: expected one line `__version__ = \"...\"`, found {count}")
+    version_file.write_text(text)
 
 
 def file_digest(files: dict[str, bytes]) -> dict:
@@ -676,7 +675,7 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
     changelog.write_text(text)
     version_file = project.source_dir / VERSION_FILE
     version_rel = str(version_file.relative_to(root))
-    version_file.write_text(render_source_version_py(version))
+    set_source_version(version_file, version)
     git(root, "add", "--", CHANGELOG, version_rel)
     git(root, "commit", "-q", "-m", f"Release {tag}", "--", CHANGELOG, version_rel)
     log(f"committed {CHANGELOG} ({version} dated {today}) and {version_rel} ({version})")
@@ -694,7 +693,7 @@ def release(root: Path, version: str, *, today: str | None = None, log=print) ->
         opened = _next_patch(version)
         heading = _changelog_section(text, version)
         changelog.write_text(text[:heading.start()] + f"## [{opened}] - unreleased\n\n" + text[heading.start():])
-        version_file.write_text(render_source_version_py(f"{opened}.dev0"))
+        set_source_version(version_file, f"{opened}.dev0")
         git(root, "commit", "-q", "-m", f"Open {opened}.dev0 after {tag}", "--", CHANGELOG, version_rel)
         log(f"{current} -> {head_commit(root)[:7]}: opened {opened}.dev0 (`## [{opened}] - unreleased`; a release "
             f"adding to the API renames it {parsed[0]}.{parsed[1] + 1}.0)")

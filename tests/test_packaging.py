@@ -419,10 +419,29 @@ def version_project(tmp_path, source: str, changelog: str | None):
     root = tmp_path / "repo"
     (root / "torch-ext" / "moe_dispatch").mkdir(parents=True)
     shutil.copy2(ROOT / "build.toml", root / "build.toml")
-    (root / "torch-ext" / "moe_dispatch" / "_version.py").write_text(release_module.render_source_version_py(source))
+    version_file = root / "torch-ext" / "moe_dispatch" / "_version.py"
+    shutil.copy2(ROOT / "torch-ext" / "moe_dispatch" / "_version.py", version_file)
+    release_module.set_source_version(version_file, source)
     if changelog is not None:
         (root / "CHANGELOG.md").write_text(changelog)
     return release_module.load_project(root)
+
+
+def test_setting_the_source_version_changes_its_line_only(tmp_path):
+    """scripts/release sets `__version__` and nothing else of _version.py (its docstring, the rule of versions, has
+    no second copy in the release code); a file without exactly one such line is refused."""
+    version_file = tmp_path / "_version.py"
+    shutil.copy2(ROOT / "torch-ext" / "moe_dispatch" / "_version.py", version_file)
+    before = version_file.read_text()
+    hub_release().set_source_version(version_file, "9.8.7.dev0")
+    after = version_file.read_text()
+    assert '__version__ = "9.8.7.dev0"' in after
+    assert [a for a, b in zip(after.splitlines(), before.splitlines()) if a != b] == ['__version__ = "9.8.7.dev0"']
+    for text in ('"""no version here"""\n', '__version__ = "1.0.0"\n__version__ = "1.0.1"\n'):
+        version_file.write_text(text)
+        with pytest.raises(hub_release().ReleaseError, match="expected one line"):
+            hub_release().set_source_version(version_file, "1.0.0")
+        assert version_file.read_text() == text
 
 
 @pytest.mark.parametrize("source,changelog,tags_on_head,dirty,want,warned", [
@@ -657,7 +676,7 @@ def releases(hub, tmp_path_factory):
     changelog = repo / "CHANGELOG.md"  # the opened 1.0.1 becomes 1.1.0: it adds to the API
     changelog.write_text(changelog.read_text().replace("## [1.0.1] - unreleased\n", "## [1.1.0] - unreleased\n\n"
                                                        "### Added\n- A change.\n", 1))
-    (repo / "torch-ext" / "moe_dispatch" / "_version.py").write_text(hub_release().render_source_version_py("1.1.0.dev0"))
+    hub_release().set_source_version(repo / "torch-ext" / "moe_dispatch" / "_version.py", "1.1.0.dev0")
     git(repo, "commit", "-q", "-am", "change for v1.1.0")
     second = release(repo, hub, "1.1.0")
     return {"repo": repo, "v1.0.0": first, "v1.1.0": second, "lockfile": project / "kernels.lock", "base": base}
@@ -797,7 +816,7 @@ def test_publish_refuses_to_move_a_release_tag_or_go_back(hub, releases, tmp_pat
     released = changelog.read_text().replace("## [1.1.1] - unreleased\n\n", "", 1)
     for tag, reason in (("v1.1.0", "already exists"), ("v1.0.1", "newer v1 releases exist")):
         git(clone, "tag", "-d", "v1.1.0")  # the tag under test is the one on HEAD, and the release the tree records
-        version_file.write_text(hub_release().render_source_version_py(tag[1:]))
+        hub_release().set_source_version(version_file, tag[1:])
         # The records of a 1.0.1 made on a tree that never had 1.1.0: its dated entry is the newest.
         changelog.write_text(re.sub(r"^## \[1\.1\.0\]", f"## [{tag[1:]}]", released, flags=re.M))
         git(clone, "commit", "-q", "-am", f"source version {tag[1:]}")
@@ -835,7 +854,7 @@ def _release_commit(repo):
     """The commit scripts/release 1.0.0 makes, without its tag: CHANGELOG.md dates 1.0.0, _version.py says 1.0.0."""
     changelog = repo / "CHANGELOG.md"
     changelog.write_text(changelog.read_text().replace("## [1.0.0] - unreleased", "## [1.0.0] - 2026-12-02", 1))
-    (repo / "torch-ext" / "moe_dispatch" / "_version.py").write_text(hub_release().render_source_version_py("1.0.0"))
+    hub_release().set_source_version(repo / "torch-ext" / "moe_dispatch" / "_version.py", "1.0.0")
     git(repo, "commit", "-q", "-am", "Release v1.0.0")
 
 

@@ -60,13 +60,20 @@ def test_mxfp4_quant_object_computes_what_the_keywords_compute():
     assert_close(expected, fused_experts_ref(x, *dequantized, ids, weights))
 
 
-@pytest.mark.parametrize("when", ["first call", "after a valid call"])
-def test_quant_and_a_v1_keyword_together_are_refused_naming_the_keyword(when):
+def _fp8_call(when):
+    """A valid fp8 call's operands, its keywords and its ExpertsQuant; run once first when `when` says so (a refusal
+    must then come from the replayed, planned call as from the first)."""
     x, ids, weights = _routing()
     gate_up, down, keywords = _fp8("channel")
     quant = md.ExpertsQuant.fp8(keywords["w_gate_up_scale"], keywords["w_down_scale"])
     if when == "after a valid call":
         md.fused_experts(x, gate_up, down, ids, weights, quant=quant)
+    return x, ids, weights, gate_up, down, keywords, quant
+
+
+@pytest.mark.parametrize("when", ["first call", "after a valid call"])
+def test_quant_and_a_v1_keyword_together_are_refused_naming_the_keyword(when):
+    x, ids, weights, gate_up, down, keywords, quant = _fp8_call(when)
     for name, value in (("w_down_scale", keywords["w_down_scale"]), ("fp8_compute", "dequant"),
                         ("fp8_block_shape", (16, 32)), ("w_gate_up_scale_layout", "merged")):
         with pytest.raises(TypeError, match=f"quant= and {name}="):
@@ -76,11 +83,7 @@ def test_quant_and_a_v1_keyword_together_are_refused_naming_the_keyword(when):
 @pytest.mark.parametrize("when", ["first call", "after a valid call"])
 def test_a_format_that_does_not_match_the_weights_is_refused(when):
     """The format is declared, never inferred: fp8 over float weights, mxfp4 over float8 weights."""
-    x, ids, weights = _routing()
-    gate_up, down, keywords = _fp8("channel")
-    fp8 = md.ExpertsQuant.fp8(keywords["w_gate_up_scale"], keywords["w_down_scale"])
-    if when == "after a valid call":
-        md.fused_experts(x, gate_up, down, ids, weights, quant=fp8)
+    x, ids, weights, gate_up, down, _, fp8 = _fp8_call(when)
     with pytest.raises(TypeError, match="quant.format is 'fp8' but w_gate_up and w_down have dtypes bfloat16"):
         md.fused_experts(x, gate_up.bfloat16(), down.bfloat16(), ids, weights, quant=fp8)
     mx_gate_up, mx_down, mx_keywords = _mxfp4()
