@@ -65,7 +65,7 @@ pytest_counts() {  # pytest's closing counts in a log ("3 failed, 997 passed, 32
   local counts
   counts=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected).* in [0-9.]+s' "$1" | while IFS= read -r line; do
     echo "$line" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?|xfailed|xpassed)' | paste -sd, - | sed 's/,/, /g'
-  done | paste -sd';' - | sed 's/;/; /g')
+  done | grep -v '^$' | paste -sd';' - | sed 's/;/; /g')  # a run that selected nothing adds no entry
   echo "${counts:-no summary line}"
 }
 pytest_note() {  # rc log -> the summary's note for one pytest process

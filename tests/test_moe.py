@@ -341,8 +341,8 @@ def test_fused_moe_forward_errors(change, exc, name):
 
 
 EXPERTS_ERRORS = [
-    (dict(topk_ids=torch.tensor([[0, 4]] * 5)), ValueError, "topk_ids"),
-    (dict(topk_ids=torch.tensor([[0, -1]] * 5)), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.tensor([[0, 4]] * 5), validate=True), ValueError, "topk_ids"),
+    (dict(topk_ids=torch.tensor([[0, -1]] * 5), validate=True), ValueError, "topk_ids"),
     (dict(topk_ids=torch.rand(5, 2)), TypeError, "topk_ids"),
     (dict(topk_ids=torch.randint(0, 4, (6, 2))), ValueError, "topk_ids"),
     (dict(topk_weights=torch.rand(5, 3)), ValueError, "topk_weights"),
