@@ -64,7 +64,7 @@ def test_real_model_sizes_bf16_gradients(name, T, gpt_oss):
 @pytest.mark.parametrize("name,T,gpt_oss", [("qwen3-30b-a3b", 4096, False), ("gpt-oss-120b", 64, True)])
 def test_backward_bit_identical_reruns(name, T, gpt_oss):
     """Reruns give the same bits. GPT-OSS (biases, 2 rows per expert) once lost them in most reruns: its bias
-    gradient read the weight-gradient GEMM's pipelined operand into registers (backward.experts._bias_dot)."""
+    gradient read the weight-gradient GEMM's pipelined operand into registers (backward.weight_grads._bias_dot)."""
     inputs, ids, options = _experts_problem(name, T, gpt_oss=gpt_oss)
     grad_out = torch.randn(T, inputs["hidden_states"].shape[1], device="cuda", dtype=DTYPE)
     first = torch.autograd.grad(_forward(inputs, ids, options), list(inputs.values()), grad_out)

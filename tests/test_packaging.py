@@ -322,13 +322,16 @@ def test_compatibility_package_exports_the_variant(built):
 
 
 REFERENCE_ALONE = """
-import importlib.util, json, sys
+import importlib, json, sys, types
 
 sys.modules["triton"] = None  # `import triton` now raises: a module that needs it cannot load
 import torch
-spec = importlib.util.spec_from_file_location("reference_alone", sys.argv[1])  # no parent package either
-reference = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(reference)
+# The variant's folder as a bare package: its __init__.py (the kernels) never runs, reference.py's relative imports of
+# its reference_*.py files resolve in the folder
+folder = types.ModuleType("reference_alone")
+folder.__path__ = [sys.argv[1]]
+sys.modules["reference_alone"] = folder
+reference = importlib.import_module("reference_alone.reference")
 x, router = torch.randn(3, 8), torch.randn(4, 8)
 ids, weights, logits = reference.moe_router_ref(x, router, 2)
 print(json.dumps({"loaded": sorted(n for n, m in sys.modules.items() if m is not None
@@ -339,20 +342,25 @@ print(json.dumps({"loaded": sorted(n for n, m in sys.modules.items() if m is not
 
 def test_reference_ships_and_launches_nothing_on_import(built):
     """moe_dispatch.reference, the float64 references the tests, the scripts and the Hub benchmark check kernels
-    against, ships in every variant and imports torch only: it loads on its own with triton unimportable and no
-    package around it, so importing it compiles and launches no kernel."""
-    source = ROOT / "torch-ext" / "moe_dispatch" / "reference.py"
-    assert "reference.py" in package_files()
-    for variant in VARIANTS:
-        assert (built / variant / "reference.py").read_bytes() == source.read_bytes(), variant
+    against, ships in every variant with the reference_*.py files it names, and they import torch and each other
+    only: they load with triton unimportable and none of the package around them, so importing them compiles and
+    launches no kernel."""
+    folder = ROOT / "torch-ext" / "moe_dispatch"
+    sources = sorted(folder.glob("reference*.py"))
+    names = {path.stem for path in sources}
+    assert "reference.py" in package_files() and {"reference", "reference_moe", "reference_checks"} <= names, names
     import ast
 
-    tree = ast.parse(source.read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported == {"torch"}, imported
+    for source in sources:
+        for variant in VARIANTS:
+            assert (built / variant / source.name).read_bytes() == source.read_bytes(), (variant, source.name)
+        tree = ast.parse(source.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom)}
+        assert imported <= {"torch"} | {f".{name}" for name in names - {"reference"}}, (source.name, imported)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-c", REFERENCE_ALONE, str(built / "torch-cpu" / "reference.py")],
+    result = subprocess.run([sys.executable, "-c", REFERENCE_ALONE, str(built / "torch-cpu")],
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -1109,8 +1117,9 @@ def _jit_functions(source: str) -> set:
 
 # The layers of the package (the top __init__.py's docstring draws them): a module imports only from its own
 # sub-package and from layers before its own.
-LAYERS = (("_ops", "_version", "reference"), ("host",), ("formats",), ("routing", "dispatch"), ("gemm",),
-          ("backward",), ("moe",), ("integrations",), ("parallel",), ("__init__",))
+LAYERS = (("_ops", "_version", "reference_moe", "reference_checks"), ("reference_binned", "reference_quant"),
+          ("reference",), ("host",), ("formats",), ("routing", "dispatch"), ("gemm",),
+          ("backward",), ("experts",), ("moe",), ("integrations",), ("parallel",), ("__init__",))
 
 
 def test_package_import_graph_is_layered_without_cycles_and_the_kernels_floor_imports_nothing():
@@ -1200,8 +1209,8 @@ def _top_level_definitions(source: str) -> set:
 
 def test_each_shared_fact_has_one_home():
     """TMA's alignment and the test of it, the eager paths' plain tensor types, the FP8 block default and the float8
-    dtypes are each defined in one module (ONE_HOME), which the others import; reference.py, which imports nothing of
-    the package, keeps its own literals."""
+    dtypes are each defined in one module (ONE_HOME), which the others import; the references (reference*.py), which
+    import nothing else of the package, keep their own literals."""
     definitions = {name: _top_level_definitions(source) for name, (source, _) in _package_modules().items()}
     for fact, home in ONE_HOME.items():
         homes = sorted(name for name, names in definitions.items() if fact in names)

@@ -13,8 +13,9 @@ import moe_dispatch as md
 from moe_dispatch import expert_parallel, fp8, layers, moe, mxfp4, transformers_experts
 from moe_dispatch.routing import router
 from moe_dispatch.formats import quant
+from moe_dispatch.integrations import transformers_options
 
-PUBLIC_SUBMODULES = (layers, transformers_experts, fp8, mxfp4, expert_parallel)
+PUBLIC_SUBMODULES = (layers, transformers_experts, transformers_options, fp8, mxfp4, expert_parallel)
 
 # Parameters whose values a check restricts to a set of strings: the Literal of their annotation must be that set.
 CHOICES = {
@@ -102,7 +103,7 @@ def test_the_checks_see_what_they_test():
     assert {"fused_moe_forward", "moe_router", "grouped_gemm", "expert_capacity", "quantize_experts_fp8"} <= set(PUBLIC)
     assert {"ExpertParallelExperts.__init__", "ExpertParallelExperts.forward", "ExpertParallelExperts.from_experts",
             "SparseMoeBlock.forward", "MegaBlocksMoeMLP.forward", "fp8.is_fp8", "expert_parallel.ep_capacity",
-            "transformers_experts.fused_experts_options", "mxfp4.check_mxfp4_weight",
+            "transformers_options.fused_experts_options", "mxfp4.check_mxfp4_weight",
             "quantize_experts_mxfp4"} <= set(PUBLIC)
 
 

@@ -263,7 +263,7 @@ def tiles_from_list(values) -> "MoeTiles | DecodeTiles":
 class WeightGradTile:
     """Launch parameters of the per-expert weight-gradient GEMM: a [block_i, block_j] tile of dW[e], reduced over the
     expert's rows block_p at a time. `persistent`: one program per SM walking the tiles with both operands through
-    tensor descriptors (backward/experts.py; planner.weight_grad_kernel says where it can run)."""
+    tensor descriptors (backward/weight_grads.py; planner.weight_grad_kernel says where it can run)."""
 
     block_i: int
     block_j: int
