@@ -962,16 +962,16 @@ class BackwardPath(TunerPath):
 
     @staticmethod
     def case(run, prob, num_tokens):
-        """The forward's saved pre-activations and dispatch (moe._fused_experts_impl with save_preact), a random
+        """The forward's saved pre-activations and dispatch (the experts operator's launches with save_preact), a random
         gradient of the output; `call` runs experts_backward under forced tiles into fresh gradient buffers."""
         shape, device, kernel = prob.shape, run.device, run.kernel
-        moe = importlib.import_module(kernel.__name__ + ".moe")
+        operator = importlib.import_module(kernel.__name__ + ".experts.operator")
+        described = importlib.import_module(kernel.__name__ + ".experts.call").ExpertsCall()
         backward = importlib.import_module(kernel.__name__ + ".backward.experts")
         x, ids, weights, _ = TunerPath.cell(run, prob, num_tokens)
-        _, preact, offsets, gather_idx, scatter_idx = moe._fused_experts_impl(
-            x=x, w_gate_up=prob.w_gate_up, w_up=None, w_down=prob.w_down, topk_ids=ids, topk_weights=weights,
-            gate_up_bias=None, down_bias=None, activation="silu", interleaved=False, transposed=False, alpha=1.702,
-            limit=7.0, tiles=None, save_preact=True)
+        no_scales = (None, None, None, None)
+        _, preact, offsets, gather_idx, scatter_idx = operator.launch_experts(
+            x, prob.w_gate_up, None, prob.w_down, ids, weights, None, None, *no_scales, True, described)
         grad_out = torch.randn(x.shape, device=device, generator=torch.Generator(device=device).manual_seed(
             run.args.seed + num_tokens)).to(x.dtype)
         ref = []

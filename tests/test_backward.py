@@ -127,11 +127,11 @@ def test_backward_is_deterministic():
 
 def _reuse_spy(monkeypatch):
     """The reuse_preact of every experts backward from here on (replayed ones too: the spy sits above the plans)."""
-    from moe_dispatch import moe
+    from moe_dispatch.experts import autograd
 
     seen = []
-    grads = moe._experts_grads
-    monkeypatch.setattr(moe, "_experts_grads",
+    grads = autograd.experts_grads
+    monkeypatch.setattr(autograd, "experts_grads",
                         lambda *a, reuse_preact: seen.append(reuse_preact) or grads(*a, reuse_preact=reuse_preact))
     return seen
 

@@ -15,7 +15,9 @@ import torch
 from helpers import DEVICE, assert_close, capture_cuda_graph, needs_gpu
 
 import moe_dispatch as md
-from moe_dispatch import moe
+from moe_dispatch.experts import operator
+from moe_dispatch.experts.autograd import run_experts
+from moe_dispatch.experts.call import ExpertsCall
 from moe_dispatch.host import tiles
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.reference import fused_experts_ref
@@ -164,10 +166,11 @@ def run(case, inputs, tile_choice):
     options = dict(activation=case.activation, interleaved=case.interleaved, transposed=case.transposed,
                    gate_up_bias=inputs.get("gate_up_bias"), down_bias=inputs.get("down_bias"), tiles=tile_choice)
     if case.separate_up:
-        spec = moe.ExpertsSpec(case.activation, case.interleaved, case.transposed, limit=case.limit)
-        return moe._run_experts(inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"], inputs["topk_ids"],
-                                inputs["topk_weights"], inputs.get("gate_up_bias"), inputs.get("down_bias"),
-                                spec=spec, tiles=tile_choice)
+        described = ExpertsCall(case.activation, case.interleaved, case.transposed, limit=case.limit,
+                                tiles=tile_choice)
+        return run_experts(inputs["x"], inputs["w_gate"], inputs["w_up"], inputs["w_down"], inputs["topk_ids"],
+                           inputs["topk_weights"], inputs.get("gate_up_bias"), inputs.get("down_bias"),
+                           call_options=described)
     return md.fused_experts(inputs["x"], inputs["w_gate_up"], inputs["w_down"], inputs["topk_ids"],
                             inputs["topk_weights"], swiglu_limit=case.limit, validate=False, **options)
 
@@ -294,8 +297,8 @@ def _spy(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(moe, "decode_experts", counted("decode", moe.decode_experts))
-    monkeypatch.setattr(moe, "dispatch", counted("general", moe.dispatch))
+    monkeypatch.setattr(operator, "decode_experts", counted("decode", operator.decode_experts))
+    monkeypatch.setattr(operator, "dispatch", counted("general", operator.dispatch))
     return calls
 
 

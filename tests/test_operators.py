@@ -10,6 +10,9 @@ from torch._dynamo.utils import counters
 
 import moe_dispatch as md
 from moe_dispatch import _ops, moe
+from moe_dispatch.experts.autograd import fused_experts_backward_op
+from moe_dispatch.experts.call import ExpertsCall
+from moe_dispatch.experts.operator import fused_experts_op
 from moe_dispatch.dispatch import binned as binned_ops
 from moe_dispatch.routing import router
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
@@ -24,31 +27,34 @@ def _ids(T):
     return torch.stack([torch.randperm(E)[:TOP_K] for _ in range(T)]).to(DEVICE)
 
 
-def _experts_args(T, *, requires_grad, save_preact):
+def _experts_args(T, *, requires_grad, save_preact, scales=(None, None, None, None), **call):
+    """The experts operator's arguments: tensors, the four scale slots, save_preact, then an ExpertsCall's options."""
     def rand(*shape):
         return (torch.randn(*shape, device=DEVICE) * 0.3).requires_grad_(requires_grad)
 
     return (rand(T, H), rand(E, 2 * F, H), None, rand(E, H, F), _ids(T), rand(T, TOP_K), rand(E, 2 * F), rand(E, H),
-            "silu", False, False, 1.702, 7.0, None, save_preact)
+            *scales, save_preact, *ExpertsCall(**call).op_options())
+
+
+def _quantized_experts_args(T, gate_up_scheme, down_scheme, input_scales=(None, None), **call):
+    """Forward-only arguments with float8 weights quantized per `gate_up_scheme` / `down_scheme`."""
+    args = list(_experts_args(T, requires_grad=False, save_preact=False, **call))
+    block_shape = call.get("block_shape", (128, 128))
+    args[1], gate_up_scale = quantize_experts_fp8(args[1], gate_up_scheme, block_shape=block_shape)
+    args[3], down_scale = quantize_experts_fp8(args[3], down_scheme, block_shape=block_shape)
+    args[8:12] = gate_up_scale, down_scale, *input_scales
+    return tuple(args)
 
 
 def _fp8_experts_args(T):
     """Block-scaled gate_up (8 x 8 blocks) and per-channel down, forward only."""
-    args = list(_experts_args(T, requires_grad=False, save_preact=False))
-    w_gate_up, w_gate_up_scale = quantize_experts_fp8(args[1], "block", block_shape=(8, 8))
-    w_down, w_down_scale = quantize_experts_fp8(args[3], "channel")
-    args[1], args[3] = w_gate_up, w_down
-    return (*args, w_gate_up_scale, w_down_scale, [8, 8])
+    return _quantized_experts_args(T, "block", "channel", block_shape=(8, 8))
 
 
 def _w8a8_experts_args(T):
     """Per-channel gate_up and per-tensor down on the w8a8 path, static input scales (per expert, per tensor)."""
-    args = list(_experts_args(T, requires_grad=False, save_preact=False))
-    w_gate_up, w_gate_up_scale = quantize_experts_fp8(args[1], "channel")
-    w_down, w_down_scale = quantize_experts_fp8(args[3], "tensor")
-    args[1], args[3] = w_gate_up, w_down
-    return (*args, w_gate_up_scale, w_down_scale, [128, 128], torch.full((E,), 0.01, device=DEVICE),
-            torch.tensor(0.02, device=DEVICE), "w8a8")
+    return _quantized_experts_args(T, "channel", "tensor", (torch.full((E,), 0.01, device=DEVICE),
+                                                            torch.tensor(0.02, device=DEVICE)), compute="w8a8")
 
 
 def _segments(T):
@@ -69,8 +75,8 @@ def _operator_case(name):
     weights = torch.rand(5, TOP_K, device=DEVICE)
     x, w_gate_up, _, w_down_t, ids, topk_weights, gate_up_bias, down_bias = _experts_args(
         5, requires_grad=False, save_preact=True)[:8]
-    forward = moe._fused_experts_op._init_fn(x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
-                                             "silu", False, False, 1.702, 7.0, None, True)
+    forward = fused_experts_op._init_fn(x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
+                                        None, None, None, None, True, *ExpertsCall().op_options())
     flat = _ids(5).reshape(-1).int()
     _, indices = md.sort(flat)
     bins = md.inclusive_cumsum(md.histogram(flat, E), 0)
@@ -88,15 +94,15 @@ def _operator_case(name):
         ("row_wgrad-padded", binned_ops._row_wgrad_op,
          (padded, torch.randn(5, H, device=DEVICE), indices, bins, padded_bins, PADDED.value, TOP_K, 0,
           torch.float32)),
-        ("fused_experts", moe._fused_experts_op, _experts_args(5, requires_grad=True, save_preact=True)),
+        ("fused_experts", fused_experts_op, _experts_args(5, requires_grad=True, save_preact=True)),
         # at T = 5 the interpreter's table picks the decode path; the general one is forced by its tiles
-        ("fused_experts-inference", moe._fused_experts_op, _experts_args(5, requires_grad=False, save_preact=False)),
-        ("fused_experts-inference-general", moe._fused_experts_op,
-         (*_experts_args(5, requires_grad=False, save_preact=False)[:13],
-          select_tiles(torch.device(DEVICE), 5, TOP_K, E, F, H).to_list(), False)),
-        ("fused_experts-fp8", moe._fused_experts_op, _fp8_experts_args(5)),
-        ("fused_experts-w8a8", moe._fused_experts_op, _w8a8_experts_args(5)),
-        ("fused_experts_backward", moe._fused_experts_backward_op,
+        ("fused_experts-inference", fused_experts_op, _experts_args(5, requires_grad=False, save_preact=False)),
+        ("fused_experts-inference-general", fused_experts_op,
+         _experts_args(5, requires_grad=False, save_preact=False,
+                       tiles=select_tiles(torch.device(DEVICE), 5, TOP_K, E, F, H))),
+        ("fused_experts-fp8", fused_experts_op, _fp8_experts_args(5)),
+        ("fused_experts-w8a8", fused_experts_op, _w8a8_experts_args(5)),
+        ("fused_experts_backward", fused_experts_backward_op,
          (torch.randn(5, H, device=DEVICE), x, w_gate_up, None, w_down_t, ids, topk_weights, gate_up_bias, down_bias,
           *forward[1:], "silu", False, False, 1.702, 7.0, [True] * 7)),
         ("route", router._route_op, (torch.randn(5, H, device=DEVICE, requires_grad=True),

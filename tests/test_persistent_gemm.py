@@ -13,7 +13,8 @@ from helpers import DEVICE, ON_GPU, assert_close
 
 import moe_dispatch as md
 from moe_dispatch.gemm import persistent
-from moe_dispatch.moe import _run_experts  # the seed layout's entry (fused_moe_forward routes first)
+from moe_dispatch.experts.autograd import run_experts  # the seed layout's entry (fused_moe_forward routes first)
+from moe_dispatch.experts.call import ExpertsCall
 from moe_dispatch.reference import fused_experts_ref
 from moe_dispatch.host.tiles import GemmTile, MoeTiles, Persistent
 
@@ -97,7 +98,10 @@ def test_persistent_matches_reference_and_pointer_kernel(case, monkeypatch, pois
     F = case.F
     if case.layout.get("w_up"):  # seed layout: gate and up as two tensors
         w_gate, w_up = w_gate_up[:, :F].contiguous(), w_gate_up[:, F:].contiguous()
-        run = lambda tiles: _run_experts(x, w_gate, w_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
+        def run(tiles):
+            options = {k: v for k, v in kwargs.items() if k != "gate_up_bias"}
+            return run_experts(x, w_gate, w_up, w_down, ids, weights, kwargs.get("gate_up_bias"),
+                               call_options=ExpertsCall(tiles=tiles, **options))
     else:
         run = lambda tiles: md.fused_experts(x, w_gate_up, w_down, ids, weights, tiles=tiles, **kwargs)  # noqa: E731
     spy = _Spy(monkeypatch)

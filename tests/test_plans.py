@@ -11,7 +11,9 @@ from helpers import DEVICE, assert_close, make_weights
 
 import moe_dispatch as md
 from moe_dispatch.host import replay
-from moe_dispatch.moe import _BACKWARD_PLANS, _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS, _OPERATOR_PLANS
+from moe_dispatch.experts.autograd import BACKWARD_PLANS
+from moe_dispatch.experts.operator import FORWARD_PLANS
+from moe_dispatch.moe import _FUSED_EXPERTS_PLANS, _FUSED_MOE_PLANS
 from moe_dispatch.reference import fused_experts_ref, fused_moe_forward_ref
 from moe_dispatch.host.tiles import select_tiles
 
@@ -154,6 +156,32 @@ def test_value_checks_are_never_skipped():
     assert len(_FUSED_EXPERTS_PLANS) == 0
 
 
+@pytest.mark.parametrize("entry", ["fused_experts", "fused_moe_forward"])
+def test_a_call_is_planned_at_one_level(entry):
+    """Eager inference is planned at its public entry alone: the operator below runs inside the entry's record, never
+    in a plan of its own; a training call is planned at the operator alone (its entry cannot replay)."""
+    T, E, top_k, H, F = 37, 6, 2, 32, 16
+    x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+    router = torch.randn(E, H, device=DEVICE)
+    w_gate, w_up = w_gate_up[:, :F], w_gate_up[:, F:]
+    cache = _FUSED_EXPERTS_PLANS if entry == "fused_experts" else _FUSED_MOE_PLANS
+
+    def layer():
+        if entry == "fused_experts":
+            return md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+        return md.fused_moe_forward(x, router, w_gate, w_up, w_down, E, top_k)[0]
+
+    replays = cache.replays, FORWARD_PLANS.replays
+    with torch.no_grad():
+        for _ in range(2):
+            layer()
+    assert (len(cache), cache.replays - replays[0], len(FORWARD_PLANS)) == (1, 1, 0)
+    x.requires_grad_(True)
+    for _ in range(2):
+        layer().sum().backward()
+    assert (len(cache), len(FORWARD_PLANS), FORWARD_PLANS.replays - replays[1]) == (1, 1, 1)
+
+
 def test_gradients_bypass_plans():
     T, E, top_k, H, F = 3, 4, 2, 32, 16
     x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
@@ -184,7 +212,7 @@ def test_training_steps_replay_below_autograd(case):
     options = dict(options)
     bias = options.pop("bias", False)
     T, E, top_k, H, F = 37, 6, 2, 32, 16
-    replays_before = (_OPERATOR_PLANS.replays, _BACKWARD_PLANS.replays)
+    replays_before = (FORWARD_PLANS.replays, BACKWARD_PLANS.replays)
     for step in range(3):
         x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F, seed=step,
                                                      transposed=options.get("transposed", False))
@@ -203,8 +231,8 @@ def test_training_steps_replay_below_autograd(case):
         for what, g, r in zip(("d hidden_states", "d w_gate_up", "d w_down", "d topk_weights"), grads, ref_grads):
             assert_close(g, r, torch.float32, what=f"step {step} {what}")
     assert len(_FUSED_EXPERTS_PLANS) == 0  # never planned at the entry point
-    replays = (_OPERATOR_PLANS.replays - replays_before[0], _BACKWARD_PLANS.replays - replays_before[1])
-    assert replays == (2, 2), (_OPERATOR_PLANS.last_reason, _BACKWARD_PLANS.last_reason)
+    replays = (FORWARD_PLANS.replays - replays_before[0], BACKWARD_PLANS.replays - replays_before[1])
+    assert replays == (2, 2), (FORWARD_PLANS.last_reason, BACKWARD_PLANS.last_reason)
 
 
 def test_nan_propagates_through_a_replay():

@@ -10,17 +10,18 @@ import typing
 import pytest
 
 import moe_dispatch as md
-from moe_dispatch import expert_parallel, fp8, layers, moe, mxfp4, transformers_experts
+from moe_dispatch import expert_parallel, fp8, layers, mxfp4, transformers_experts
 from moe_dispatch.routing import router
 from moe_dispatch.formats import quant
 from moe_dispatch.integrations import transformers_options
+from moe_dispatch.experts import checks as experts_checks
 
 PUBLIC_SUBMODULES = (layers, transformers_experts, transformers_options, fp8, mxfp4, expert_parallel)
 
 # Parameters whose values a check restricts to a set of strings: the Literal of their annotation must be that set.
 CHOICES = {
     "gating": set(router.GATINGS),
-    "activation": set(moe.EXPERT_ACTIVATIONS),
+    "activation": set(experts_checks.EXPERT_ACTIVATIONS),
     "scheme": set(fp8.SCHEMES),
     "fp8_compute": set(fp8.FP8_COMPUTE),
     "w_gate_up_scale_layout": set(fp8.GATE_UP_SCALE_LAYOUTS),

@@ -507,7 +507,10 @@ class PlanCache:
     def run(self, fn, tensors, options):
         """`fn(*tensors, *options)` (tensors[0] a tensor, the others tensors or None; `options` hashable, everything
         else the call depends on): replayed from this signature's
-        plan when there is one, recorded when the signature is new, in full when it cannot be replayed."""
+        plan when there is one, recorded when the signature is new, in full when it cannot be replayed, and in full
+        inside another cache's record (a call is planned at one level: the record above holds these launches)."""
+        if _state.recorder is not None:
+            return fn(*tensors, *options)
         key = _key(tensors, options)
         if key is None:
             return fn(*tensors, *options)

@@ -68,7 +68,7 @@ from ..formats.mxfp4 import is_mxfp4
 from ..host.checks import check_bool, check_finite_number, check_ids_in_range, check_int, check_real, check_tensor
 from ..host.device import call_scope
 from ..integrations.transformers_experts import fused_experts_options
-from ..moe import check_experts_args, check_experts_options, fused_experts
+from ..moe import fused_experts
 from .ep_plan import count_rows, route_rows
 
 
