@@ -22,7 +22,7 @@ import torch
 from helpers import DEVICE, assert_close
 
 import moe_dispatch as md
-from moe_dispatch import moe
+from moe_dispatch.experts import operator
 from moe_dispatch.formats import fp8 as fp8_module
 from moe_dispatch.gemm import decode, planner
 from moe_dispatch.gemm.jit import StepDot
@@ -170,7 +170,7 @@ def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch)
         options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
                        down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
     launched = []
-    monkeypatch.setattr(moe, "decode_experts", lambda *a, **k: launched.append(1) or decode.decode_experts(*a, **k))
+    monkeypatch.setattr(operator, "decode_experts", lambda *a, **k: launched.append(1) or decode.decode_experts(*a, **k))
     x = torch.randn(3, H, device=DEVICE).bfloat16()
     ids, weights = _ids(3), torch.rand(3, TOP_K, device=DEVICE)
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales, **options)

@@ -58,6 +58,7 @@ random one on a device without a float copy of the experts. The experts function
 """
 
 import copy
+import dataclasses
 import functools
 import os
 import types
@@ -66,7 +67,9 @@ from typing import Any
 
 import torch
 
+from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE
 from ..formats.mxfp4 import E8M0_NAN, MXFP4_GROUP, dequantize_experts_mxfp4, quantize_experts_mxfp4
+from ..formats.quant import V1_QUANT_KEYWORDS, ExpertsQuant
 from ..host.checks import check_tensor, warn_if_gradient_cut
 from ..host.device import call_scope
 from ..moe import fused_experts
@@ -78,13 +81,28 @@ EXPERTS_IMPLEMENTATION = "moe_dispatch"
 
 
 def _options_of(experts) -> tuple[dict[str, Any], str]:
-    """(the `fused_experts` keyword arguments of `experts`, its kind: "mxfp4", "fp8" or "float"); raises for what
-    cannot run."""
+    """(the `fused_experts` keyword arguments of `experts`, the quantization as one `quant`, and its kind: "mxfp4",
+    "fp8" or "float"); raises for what cannot run."""
     if _is_mxfp4_experts(experts):
-        return mxfp4_experts_options(experts), "mxfp4"
+        return _with_quant(mxfp4_experts_options(experts), "mxfp4"), "mxfp4"
     if _is_fp8_experts(experts):
-        return fp8_experts_options(experts), "fp8"
+        return _with_quant(fp8_experts_options(experts), "fp8"), "fp8"
     return fused_experts_options(experts), "float"
+
+
+def _with_quant(options: dict[str, Any], kind: str) -> dict[str, Any]:
+    """`options` (the v1 keywords the `*_experts_options` functions return) with the quantization keywords as one
+    `ExpertsQuant` of format `kind`."""
+    given = {key: options[key] for key in V1_QUANT_KEYWORDS if key in options}
+    rest = {key: value for key, value in options.items() if key not in V1_QUANT_KEYWORDS}
+    compute = given.get("fp8_compute", "auto")
+    if kind == "mxfp4":
+        return {**rest, "quant": ExpertsQuant.mxfp4(given["w_gate_up_scale"], given["w_down_scale"], compute=compute)}
+    return {**rest, "quant": ExpertsQuant.fp8(
+        given.get("w_gate_up_scale"), given.get("w_down_scale"),
+        block_shape=given.get("fp8_block_shape", DEFAULT_FP8_BLOCK_SHAPE),
+        gate_up_input_scale=given.get("gate_up_input_scale"), down_input_scale=given.get("down_input_scale"),
+        compute=compute, gate_up_scale_layout=given.get("w_gate_up_scale_layout", "fused"))}
 
 
 # id(module) -> (ids, kept, options, kind, weakref): what `_options_of` found for a module, valid while what it read
@@ -130,7 +148,7 @@ def _experts_options(experts) -> tuple:
     return options, kind
 
 
-# fused_experts' scale arguments -> the FP8Experts attributes they are read from (what a warning names)
+# ExpertsQuant's scale fields -> the FP8Experts attributes they are read from (what a warning names)
 _FP8_SCALE_ATTRIBUTES = {"w_gate_up_scale": "gate_up_proj_scale_inv", "w_down_scale": "down_proj_scale_inv",
                          "gate_up_input_scale": "gate_up_proj_activation_scale",
                          "down_input_scale": "down_proj_activation_scale"}
@@ -139,13 +157,14 @@ _FP8_SCALE_ATTRIBUTES = {"w_gate_up_scale": "gate_up_proj_scale_inv", "w_down_sc
 def _frozen_scales(experts: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
     """`options` with the scales that require grad detached (transformers keeps `*_scale_inv` as Parameters; the
     quantized experts are frozen), warned about once under the module's attribute names."""
-    needing = {key: options[key] for key in _FP8_SCALE_ATTRIBUTES
-               if isinstance(options.get(key), torch.Tensor) and options[key].requires_grad}
+    quant = options["quant"]
+    needing = {key: getattr(quant, key) for key in _FP8_SCALE_ATTRIBUTES
+               if isinstance(getattr(quant, key), torch.Tensor) and getattr(quant, key).requires_grad}
     if not needing or not torch.is_grad_enabled():
         return options
     warn_if_gradient_cut(f"moe_dispatch_experts with FP8 experts (frozen: {type(experts).__name__})",
                          **{_FP8_SCALE_ATTRIBUTES[key]: scale for key, scale in needing.items()})
-    return {**options, **{key: scale.detach() for key, scale in needing.items()}}
+    return {**options, "quant": dataclasses.replace(quant, **{key: scale.detach() for key, scale in needing.items()})}
 
 
 @call_scope

@@ -63,6 +63,7 @@ from typing import Any, Literal, NamedTuple, Self
 import torch
 import torch.distributed as dist
 
+from ..experts.checks import check_experts_args, check_experts_options
 from ..formats.fp8 import is_fp8
 from ..formats.mxfp4 import is_mxfp4
 from ..host.checks import check_bool, check_finite_number, check_ids_in_range, check_int, check_real, check_tensor
