@@ -18,12 +18,15 @@ as the w8a8 path's engine.
 3. The experts path per engine (`--sections experts`): `fused_experts` on float8_e4m3fn experts with 128 x 128 block
    scales at Qwen3-30B-A3B (E 128, top-8, H 2048, F 768), DeepSeek-V3 (E 256, top-8, H 7168, F 2048) and
    Mixtral-8x7B (E 8, top-2, H 4096, F 14336) widths, T = 4096 and 16384, uniform random routing: the portable w8a8
-   kernels (MOE_DISPATCH_GLUON_FP8=0), the Gluon engine (gemm/gluon_experts.py; the variable set to 1 in this
-   process, plans cleared after each change) with GEMM1's activation in a separate pass, fused into its epilogue
-   (gluon_experts.FUSED_ACTIVATION), and with the plain GEMMs on 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG),
-   and the bf16 path on the dequantized weights, each timed as a CUDA graph (do_bench_cudagraph, median). A table of
-   ms, TFLOP/s (6 T top_k H F FLOPs), gluon/portable, gluon/fused, gluon/r64 and fp8/bf16; the Gluon results checked against the portable one and the bf16 one (relative
-   error < reference.W8A8_TOLERANCE: both quantize activations to e4m3 with different groups, or not at all).
+   kernels (MOE_DISPATCH_GLUON_FP8=0), the Gluon engine as the package runs it (gemm/gluon_experts.py, the variable
+   set to 1 in this process: GEMM1's activation fused into its epilogue, the plain GEMMs on 64 x 256 tiles below
+   gluon_experts.ROWS64_BELOW_ROWS rows per expert and 128 x 128 from there), the engine's alternatives
+   (`GLUON_FORMS`: dispatch -> gluon_w8a8_experts with explicit keywords -> combine; the same call with no keywords
+   is checked bit for bit against fused_experts' engine output) and the bf16 path on the dequantized weights, each
+   timed as a CUDA graph (do_bench_cudagraph, median). A table of ms, TFLOP/s (6 T top_k H F FLOPs), the default's
+   speedup over the portable kernels and over each alternative, and fp8/bf16; the Gluon results checked against the
+   portable one and the bf16 one (relative error < reference.W8A8_TOLERANCE: both quantize activations to e4m3 with
+   different groups, or not at all).
 
 Each part runs under its own try/except: a failure prints its error and the probe goes on. One table at the end.
 Not a benchmark of the Hub convention (benchmarks/benchmark*.py); nothing here asserts a speed.
@@ -46,10 +49,18 @@ from moe_dispatch.gemm import gluon_fp8  # noqa: E402
 
 ROWS = []  # (part, shape, ms, TFLOP/s, note)
 FAILURES = []
-EXPERTS_ROWS = []  # (label, portable ms, gluon ms, fused ms, 64 x 256 tile ms, bf16 ms, FLOPs)
+EXPERTS_ROWS = []  # (label, rows per expert, the default's plain GEMM tiles, ms by variant name, FLOPs)
 SECTIONS = ("gemm", "experts")
 EXPERTS_MODELS = {"qwen3": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral": "mixtral-8x7b"}
 EXPERTS_TOKENS = (4096, 16384)
+# The Gluon engine's alternatives to its default, as gluon_w8a8_experts keywords (column headers in the table)
+GLUON_FORMS = {
+    "gluon unfused": ("unfused", dict(fused_activation=False)),  # GEMM1's activation in the separate pass
+    "gluon 128x128": ("128x128", dict(plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)),  # at every rows per expert
+    "gluon 64x256": ("64x256", dict(plain_gemm_cfg=gluon_fp8.ROWS64_CONFIG)),  # at every rows per expert
+    # the engine before fusing and the 64 x 256 tile were its defaults (the earlier probes' "gluon w8a8")
+    "gluon unfused 128x128": ("before", dict(fused_activation=False, plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)),
+}
 
 
 def part(name):
@@ -166,37 +177,46 @@ def routed_tokens(T, E, top_k, H, dev):
     return x, ids, torch.softmax(torch.randn(T, top_k, device=dev), dim=-1)
 
 
-def time_engines(label, flops, run, variable, variants):
-    """Time `run()` (a fused_experts call) once per variant (name, the engine variable's value, gemm.gluon_experts
-    attributes to set), plans cleared after each change (both are read when a plan is recorded), each as a CUDA graph
-    and recorded; the variable and attributes are restored after. -> (ms by name, output by
-    name)."""
-    import moe_dispatch as md
-    from moe_dispatch.gemm import gluon_experts
+def engine_call(x, w_gate_up, w_down, ids, weights, s_gate_up, s_down, **form):
+    """dispatch -> gemm.gluon_experts.gluon_w8a8_experts(..., **form) -> combine, as fused_experts runs the engine on
+    these operands (concatenated gate/up rows, silu, no biases; its planner's block_m): the engine's form chosen by
+    explicit keywords. -> a function of no arguments returning [T, H]."""
+    from moe_dispatch.dispatch.combine import combine
+    from moe_dispatch.dispatch.segments import dispatch
+    from moe_dispatch.gemm import planner
+    from moe_dispatch.gemm.gluon_experts import gluon_w8a8_experts
 
-    saved = {name: getattr(gluon_experts, name) for _, _, switches in variants for name in switches}
+    (T, H), top_k, (E, _, F) = x.shape, ids.shape[1], w_down.shape
+    block_m = planner.plan_experts(x.device, T, top_k, E, F, H, x.dtype, fp8=True, w8a8=True).tiles.block_m
+
+    def run():
+        info = dispatch(ids, E, block_m)
+        y, combine_weights = gluon_w8a8_experts(x, w_gate_up, w_down, info, s_gate_up, s_down, topk_weights=weights,
+                                                **form)
+        return combine(y, info.scatter_idx, T, top_k, weights=combine_weights)
+
+    return run
+
+
+def time_variants(label, flops, variable, variants):
+    """Time each variant (name, the engine variable's value, a function of no arguments) as a CUDA graph and record
+    it; the variable is part of every plan key (host/device.py), and unset after. -> (ms by name, output by name)."""
     times, outs = {}, {}
     try:
-        for name, mode, switches in variants:
+        for name, mode, run in variants:
             os.environ[variable] = mode
-            for attr, value in switches.items():
-                setattr(gluon_experts, attr, value)
-            md.host.replay.clear()
             outs[name] = run()
             times[name], how = bench_graph_ms(run)
             record(name, label, times[name], flops, how)
     finally:
         os.environ.pop(variable, None)
-        for attr, value in saved.items():
-            setattr(gluon_experts, attr, value)
-        md.host.replay.clear()
     return times, outs
 
 
 def experts_sections(args, dev="cuda"):
     """Part 3: fused_experts per engine at real layer widths (module docstring)."""
     import moe_dispatch as md
-    from moe_dispatch.gemm import planner
+    from moe_dispatch.gemm import gluon_experts, planner
     from moe_dispatch.reference import W8A8_TOLERANCE, relative_error
 
     for model in args.models:
@@ -212,22 +232,24 @@ def experts_sections(args, dev="cuda"):
                 x, ids, weights = routed_tokens(T, E, top_k, H, dev)
                 flops = 6 * T * top_k * H * F  # gate/up (2 F x H) and down (H x F), 2 FLOPs a multiply-add
                 label = f"{model} T{T}"
-                # "gluon w8a8 fused": GEMM1 activates and quantizes h in its epilogue (gluon_experts.FUSED_ACTIVATION);
-                # "rows64": the plain GEMMs on 64 x 256 tiles (gluon_experts.FP8_GEMM_CONFIG)
-                default = dict(FUSED_ACTIVATION=False, FP8_GEMM_CONFIG=gluon_fp8.DEFAULT_CONFIG)
-                times, outs = time_engines(
-                    label, flops, functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights,
-                                                    validate=False, **fp8), planner.GLUON_FP8_VARIABLE,
-                    [("portable w8a8", "0", default), ("gluon w8a8", "1", default),
-                     ("gluon w8a8 fused", "1", {**default, "FUSED_ACTIVATION": True}),
-                     ("gluon w8a8 rows64", "1", {**default, "FP8_GEMM_CONFIG": gluon_fp8.ROWS64_CONFIG})])
+                package = functools.partial(md.fused_experts, x, w_gate_up, w_down, ids, weights, validate=False,
+                                            **fp8)
+                operands = (x, w_gate_up, w_down, ids, weights, s_gate_up, s_down)
+                times, outs = time_variants(
+                    label, flops, planner.GLUON_FP8_VARIABLE,
+                    [("portable w8a8", "0", package), ("gluon w8a8", "1", package),
+                     *[(name, "1", engine_call(*operands, **form)) for name, (_, form) in GLUON_FORMS.items()]])
+                same = torch.equal(engine_call(*operands)(), outs["gluon w8a8"])
+                print(f"   {label} gluon_w8a8_experts' defaults == fused_experts' engine: {same}", flush=True)
+                if not same:
+                    FAILURES.append((f"{label} engine call", "the engine's defaults differ from fused_experts' engine"))
                 run = functools.partial(md.fused_experts, x, bf16_gate_up, bf16_down, ids, weights, validate=False)
                 outs["bf16"] = run()
                 times["bf16"], how = bench_graph_ms(run)
                 record("bf16 (dequantized weights)", label, times["bf16"], flops, how)
-                EXPERTS_ROWS.append((label, times["portable w8a8"], times["gluon w8a8"], times["gluon w8a8 fused"],
-                                     times["gluon w8a8 rows64"], times["bf16"], flops))
-                for engine in ("gluon w8a8", "gluon w8a8 fused", "gluon w8a8 rows64"):
+                tiles = gluon_experts.fp8_gemm_config(T, top_k, E)  # the default's plain GEMM tiles
+                EXPERTS_ROWS.append((label, T * top_k / E, tiles, times, flops))
+                for engine in ("gluon w8a8", *GLUON_FORMS):
                     check(f"{label} {engine} vs portable w8a8", relative_error(outs[engine], outs["portable w8a8"]),
                           W8A8_TOLERANCE)
                     check(f"{label} {engine} vs bf16 weights", relative_error(outs[engine], outs["bf16"]),
@@ -237,20 +259,27 @@ def experts_sections(args, dev="cuda"):
             torch.cuda.empty_cache()
 
     if EXPERTS_ROWS:
-        print(f"\n{'fused_experts':<24} {'portable ms':>11} {'gluon ms':>9} {'fused ms':>9} "
-              f"{'r64 ms':>8} {'bf16 ms':>8} {'portable':>9} {'gluon':>7} {'bf16':>7} {'gluon/':>9} {'gluon/':>7} "
-              f"{'gluon/':>7} {'fp8/bf16':>9}")
-        print(f"{'':<24} {'':>11} {'':>9} {'':>9} {'':>8} {'':>8} {'TFLOP/s':>9} {'TFLOP/s':>7} "
-              f"{'TFLOP/s':>7} {'portable':>9} {'fused':>7} {'r64':>7} {'(best)':>9}")
-        for label, portable, gluon, fused, rows64, bf16, flops in EXPERTS_ROWS:
-            best = min(gluon, fused, rows64)
-            print(f"{label:<24} {portable:11.3f} {gluon:9.3f} {fused:9.3f} {rows64:8.3f} {bf16:8.3f} "
-                  f"{tflops(flops, portable):9.1f} {tflops(flops, best):7.1f} {tflops(flops, bf16):7.1f} "
-                  f"{portable / gluon:8.2f}x {gluon / fused:6.2f}x {gluon / rows64:6.2f}x "
-                  f"{bf16 / min(portable, best):8.2f}x")
-        print("(gluon/portable, gluon/fused, gluon/r64 and fp8/bf16 are speedups: time of the first over "
-              "time of the second; 'gluon' TFLOP/s is the fastest Gluon form's; at T = 1024 pass --tokens 1024, the "
-              "engine forced on below GLUON_FP8_MIN_ROWS)")
+        short = [short for short, _ in GLUON_FORMS.values()]
+        print(f"\n{'fused_experts':<20} {'rows/E':>7} {'tiles':>8} {'portable':>9} {'gluon':>7} "
+              + "".join(f"{name:>9}" for name in short) + f" {'bf16':>7}   {'TFLOP/s':>7} {'speedup of gluon over':>30}"
+              + f" {'fp8/bf16':>9}")
+        print(f"{'':<20} {'':>7} {'':>8} {'ms':>9} {'ms':>7} " + "".join(f"{'ms':>9}" for _ in short)
+              + f" {'ms':>7}   {'gluon':>7} {'portable':>9}" + "".join(f"{name:>9}" for name in short)
+              + f" {'(best)':>9}")
+        for label, rows, cfg, times, flops in EXPERTS_ROWS:
+            gluon = times["gluon w8a8"]
+            tiles = f"{cfg.BLOCK_M}x{cfg.BLOCK_N * cfg.N_TILES}"
+            best = min(times[name] for name in ("gluon w8a8", *GLUON_FORMS))
+            print(f"{label:<20} {rows:7.0f} {tiles:>8} {times['portable w8a8']:9.3f} {gluon:7.3f} "
+                  + "".join(f"{times[name]:9.3f}" for name in GLUON_FORMS) + f" {times['bf16']:7.3f}   "
+                  + f"{tflops(flops, gluon):7.1f} {times['portable w8a8'] / gluon:8.2f}x"
+                  + "".join(f"{times[name] / gluon:8.2f}x" for name in GLUON_FORMS)
+                  + f" {times['bf16'] / min(times['portable w8a8'], best):8.2f}x")
+        print("(gluon: the engine as the package runs it, GEMM1 fused and the plain GEMMs on the 'tiles' column's "
+              "tile; unfused: the activation in a separate pass; 128x128 / 64x256: the plain GEMMs on that tile at "
+              "every size; before: unfused and 128x128, the earlier default. Speedups are the other's time over "
+              "gluon's (> 1: the default is faster); fp8/bf16 takes the fastest FP8 form. At T = 1024 pass --tokens "
+              "1024, the engine forced on below GLUON_FP8_MIN_ROWS)")
 
 
 def main(argv=None):

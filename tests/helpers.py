@@ -7,6 +7,7 @@ because the Hub benchmark verifies the kernel it loads with the ones that kernel
 
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -206,24 +207,38 @@ def h200_tile_table(monkeypatch):
     monkeypatch.setattr(tiles, "device_key", lambda device: "NVIDIA_H200")
 
 
-def run_gluon_engine(monkeypatch, run, variable, engine, **switches):
-    """`run()` (a fused_experts call) with the Gluon engine forced off, then on (`variable` "1" and the
-    gemm.gluon_experts attributes `switches` set; plans cleared after each change, since both are read when a plan
-    is recorded): the engine (moe.`engine`) must run, two calls must agree bit for bit and a CUDA graph replay must
-    equal the eager call. -> (portable output, engine output)."""
-    import moe_dispatch as md
-    from moe_dispatch import moe
+def wrap_gluon_engine(monkeypatch, engine, **engine_kwargs):
+    """Where the package calls the Gluon engine gemm.gluon_experts.`engine` (each of its modules that imported it), a
+    stand-in that notes the call and passes `engine_kwargs` on: the engine's explicit alternatives (`fused_activation`,
+    `plain_gemm_cfg`), what a caller of the engine, not a module attribute, chooses. -> the list of calls."""
     from moe_dispatch.gemm import gluon_experts
+
+    real, calls = getattr(gluon_experts, engine), []
+
+    def stand_in(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs, **engine_kwargs)
+
+    callers = [module for name, module in sorted(sys.modules.items()) if name.startswith("moe_dispatch.")
+               and module is not gluon_experts and getattr(module, engine, None) is real]
+    assert callers, f"no module of the package calls gluon_experts.{engine}"
+    for module in callers:
+        monkeypatch.setattr(module, engine, stand_in)
+    return calls
+
+
+def run_gluon_engine(monkeypatch, run, variable, engine, **engine_kwargs):
+    """`run()` (a fused_experts call) with the Gluon engine forced off, then on (`variable` "1"; the engine called
+    with `engine_kwargs`: `wrap_gluon_engine`): the engine must run, two calls must agree bit for bit and a CUDA
+    graph replay must equal the eager call. -> (portable output, engine output)."""
+    import moe_dispatch as md
 
     monkeypatch.delenv(variable, raising=False)
     md.host.replay.clear()
     portable = run()
     monkeypatch.setenv(variable, "1")
-    for name, value in switches.items():
-        monkeypatch.setattr(gluon_experts, name, value)
     md.host.replay.clear()
-    calls, real = [], getattr(moe, engine)
-    monkeypatch.setattr(moe, engine, lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = wrap_gluon_engine(monkeypatch, engine, **engine_kwargs)
     out = run()
     assert calls, "the Gluon engine did not run"
     assert torch.equal(run(), out), "two calls differ"

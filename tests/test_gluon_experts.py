@@ -23,10 +23,9 @@ import dataclasses
 import pytest
 import torch
 from helpers import (DEVICE, TOLERANCE, EngineCase, Refusal, assert_close, assert_forced_on, engine_refusals,
-                     distinct_ids, gpu_biases, run_gluon_engine, swap_gluon_gemm)
+                     distinct_ids, gpu_biases, run_gluon_engine, swap_gluon_gemm, wrap_gluon_engine)
 
 import moe_dispatch as md
-from moe_dispatch import moe
 from moe_dispatch.formats.fp8 import quantize_experts_fp8
 from moe_dispatch.gemm import gluon_experts, gluon_fp8, planner
 from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
@@ -138,8 +137,7 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
     """Through fused_experts: the engine does not run by default below GLUON_FP8_MIN_ROWS rows per expert (here with
     `available` patched to True), nor with the variable "1" where Gluon cannot run (the CPU); the portable w8a8
     kernels answer instead, with the same result."""
-    calls = []
-    monkeypatch.setattr(moe, "gluon_w8a8_experts", lambda *a, **k: calls.append(1))
+    calls = wrap_gluon_engine(monkeypatch, "gluon_w8a8_experts")
     w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
     x = torch.randn(3, 128, device=DEVICE).bfloat16()
     ids, weights = distinct_ids(3, 2, 1, device=DEVICE), torch.rand(3, 1, device=DEVICE)
@@ -162,23 +160,22 @@ def test_fused_experts_keeps_the_portable_path_unless_the_engine_is_chosen(monke
 # -- the glue on the CPU, the GEMM swapped for its float64 reference -----------------------------------------------
 
 
-def test_plain_gemm_tiles_by_rows_per_expert(monkeypatch):
-    """The engine's plain FP8 GEMMs take the 64 x 256 tile below ROWS64_BELOW_ROWS rows per expert (T * top_k / E)
-    once it is set, FP8_GEMM_CONFIG otherwise; unset (the default until measured), always FP8_GEMM_CONFIG."""
-    import types
-
-    def info(T, top_k=8, E=128):
-        return types.SimpleNamespace(num_tokens=T, top_k=top_k, num_experts=E)
-
-    assert gluon_experts.ROWS64_BELOW_ROWS is None
-    assert gluon_experts.fp8_gemm_config(info(16)) is gluon_experts.FP8_GEMM_CONFIG
-    monkeypatch.setattr(gluon_experts, "ROWS64_BELOW_ROWS", 128)
-    assert gluon_experts.fp8_gemm_config(info(1024)) is gluon_fp8.ROWS64_CONFIG  # 64 rows per expert
-    assert gluon_experts.fp8_gemm_config(info(2048)) is gluon_experts.FP8_GEMM_CONFIG  # 128
-    three_stages = gluon_fp8.GluonFp8Config(NUM_STAGES=3)
-    monkeypatch.setattr(gluon_experts, "FP8_GEMM_CONFIG", three_stages)
-    assert gluon_experts.fp8_gemm_config(info(4096)) is three_stages
-    assert gluon_experts.fp8_gemm_config(info(0)) is gluon_fp8.ROWS64_CONFIG
+def test_plain_gemm_tiles_by_rows_per_expert():
+    """The engine's plain FP8 GEMMs take the 64 x 256 tile below ROWS64_BELOW_ROWS = 1024 rows per expert
+    (T * top_k / E, on average) and 128 x 128 from there: the probe's six H200 cells on their sides of it, and the
+    rows just either side."""
+    tiles = gluon_experts.fp8_gemm_config
+    rows64, default = gluon_fp8.ROWS64_CONFIG, gluon_fp8.DEFAULT_CONFIG
+    assert gluon_experts.ROWS64_BELOW_ROWS == 1024
+    qwen3, deepseek_v3, mixtral = (8, 128), (8, 256), (2, 8)  # (top_k, E)
+    assert tiles(4096, *qwen3) == rows64  # 256 rows per expert
+    assert tiles(4096, *deepseek_v3) == rows64  # 128
+    assert tiles(16384, *deepseek_v3) == rows64  # 512
+    assert tiles(16384, *qwen3) == default  # 1024
+    assert tiles(4096, *mixtral) == default  # 1024
+    assert tiles(16384, *mixtral) == default  # 4096
+    assert tiles(16383, *qwen3) == rows64  # 1023.94: the average, not rounded
+    assert tiles(1, 1, 8) == rows64 and tiles(0, 8, 128) == rows64
 
 
 PLAIN_GEMM_CONFIGS = []  # the `cfg` of each plain GEMM call under `reference_engine`, in order
@@ -232,26 +229,36 @@ def _glue_inputs(case):
     return x, w_gate_up, w_down, ids, weights, scales, options
 
 
-@pytest.mark.parametrize("form", ["pass", "fused", "rows64"])
+# The engine's forms, as gluon_w8a8_experts keywords: the package's call, and the explicit alternatives the probe times
+# (benchmarks/gluon_fp8_probe.py)
+ENGINE_FORMS = {"default": {}, "pass": dict(fused_activation=False),
+                "128x128": dict(plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)}
+
+
+@pytest.mark.parametrize("form", list(ENGINE_FORMS))
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
 def test_engine_glue_matches_float64(case, form, reference_engine, poison_empty, monkeypatch):
     """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts on
-    the dequantized weights and against the float64 model of the w8a8 arithmetic, with GEMM1's activation in a pass,
-    fused, and with the plain GEMMs on the 64 x 256 tile (ROWS64_BELOW_ROWS: the launcher checks the operands under
-    that config). Buffers start as NaN (poison_empty): the passes write every row the GEMMs and combine read."""
-    fused = form == "fused"
-    monkeypatch.setattr(gluon_experts, "FUSED_ACTIVATION", fused)
-    monkeypatch.setattr(gluon_experts, "ROWS64_BELOW_ROWS", 128 if form == "rows64" else None)
+    the dequantized weights and against the float64 model of the w8a8 arithmetic, in each form: the default (GEMM1
+    activates in its epilogue wherever the layout allows; the plain GEMMs on 64 x 256 tiles, these cases having fewer
+    than ROWS64_BELOW_ROWS rows per expert), the separate activation pass everywhere, and 128 x 128 plain GEMMs (the
+    launcher checks the operands under each config). Buffers start as NaN (poison_empty): the passes write every row
+    the GEMMs and combine read."""
+    assert case.T * case.top_k < gluon_experts.ROWS64_BELOW_ROWS * case.E
+    calls = wrap_gluon_engine(monkeypatch, "gluon_w8a8_experts", **ENGINE_FORMS[form])
     x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
                            **options)
+    assert calls == [1]
     N = case.T * case.top_k
     fp8 = torch.float8_e4m3fn
-    # fused: GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128
-    gemm1 = "gated" if fused and not options.get("interleaved") and case.F % 128 == 0 else "plain"
+    # GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128, unless
+    # the call asks for the pass
+    fusable = not options.get("interleaved") and case.F % 128 == 0
+    gemm1 = "gated" if fusable and form != "pass" else "plain"
     assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), fp8),
                                 ("plain", (N, case.F), (case.E, case.H, case.F), fp8)]
-    tiles = gluon_fp8.ROWS64_CONFIG if form == "rows64" else gluon_fp8.DEFAULT_CONFIG
+    tiles = gluon_fp8.DEFAULT_CONFIG if form == "128x128" else gluon_fp8.ROWS64_CONFIG
     assert PLAIN_GEMM_CONFIGS == [tiles] * (1 if gemm1 == "gated" else 2)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref_options = {k: v for k, v in options.items() if k != "w_gate_up_scale_layout"}
@@ -260,6 +267,19 @@ def test_engine_glue_matches_float64(case, form, reference_engine, poison_empty,
                  what="engine vs its model", tolerance=MODEL_TOLERANCE)
     assert_close(out, fused_experts_fp8_ref(x, w_gate_up, w_down, ids, weights, **scales, **ref_options),
                  what="engine vs dequantized weights", tolerance=W8A8_TOLERANCE)
+
+
+@pytest.mark.parametrize("T,tiles", [(2047, gluon_fp8.ROWS64_CONFIG), (2048, gluon_fp8.DEFAULT_CONFIG)],
+                         ids=["1023.5-rows", "1024-rows"])
+def test_engine_tiles_from_the_call(T, tiles, reference_engine):
+    """Through fused_experts, the default engine's tiles follow the call's shapes: E = 2, top_k = 1, so T = 2047 is
+    1023.5 rows per expert (64 x 256) and T = 2048 is 1024 (128 x 128); F = 128: GEMM1 fused, GEMM2 the plain one."""
+    w_gate_up, w_down, scales = _block_fp8_experts(2, 128, 128)
+    x = torch.randn(T, 128, device=DEVICE).bfloat16()
+    ids, weights = distinct_ids(T, 2, 1, device=DEVICE), torch.rand(T, 1, device=DEVICE)
+    out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales)
+    assert [call[0] for call in reference_engine] == ["gated", "plain"]
+    assert PLAIN_GEMM_CONFIGS == [tiles] and torch.isfinite(out).all()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter, on NaN
@@ -291,15 +311,18 @@ def test_engine_no_tokens(reference_engine):
 
 
 @on_hopper
-@pytest.mark.parametrize("options,bias,fused,cfg", [
-    ({}, False, False, gluon_fp8.DEFAULT_CONFIG), ({}, False, True, gluon_fp8.DEFAULT_CONFIG),
-    ({"activation": "swiglu_oai"}, True, True, gluon_fp8.DEFAULT_CONFIG), ({}, False, False, gluon_fp8.ROWS64_CONFIG),
-    ({"interleaved": True, "activation": "swiglu_oai"}, True, False, gluon_fp8.DEFAULT_CONFIG)],
-    ids=["silu", "silu-fused", "swiglu-bias-fused", "silu-rows64", "interleaved-swiglu-bias"])
-def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, cfg, monkeypatch, h200_tile_table):
+@pytest.mark.parametrize("options,bias,form", [
+    ({}, False, {}), ({"activation": "swiglu_oai"}, True, {}),
+    ({"interleaved": True, "activation": "swiglu_oai"}, True, {}),
+    ({}, False, dict(fused_activation=False)), ({}, False, dict(plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)),
+    ({}, False, dict(fused_activation=False, plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG))],
+    ids=["silu", "swiglu-bias", "interleaved-swiglu-bias", "silu-pass", "silu-128x128", "silu-pass-128x128"])
+def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, form, monkeypatch, h200_tile_table):
     """E = 8, H = 2048, F = 1024, T = 256, top_k = 2 (64 rows per expert: the table's prefill tiles) with the engine
     on: against float64 (dequantized weights; the w8a8 model), against the portable w8a8 kernels, two calls bit for
-    bit, and a CUDA graph replay bit for bit the eager call."""
+    bit, and a CUDA graph replay bit for bit the eager call. The engine's default (GEMM1 fused where the layout allows:
+    not for interleaved rows; 64 x 256 plain GEMMs) and the explicit alternatives `form` passes it: the separate
+    activation pass, 128 x 128 plain GEMMs, both."""
     E, H, F, T, top_k = 8, 2048, 1024, 256, 2
     w_gate_up, w_down, scales = _block_fp8_experts(E, H, F, device="cuda")
     x = torch.randn(T, H, device="cuda").bfloat16()
@@ -309,8 +332,7 @@ def test_gpu_engine_matches_float64_and_is_deterministic(options, bias, fused, c
     def run():
         return md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", **scales, **options)
 
-    portable, out = run_gluon_engine(monkeypatch, run, planner.GLUON_FP8_VARIABLE, "gluon_w8a8_experts",
-                                     FUSED_ACTIVATION=fused, FP8_GEMM_CONFIG=cfg)
+    portable, out = run_gluon_engine(monkeypatch, run, planner.GLUON_FP8_VARIABLE, "gluon_w8a8_experts", **form)
     assert_close(out, fused_experts_w8a8_ref(x, w_gate_up, w_down, ids, weights, groups=GROUPS,
                                              gemm_out_dtype=torch.bfloat16, **scales, **options),
                  what="engine vs its model", tolerance=MODEL_TOLERANCE)

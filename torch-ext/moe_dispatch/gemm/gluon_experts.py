@@ -8,17 +8,22 @@ MOE_DISPATCH_GLUON_FP8 says otherwise; everywhere else gemm/w8a8.py's portable k
     x [T, H] bf16
       -> quantize_fp8_rows (gemm/w8a8.py)  rows gathered into expert-sorted order (the pass the persistent w8a8 path
                                            runs), e4m3 per row and 128 columns -> a [N, H], a_scale [N, cdiv(H, 128)]
-      -> fp8_block_gated_grouped_gemm      with FUSED_ACTIVATION (off until measured): GEMM1 against the whole
-                                           w_gate_up [E, 2F, H] (gate rows then up rows, F a multiple of 128),
-                                           bias, activation (silu / swiglu_oai) and e4m3 per row and 128 columns in
-                                           its epilogue -> h [N, F], h_scale [N, F / 128]
-         (otherwise, and for interleaved rows or another F: fp8_block_grouped_gemm -> gate_up [N, 2F] bf16, then
+      -> fp8_block_gated_grouped_gemm      GEMM1 against the whole w_gate_up [E, 2F, H] (gate rows then up rows, F a
+                                           multiple of 128; 128 x 128 tiles), bias, activation (silu / swiglu_oai)
+                                           and e4m3 per row and 128 columns in its epilogue -> h [N, F], h_scale
+                                           [N, F / 128]
+         (interleaved rows or another F: fp8_block_grouped_gemm -> gate_up [N, 2F] bf16, then
          _gated_activation_fp8_kernel, the same in a pass (gemm.w8a8_jit.w8a8_epilogue) on bf16-rounded sums)
       -> fp8_block_grouped_gemm            GEMM2 against w_down [E, H, F] -> y [N, H] bf16
       -> _bias_routing_weight_kernel       with a down bias only: bias and routing weight, in place
                                            (gemm.jit.tile_epilogue)
       -> y [N, H] bf16 -> dispatch/combine.py, which applies the routing weights where the pass did not (one pass
                           over y less: 1-12% of the call at T = 16384, Mixtral to Qwen3-30B widths)
+
+The plain FP8 GEMMs (GEMM2, and GEMM1 before the separate pass) take 64 x 256 tiles below ROWS64_BELOW_ROWS rows per
+expert and 128 x 128 from there (`fp8_gemm_config`). What runs follows from the call's shapes and layout alone, which
+a plan's key holds (host/replay.py): the engine has no module-level switch; its alternatives (the separate pass
+everywhere, other tiles) are keywords of `gluon_w8a8_experts`, for the probe and the tests.
 
 N = T * top_k; row p of every [N, .] buffer is sorted position p of the dispatch (DispatchInfo); rows past
 expert_offsets[E] (dropped assignments) are never written past the quantization pass, and combine never reads them.
@@ -46,21 +51,8 @@ from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm,
 from .w8a8 import fp8_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
-# Whether GEMM1 activates in its epilogue (the gated GEMM, `fp8_block_gated_grouped_gemm`) where the layout allows
-# it, rather than writing gate_up for a separate pass. Off until the gated kernels have run on a GPU (compiled for
-# sm_90 and checked on the CPU against float64 only): benchmarks/gluon_fp8_probe.py times both and the GPU tests check
-# the gated GEMMs; an engine call's
-# `fused_activation` overrides it. Read when a call runs the engine, so a recorded plan (host/replay.py) replays the
-# launches of the value it was recorded with.
-FUSED_ACTIVATION = False
-# The tiles of the w8a8 engine's plain FP8 GEMMs (GEMM2, and GEMM1 with the separate pass): gluon_fp8's measured
-# 128 x 128 default; the probe times gluon_fp8.ROWS64_CONFIG (64 x 256, for experts of fewer than 128 rows) beside it.
-# Read like FUSED_ACTIVATION.
-FP8_GEMM_CONFIG = DEFAULT_FP8_CONFIG
-# Below this many rows per expert (T * top_k / E, the host's average) the plain FP8 GEMMs take
-# gluon_fp8.ROWS64_CONFIG instead of FP8_GEMM_CONFIG; None: never (the 64 x 256 tile has not run on a GPU). With
-# planner.GLUON_FP8_MIN_ROWS at 128 the engine runs below 128 rows only where MOE_DISPATCH_GLUON_FP8=1 forces it.
-ROWS64_BELOW_ROWS: int | None = None
+# 64 x 256 below this many rows per expert: H200 speedup over 128 x 128 1.04-1.13x at 128-512, 0.97-1.02x from 1024
+ROWS64_BELOW_ROWS = 1024
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
 
@@ -186,16 +178,16 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
     return y
 
 
-def fp8_gemm_config(info):
-    """The tiles of the w8a8 engine's plain FP8 GEMMs for dispatch `info`: ROWS64_CONFIG below ROWS64_BELOW_ROWS rows
-    per expert on average (host facts only), else FP8_GEMM_CONFIG."""
-    rows = info.num_tokens * info.top_k / max(info.num_experts, 1)
-    return ROWS64_CONFIG if ROWS64_BELOW_ROWS is not None and rows < ROWS64_BELOW_ROWS else FP8_GEMM_CONFIG
+def fp8_gemm_config(num_tokens, top_k, num_experts):
+    """The tiles of the w8a8 engine's plain FP8 GEMMs for a call of `num_tokens` tokens routed to `top_k` of
+    `num_experts` experts, by its rows per expert on average (T * top_k / E): gluon_fp8.ROWS64_CONFIG below
+    ROWS64_BELOW_ROWS, gluon_fp8.DEFAULT_CONFIG from there."""
+    return ROWS64_CONFIG if num_tokens * top_k < ROWS64_BELOW_ROWS * max(num_experts, 1) else DEFAULT_FP8_CONFIG
 
 
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
-                       alpha=1.702, limit=7.0, fused_activation=None):
+                       alpha=1.702, limit=7.0, fused_activation=True, plain_gemm_cfg=None):
     """Both GEMMs of the w8a8 path on the Gluon GEMM -> (y [N, H] bf16 with rows in the dispatch's sorted order, the
     routing weights combine must still apply): with a down bias, y's rows carry bias and routing weight (the second
     item None), as `gemm.w8a8.w8a8_experts`' do; without one, y is GEMM2's output and the second item is
@@ -206,12 +198,14 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     gate first), w_gate_up_scale [E, cdiv(2F, 128), cdiv(H, 128)] fp32; w_down [E, H, F] with w_down_scale
     [E, cdiv(H, 128), cdiv(F, 128)]; info the dispatch (dispatch.segments.DispatchInfo; any block_m); gate_bias,
     up_bias [E, F] views with equal strides, down_bias [E, H]. GEMM1 activates and quantizes h in its epilogue
-    (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated, F is a multiple of 128 and
-    `fused_activation` (None: FUSED_ACTIVATION) says so; elsewhere the separate pass does."""
+    (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated and F is a multiple of 128; elsewhere
+    the separate pass does. The package calls this with the defaults; the probe (benchmarks/gluon_fp8_probe.py) and
+    the tests pass the alternatives explicitly: `fused_activation=False` puts the activation in the separate pass
+    everywhere, `plain_gemm_cfg` (a gluon_fp8.GluonFp8Config) replaces `fp8_gemm_config`'s choice as the plain GEMMs'
+    tiles."""
     a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
-    fused = FUSED_ACTIVATION if fused_activation is None else fused_activation
-    cfg = fp8_gemm_config(info)
-    if fused and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
+    cfg = fp8_gemm_config(info.num_tokens, info.top_k, info.num_experts) if plain_gemm_cfg is None else plain_gemm_cfg
+    if fused_activation and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
         h, h_scale = fp8_block_gated_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
                                                   activation=activation, gate_bias=gate_bias, up_bias=up_bias,
                                                   alpha=alpha, limit=limit)

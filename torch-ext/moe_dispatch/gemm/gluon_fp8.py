@@ -243,8 +243,8 @@ class GluonFp8Config:
 
 
 DEFAULT_CONFIG = GluonFp8Config()
-# 64 x 256 tiles, the consumers on the two column halves: for experts of fewer than 128 rows (half of a 128-row tile
-# idles there), for the probe to time against the portable kernels below GLUON_FP8_MIN_ROWS
+# 64 x 256 tiles, the consumers on the two column halves: the w8a8 engine's plain GEMMs below
+# gluon_experts.ROWS64_BELOW_ROWS rows per expert, where it measured faster
 ROWS64_CONFIG = GluonFp8Config(BLOCK_M=64, N_TILES=2)
 
 
