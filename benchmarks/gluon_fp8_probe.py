@@ -56,6 +56,7 @@ EXPERTS_TOKENS = (4096, 16384)
 # The Gluon engine's alternatives to its default, as gluon_w8a8_experts keywords (column headers in the table)
 GLUON_FORMS = {
     "gluon unfused": ("unfused", dict(fused_activation=False)),  # GEMM1's activation in the separate pass
+    "gluon fused": ("fused", dict(fused_activation=True)),  # GEMM1's activation fused wherever the layout allows
     "gluon 128x128": ("128x128", dict(plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)),  # at every rows per expert
     "gluon 64x256": ("64x256", dict(plain_gemm_cfg=gluon_fp8.ROWS64_CONFIG)),  # at every rows per expert
     # the engine before fusing and the 64 x 256 tile were its defaults (the earlier probes' "gluon w8a8")

@@ -178,6 +178,19 @@ def test_plain_gemm_tiles_by_rows_per_expert():
     assert tiles(1, 1, 8) == rows64 and tiles(0, 8, 128) == rows64
 
 
+def test_fused_activation_by_rows_per_expert():
+    """GEMM1 activates in its epilogue from FUSED_FROM_ROWS = 256 rows per expert (T * top_k / E, on average): the
+    measured cells on their sides of it (DeepSeek-V3 T = 4096 at 128 rows: the separate pass faster), and the rows
+    just either side."""
+    fuses = gluon_experts.fuses_activation
+    assert gluon_experts.FUSED_FROM_ROWS == 256
+    qwen3, deepseek_v3, mixtral = (8, 128), (8, 256), (2, 8)  # (top_k, E)
+    assert not fuses(4096, *deepseek_v3)  # 128 rows per expert
+    assert fuses(4096, *qwen3) and fuses(16384, *deepseek_v3) and fuses(4096, *mixtral)  # 256, 512, 1024
+    assert fuses(8192, *deepseek_v3) and not fuses(8191, *deepseek_v3)  # 256 and 255.97: the average, not rounded
+    assert not fuses(1, 1, 8) and not fuses(0, 8, 128)
+
+
 PLAIN_GEMM_CONFIGS = []  # the `cfg` of each plain GEMM call under `reference_engine`, in order
 
 
@@ -231,7 +244,7 @@ def _glue_inputs(case):
 
 # The engine's forms, as gluon_w8a8_experts keywords: the package's call, and the explicit alternatives the probe times
 # (benchmarks/gluon_fp8_probe.py)
-ENGINE_FORMS = {"default": {}, "pass": dict(fused_activation=False),
+ENGINE_FORMS = {"default": {}, "pass": dict(fused_activation=False), "fused": dict(fused_activation=True),
                 "128x128": dict(plain_gemm_cfg=gluon_fp8.DEFAULT_CONFIG)}
 
 
@@ -239,12 +252,13 @@ ENGINE_FORMS = {"default": {}, "pass": dict(fused_activation=False),
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c.id for c in GLUE_CASES])
 def test_engine_glue_matches_float64(case, form, reference_engine, poison_empty, monkeypatch):
     """The whole experts output through fused_experts (dispatch, the engine, combine) against the float64 experts on
-    the dequantized weights and against the float64 model of the w8a8 arithmetic, in each form: the default (GEMM1
-    activates in its epilogue wherever the layout allows; the plain GEMMs on 64 x 256 tiles, these cases having fewer
-    than ROWS64_BELOW_ROWS rows per expert), the separate activation pass everywhere, and 128 x 128 plain GEMMs (the
-    launcher checks the operands under each config). Buffers start as NaN (poison_empty): the passes write every row
+    the dequantized weights and against the float64 model of the w8a8 arithmetic, in each form: the default (these
+    cases have fewer than FUSED_FROM_ROWS rows per expert: the separate activation pass; the plain GEMMs on 64 x 256
+    tiles, fewer than ROWS64_BELOW_ROWS), the separate pass everywhere, GEMM1 activating in its epilogue wherever the
+    layout allows, and 128 x 128 plain GEMMs (the launcher checks the operands under each config). Buffers start as NaN (poison_empty): the passes write every row
     the GEMMs and combine read."""
     assert case.T * case.top_k < gluon_experts.ROWS64_BELOW_ROWS * case.E
+    assert not gluon_experts.fuses_activation(case.T, case.top_k, case.E)
     calls = wrap_gluon_engine(monkeypatch, "gluon_w8a8_experts", **ENGINE_FORMS[form])
     x, w_gate_up, w_down, ids, weights, scales, options = _glue_inputs(case)
     out = md.fused_experts(x, w_gate_up, w_down, ids, weights, fp8_compute="w8a8", tiles=PREFILL, **scales,
@@ -252,10 +266,10 @@ def test_engine_glue_matches_float64(case, form, reference_engine, poison_empty,
     assert calls == [1]
     N = case.T * case.top_k
     fp8 = torch.float8_e4m3fn
-    # GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128, unless
-    # the call asks for the pass
+    # GEMM1 activates and quantizes h in its epilogue for concatenated gate/up rows with F a multiple of 128 when the
+    # call asks for it (by default only from FUSED_FROM_ROWS rows per expert)
     fusable = not options.get("interleaved") and case.F % 128 == 0
-    gemm1 = "gated" if fusable and form != "pass" else "plain"
+    gemm1 = "gated" if fusable and form == "fused" else "plain"
     assert reference_engine == [(gemm1, (N, case.H), (case.E, 2 * case.F, case.H), fp8),
                                 ("plain", (N, case.F), (case.E, case.H, case.F), fp8)]
     tiles = gluon_fp8.DEFAULT_CONFIG if form == "128x128" else gluon_fp8.ROWS64_CONFIG

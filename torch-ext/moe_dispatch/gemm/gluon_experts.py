@@ -53,6 +53,9 @@ from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
 # 64 x 256 below this many rows per expert: H200 speedup over 128 x 128 1.04-1.13x at 128-512, 0.97-1.02x from 1024
 ROWS64_BELOW_ROWS = 1024
+# GEMM1's fused activation (128 x 128 only) from this many rows per expert: at 128 the separate pass on 64 x 256 tiles
+# was faster (DeepSeek-V3 T = 4096: 1.12x on an H100, 1.09x on the H200), at 256 and above the fused GEMM1 (1.03-1.06x)
+FUSED_FROM_ROWS = 256
 ELEMENTWISE_WARPS = 8  # the passes hold [BLOCK_M <= 128, 128] fp32 tiles (two for the activation's gate and up)
 ELEMENTWISE_BLOCK_N = 128  # columns per program of the passes (the FP8 ones: one 128-column scale group)
 
@@ -178,6 +181,12 @@ def _bias_routing_weight(y, info, down_bias, topk_weights):
     return y
 
 
+def fuses_activation(num_tokens, top_k, num_experts) -> bool:
+    """Whether GEMM1 activates in its epilogue (where the layout allows it) for a call of `num_tokens` tokens routed
+    to `top_k` of `num_experts` experts: from FUSED_FROM_ROWS rows per expert on average."""
+    return num_tokens * top_k >= FUSED_FROM_ROWS * max(num_experts, 1)
+
+
 def fp8_gemm_config(num_tokens, top_k, num_experts):
     """The tiles of the w8a8 engine's plain FP8 GEMMs for a call of `num_tokens` tokens routed to `top_k` of
     `num_experts` experts, by its rows per expert on average (T * top_k / E): gluon_fp8.ROWS64_CONFIG below
@@ -187,7 +196,7 @@ def fp8_gemm_config(num_tokens, top_k, num_experts):
 
 def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
-                       alpha=1.702, limit=7.0, fused_activation=True, plain_gemm_cfg=None):
+                       alpha=1.702, limit=7.0, fused_activation=None, plain_gemm_cfg=None):
     """Both GEMMs of the w8a8 path on the Gluon GEMM -> (y [N, H] bf16 with rows in the dispatch's sorted order, the
     routing weights combine must still apply): with a down bias, y's rows carry bias and routing weight (the second
     item None), as `gemm.w8a8.w8a8_experts`' do; without one, y is GEMM2's output and the second item is
@@ -198,13 +207,15 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
     gate first), w_gate_up_scale [E, cdiv(2F, 128), cdiv(H, 128)] fp32; w_down [E, H, F] with w_down_scale
     [E, cdiv(H, 128), cdiv(F, 128)]; info the dispatch (dispatch.segments.DispatchInfo; any block_m); gate_bias,
     up_bias [E, F] views with equal strides, down_bias [E, H]. GEMM1 activates and quantizes h in its epilogue
-    (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated and F is a multiple of 128; elsewhere
-    the separate pass does. The package calls this with the defaults; the probe (benchmarks/gluon_fp8_probe.py) and
-    the tests pass the alternatives explicitly: `fused_activation=False` puts the activation in the separate pass
-    everywhere, `plain_gemm_cfg` (a gluon_fp8.GluonFp8Config) replaces `fp8_gemm_config`'s choice as the plain GEMMs'
+    (`fp8_block_gated_grouped_gemm`) where the gate and up rows are concatenated, F is a multiple of 128 and
+    `fuses_activation` says so (`fused_activation` None); elsewhere the separate pass does. The package calls this
+    with the defaults; the probe (benchmarks/gluon_fp8_probe.py) and the tests pass the alternatives explicitly:
+    `fused_activation` True or False fuses wherever the layout allows or nowhere, `plain_gemm_cfg` (a gluon_fp8.GluonFp8Config) replaces `fp8_gemm_config`'s choice as the plain GEMMs'
     tiles."""
     a, a_scale = quantize_fp8_rows(x, SCALE_BLOCK, info=info)
     cfg = fp8_gemm_config(info.num_tokens, info.top_k, info.num_experts) if plain_gemm_cfg is None else plain_gemm_cfg
+    if fused_activation is None:
+        fused_activation = fuses_activation(info.num_tokens, info.top_k, info.num_experts)
     if fused_activation and not interleaved and w_down.shape[2] % SCALE_BLOCK == 0:
         h, h_scale = fp8_block_gated_grouped_gemm(a, a_scale, w_gate_up, w_gate_up_scale, info.expert_offsets,
                                                   activation=activation, gate_bias=gate_bias, up_bias=up_bias,
