@@ -164,7 +164,7 @@ def paired_graph_times(variants, pairs, hot_calls=10, flush_bytes=256 << 20):
     variants are replayed call by call in `alternating_orders`, `pairs` times. Returns {"flushed": {name: [us]},
     "hot": {name: [us]}}. Clock drift under the power cap moves neighbouring replays alike, so per-pair ratios
     (`median_ratios`) resolve differences of 1-2% that whole rounds timed one after the other do not
-    (docs/performance.md, the A/B method)."""
+    (docs/performance.md, "Method": the A/B of one change)."""
     flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
     graphs = {}
     for name, fn in variants.items():

@@ -37,7 +37,9 @@ tests/test_packaging.py checks)::
     gemm/                       the @triton.jit floor (jit.py, w8a8_jit.py), argument packing, the planner, the
                                 GEMM kernels and their launchers
     backward/                   the experts' backward
-    moe.py                      the forward that composes the stages, and its autograd
+    experts/                    the experts operators: the call's description (ExpertsCall), checks, the forward
+                                operator and its launches, autograd and the backward operator
+    moe.py                      the public entries (fused_experts, fused_moe_forward, the v1 functions)
     integrations/               transformers' experts interface, kernelize layers
     parallel/                   expert parallelism (takes integrations' experts options)
 

@@ -1,7 +1,7 @@
 """Host-side argument packing shared by the grouped-GEMM launchers (gemm/grouped.py, gemm/persistent.py,
-backward/experts.py, gemm/w8a8.py, gemm/w8a8_persistent.py, gemm/decode.py): weight strides as [E, n, K], the
-weight-side operands (`GemmWeights`), routing and scale arguments, and the constexprs every grouped-GEMM kernel
-shares."""
+backward/experts.py, backward/weight_grads.py, gemm/w8a8.py, gemm/w8a8_persistent.py, gemm/decode.py): weight strides
+as [E, n, K], the weight-side operands (`GemmWeights`), routing and scale arguments, and the constexprs every
+grouped-GEMM kernel shares."""
 
 import dataclasses
 

@@ -374,7 +374,7 @@ def step_dot(num_tokens, x_dtype, weight_dtype):
     """The gate/up kernel's gemm.jit.StepDot: float8 weights under half-precision activations dot in fp16 from
     F16_DOTS_FROM_TOKENS tokens (e4m3 -> fp16 is one instruction per two elements, against three conversions and a
     multiply per element for a scaled bf16 tile), the scaled tile below. Measured on the H200 at the table's tiles
-    (docs/performance.md, FP8 decode): at T = 4 the fp16 dots took 3-7% off the gate/up kernel of five models, at
+    (docs/versions.md, v17): at T = 4 the fp16 dots took 3-7% off the gate/up kernel of five models, at
     T = 16 1-8%; at T = 1 they added up to 21% (the per-step rescaling of x's 16 padded rows, a reduction across
     the tile, costs more than the conversions it saves when few programs share an SM). T = 2, 3: not measured."""
     if (num_tokens >= F16_DOTS_FROM_TOKENS and x_dtype != torch.float32 and weight_dtype.itemsize == 1

@@ -3,8 +3,8 @@ code only, importing nothing of the package but the WEIGHT_SCALE codes, formats/
 (`tile_coords`, `tile_setup`, `tile_setup_at`), gathered row indices, the K loop with float or float8-dequantized
 weights (`tile_dot`, `expert_tile_dot`, `load_weight_tile`, `weight_scale_ptrs`, `scale_sums`, `step_masks`), and the
 epilogue (`add_bias`, `apply_activation`, `activate_and_weight`, `tile_epilogue`). The kernels that use them:
-gemm/grouped.py, gemm/persistent.py, gemm/decode.py, backward/experts.py, gemm/w8a8.py / gemm/w8a8_jit.py /
-gemm/w8a8_persistent.py. Index bounds: see gemm/grouped.py's module doc.
+gemm/grouped.py, gemm/persistent.py, gemm/decode.py, backward/experts.py, backward/weight_grads.py, gemm/w8a8.py /
+gemm/w8a8_jit.py / gemm/w8a8_persistent.py. Index bounds: see gemm/grouped.py's module doc.
 
 Also the codes of the two constexprs every GEMM kernel branches on, ACTIVATION (`Activation`, here) and WEIGHT_SCALE
 (`WeightScaleCode`, in formats/scale_codes.py beside the weight formats that name it). Launchers pass `int(member)`; jit

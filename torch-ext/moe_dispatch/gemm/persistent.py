@@ -3,8 +3,8 @@
 `_grouped_gemm_kernel` (gemm/grouped.py) launches one program per output tile and loads every operand through
 pointers; on an H200 that shape of kernel stays near 70% of the tensor cores on a plain GEMM, while a persistent
 kernel (one program per SM walking tiles in grouped order) whose operands arrive through descriptors matches cuBLAS.
-This kernel is that variant of the same computation (../docs/performance.md, "Prefill (large T)", says where it runs
-and what it gained):
+This kernel is that variant of the same computation (where it runs: the large-T buckets of docs/performance.md,
+"Tile tables"; what it gained: docs/versions.md, v2):
 
 - Weight tiles [BLOCK_N, BLOCK_K] come through a 2-D descriptor over the expert-stacked weight, viewed as
   [(E - 1) * rows_per_expert + n_cols, K] with row stride stride_n: expert e's row j is descriptor row

@@ -54,14 +54,14 @@ PREQUANTIZE_MIN_BLOCK_M = 64
 # tiles that read it; above it that repeated decode costs more than one pass over the weights (one read of 4.25 bits
 # and one write of 16 per weight). The buffer exists for the call only, and only when it stays within
 # MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when gradients are taken (autograd
-# would keep it until the backward). 128: where the pass wins even at a pessimistic bandwidth (docs/performance.md).
+# would keep it until the backward). 128: where the pass wins even at a pessimistic bandwidth (docs/versions.md, v24).
 MXFP4_DEQUANTIZE_MIN_ROWS = 128
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 # The Gluon engine of the w8a8 path (gemm/gluon_experts.py): "auto" (the variable unset or empty) runs it from
 # GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read and validated with the
 # package's other switches once per call (host/device.py: `Environment`), and part of every plan key.
 GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
-# Where the engine beat the portable w8a8 kernels on the H200 (docs/performance.md); below, its 128-row M tiles are
+# Where the engine beat the portable w8a8 kernels on the H200 (docs/versions.md, v24); below, its 128-row M tiles are
 # mostly empty.
 GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = DEFAULT_FP8_BLOCK_SHAPE  # the one weight block the Gluon GEMM reads: the default's

@@ -16,7 +16,7 @@ per SM walks the output tiles in grouped order, and both operands arrive as desc
   rows of the output tile together as one [2 BLOCK_N, BLOCK_K] operand, and each K step is one dot of N = 2 BLOCK_N
   (one wait for the tensor cores and one scale multiply per K step instead of two of half the width: on an H200 the
   scale multiply after each dot is what holds the FP8 loop at ~820 TFLOP/s against ~1150 without scales; see
-  docs/performance.md, "FP8 expert weights"). The accumulator's gate and up columns are split for the epilogue.
+  docs/versions.md, v16). The accumulator's gate and up columns are split for the epilogue.
 - Per K step (= the activation group): acc += (A_fp8 @ W_fp8^T) * a_scale[row] (* the weight's block scale of that
   K step), exactly `_w8a8_gemm_kernel`'s `scaled_dot`; channel / tensor weight scales, static activation scales,
   bias, activation, routing weight and the (quantizing) store are the shared `w8a8_epilogue`. So the two kernels give

@@ -276,8 +276,8 @@ class WeightGradTile:
 PERSISTENT_WEIGHT_GRAD_TILE = WeightGradTile(128, 256, 32, num_warps=8, num_stages=4, persistent=True)
 
 
-# Rows per expert from which the persistent kernel beat the pointer kernel on the H200 (docs/performance.md,
-# "Training"); below, it lost.
+# Rows per expert from which the persistent kernel beat the pointer kernel on the H200 (docs/versions.md, v14);
+# below, it lost.
 PERSISTENT_WEIGHT_GRAD_MIN_ROWS = 1024
 
 
@@ -289,7 +289,7 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_e
         # runs the persistent kernel, as the H200 does)
     wide = torch.empty((), dtype=dtype).element_size() <= 2
     if wide and has_tma(device) and rows_per_expert >= PERSISTENT_WEIGHT_GRAD_MIN_ROWS:
-        # The persistent descriptor kernel at the H200's best bf16 tile (docs/performance.md, "Training")
+        # The persistent descriptor kernel at the H200's best bf16 tile (docs/performance.md, "Tile tables")
         return PERSISTENT_WEIGHT_GRAD_TILE
     # The pointer kernel at the H200's best bf16 tile (scripts/tune --path backward); fp32 halves block_p so a stage
     # keeps its bytes, and AMD's 64 KB of LDS holds two stages.
@@ -297,7 +297,7 @@ def select_weight_grad_tile(device: torch.device, dtype: torch.dtype, rows_per_e
 
 
 # Stages of the backward's dA GEMM on Hopper: it streams one weight tile per K step to the forward gate/up GEMM's two,
-# so the forward's tile holds more stages in the same shared memory (faster on the H200: docs/performance.md).
+# so the forward's tile holds more stages in the same shared memory (faster on the H200: docs/versions.md, v15).
 DOWN_GRAD_STAGES = 4
 
 
@@ -368,7 +368,7 @@ def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts:
 # The decode down GEMM of transposed down weights ([E, F, H], H contiguous: GPT-OSS's layout), by the number of
 # assignments (up to, then the rest): the dot kernel reads [BLOCK_K, BLOCK_N] tiles whole where the tables' GEMV tiles,
 # measured on [E, H, F], would read BLOCK_N elements per K row (faster on the H200 up to 16 assignments:
-# docs/performance.md; past them, and on other devices, not measured).
+# docs/versions.md, v19; past them, and on other devices, not measured).
 TRANSPOSED_DOWN_DECODE_TILES = ((4, DecodeTile(64, 64, num_warps=4, num_stages=3, split_k=2, dot=True)),
                                 (None, DecodeTile(128, 64, num_warps=4, num_stages=3, dot=True)))
 
