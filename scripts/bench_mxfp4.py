@@ -116,8 +116,8 @@ TOLERANCE = reference.TOLERANCE[DTYPE]
 FG_TOLERANCE = reference.W8A8_TOLERANCE
 
 
-# --mxfp4-prefill: planner.MXFP4_DEQUANTIZE_MIN_ROWS for each choice (None: the package's own)
-PREFILL_MIN_ROWS = {"auto": None, "loads": 1 << 62, "buffer": 0}
+# --mxfp4-prefill: the values of MOE_DISPATCH_MXFP4_PREFILL (host/device.py), read by the package once per call
+PREFILL_CHOICES = ("auto", "loads", "buffer")
 
 
 def parse_args(argv):
@@ -154,10 +154,10 @@ def parse_args(argv):
                    help="n of the n^3 matmul rate (default 8192; 64 on the CPU)")
     p.add_argument("--kernel-dir", default=None, help="load moe_dispatch from a build variant (see scripts/bench)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mxfp4-prefill", choices=tuple(PREFILL_MIN_ROWS), default="auto",
+    p.add_argument("--mxfp4-prefill", choices=PREFILL_CHOICES, default="auto",
                    help="auto: the planner decides when a call decodes the MXFP4 weights once into a float buffer\n"
                         "(gemm/mxfp4_dequant.py); loads: never (the weights decoded in the GEMMs' loads at every T);\n"
-                        "buffer: every call without gradients (A/B of planner.MXFP4_DEQUANTIZE_MIN_ROWS)")
+                        "buffer: every call without gradients (MOE_DISPATCH_MXFP4_PREFILL, set for this run)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="plumbing run: CPU, Triton's interpreter, tiny widths (E 4, top_k 2, H 64, F 32), T = 1, 5,\n"
                         "wall-clock timing; the Hub peers are found but not run (their kernels are GPU-only)")
@@ -773,9 +773,7 @@ def main(argv=None, *, kernel=None):
     device = harness.benchmark_device(args.device, "--cpu-smoke")
     torch.manual_seed(args.seed)
     kernel = kernel if kernel is not None else harness.load_kernel(args.kernel_dir)
-    if PREFILL_MIN_ROWS[args.mxfp4_prefill] is not None:
-        kernel.gemm.planner.MXFP4_DEQUANTIZE_MIN_ROWS = PREFILL_MIN_ROWS[args.mxfp4_prefill]
-        kernel.host.replay.clear()  # plans recorded under the package's threshold would replay its choice
+    os.environ["MOE_DISPATCH_MXFP4_PREFILL"] = args.mxfp4_prefill  # in every plan's key: no plan to clear
     timer = harness.make_timer(args, device)
     hub = load_hub(args, device)
     results = {"meta": meta(args, device, kernel, hub), "shapes": {}, "ceilings": None, "cells": []}

@@ -132,6 +132,30 @@ def _spy_dequantize(monkeypatch):
     return calls
 
 
+def test_the_prefill_switch_takes_effect_on_the_next_call(monkeypatch):
+    """MOE_DISPATCH_MXFP4_PREFILL, read once per call and part of every plan's key: at T = 3 ("auto": the loads'
+    path) the first call after setting "buffer" decodes the weights first, the first after "loads" does not, with no
+    plan cleared in between; a value seen before replays its own plan (the same bits), never another value's. Every
+    output is the float64 experts'."""
+    calls = _spy_dequantize(monkeypatch)
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
+    reference = _reference(x, gate_up, down, ids, weights, **biases)
+    outs, decoded = {}, []
+    for value in ("auto", "buffer", "loads"):
+        monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", value)
+        before = len(calls)
+        outs[value] = _run(x, gate_up, down, ids, weights, **biases)
+        assert_close(outs[value], reference, torch.float32, what=value)
+        decoded.append(len(calls) > before)
+    assert decoded == [False, True, False], decoded
+    for value in ("buffer", "auto"):  # replayed, the spy sees no Python: the bits say which plan ran
+        monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", value)
+        replays = _FUSED_EXPERTS_PLANS.replays
+        again = _run(x, gate_up, down, ids, weights, **biases)
+        assert _FUSED_EXPERTS_PLANS.replays == replays + 1 and torch.equal(again, outs[value]), value
+    assert not torch.equal(outs["buffer"], outs["loads"]), "the two paths gave the same bits: the test cannot tell"
+
+
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "concatenated"])
 def test_prefill_dequantizing_first_matches_float64(interleaved, monkeypatch, poison_empty):
     """Past MXFP4_DEQUANTIZE_MIN_ROWS rows per expert the weights are decoded once into a float buffer and the float

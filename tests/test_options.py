@@ -147,7 +147,7 @@ def test_a_decode_tile_refuses_a_string_for_dot():
     assert DecodeTile(16, 16, dot=1).dot is True  # the flat ints of DecodeTiles.to_list still load
 
 
-SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8"]
+SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8", "MOE_DISPATCH_MXFP4_PREFILL"]
 
 
 @pytest.mark.parametrize("when", WHEN)
@@ -167,7 +167,7 @@ def test_a_bad_environment_switch_is_refused_on_every_path(call, when, monkeypat
 
 
 @pytest.mark.parametrize("variable,value", [("MOE_DISPATCH_PDL", "0"), ("MOE_DISPATCH_GLUON_FP8", "1"),
-                                            ("MOE_DISPATCH_GLUON_FP8", "0")])
+                                            ("MOE_DISPATCH_GLUON_FP8", "0"), ("MOE_DISPATCH_MXFP4_PREFILL", "loads")])
 def test_changing_a_switch_records_a_new_plan(variable, value, monkeypatch):
     """The switches that change what runs are in the plan key: after changing one, the next call records a plan of
     its own instead of replaying the old one (which needed moe_dispatch.host.replay.clear() before), and replays it

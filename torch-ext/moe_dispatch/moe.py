@@ -35,7 +35,7 @@ from .gemm.planner import mxfp4_dequantizes_first, plan_segments
 from .host.checks import (check_bool, check_choice, check_dim, check_float, check_ids_in_range, check_index, check_int,
                           check_kernel_device, check_real, check_same_device, check_token_weights, index_map_problems,
                           raise_problems, reads_values, segment_rows_problems, validate_option, warn_if_gradient_cut)
-from .host.device import call_scope
+from .host.device import call_scope, current_environment
 from .host.library import call, custom_op
 from .host.replay import PlanCache
 from .host.tiles import DecodeTiles, MoeTiles, check_forced_tiles
@@ -177,7 +177,8 @@ def _fused_experts_in_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weig
         w_down, w_down_scale = check_mxfp4_weight("w_down", w_down, "w_down_scale", w_down_scale)
         compute = "dequant"
         if mxfp4_dequantizes_first(T, topk_ids.shape[1], E, 2 * w_down.shape[2], H, x.dtype,
-                                   forced_tiles=described.tiles is not None, grad=grad):
+                                   forced_tiles=described.tiles is not None, grad=grad,
+                                   prefill=current_environment().mxfp4_prefill):
             w_gate_up = dequantize_mxfp4_experts(w_gate_up, w_gate_up_scale, x.dtype)
             w_down = dequantize_mxfp4_experts(w_down, w_down_scale, x.dtype)
             w_gate_up_scale = w_down_scale = None

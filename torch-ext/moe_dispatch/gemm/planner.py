@@ -318,12 +318,13 @@ def w8a8_input(tiles: MoeTiles, device, *, transposed, input_scale) -> tuple[boo
 
 
 def mxfp4_dequantizes_first(num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int, dtype: torch.dtype,
-                            *, forced_tiles: bool, grad: bool) -> bool:
+                            *, forced_tiles: bool, grad: bool, prefill: str = "auto") -> bool:
     """Whether an MXFP4 experts call runs the float path on its weights decoded into a buffer first (see
     MXFP4_DEQUANTIZE_MIN_ROWS): at prefill sizes, without gradients, within the buffer's byte bound, and not when the
-    caller forced tiles (they are the MXFP4 path's)."""
-    if grad or forced_tiles or num_experts == 0:
+    caller forced tiles (they are the MXFP4 path's). `prefill` (MOE_DISPATCH_MXFP4_PREFILL): "auto" so, "loads"
+    never (the least memory), "buffer" at every size within those conditions."""
+    if grad or forced_tiles or num_experts == 0 or prefill == "loads":
         return False
     buffer_bytes = num_experts * 3 * ffn * hidden * torch.empty((), dtype=dtype).element_size()
-    return (num_tokens * top_k >= MXFP4_DEQUANTIZE_MIN_ROWS * num_experts
-            and buffer_bytes <= MXFP4_DEQUANTIZE_MAX_BYTES)
+    min_rows = 0 if prefill == "buffer" else MXFP4_DEQUANTIZE_MIN_ROWS
+    return num_tokens * top_k >= min_rows * num_experts and buffer_bytes <= MXFP4_DEQUANTIZE_MAX_BYTES

@@ -221,8 +221,10 @@ def fp8_dtype(device: torch.device) -> torch.dtype:
 PLANS_VARIABLE = "MOE_DISPATCH_PLANS"
 PDL_VARIABLE = "MOE_DISPATCH_PDL"
 GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
+MXFP4_PREFILL_VARIABLE = "MOE_DISPATCH_MXFP4_PREFILL"
 # Each switch's accepted values, the first one what unset (or empty) means.
-SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0")}
+SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0"),
+                 MXFP4_PREFILL_VARIABLE: ("auto", "loads", "buffer")}
 _SWITCHES = tuple(SWITCH_VALUES)
 
 
@@ -233,10 +235,11 @@ class Environment:
     plans: bool  # MOE_DISPATCH_PLANS: replay recorded plans
     pdl: bool  # MOE_DISPATCH_PDL: launch with programmatic dependent launch where the device has it
     gluon_fp8: str  # MOE_DISPATCH_GLUON_FP8: "auto", "1" or "0"
+    mxfp4_prefill: str  # MOE_DISPATCH_MXFP4_PREFILL: "auto", "loads" or "buffer" (planner.mxfp4_dequantizes_first)
 
     def plan_key(self) -> tuple:
         """The switches that change a recorded call's launches (`plans` only says whether there is a plan)."""
-        return self.pdl, self.gluon_fp8
+        return self.pdl, self.gluon_fp8, self.mxfp4_prefill
 
 
 def read_environment() -> Environment:
@@ -256,8 +259,8 @@ def _parse_environment(raw: tuple) -> Environment:
         elif value not in accepted:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))} (or unset), got {value!r}")
         values.append(value)
-    plans, pdl, gluon_fp8 = values
-    return Environment(plans == "1", pdl == "1", gluon_fp8)
+    plans, pdl, gluon_fp8, mxfp4_prefill = values
+    return Environment(plans == "1", pdl == "1", gluon_fp8, mxfp4_prefill)
 
 
 class _CallState(threading.local):
