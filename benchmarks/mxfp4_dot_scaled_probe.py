@@ -23,8 +23,8 @@ Timed as CUDA graphs (triton.testing.do_bench_cudagraph, median), all in one run
   (c) the package's bf16 grouped GEMM on the dequantized weight (`select_tiles`' bf16 tiles, its persistent kernel
       where the table says so);
   and, as reference points for the whole layer (both GEMMs, dispatch, combine), `moe_dispatch.fused_experts` with
-  the MXFP4 weights (which, at prefill sizes, decodes them into a bf16 buffer first: planner.mxfp4_dequantizes_first)
-  and with the bf16 dequantized ones.
+  the MXFP4 weights (which, at prefill sizes, decodes them into a bf16 buffer first: planner.mxfp4_dequantizes_first;
+  MOE_DISPATCH_MXFP4_PREFILL=loads keeps the in-load decode) and with the bf16 dequantized ones.
 
 One table: us, TB/s of the weight bytes each reads (experts with at least one row: MXFP4 bytes + scales for (a) and
 (b), bf16 bytes for (c)), and each time's ratio to (b)'s (> 1: faster than the package's MXFP4 GEMM). Each (a) form and
