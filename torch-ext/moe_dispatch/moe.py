@@ -127,8 +127,8 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, validate=validate,
                           validate_ids=validate_ids, tiles=tiles, fp8_block_shape=fp8_block_shape,
                           fp8_compute=fp8_compute, w_gate_up_scale_layout=w_gate_up_scale_layout)
-    described = ExpertsCall(activation, interleaved, transposed, swiglu_alpha, swiglu_limit, tiles, fp8_block_shape,
-                            fp8_compute, w_gate_up_scale_layout)
+    described = ExpertsCall.of(activation, interleaved, transposed, swiglu_alpha, swiglu_limit, tiles,
+                               tuple(fp8_block_shape), fp8_compute, w_gate_up_scale_layout)
     tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)
     options = (described, validate, validate_ids)

@@ -7,6 +7,7 @@ by `ExpertsCall(*slots)`). The tensors (weights, biases, their scales) travel be
 """
 
 import dataclasses
+import functools
 
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, WeightScale, gate_up_row_offset, infer_scheme
 from ..formats.mxfp4 import mxfp4_weight_scale
@@ -35,6 +36,18 @@ class ExpertsCall:
         if self.tiles is not None and not isinstance(self.tiles, tuple):
             tiles = self.tiles.to_list() if isinstance(self.tiles, (MoeTiles, DecodeTiles)) else self.tiles
             object.__setattr__(self, "tiles", tuple(tiles))
+        # hashed once: every plan lookup hashes the call (host/replay.py)
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self):
+        return self._hash
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(*options) -> "ExpertsCall":
+        """`ExpertsCall(*options)`, made once per distinct options (hashable ones): the public entries build one at
+        every call, where a few microseconds of host time count (an eager decode call is about 35 us)."""
+        return ExpertsCall(*options)
 
     def op_options(self) -> tuple:
         """The operator schema's trailing slots (`operator.fused_experts_op`), in field order."""
