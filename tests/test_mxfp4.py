@@ -306,6 +306,52 @@ def test_gpt_oss_width_on_the_gpu(T):
 
 
 
+# The PTX decode (gemm/jit.py `e2m1_bf16x2`, bf16 activations on NVIDIA) in both operand orders of mxfp4_tile_dot:
+# 16-row tiles dot the weight first, 128-row tiles (MXFP4_A_LHS_MIN_ROWS) dot A first.
+BF16X2_TILES = {"weight-first": MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4)),
+                "a-first": MoeTiles(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3))}
+
+
+def test_bf16_activations_decode_by_ptx_only_on_nvidia_gpus():
+    """The launch code: MXFP4_BF16X2 for bf16 activations on an NVIDIA GPU of sm_80 or later, MXFP4 (the fp32 decode)
+    for other dtypes and wherever no PTX runs (the interpreter, AMD)."""
+    from moe_dispatch.formats.mxfp4 import mxfp4_weight_scale
+    from moe_dispatch.formats.scale_codes import WeightScaleCode
+    from moe_dispatch.gemm.args import dequant_scale_code
+    from moe_dispatch.host.device import capability, is_cuda, is_interpreter
+
+    ws = mxfp4_weight_scale(torch.full((2, 8, 4), 127, dtype=torch.uint8, device=DEVICE))
+    ptx = DEVICE == "cuda" and is_cuda() and not is_interpreter() and capability(torch.device(DEVICE)) >= (8, 0)
+    expected = WeightScaleCode.MXFP4_BF16X2 if ptx else WeightScaleCode.MXFP4
+    assert dequant_scale_code(ws, 64, dtype=torch.bfloat16, device=torch.device(DEVICE)) == (expected, 64)
+    for dtype in (torch.float16, torch.float32):
+        assert dequant_scale_code(ws, 64, dtype=dtype, device=torch.device(DEVICE)) == (WeightScaleCode.MXFP4, 64)
+
+
+@pytest.mark.parametrize("tiles", list(BF16X2_TILES.values()), ids=list(BF16X2_TILES))
+def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
+    """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes (H = 160: a masked K step of 64 and of
+    128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN in x reaches its token only and a
+    NaN scale code (0xFF) every token routed to that expert only."""
+    E, H, F, T, top_k = 6, 160, 96, 300, 2
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
+    ids = torch.where(ids == 5, 0, ids)  # expert 5 empty
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 5, ids[:, 1])
+    options = dict(activation="swiglu_oai", interleaved=True, tiles=tiles)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    ref = _reference(x, gate_up, down, ids, weights, **options, **{k: v.double() for k, v in biases.items()})
+    assert_close(out, ref, torch.bfloat16)
+
+    x[7, 3] = float("nan")
+    codes = gate_up[1].clone()
+    expert = int(ids[11, 0])
+    codes[expert, 2, 1] = 0xFF
+    out = _run(x, (gate_up[0], codes), down, ids, weights, **options, **biases).isnan().any(dim=1)
+    routed = (ids == expert).any(dim=1)
+    routed[7] = True
+    assert torch.equal(out, routed), "NaN lost, or reached tokens of other experts"
+
+
 def test_expert_parallelism_refuses_mxfp4_naming_the_argument():
     """ep_fused_experts takes float weights only: MXFP4 blocks are refused before any exchange."""
     x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)

@@ -29,3 +29,7 @@ class WeightScaleCode(enum.IntEnum):
     # rows, its N along the packed axis (`mxfp4_n_tile_dot`; BLOCK_N a multiple of 32, a tile's columns start on a
     # scale group)
     MXFP4_N = 6
+    # MXFP4 as MXFP4 with bf16 activations on NVIDIA sm_80 and later (gemm.args.dequant_scale_code): the bytes decoded
+    # two values per 32-bit operation by inline PTX (`e2m1_bf16x2`: bf16 bit patterns, then two bf16x2 fma, one by
+    # 2^126 and one by the group's scale), the same values as MXFP4's fp32 decode, bit for bit
+    MXFP4_BF16X2 = 7

@@ -10,7 +10,7 @@ import torch
 from ..formats.fp8 import WeightScale
 from ..formats.mxfp4 import MXFP4_GROUP, is_mxfp4
 from ..formats.scale_codes import WeightScaleCode
-from ..host.device import dot_input_precision, dot_needs_fp32, tma_readable
+from ..host.device import decodes_mxfp4_bf16x2, dot_input_precision, dot_needs_fp32, tma_readable
 from ..host.pdl import pdl_options
 from ..host.tiles import GemmTile
 from .jit import Activation
@@ -96,16 +96,18 @@ def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation, pa
                        bias_up)
 
 
-def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16):
+def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16, *, dtype=None, device=None):
     """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K (MXFP4 weights: at least
-    one 32-value scale group per step): block scales whose K
+    one 32-value scale group per step, decoded by PTX, MXFP4_BF16X2, for activations of `dtype` on `device` where
+    `decodes_mxfp4_bf16x2` says so): block scales whose K
     side has a power-of-two divisor >= min_block_k take WeightScaleCode.BLOCK_STEP with BLOCK_K narrowed to divide it
     (K steps inside one scale block: one scale vector per step instead of a [BLOCK_K, BLOCK_N] fp32 scale tile per
     stage, which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
     if ws.code == WeightScaleCode.BLOCK and (ws.block_k & -ws.block_k) >= min_block_k:
         return WeightScaleCode.BLOCK_STEP, min(block_k, ws.block_k & -ws.block_k)
     if ws.code == WeightScaleCode.MXFP4:  # whole scale groups per K step (tiles' BLOCK_K are powers of two)
-        return ws.code, max(block_k, MXFP4_GROUP)
+        fast = dtype is not None and decodes_mxfp4_bf16x2(dtype, device)
+        return WeightScaleCode.MXFP4_BF16X2 if fast else ws.code, max(block_k, MXFP4_GROUP)
     return ws.code, block_k
 
 

@@ -51,9 +51,9 @@ from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
 from ..host.tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from .args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k, weight_strides
-from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_NONE, Activation, StepDot, add_bias,
-                  apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums, scale_values,
-                  split_pairs, weight_scale_ptrs)
+from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_NONE, Activation, StepDot,
+                  add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
+                  scale_values, split_pairs, weight_scale_ptrs)
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 # From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
@@ -337,9 +337,10 @@ def _decode_down_dot_kernel(
     # K side, and of MXFP4's 32-value groups, two to a byte)
     s_base = scale_ptr
     w_base = w_ptr + k_begin * stride_w_k
-    if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK or WEIGHT_SCALE == SCALE_MXFP4:
+    MXFP4: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2
+    if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK or MXFP4:
         s_base = scale_ptr + (k_begin // scale_block_k) * stride_scale_k
-    if WEIGHT_SCALE == SCALE_MXFP4:
+    if MXFP4:
         w_base = w_ptr + (k_begin // 2) * stride_w_k
     b_acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_rows, mask_n, expert, offs_n, offs_k,
@@ -424,7 +425,8 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     ws_down = down_scale or NO_SCALE
     # The GEMV has no dot-size floor: block scales always step inside one block. The dot kernel's splits start on a
     # scale block (its scale pointers step from there), and none is left empty.
-    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=16 if down_tile.dot else 1)
+    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=16 if down_tile.dot else 1,
+                                                 dtype=x.dtype, device=x.device)
     split_step = down_block_k
     if down_tile.dot and down_code in (WeightScaleCode.BLOCK, WeightScaleCode.BLOCK_STEP):
         split_step = math.lcm(down_block_k, ws_down.block_k)
@@ -447,7 +449,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         dot_fp32, precision = dot_options(x.dtype)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
-        scale_code, block_k = dequant_scale_code(ws, tile.block_k)
+        scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
         launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)),
             x, x.stride(0), x.stride(1),
             w_gate, w_up, stride_e, stride_n, stride_k,

@@ -144,7 +144,7 @@ def expert_gemm(a, weight, info, tile: GemmTile, *, weight_up=None, transposed=F
     dot_fp32, precision = dot_options(a.dtype)
     grid = (info.max_tiles * cdiv(w.n_cols, tile.block_n),)
     ws = weight_scale or NO_SCALE
-    scale_code, block_k = dequant_scale_code(ws, tile.block_k)
+    scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=a.dtype, device=a.device)
     launch(_grouped_gemm_kernel, grid,
         a, a.stride(0), a.stride(1), a.shape[0],
         *w.weight_args(), *w.bias_args(), *scale_args(ws),

@@ -45,6 +45,7 @@ SCALE_BLOCK = tl.constexpr(WeightScaleCode.BLOCK.value)
 SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 SCALE_MXFP4 = tl.constexpr(WeightScaleCode.MXFP4.value)
 SCALE_MXFP4_N = tl.constexpr(WeightScaleCode.MXFP4_N.value)
+SCALE_MXFP4_BF16X2 = tl.constexpr(WeightScaleCode.MXFP4_BF16X2.value)
 MXFP4_GROUP = tl.constexpr(32)  # K values per e8m0 scale (mxfp4.MXFP4_GROUP)
 # fp32 bit pattern of 2^-127 (e8m0 code 0), and 2^126: e2m1's bits placed at fp32's lowest exponent bits read the
 # value times 2^-126 (`e2m1_to_f32`)
@@ -53,6 +54,33 @@ F32_2_POW_126 = tl.constexpr(2.0 ** 126)
 # fp32 NaN as bits: a float NaN constexpr would not equal itself, which Triton's check that every jit function sees
 # one value of a global refuses when compiling for a GPU
 NAN_BITS = tl.constexpr(0x7FC00000)
+# MXFP4 tiles of at least this many rows dot A as the MMA's first operand and the decoded weight as its second (read
+# from shared memory); smaller ones swap them (`mxfp4_tile_dot`). H100, GPT-OSS widths, GEMM1: 128-row tiles 1.6x
+# faster that way (docs/performance.md, "MXFP4 experts").
+MXFP4_A_LHS_MIN_ROWS = tl.constexpr(128)
+# Four MXFP4 bytes (eight e2m1 codes) per block, `e2m1_bf16x2`. prmt spreads bytes (0, 1) and (2, 3) into the two
+# 16-bit halves of a register; each nibble's magnitude bits go to bf16's two lowest exponent bits and its top mantissa
+# bit and its sign to bit 15, which reads as the e2m1 value times 2^-126 (0.5 as a subnormal); an fma by 2^126
+# (0x7E80) makes it exact, a second one applies the group's bf16 scale (-0.0 added: the product's sign kept). Outputs
+# $0, $1: the low nibbles of bytes (0, 1), (2, 3); $2, $3: the high nibbles. Inputs: $4 the bytes, $5 and $6 the
+# scales of bytes (0, 1) and (2, 3).
+E2M1_BF16X2_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, u, v, c126, nz;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 u, t0, 0x00070007; shl.b32 u, u, 6; and.b32 v, t0, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $0, u, $5, nz;
+and.b32 u, t1, 0x00070007; shl.b32 u, u, 6; and.b32 v, t1, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $1, u, $6, nz;
+and.b32 u, t0, 0x00700070; shl.b32 u, u, 2; and.b32 v, t0, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $2, u, $5, nz;
+and.b32 u, t1, 0x00700070; shl.b32 u, u, 2; and.b32 v, t1, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $3, u, $6, nz;
+}
+""")
 
 
 class StepDot(enum.IntEnum):
@@ -290,40 +318,53 @@ def e8m0_to_f32(b_codes):
 
 
 @triton.jit
-def mxfp4_half_tiles(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K: tl.constexpr):
-    """(even, odd) [BLOCK_N, BLOCK_K / 2] in a_dtype: the weight values at this K step's even and odd K indices, from
-    MXFP4 bytes w_ptrs [BLOCK_N, BLOCK_K / 2] (byte j of a row: K index 2j in the low nibble, 2j + 1 in the high)
-    times the e8m0 scales at s_ptrs [BLOCK_N, BLOCK_K / 32] (one per 16 bytes); k_left values of K remain from this
-    step on (a multiple of 32), the rest read as zero. The two halves are never interleaved back into K order: the
-    dot takes each against A's matching columns."""
+def e8m0_to_bf16(b_codes):
+    """2^(code - 127) in bf16 of e8m0 scale codes (uint8): code << 7 is bf16's exponent field for codes 1..254, code
+    0 is the subnormal 2^-127 (0x0040), 0xFF NaN (0x7FC0)."""
+    b_codes = b_codes.to(tl.uint16)
+    b_bits = tl.where(b_codes == 0, 0x0040, tl.where(b_codes == 255, 0x7FC0, b_codes << 7)).to(tl.uint16)
+    return b_bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_bf16x2(b_bytes, b_scale):
+    """(low-nibble values, high-nibble values) in bf16 of MXFP4 bytes (uint8) times each byte's bf16 scale (same
+    shape), four bytes per block of E2M1_BF16X2_PTX (NVIDIA sm_80 and later; never on the interpreter)."""
+    return tl.inline_asm_elementwise(E2M1_BF16X2_PTX, "=r,=r,=r,=r,r,r,r", [b_bytes, b_scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BF16X2: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight values [BLOCK_N, BLOCK_K] in a_dtype and K order, from MXFP4 bytes w_ptrs [BLOCK_N, BLOCK_K / 2]
+    (byte j of a row: K index 2j in the low nibble, 2j + 1 in the high) times the e8m0 scales at s_ptrs [BLOCK_N,
+    BLOCK_K / 32] (one per 16 bytes); k_left values of K remain from this step on (a multiple of 32), the rest read as
+    zero. BF16X2 (a_dtype bf16): `e2m1_bf16x2`; else each value in fp32 (`e2m1_to_f32`) times its scale, converted."""
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
     b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] < k_left // 2), other=0)
     b_codes = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_group[None, :] < k_left // MXFP4_GROUP), other=0)
     rows: tl.constexpr = b_bytes.shape[0]
-    b_scale = tl.broadcast_to(e8m0_to_f32(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
-    b_scale = tl.reshape(b_scale, (rows, BLOCK_K // 2))
-    return (e2m1_to_f32(b_bytes) * b_scale).to(a_dtype), (e2m1_to_f32(b_bytes >> 4) * b_scale).to(a_dtype)
-
-
-@triton.jit
-def mxfp4_step_dot(b_acc_t, b_a_even_t, b_a_odd_t, w_ptrs, s_ptrs, mask_n, k_left, a_dtype,
-                   DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """b_acc_t [BLOCK_N, rows] plus this K step's W @ A^T, operands swapped: the dequantized weight is the MMA's
-    first operand straight from registers (its columns K-contiguous, no transpose of the large tile), A's few rows
-    the second; b_a_even_t / b_a_odd_t [BLOCK_K / 2, rows] are A's even and odd K columns."""
-    b_even, b_odd = mxfp4_half_tiles(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BLOCK_K)
-    b_acc_t = tl.dot(b_even, b_a_even_t, b_acc_t, input_precision=DOT_PRECISION)
-    return tl.dot(b_odd, b_a_odd_t, b_acc_t, input_precision=DOT_PRECISION)
+    if BF16X2:
+        b_scale = tl.broadcast_to(e8m0_to_bf16(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+        b_lo, b_hi = e2m1_bf16x2(b_bytes, tl.reshape(b_scale, (rows, BLOCK_K // 2)))
+    else:
+        b_scale = tl.broadcast_to(e8m0_to_f32(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+        b_scale = tl.reshape(b_scale, (rows, BLOCK_K // 2))
+        b_lo = (e2m1_to_f32(b_bytes) * b_scale).to(a_dtype)
+        b_hi = (e2m1_to_f32(b_bytes >> 4) * b_scale).to(a_dtype)
+    return tl.reshape(tl.join(b_lo, b_hi), (rows, BLOCK_K))
 
 
 @triton.jit
 def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k,
                    stride_w_n, stride_w_k, stride_s_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BF16X2: tl.constexpr):
     """`tile_dot` for MXFP4 weights: w_ptr (w_up_ptr) at the expert's bytes [n, K / 2], s_ptrs (s_up_ptrs) [BLOCK_N]
-    at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked). Sums the
-    transposed tile [BLOCK_N, rows] (`mxfp4_step_dot`) and adds its transpose to the accumulators at the end."""
+    at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked). Each K step
+    decodes the weight tile in registers (`mxfp4_weight_tile`) and dots it whole against A's tile as loaded. Tiles of
+    MXFP4_A_LHS_MIN_ROWS rows or more take A as the dot's first operand; smaller ones sum the transposed tile [BLOCK_N,
+    rows] with the weight first (its rows fill the MMA's M side where A has few) and add its transpose at the end."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
@@ -334,27 +375,37 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
     s_tile_ptrs = s_ptrs[:, None] + s_offs  # [BLOCK_N, BLOCK_K / 32]
     s_up_tile_ptrs = s_up_ptrs[:, None] + s_offs
     a_dtype = tl.float32 if DOT_FP32 else a_ptrs.dtype.element_ty
-    b_acc_t = tl.zeros((b_acc.shape[1], b_acc.shape[0]), dtype=tl.float32)
-    b_acc_up_t = tl.zeros((b_acc_up.shape[1], b_acc_up.shape[0]), dtype=tl.float32)
+    A_LHS: tl.constexpr = b_acc.shape[0] >= MXFP4_A_LHS_MIN_ROWS
+    if A_LHS:
+        b_sum = b_acc
+        b_sum_up = b_acc_up
+    else:
+        b_sum = tl.zeros((b_acc.shape[1], b_acc.shape[0]), dtype=tl.float32)
+        b_sum_up = tl.zeros((b_acc_up.shape[1], b_acc_up.shape[0]), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
-        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)  # [rows, BLOCK_K], read whole
-        b_a_even, b_a_odd = tl.split(tl.reshape(b_a, (b_a.shape[0], BLOCK_K // 2, 2)))
-        b_a_even_t = tl.trans(b_a_even)
-        b_a_odd_t = tl.trans(b_a_odd)
-        b_acc_t = mxfp4_step_dot(b_acc_t, b_a_even_t, b_a_odd_t, w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype,
-                                 DOT_PRECISION, BLOCK_K)
+        b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)  # [rows, BLOCK_K]
+        b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K)
+        if A_LHS:
+            b_sum = tl.dot(b_a, tl.trans(b_w), b_sum, input_precision=DOT_PRECISION)
+        else:
+            b_sum = tl.dot(b_w, tl.trans(b_a), b_sum, input_precision=DOT_PRECISION)
         if GATED:
-            b_acc_up_t = mxfp4_step_dot(b_acc_up_t, b_a_even_t, b_a_odd_t, w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0,
-                                        a_dtype, DOT_PRECISION, BLOCK_K)
+            b_w_up = mxfp4_weight_tile(w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K)
+            if A_LHS:
+                b_sum_up = tl.dot(b_a, tl.trans(b_w_up), b_sum_up, input_precision=DOT_PRECISION)
+            else:
+                b_sum_up = tl.dot(b_w_up, tl.trans(b_a), b_sum_up, input_precision=DOT_PRECISION)
             w_up_ptrs += (BLOCK_K // 2) * stride_w_k
             s_up_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += (BLOCK_K // 2) * stride_w_k
         s_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
-    b_acc += tl.trans(b_acc_t)
+    if A_LHS:
+        return b_sum, b_sum_up
+    b_acc += tl.trans(b_sum)
     if GATED:
-        b_acc_up += tl.trans(b_acc_up_t)
+        b_acc_up += tl.trans(b_sum_up)
     return b_acc, b_acc_up
 
 
@@ -416,10 +467,11 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
         b_acc = mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr + expert_base, scale_ptr + expert.to(tl.int64) * stride_scale_e,
                                  offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
                                  stride_scale_n, stride_scale_k, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
-    elif WEIGHT_SCALE == SCALE_MXFP4:
+    elif WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2:
         b_acc, b_acc_up = mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base, w_up_ptr + expert_base, s_ptrs,
                                          s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
-                                         stride_scale_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+                                         stride_scale_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
+                                         WEIGHT_SCALE == SCALE_MXFP4_BF16X2)
     else:
         w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
         b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs,

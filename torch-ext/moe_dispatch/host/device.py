@@ -117,6 +117,13 @@ def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def decodes_mxfp4_bf16x2(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether MXFP4 weights met by activations of `dtype` on `device` decode through gemm/jit.py's PTX
+    (`e2m1_bf16x2`: bf16x2 fma, sm_80 and later): bf16 on an NVIDIA GPU of capability 8.0 or more (or such a compile
+    target); never on AMD or the interpreter, which run no PTX."""
+    return dtype == torch.bfloat16 and is_cuda() and not is_interpreter() and capability(device) >= (8, 0)
+
+
 @per_device
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (NVIDIA) / compute units (AMD); 1 for the interpreter."""

@@ -1,0 +1,363 @@
+"""Probe of the MXFP4 experts' first GEMM with the weight upcast in registers, beside the package's MXFP4 and bf16
+grouped GEMMs: one step ahead of the package, not part of it.
+
+    PYTHONPATH=torch-ext:scripts:benchmarks python3 benchmarks/mxfp4_upcast_probe.py
+        [--models gpt-oss-120b gpt-oss-20b] [--tokens 1 16 128 1024 4096]
+
+GEMM1 of an MXFP4 MoE layer, C [M, N] = A_seg @ dequant(W_e)^T per expert (the same cells, weights, routing and
+timing as benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it uses), by `_mxfp4_upcast_grouped_gemm_kernel` in
+three decodes and two operand orders:
+
+  DECODE "f32-split"  the package's today (gemm/jit.py `mxfp4_half_tiles`): each nibble widened to a 32-bit lane,
+                      five integer operations and two fp32 multiplies a value, and the even and odd K values dotted
+                      separately against A's even and odd columns (two dots a step, A split and transposed);
+  DECODE "f32-join"   the same per-value decode, the two halves interleaved back into K order (`tl.join`): one dot
+                      a step against A as loaded;
+  DECODE "bf16x2"     `e2m1_bf16x2`: bf16 bit patterns built two values per 32-bit operation and scaled by two
+                      bf16x2 fma (inline PTX, sm_80 and later), joined into K order, one dot.
+  "swap": the weight is the dot's lhs (C^T accumulated; the form the package uses), "rows": A is the lhs.
+
+Printed per cell: us (CUDA graph replays, median), the TB/s of the weight bytes it reads, its speed over the
+package's MXFP4 GEMM (> 1: faster) and its relative error against the package's bf16 GEMM on the dequantized weight
+(all read the same bf16 rows and the same weight values, exact in bf16, and sum in fp32). Before the cells, the
+bf16x2 decode of every byte under scale codes 0, 1, 118, 127, 200, 254 and 255 is checked bit for bit against the
+package's dequantization (on a GPU only: the interpreter runs no PTX). Nothing asserts a speed.
+"""
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, tile_map  # noqa: E402
+
+MXFP4_GROUP = tl.constexpr(32)  # e2m1 values per e8m0 scale, consecutive along K
+
+DECODES = {"f32-split": 0, "f32-join": 1, "bf16x2": 2}
+TOKENS = (1, 16, 128, 1024, 4096)
+
+# Four bytes (eight e2m1 codes) a block: prmt spreads bytes (0, 1) and (2, 3) into the two 16-bit halves of a
+# register; a nibble's magnitude bits go to bf16's two lowest exponent bits and its top mantissa bit, the sign to bit
+# 15, which reads as the e2m1 value times 2^-126 (a subnormal for 0 and 0.5); fma by 2^126 (0x7E80) is exact, then by
+# the group's bf16 scale. Outputs: $0, $1 the low nibbles of bytes (0, 1), (2, 3); $2, $3 the high nibbles; inputs: $4
+# the bytes, $5, $6 the scales of bytes (0, 1), (2, 3).
+E2M1_BF16X2_ASM = tl.constexpr("""
+{
+.reg .b32 t0, t1, u, v, c126, nz;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 u, t0, 0x00070007; shl.b32 u, u, 6; and.b32 v, t0, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $0, u, $5, nz;
+and.b32 u, t1, 0x00070007; shl.b32 u, u, 6; and.b32 v, t1, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $1, u, $6, nz;
+and.b32 u, t0, 0x00700070; shl.b32 u, u, 2; and.b32 v, t0, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $2, u, $5, nz;
+and.b32 u, t1, 0x00700070; shl.b32 u, u, 2; and.b32 v, t1, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $3, u, $6, nz;
+}
+""")
+
+
+@triton.jit
+def e8m0_to_bf16(b_codes):
+    """2^(code - 127) in bf16 of e8m0 codes (uint8): code << 7 is bf16's exponent field for codes 1..254; code 0 is
+    the subnormal 2^-127 (0x0040), 0xFF NaN (0x7FC0)."""
+    b_codes = b_codes.to(tl.uint16)
+    b_bits = tl.where(b_codes == 0, 0x0040, tl.where(b_codes == 255, 0x7FC0, b_codes << 7)).to(tl.uint16)
+    return b_bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_bf16x2(b_bytes, b_scale):
+    """(low-nibble values, high-nibble values) in bf16 of MXFP4 bytes (uint8) times each byte's bf16 scale (same
+    shape): E2M1_BF16X2_ASM, four bytes a block."""
+    return tl.inline_asm_elementwise(E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [b_bytes, b_scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _f32_values(b_codes):
+    """the package's per-value decode (gemm/jit.py e2m1_to_f32), repeated here so the probe stands alone."""
+    b_codes = b_codes.to(tl.uint32)
+    b_bits = ((b_codes & 7) << 22) | ((b_codes & 8) << 28)
+    return b_bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _f32_halves(b_bytes, b_codes, dtype: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(even, odd) [ROWS, BLOCK_K / 2] in dtype: the package's decode of the low and high nibbles."""
+    b_scale = tl.broadcast_to(tl.where(b_codes == 0, 5.877471754111438e-39, tl.where(
+        b_codes == 255, float("nan"), (b_codes.to(tl.uint32) << 23).to(tl.float32, bitcast=True)))[:, :, None],
+        (ROWS, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+    b_scale = tl.reshape(b_scale, (ROWS, BLOCK_K // 2))
+    return (_f32_values(b_bytes) * b_scale).to(dtype), (_f32_values(b_bytes >> 4) * b_scale).to(dtype)
+
+
+@triton.jit
+def _weight_tile(b_bytes, b_codes, dtype: tl.constexpr, DECODE: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The weight tile [ROWS, BLOCK_K] in K order from bytes [ROWS, BLOCK_K / 2] and scale codes [ROWS, BLOCK_K /
+    32]: DECODE 1 the package's per-value decode, 2 bf16x2 (bf16 only)."""
+    if DECODE == 2:
+        b_scale = tl.broadcast_to(e8m0_to_bf16(b_codes)[:, :, None], (ROWS, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+        lo, hi = e2m1_bf16x2(b_bytes, tl.reshape(b_scale, (ROWS, BLOCK_K // 2)))
+    else:
+        lo, hi = _f32_halves(b_bytes, b_codes, dtype, ROWS, BLOCK_K)
+    return tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _mxfp4_upcast_grouped_gemm_kernel(
+        a_ptr, w_ptr, w_scale_ptr, c_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+        N, K,
+        stride_a_m, stride_a_k,
+        stride_w_e, stride_w_n, stride_w_k,
+        stride_w_scale_e, stride_w_scale_n, stride_w_scale_k,
+        stride_c_m, stride_c_n,
+        DECODE: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C [M, N] = A_seg @ dequant(W_e)^T (the dot_scaled probe's grid and arguments), the weight decoded by DECODE."""
+    pid_tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_tile).to(tl.int64)
+    row_start = tl.load(tile_row_start_ptr + pid_tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_byte = tl.arange(0, BLOCK_K // 2)
+    offs_group = tl.arange(0, BLOCK_K // 32)
+    mask_m = offs_m < row_end
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
+    w_ptrs = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_byte[None, :] * stride_w_k
+    s_ptrs = (w_scale_ptr + expert * stride_w_scale_e + offs_n[:, None] * stride_w_scale_n
+              + offs_group[None, :] * stride_w_scale_k)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            mask_a = mask_m[:, None]
+            mask_w = mask_n[:, None]
+            mask_s = mask_n[:, None]
+        else:
+            mask_a = mask_m[:, None] & (offs_k[None, :] < K - k0)
+            mask_w = mask_n[:, None] & (offs_byte[None, :] < (K - k0) // 2)
+            mask_s = mask_n[:, None] & (offs_group[None, :] < (K - k0) // 32)
+        b_a = tl.load(a_ptrs, mask=mask_a, other=0.0)
+        b_bytes = tl.load(w_ptrs, mask=mask_w, other=0)  # [BLOCK_N, BLOCK_K / 2]
+        b_codes = tl.load(s_ptrs, mask=mask_s, other=127)  # [BLOCK_N, BLOCK_K / 32]
+        if DECODE == 0:
+            w0, w1 = _f32_halves(b_bytes, b_codes, a_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+            a_even, a_odd = tl.split(tl.reshape(b_a, (BLOCK_M, BLOCK_K // 2, 2)))
+            if SWAP_AB:
+                acc = tl.dot(w0, tl.trans(a_even), acc)
+                acc = tl.dot(w1, tl.trans(a_odd), acc)
+            else:
+                acc = tl.dot(a_even, tl.trans(w0), acc)
+                acc = tl.dot(a_odd, tl.trans(w1), acc)
+        else:
+            w0 = _weight_tile(b_bytes, b_codes, a_ptr.dtype.element_ty, DECODE, BLOCK_N, BLOCK_K)
+            if SWAP_AB:
+                acc = tl.dot(w0, tl.trans(b_a), acc)
+            else:
+                acc = tl.dot(b_a, tl.trans(w0), acc)
+        a_ptrs += BLOCK_K * stride_a_k
+        w_ptrs += (BLOCK_K // 2) * stride_w_k
+        s_ptrs += (BLOCK_K // 32) * stride_w_scale_k
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_c_m + offs_n[None, :] * stride_c_n
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _decode_table_kernel(w_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out [2 n] bf16: the low- and high-nibble values of bytes w [n] under scale codes s [n] (bf16x2 decode)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = tl.load(w_ptr + offs, mask=mask, other=0)
+    s = e8m0_to_bf16(tl.load(s_ptr + offs, mask=mask, other=127))
+    lo, hi = e2m1_bf16x2(b, s)
+    tl.store(out_ptr + 2 * offs, lo, mask=mask)
+    tl.store(out_ptr + 2 * offs + 1, hi, mask=mask)
+
+
+def check_decode_table(device):
+    """The bf16x2 decode of all 256 bytes under scale codes 0, 1, 118, 127, 200, 254, 255 against
+    moe_dispatch.reference.dequantize_mxfp4_ref, bit for bit (NaN where the reference is NaN) -> a line."""
+    from moe_dispatch.reference import dequantize_mxfp4_ref
+
+    codes = torch.tensor([0, 1, 118, 127, 200, 254, 255], dtype=torch.uint8)
+    w = torch.arange(256, dtype=torch.uint8).repeat(len(codes))
+    s = codes.repeat_interleave(256)
+    out = torch.empty(2 * w.numel(), dtype=torch.bfloat16, device=device)
+    _decode_table_kernel[(triton.cdiv(w.numel(), 256),)](w.to(device), s.to(device), out, w.numel(), BLOCK=256)
+    # reference: one "expert" of w.numel() / 16 rows of 32 values (16 bytes), each row one scale code
+    rows = w.numel() // 16
+    ref = dequantize_mxfp4_ref(w.view(1, rows, 16), s.view(1, rows, 16)[:, :, :1].contiguous()).reshape(-1)
+    ref = ref.to(torch.bfloat16).float()
+    got = out.float().cpu()
+    same = (got == ref) | (got.isnan() & ref.isnan())
+    bad = (~same).nonzero().flatten()[:8].tolist()
+    assert not bad, f"bf16x2 decode differs at {bad}: got {got[bad].tolist()}, want {ref[bad].tolist()}"
+    return f"bf16x2 decode: {w.numel()} bytes x 2 nibbles equal to the reference (NaN scale -> NaN)"
+
+
+@dataclasses.dataclass(frozen=True)
+class UpcastConfig:
+    decode: str
+    swap_ab: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self):
+        return f"{self.decode} {'swap' if self.swap_ab else 'rows'} {self.block_m}x{self.block_n}x{self.block_k}" \
+               f" w{self.num_warps}s{self.num_stages}"
+
+
+CONFIGS = tuple(
+    [UpcastConfig(d, True, 16, 128, 64, 4, 4) for d in DECODES]
+    + [UpcastConfig(d, True, 64, 128, 64, 8, 3) for d in DECODES]
+    + [UpcastConfig(d, True, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
+    + [UpcastConfig("bf16x2", True, 256, 128, 64, 8, 3), UpcastConfig("bf16x2", True, 128, 64, 128, 4, 3),
+       UpcastConfig("bf16x2", True, 32, 64, 128, 4, 4), UpcastConfig("bf16x2", True, 16, 64, 128, 4, 4)]
+    + [UpcastConfig(d, False, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
+    + [UpcastConfig("bf16x2", False, 128, 256, 64, 8, 3)])
+TINY_CONFIGS = (UpcastConfig("f32-split", True, 16, 64, 64), UpcastConfig("f32-join", True, 16, 64, 64),
+                UpcastConfig("f32-join", False, 16, 64, 64))
+
+
+def upcast_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None, out=None):
+    """C [M, N] bf16 = A_seg @ dequant(W_e)^T (arguments as the dot_scaled probe's)."""
+    E, N = blocks.shape[:2]
+    w = blocks.reshape(E, N, -1)
+    w_scale = scales.view(torch.uint8)
+    M, K = a.shape
+    assert a.dtype in (torch.bfloat16, torch.float32) and w.shape[2] * 2 == K and K % 32 == 0
+    tile_expert, tile_row_start = tiles if tiles is not None else tile_map(expert_offsets, config.block_m)
+    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=a.dtype)
+    if tile_expert.numel() == 0 or N == 0:
+        return c
+    grid = (tile_expert.numel(), triton.cdiv(N, config.block_n))
+    _mxfp4_upcast_grouped_gemm_kernel[grid](
+        a, w, w_scale, c, tile_expert, tile_row_start, expert_offsets, N, K,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), c.stride(0), c.stride(1),
+        DECODE=DECODES[config.decode], SWAP_AB=config.swap_ab, EVEN_K=K % config.block_k == 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return c
+
+
+def probe_model(model, args, device, configs, timer, rows):
+    from moe_dispatch.dispatch.segments import dispatch
+    from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
+    from moe_dispatch.gemm.grouped import expert_gemm
+    from moe_dispatch.host.tiles import select_tiles
+    from moe_dispatch.reference import relative_error
+
+    shape = _layer_shape(model, args.tiny)
+    E, H, F, top_k = shape.num_experts, shape.hidden, shape.ffn, args.top_k
+    N, K = 2 * F, H
+    torch.manual_seed(0)
+    blocks, scales = _random_mxfp4(E, N, K, device)
+    w_bf16 = dequantize_experts_mxfp4(blocks, scales, torch.bfloat16)
+    mx_bytes_per_expert = N * (K // 2 + K // 32)
+    print(f"== {model}: E {E}, top-{top_k}, GEMM1 N = {N}, K = {K}", flush=True)
+    for T in args.tokens:
+        cell = f"{model} T{T}"
+        M = T * top_k
+        ids = torch.rand(T, E, device=device).topk(top_k, dim=1).indices.to(torch.int32)
+        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
+        tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
+        info_mx, info_bf = dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+        offsets = info_mx.expert_offsets
+        active = int((offsets[1:] > offsets[:-1]).sum())
+
+        def record(method, fn, weight_bytes, out=None, reference=None):
+            us, how = timer(fn)
+            error = relative_error(out, reference) if out is not None and reference is not None else None
+            rows.append(Row(cell, M / E, method, us, weight_bytes, how, error))
+            print(f"   {cell:<18} {method:<40} {us:10.1f} us" + (f"  err {error:.1e}" if error is not None else ""),
+                  flush=True)
+
+        c_bf = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+        record(f"(c) package bf16 {tiles_bf.block_m}x{tiles_bf.gate_up.block_n}x{tiles_bf.gate_up.block_k}",
+               functools.partial(expert_gemm, a, w_bf16, info_bf, tiles_bf.gate_up, out=c_bf), active * N * K * 2)
+        reference = c_bf.clone()
+        c_mx = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+        record(f"(b) package mxfp4 {tiles_mx.block_m}x{tiles_mx.gate_up.block_n}x{tiles_mx.gate_up.block_k}",
+               functools.partial(expert_gemm, a, blocks, info_mx, tiles_mx.gate_up,
+                                 weight_scale=mxfp4_weight_scale(scales), out=c_mx),
+               active * mx_bytes_per_expert, c_mx, reference)
+        for config in configs:
+            if config.block_m > 2 * max(16, triton.next_power_of_2(int(M / E) or 1)):
+                continue  # far more rows than an expert holds
+            c = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+            try:
+                run = functools.partial(upcast_grouped_gemm, a, blocks, scales, offsets, config,
+                                        tiles=tile_map(offsets, config.block_m), out=c)
+                record(f"(u) {config.name}", run, active * mx_bytes_per_expert, c, reference)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported, the rest run
+                print(f"   {cell:<18} (u) {config.name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+    del blocks, scales, w_bf16
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt-oss-120b", "gpt-oss-20b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=None)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.tokens = args.tokens or ([1, 7] if args.tiny else list(TOKENS))
+    failures = []
+    if device.type == "cuda":
+        try:
+            print(check_decode_table(device), flush=True)
+        except AssertionError as exc:
+            failures.append(str(exc))
+            print(f"FAIL {exc}", flush=True)
+    rows = []
+    for model in args.models:
+        probe_model(model, args, device, TINY_CONFIGS if args.tiny else CONFIGS, _timer(device), rows)
+    print(f"\n{'cell':<18} {'method':<44} {'us':>9} {'TB/s':>6} {'(b)/this':>8}")
+    for cell in dict.fromkeys(row.cell for row in rows):
+        cell_rows = sorted((row for row in rows if row.cell == cell), key=lambda row: row.us)
+        package = next(row.us for row in cell_rows if row.method.startswith("(b)"))
+        for row in cell_rows[:6] + [row for row in cell_rows[6:] if row.method[:3] in ("(b)", "(c)")]:
+            tbs = row.weight_bytes / (row.us * 1e-6) / 1e12
+            print(f"{cell:<18} {row.method:<44} {row.us:9.1f} {tbs:6.2f} {package / row.us:7.2f}x")
+    from moe_dispatch.reference import TOLERANCE
+
+    for row in rows:
+        if row.error is not None and not row.error < TOLERANCE[torch.bfloat16]:
+            failures.append(f"{row.cell} {row.method}: relative error {row.error:.2e}")
+    for line in failures:
+        print(f"FAIL {line}")
+    print(f"{len(rows)} timings, {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
