@@ -708,10 +708,7 @@ def test_bench_mxfp4_prefill_choice(choice, decodes_first, tmp_path, monkeypatch
     import bench_mxfp4 as bm
 
     from moe_dispatch import moe
-    from moe_dispatch.gemm import planner
 
-    # the package's threshold set to the opposite choice, so each case shows the option overriding it (restored after)
-    monkeypatch.setattr(planner, "MXFP4_DEQUANTIZE_MIN_ROWS", 1 << 62 if decodes_first else 0)
     calls = []
     real = moe.dequantize_mxfp4_experts
     monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))

@@ -119,9 +119,9 @@ def test_replay_gives_each_calls_result():
     assert_close(out, _reference(x2, gate_up2, down2, ids, weights, **biases), torch.float32)
 
 
-def _dequantizing_first(monkeypatch, min_rows=0):
-    """Every MXFP4 call from `min_rows` rows per expert decodes its weights first (gemm/mxfp4_dequant.py)."""
-    monkeypatch.setattr(planner, "MXFP4_DEQUANTIZE_MIN_ROWS", min_rows)
+def _dequantizing_first(monkeypatch):
+    """Every MXFP4 call without gradients decodes its weights first (gemm/mxfp4_dequant.py): the "buffer" switch."""
+    monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", "buffer")
     replay.clear()
 
 
@@ -140,7 +140,7 @@ def test_the_prefill_switch_takes_effect_on_the_next_call(monkeypatch):
     calls = _spy_dequantize(monkeypatch)
     x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)
     reference = _reference(x, gate_up, down, ids, weights, **biases)
-    outs, decoded = {}, []
+    outs, decoded, start = {}, [], len(_FUSED_EXPERTS_PLANS)
     for value in ("auto", "buffer", "loads"):
         monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", value)
         before = len(calls)
@@ -148,18 +148,19 @@ def test_the_prefill_switch_takes_effect_on_the_next_call(monkeypatch):
         assert_close(outs[value], reference, torch.float32, what=value)
         decoded.append(len(calls) > before)
     assert decoded == [False, True, False], decoded
-    for value in ("buffer", "auto"):  # replayed, the spy sees no Python: the bits say which plan ran
+    assert len(_FUSED_EXPERTS_PLANS) == start + 3, "a value's first call did not record a plan of its own"
+    for value in ("buffer", "auto"):  # replayed: the value's own plan (its own record), the same bits
         monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", value)
-        replays = _FUSED_EXPERTS_PLANS.replays
+        replays, plans = _FUSED_EXPERTS_PLANS.replays, len(_FUSED_EXPERTS_PLANS)
         again = _run(x, gate_up, down, ids, weights, **biases)
-        assert _FUSED_EXPERTS_PLANS.replays == replays + 1 and torch.equal(again, outs[value]), value
-    assert not torch.equal(outs["buffer"], outs["loads"]), "the two paths gave the same bits: the test cannot tell"
+        assert _FUSED_EXPERTS_PLANS.replays == replays + 1 and len(_FUSED_EXPERTS_PLANS) == plans, value
+        assert torch.equal(again, outs[value]), value
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "concatenated"])
 def test_prefill_dequantizing_first_matches_float64(interleaved, monkeypatch, poison_empty):
-    """Past MXFP4_DEQUANTIZE_MIN_ROWS rows per expert the weights are decoded once into a float buffer and the float
-    path runs on it: the same float64 reference as the loads' path, H = 96 not a multiple of the decode kernel's 256
+    """With MOE_DISPATCH_MXFP4_PREFILL=buffer the weights are decoded once into a float buffer and the float path runs
+    on it: the same float64 reference as the loads' path, H = 96 not a multiple of the decode kernel's 256
     values per program, F = 160 not one of 64."""
     _dequantizing_first(monkeypatch)
     calls = _spy_dequantize(monkeypatch)
@@ -200,24 +201,26 @@ def test_prefill_dequantizing_first_propagates_non_finite_values(monkeypatch):
     assert nan_rows.tolist() == [False, True, False, True, False, False]
 
 
-def test_planner_dequantizes_first_only_at_prefill_without_gradients():
-    """The choice reads host facts only: rows per expert against the threshold, the buffer's bytes against their
-    bound, gradients (autograd would keep the buffer) and forced tiles (the MXFP4 path's) rule it out."""
-    rows = planner.MXFP4_DEQUANTIZE_MIN_ROWS
+def test_planner_dequantizes_first_only_when_asked_without_gradients():
+    """The choice reads host facts only: the switch ("auto" and "loads" never, whatever the rows per expert), the
+    buffer's bytes against their bound, gradients (autograd would keep the buffer) and forced tiles (the MXFP4 path's)
+    rule it out."""
     choose = planner.mxfp4_dequantizes_first
-    kwargs = dict(forced_tiles=False, grad=False)
-    assert choose(rows * 32 // 4, 4, 32, 2880, 2880, torch.bfloat16, **kwargs)
-    assert not choose(rows * 32 // 4 - 1, 4, 32, 2880, 2880, torch.bfloat16, **kwargs)
-    assert not choose(rows * 32, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=True, grad=False)
-    assert not choose(rows * 32, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=False, grad=True)
+    kwargs = dict(forced_tiles=False, grad=False, prefill="buffer")
+    assert choose(1, 4, 32, 2880, 2880, torch.bfloat16, **kwargs)
+    for prefill in ("auto", "loads"):
+        assert not choose(1 << 20, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=False, grad=False, prefill=prefill)
+    assert not choose(4096, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=True, grad=False, prefill="buffer")
+    assert not choose(4096, 4, 32, 2880, 2880, torch.bfloat16, forced_tiles=False, grad=True, prefill="buffer")
     big = planner.MXFP4_DEQUANTIZE_MAX_BYTES // (3 * 2880 * 2880 * 2) + 1  # experts whose buffer passes the bound
-    assert not choose(rows * big, 4, big, 2880, 2880, torch.bfloat16, **kwargs)
-    assert choose(rows * (big - 1), 4, big - 1, 2880, 2880, torch.bfloat16, **kwargs)
+    assert not choose(4096, 4, big, 2880, 2880, torch.bfloat16, **kwargs)
+    assert choose(4096, 4, big - 1, 2880, 2880, torch.bfloat16, **kwargs)
     assert not choose(0, 4, 0, 2880, 2880, torch.bfloat16, **kwargs)
 
 
 def test_gradients_keep_the_loads_path(monkeypatch):
-    """With a gradient asked for, the MXFP4 weights stay in the GEMMs' loads even past the threshold."""
+    """With a gradient asked for, the MXFP4 weights stay in the GEMMs' loads even where the switch asks for the
+    buffer."""
     _dequantizing_first(monkeypatch)
     calls = _spy_dequantize(monkeypatch)
     x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=5, top_k=2)

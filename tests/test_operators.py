@@ -164,6 +164,23 @@ def test_compile_fused_experts_forward_backward():
     assert counters["stats"]["unique_graphs"] <= 2
 
 
+def test_compile_mxfp4_experts_with_the_quant_object():
+    """MXFP4 experts passed as transformers' integration passes them (one ExpertsQuant, GPT-OSS's layout): fullgraph,
+    equal to eager. Dynamo traces the entry's description (`ExpertsCall.of`) without hashing it."""
+    gate_up, gate_up_scale = md.quantize_experts_mxfp4(torch.randn(E, 2 * 64, 64, device=DEVICE) * 0.3)
+    down, down_scale = md.quantize_experts_mxfp4(torch.randn(E, 64, 64, device=DEVICE) * 0.3)
+    quant = md.ExpertsQuant.mxfp4(gate_up_scale, down_scale)
+
+    def layer(x, ids, weights):
+        return md.fused_experts(x, gate_up, down, ids, weights, quant=quant, activation="swiglu_oai",
+                                interleaved=True)
+
+    compiled = _compile(layer)
+    for T in (3, 5):
+        x, ids, weights = torch.randn(T, 64, device=DEVICE), _ids(T), torch.rand(T, TOP_K, device=DEVICE)
+        assert torch.equal(compiled(x, ids, weights), layer(x, ids, weights))
+
+
 def test_compile_fused_experts_inference():
     """Inference compiles across the decode path's limit (N <= 64 on the interpreter's table, then the general path):
     fullgraph, one dynamic graph, equal to eager."""

@@ -9,6 +9,8 @@ by `ExpertsCall(*slots)`). The tensors (weights, biases, their scales) travel be
 import dataclasses
 import functools
 
+import torch
+
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, WeightScale, gate_up_row_offset, infer_scheme
 from ..formats.mxfp4 import mxfp4_weight_scale
 from ..gemm.args import weight_k
@@ -36,18 +38,24 @@ class ExpertsCall:
         if self.tiles is not None and not isinstance(self.tiles, tuple):
             tiles = self.tiles.to_list() if isinstance(self.tiles, (MoeTiles, DecodeTiles)) else self.tiles
             object.__setattr__(self, "tiles", tuple(tiles))
-        # hashed once: every plan lookup hashes the call (host/replay.py)
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
 
     def __hash__(self):
-        return self._hash
+        # hashed once, at the first plan lookup (host/replay.py hashes the call at every one); never while torch.compile
+        # traces the call (Dynamo cannot trace `hash` of a tuple, and no plan is looked up there)
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @staticmethod
-    @functools.lru_cache(maxsize=256)
     def of(*options) -> "ExpertsCall":
-        """`ExpertsCall(*options)`, made once per distinct options (hashable ones): the public entries build one at
-        every call, where a few microseconds of host time count (an eager decode call is about 35 us)."""
-        return ExpertsCall(*options)
+        """`ExpertsCall(*options)`, made once per distinct options (hashable ones) in eager calls: the public entries
+        build one at every call, where a few microseconds of host time count (an eager decode call is about 35 us).
+        Under torch.compile a new one (Dynamo traces no lru_cache lookup)."""
+        if torch.compiler.is_compiling():
+            return ExpertsCall(*options)
+        return _experts_call_of(*options)
 
     def op_options(self) -> tuple:
         """The operator schema's trailing slots (`operator.fused_experts_op`), in field order."""
@@ -57,6 +65,11 @@ class ExpertsCall:
 
     def forced_tiles(self) -> MoeTiles | DecodeTiles | None:
         return None if self.tiles is None else tiles_from_list(list(self.tiles))
+
+
+@functools.lru_cache(maxsize=256)
+def _experts_call_of(*options) -> ExpertsCall:
+    return ExpertsCall(*options)
 
 
 def ffn_size(w_down, transposed) -> int:

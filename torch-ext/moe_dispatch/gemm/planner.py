@@ -49,13 +49,12 @@ W8A8_SWAP_MIN_BLOCK_N = 64
 # GEMM quantizes each row in its loads, which rereads x once per N tile but saves a launch, unless its tiles swap
 # their operands (`w8a8_input`).
 PREQUANTIZE_MIN_BLOCK_M = 64
-# MXFP4 experts decode their weights once into a buffer of the activations' dtype (gemm/mxfp4_dequant.py) from this
-# many rows per expert on average (T * top_k / E): below it each weight tile is decoded in the loads of the few M
-# tiles that read it; above it that repeated decode costs more than one pass over the weights (one read of 4.25 bits
-# and one write of 16 per weight). The buffer exists for the call only, and only when it stays within
-# MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when gradients are taken (autograd
-# would keep it until the backward). 128: where the pass wins even at a pessimistic bandwidth (docs/versions.md, v24).
-MXFP4_DEQUANTIZE_MIN_ROWS = 128
+# MXFP4 experts can decode their weights once into a buffer of the activations' dtype (gemm/mxfp4_dequant.py) and run
+# the float path on it: MOE_DISPATCH_MXFP4_PREFILL=buffer asks for it. It is never chosen on its own: since the GEMMs
+# decode by PTX (bf16 on NVIDIA) and dot 128-row tiles with A first, the loads' path measured faster at every size
+# (H100, GPT-OSS-120B T = 4096: 4.58 ms a layer against 7.20 with the buffer; docs/versions.md, v27). The buffer
+# exists for the call only, within MXFP4_DEQUANTIZE_MAX_BYTES (GPT-OSS-120B: 6.4 GB a layer in bf16), and never when
+# gradients are taken (autograd would keep it until the backward).
 MXFP4_DEQUANTIZE_MAX_BYTES = 8 << 30
 # The Gluon engine of the w8a8 path (gemm/gluon_experts.py): "auto" (the variable unset or empty) runs it from
 # GLUON_FP8_MIN_ROWS rows per expert (T * top_k / E), "1" wherever it can run, "0" never. Read and validated with the
@@ -319,12 +318,11 @@ def w8a8_input(tiles: MoeTiles, device, *, transposed, input_scale) -> tuple[boo
 
 def mxfp4_dequantizes_first(num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int, dtype: torch.dtype,
                             *, forced_tiles: bool, grad: bool, prefill: str = "auto") -> bool:
-    """Whether an MXFP4 experts call runs the float path on its weights decoded into a buffer first (see
-    MXFP4_DEQUANTIZE_MIN_ROWS): at prefill sizes, without gradients, within the buffer's byte bound, and not when the
-    caller forced tiles (they are the MXFP4 path's). `prefill` (MOE_DISPATCH_MXFP4_PREFILL): "auto" so, "loads"
-    never (the least memory), "buffer" at every size within those conditions."""
-    if grad or forced_tiles or num_experts == 0 or prefill == "loads":
+    """Whether an MXFP4 experts call runs the float path on its weights decoded into a buffer first: only where
+    `prefill` (MOE_DISPATCH_MXFP4_PREFILL) is "buffer" ("auto" and "loads" keep the decode in the GEMMs' loads, the
+    faster path), without gradients, within the buffer's byte bound, and not when the caller forced tiles (they are
+    the MXFP4 path's). `num_tokens` and `top_k` are the call's, for the record: no size decides it."""
+    if prefill != "buffer" or grad or forced_tiles or num_experts == 0:
         return False
     buffer_bytes = num_experts * 3 * ffn * hidden * torch.empty((), dtype=dtype).element_size()
-    min_rows = 0 if prefill == "buffer" else MXFP4_DEQUANTIZE_MIN_ROWS
-    return num_tokens * top_k >= min_rows * num_experts and buffer_bytes <= MXFP4_DEQUANTIZE_MAX_BYTES
+    return buffer_bytes <= MXFP4_DEQUANTIZE_MAX_BYTES

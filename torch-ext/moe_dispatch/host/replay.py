@@ -504,6 +504,10 @@ class PlanCache:
         self.replays = 0  # calls served from a plan
         _CACHES.append(self)
 
+    def __len__(self):
+        """Signatures seen: each with its plan, or None where it cannot be replayed."""
+        return len(self._plans)
+
     def run(self, fn, tensors, options):
         """`fn(*tensors, *options)` (tensors[0] a tensor, the others tensors or None; `options` hashable, everything
         else the call depends on): replayed from this signature's
