@@ -355,6 +355,53 @@ def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
     assert torch.equal(out, routed), "NaN lost, or reached tokens of other experts"
 
 
+# Compiles (Triton's compiled mode, for sm_90, no GPU) the grouped GEMMs of one MXFP4 call with 128-row tiles whose
+# weight tiles are narrower (down: 64 columns) and wider (gate/up: 128 pairs, 256 rows) than A's 128 rows.
+_A_FIRST_COMPILE = """
+import sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import compile_report as cr
+import moe_dispatch
+from moe_dispatch.host import device
+from moe_dispatch.host.tiles import GemmTile, MoeTiles
+recorder, arena = cr.Recorder(cr.TARGETS["h200"]), cr.Arena()
+E, H, F, T = 4, 256, 192, 512
+with device.compile_target(cr.TARGETS["h200"]), recorder.active(), cr.warnings_off():
+    recorder.problem = "a-first tiles"
+    moe_dispatch.fused_experts(
+        torch.empty(T, H, dtype=torch.bfloat16), arena.empty((E, 2 * F, H // 2), torch.uint8),
+        arena.empty((E, H, F // 2), torch.uint8), torch.randint(0, E, (T, 2)), torch.empty(T, 2),
+        w_gate_up_scale=torch.empty(E, 2 * F, H // 32, dtype=torch.uint8),
+        w_down_scale=torch.empty(E, H, F // 32, dtype=torch.uint8), validate=False, activation="swiglu_oai",
+        interleaved=True, tiles=MoeTiles(128, GemmTile(128, 64, 8, 3), GemmTile(64, 64, 4, 4)))
+grouped = [launch for launch in recorder.launches.values() if "grouped" in launch.name]
+assert len(grouped) == 2, [launch.name for launch in recorder.launches.values()]
+for launch in grouped:
+    assert "WEIGHT_SCALE=7" in launch.describe(), launch.describe()
+    triton.compile(ASTSource(launch.kernel, launch.signature, launch.constexprs, launch.attrs),
+                   target=GPUTarget("cuda", 90, 32), options=launch.options.__dict__)
+print("compiled", len(grouped))
+"""
+
+
+def test_a_first_tiles_of_any_width_compile_for_sm90(tmp_path):
+    """128-row MXFP4 tiles dot A first whatever the weight tile's width: the kernels compile (they once failed to
+    where the two differed, on a shape check of the weight-first branch's code)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(os.path.join(ROOT, d) for d in ("torch-ext", "scripts", "benchmarks")))
+    result = subprocess.run([sys.executable, "-c", _A_FIRST_COMPILE], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "compiled 2" in result.stdout, result.stderr[-3000:]
+
+
 def test_expert_parallelism_refuses_mxfp4_naming_the_argument():
     """ep_fused_experts takes float weights only: MXFP4 blocks are refused before any exchange."""
     x, gate_up, down, ids, weights, biases = _experts(4, 64, 64, T=3, top_k=2)

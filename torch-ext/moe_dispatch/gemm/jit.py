@@ -401,11 +401,13 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += (BLOCK_K // 2) * stride_w_k
         s_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_s_k
-    if A_LHS:
-        return b_sum, b_sum_up
-    b_acc += tl.trans(b_sum)
-    if GATED:
-        b_acc_up += tl.trans(b_sum_up)
+    if A_LHS:  # one return: Triton builds the statements after a return in a constexpr branch too
+        b_acc = b_sum
+        b_acc_up = b_sum_up
+    else:
+        b_acc += tl.trans(b_sum)
+        if GATED:
+            b_acc_up += tl.trans(b_sum_up)
     return b_acc, b_acc_up
 
 
