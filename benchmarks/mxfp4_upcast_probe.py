@@ -40,7 +40,7 @@ from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, til
 
 MXFP4_GROUP = tl.constexpr(32)  # e2m1 values per e8m0 scale, consecutive along K
 
-DECODES = {"f32-split": 0, "f32-join": 1, "bf16x2": 2}
+DECODES = {"f32-split": 0, "f32-join": 1, "bf16x2": 2, "bf16x2-prepared": 3, "f32-prepared": 4}
 TOKENS = (1, 16, 128, 1024, 4096)
 
 # Four bytes (eight e2m1 codes) a block: prmt spreads bytes (0, 1) and (2, 3) into the two 16-bit halves of a
@@ -106,8 +106,12 @@ def _f32_halves(b_bytes, b_codes, dtype: tl.constexpr, ROWS: tl.constexpr, BLOCK
 def _weight_tile(b_bytes, b_codes, dtype: tl.constexpr, DECODE: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """The weight tile [ROWS, BLOCK_K] in K order from bytes [ROWS, BLOCK_K / 2] and scale codes [ROWS, BLOCK_K /
-    32]: DECODE 1 the package's per-value decode, 2 bf16x2 (bf16 only)."""
-    if DECODE == 2:
+    32]: DECODE 1 the package's per-value decode, 2 bf16x2 (bf16 only); 3 and 4 as 2 and 1 on bytes in the prepared
+    order (`prepare_bytes`), put back into K order here (a permutation inside each 16-byte group)."""
+    if DECODE >= 3:
+        b_groups = tl.reshape(b_bytes, (ROWS, BLOCK_K // MXFP4_GROUP, 4, 4))  # memory byte 4q + j of a group
+        b_bytes = tl.reshape(tl.permute(b_groups, (0, 1, 3, 2)), (ROWS, BLOCK_K // 2))  # K-order byte 4j + q
+    if DECODE == 2 or DECODE == 3:
         b_scale = tl.broadcast_to(e8m0_to_bf16(b_codes)[:, :, None], (ROWS, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
         lo, hi = e2m1_bf16x2(b_bytes, tl.reshape(b_scale, (ROWS, BLOCK_K // 2)))
     else:
@@ -233,19 +237,30 @@ class UpcastConfig:
 
 
 CONFIGS = tuple(
-    [UpcastConfig(d, True, 16, 128, 64, 4, 4) for d in DECODES]
-    + [UpcastConfig(d, True, 64, 128, 64, 8, 3) for d in DECODES]
+    [UpcastConfig(d, True, 16, 128, 64, 4, 4) for d in DECODES if d != "f32-prepared"]
+    + [UpcastConfig(d, True, 64, 128, 64, 8, 3) for d in DECODES if d != "f32-prepared"]
     + [UpcastConfig(d, True, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
     + [UpcastConfig("bf16x2", True, 256, 128, 64, 8, 3), UpcastConfig("bf16x2", True, 128, 64, 128, 4, 3),
        UpcastConfig("bf16x2", True, 32, 64, 128, 4, 4), UpcastConfig("bf16x2", True, 16, 64, 128, 4, 4)]
     + [UpcastConfig(d, False, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
-    + [UpcastConfig("bf16x2", False, 128, 256, 64, 8, 3)])
+    + [UpcastConfig("bf16x2", False, 128, 256, 64, 8, 3)]
+    + [UpcastConfig("bf16x2-prepared", sw, bm, bn, bk, w, st) for sw, bm, bn, bk, w, st in
+       ((True, 16, 64, 128, 4, 4), (True, 32, 64, 128, 4, 4), (True, 128, 128, 64, 8, 3), (False, 128, 128, 64, 8, 3))])
 TINY_CONFIGS = (UpcastConfig("f32-split", True, 16, 64, 64), UpcastConfig("f32-join", True, 16, 64, 64),
                 UpcastConfig("f32-join", False, 16, 64, 64))
 
 
+def prepare_bytes(blocks):
+    """MXFP4 bytes [E, N, K/2] (or [E, N, K/32, 16]) -> the same bytes reordered inside each 16-byte (32-value) group so
+    that byte 4q + j holds K-order byte 4j + q: the four bytes an MMA operand's thread q reads for its K pairs (bytes
+    q, q + 4, q + 8, q + 12 of the group) lie together. Same size; made once, outside anything timed."""
+    E, N = blocks.shape[:2]
+    return blocks.reshape(E, N, -1, 4, 4).transpose(-1, -2).contiguous().reshape(E, N, -1)
+
+
 def upcast_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None, out=None):
-    """C [M, N] bf16 = A_seg @ dequant(W_e)^T (arguments as the dot_scaled probe's)."""
+    """C [M, N] bf16 = A_seg @ dequant(W_e)^T (arguments as the dot_scaled probe's; blocks in the prepared order,
+    `prepare_bytes`, for the "prepared" decodes)."""
     E, N = blocks.shape[:2]
     w = blocks.reshape(E, N, -1)
     w_scale = scales.view(torch.uint8)
@@ -278,6 +293,7 @@ def probe_model(model, args, device, configs, timer, rows):
     N, K = 2 * F, H
     torch.manual_seed(0)
     blocks, scales = _random_mxfp4(E, N, K, device)
+    prepared = prepare_bytes(blocks)
     w_bf16 = dequantize_experts_mxfp4(blocks, scales, torch.bfloat16)
     mx_bytes_per_expert = N * (K // 2 + K // 32)
     print(f"== {model}: E {E}, top-{top_k}, GEMM1 N = {N}, K = {K}", flush=True)
@@ -313,12 +329,13 @@ def probe_model(model, args, device, configs, timer, rows):
                 continue  # far more rows than an expert holds
             c = torch.empty(M, N, device=device, dtype=torch.bfloat16)
             try:
-                run = functools.partial(upcast_grouped_gemm, a, blocks, scales, offsets, config,
+                run = functools.partial(upcast_grouped_gemm, a, prepared if "prepared" in config.decode else blocks,
+                                        scales, offsets, config,
                                         tiles=tile_map(offsets, config.block_m), out=c)
                 record(f"(u) {config.name}", run, active * mx_bytes_per_expert, c, reference)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported, the rest run
                 print(f"   {cell:<18} (u) {config.name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-    del blocks, scales, w_bf16
+    del blocks, prepared, scales, w_bf16
 
 
 def main(argv=None):
@@ -328,6 +345,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--match", default="", help="comma list: only configs whose name holds one of these")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.tokens = args.tokens or ([1, 7] if args.tiny else list(TOKENS))
@@ -340,7 +358,10 @@ def main(argv=None):
             print(f"FAIL {exc}", flush=True)
     rows = []
     for model in args.models:
-        probe_model(model, args, device, TINY_CONFIGS if args.tiny else CONFIGS, _timer(device), rows)
+        configs = TINY_CONFIGS if args.tiny else CONFIGS
+        if args.match:
+            configs = [c for c in configs if any(m in c.name for m in args.match.split(","))]
+        probe_model(model, args, device, configs, _timer(device), rows)
     print(f"\n{'cell':<18} {'method':<44} {'us':>9} {'TB/s':>6} {'(b)/this':>8}")
     for cell in dict.fromkeys(row.cell for row in rows):
         cell_rows = sorted((row for row in rows if row.cell == cell), key=lambda row: row.us)
