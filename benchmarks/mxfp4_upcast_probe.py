@@ -5,17 +5,20 @@ grouped GEMMs: one step ahead of the package, not part of it.
         [--models gpt-oss-120b gpt-oss-20b] [--tokens 1 16 128 1024 4096]
 
 GEMM1 of an MXFP4 MoE layer, C [M, N] = A_seg @ dequant(W_e)^T per expert (the same cells, weights, routing and
-timing as benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it uses), by `_mxfp4_upcast_grouped_gemm_kernel` in
-three decodes and two operand orders:
+timing as benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it uses), by `_mxfp4_upcast_grouped_gemm_kernel` with
+the package's decode functions (gemm/jit.py) in five decodes and two operand orders:
 
-  DECODE "f32-split"  the package's today (gemm/jit.py `mxfp4_half_tiles`): each nibble widened to a 32-bit lane,
-                      five integer operations and two fp32 multiplies a value, and the even and odd K values dotted
-                      separately against A's even and odd columns (two dots a step, A split and transposed);
-  DECODE "f32-join"   the same per-value decode, the two halves interleaved back into K order (`tl.join`): one dot
-                      a step against A as loaded;
-  DECODE "bf16x2"     `e2m1_bf16x2`: bf16 bit patterns built two values per 32-bit operation and scaled by two
-                      bf16x2 fma (inline PTX, sm_80 and later), joined into K order, one dot.
-  "swap": the weight is the dot's lhs (C^T accumulated; the form the package uses), "rows": A is the lhs.
+  DECODE "f32-split"        the package's decode before v27: each nibble in its own 32-bit lane (`e2m1_to_f32`,
+                            times `e8m0_to_f32`), the even and odd K values dotted separately against A's even and odd
+                            columns (two dots a step, A split and transposed);
+  DECODE "f32-join"         the same per-value decode, the halves joined back into K order (`tl.join`): one dot a step
+                            (the package's fp32 decode since v27);
+  DECODE "bf16x2"           `e2m1_bf16x2`: inline PTX, two values per 32-bit operation (the package's decode for bf16
+                            on NVIDIA since v27), joined into K order, one dot;
+  DECODE "bf16x2-prepared", "f32-prepared"
+                            the same on bytes in the prepared order (`prepare_bytes`: each 16-byte group reordered so
+                            that the four bytes an MMA operand's thread reads lie together), put back in the kernel.
+  "swap": the weight is the dot's lhs (C^T accumulated), "rows": A is the lhs.
 
 Printed per cell: us (CUDA graph replays, median), the TB/s of the weight bytes it reads, its speed over the
 package's MXFP4 GEMM (> 1: faster) and its relative error against the package's bf16 GEMM on the dequantized weight
@@ -38,68 +41,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, tile_map  # noqa: E402
 
-MXFP4_GROUP = tl.constexpr(32)  # e2m1 values per e8m0 scale, consecutive along K
+from moe_dispatch.gemm.jit import MXFP4_GROUP, e2m1_bf16x2, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32  # noqa: E402
 
 DECODES = {"f32-split": 0, "f32-join": 1, "bf16x2": 2, "bf16x2-prepared": 3, "f32-prepared": 4}
 TOKENS = (1, 16, 128, 1024, 4096)
 
-# Four bytes (eight e2m1 codes) a block: prmt spreads bytes (0, 1) and (2, 3) into the two 16-bit halves of a
-# register; a nibble's magnitude bits go to bf16's two lowest exponent bits and its top mantissa bit, the sign to bit
-# 15, which reads as the e2m1 value times 2^-126 (a subnormal for 0 and 0.5); fma by 2^126 (0x7E80) is exact, then by
-# the group's bf16 scale. Outputs: $0, $1 the low nibbles of bytes (0, 1), (2, 3); $2, $3 the high nibbles; inputs: $4
-# the bytes, $5, $6 the scales of bytes (0, 1), (2, 3).
-E2M1_BF16X2_ASM = tl.constexpr("""
-{
-.reg .b32 t0, t1, u, v, c126, nz;
-mov.b32 c126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 u, t0, 0x00070007; shl.b32 u, u, 6; and.b32 v, t0, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
-fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $0, u, $5, nz;
-and.b32 u, t1, 0x00070007; shl.b32 u, u, 6; and.b32 v, t1, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
-fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $1, u, $6, nz;
-and.b32 u, t0, 0x00700070; shl.b32 u, u, 2; and.b32 v, t0, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
-fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $2, u, $5, nz;
-and.b32 u, t1, 0x00700070; shl.b32 u, u, 2; and.b32 v, t1, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
-fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 $3, u, $6, nz;
-}
-""")
-
-
-@triton.jit
-def e8m0_to_bf16(b_codes):
-    """2^(code - 127) in bf16 of e8m0 codes (uint8): code << 7 is bf16's exponent field for codes 1..254; code 0 is
-    the subnormal 2^-127 (0x0040), 0xFF NaN (0x7FC0)."""
-    b_codes = b_codes.to(tl.uint16)
-    b_bits = tl.where(b_codes == 0, 0x0040, tl.where(b_codes == 255, 0x7FC0, b_codes << 7)).to(tl.uint16)
-    return b_bits.to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def e2m1_bf16x2(b_bytes, b_scale):
-    """(low-nibble values, high-nibble values) in bf16 of MXFP4 bytes (uint8) times each byte's bf16 scale (same
-    shape): E2M1_BF16X2_ASM, four bytes a block."""
-    return tl.inline_asm_elementwise(E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [b_bytes, b_scale],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _f32_values(b_codes):
-    """the package's per-value decode (gemm/jit.py e2m1_to_f32), repeated here so the probe stands alone."""
-    b_codes = b_codes.to(tl.uint32)
-    b_bits = ((b_codes & 7) << 22) | ((b_codes & 8) << 28)
-    return b_bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-
-
 @triton.jit
 def _f32_halves(b_bytes, b_codes, dtype: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """(even, odd) [ROWS, BLOCK_K / 2] in dtype: the package's decode of the low and high nibbles."""
-    b_scale = tl.broadcast_to(tl.where(b_codes == 0, 5.877471754111438e-39, tl.where(
-        b_codes == 255, float("nan"), (b_codes.to(tl.uint32) << 23).to(tl.float32, bitcast=True)))[:, :, None],
-        (ROWS, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
+    b_scale = tl.broadcast_to(e8m0_to_f32(b_codes)[:, :, None], (ROWS, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
     b_scale = tl.reshape(b_scale, (ROWS, BLOCK_K // 2))
-    return (_f32_values(b_bytes) * b_scale).to(dtype), (_f32_values(b_bytes >> 4) * b_scale).to(dtype)
+    return (e2m1_to_f32(b_bytes) * b_scale).to(dtype), (e2m1_to_f32(b_bytes >> 4) * b_scale).to(dtype)
 
 
 @triton.jit
