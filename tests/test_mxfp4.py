@@ -333,9 +333,9 @@ def test_bf16_activations_decode_by_ptx_only_on_nvidia_gpus():
 
 @pytest.mark.parametrize("tiles", list(BF16X2_TILES.values()), ids=list(BF16X2_TILES))
 def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
-    """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes (H = 160: a masked K step of 64 and of
-    128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN in x reaches its token only and a
-    NaN scale code (0xFF) every token routed to that expert only."""
+    """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes
+    (H = 160: a masked K step of 64 and of 128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN
+    in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only."""
     E, H, F, T, top_k = 6, 160, 96, 300, 2
     x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
     ids = torch.where(ids == 5, 0, ids)  # expert 5 empty

@@ -16,8 +16,8 @@ CONFIG_DIR = tiles._CONFIG_DIR
 SMEM_LIMIT = {"NVIDIA_H200": 227 * 1024, "NVIDIA_A100": 163 * 1024, "AMD_Instinct_MI300X": 64 * 1024,
               "default": 64 * 1024, "interpreter": None}
 TABLES = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
-RUNTIME_KEYS = {"device", "measured", "note", "fp8_note", "mxfp4_note", "buckets", "shapes", "decode", "fp8", "mxfp4"}  # a tuning run's log
-# goes to docs/results/
+# a tuning run's log goes to docs/results/
+RUNTIME_KEYS = {"device", "measured", "note", "fp8_note", "mxfp4_note", "buckets", "shapes", "decode", "fp8", "mxfp4"}
 PROVENANCE_KEYS = {"measured", "note", "fp8_note", "mxfp4_note"}  # top level only: no selection reads them
 # The w8a8 FP8 path runs on NVIDIA SM89+ only: shared memory per block of the devices each table with "fp8" serves
 # (default.json: H100 227 KB, L40S / SM89 99 KB).
