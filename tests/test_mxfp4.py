@@ -309,6 +309,26 @@ def test_gpt_oss_width_on_the_gpu(T):
 
 
 
+@needs_gpu
+@pytest.mark.parametrize("forced", [False, True], ids=["a-first-tiles", "weight-first-tiles"])
+def test_offsets_past_32_bits(forced):
+    """T * k * H > 2^31 with MXFP4 weights and bf16 activations (the PTX decode): row offsets into x, the
+    intermediate and the output are 64-bit. 16k rows per expert: the table's 128-row tiles, which dot A first, or
+    tiles forced to 64 rows, which dot the weight first. Rows sampled against float64."""
+    T, E, k, H, F = 2**18 + 1000, 32, 2, 4096, 64
+    assert T * k * H > 2**31
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=16, top_k=k, dtype=torch.bfloat16, bias=False)
+    torch.manual_seed(1)
+    x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), device=DEVICE)
+    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, E - 1, (T,), device=DEVICE)) % E  # two distinct experts a token
+    weights = torch.rand(T, k, device=DEVICE)
+    tiles = MoeTiles(64, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)) if forced else None
+    out = _run(x, gate_up, down, ids, weights, tiles=tiles)
+    rows = torch.cat([torch.arange(64), torch.randint(0, T, (192,)), torch.arange(T - 64, T)]).to(DEVICE)
+    assert_close(out[rows], _reference(x[rows], gate_up, down, ids[rows], weights[rows]), torch.bfloat16)
+
+
 # The PTX decode (gemm/jit.py `e2m1_bf16x2`, bf16 activations on NVIDIA) in both operand orders of mxfp4_tile_dot:
 # 16-row tiles dot the weight first, 128-row tiles (MXFP4_A_LHS_MIN_ROWS) dot A first.
 BF16X2_TILES = {"weight-first": MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4)),
