@@ -65,11 +65,35 @@ COMPILED = {}  # config name -> registers, spills, shared memory of its first GP
 
 
 @triton.jit
-def _mxfp4_dot_scaled_step(acc, a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, k_left, MASK_K: tl.constexpr,
-                           SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + one K step: A [BLOCK_M, BLOCK_K] bf16 times the e2m1 weight tile (bytes [BLOCK_N, BLOCK_K / 2], scale
-    codes [BLOCK_N, BLOCK_K / 32]); acc is [BLOCK_M, BLOCK_N], or its transpose under SWAP_AB. MASK_K: only k_left
-    values of K remain (a multiple of 32); the rest read as zero values with scale 1."""
+def grouped_tile_pointers(a_ptr, w_ptr, w_scale_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N,
+                          stride_a_m, stride_a_k, stride_w_e, stride_w_n, stride_w_k,
+                          stride_w_scale_e, stride_w_scale_n, stride_w_scale_k,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offs_m, offs_n, mask_m, mask_n, a_ptrs, w_ptrs, w_scale_ptrs) of program (t, j) of a grouped probe kernel (the
+    grid of `_mxfp4_dot_scaled_grouped_gemm_kernel`): A [BLOCK_M, BLOCK_K], MXFP4 bytes [BLOCK_N, BLOCK_K / 2] and
+    scale codes [BLOCK_N, BLOCK_K / 32] at k = 0. Shared with benchmarks/mxfp4_upcast_probe.py."""
+    pid_tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_tile).to(tl.int64)
+    row_start = tl.load(tile_row_start_ptr + pid_tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_byte = tl.arange(0, BLOCK_K // 2)
+    offs_group = tl.arange(0, BLOCK_K // 32)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
+    w_ptrs = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_byte[None, :] * stride_w_k
+    w_scale_ptrs = (w_scale_ptr + expert * stride_w_scale_e + offs_n[:, None] * stride_w_scale_n
+                    + offs_group[None, :] * stride_w_scale_k)
+    return offs_m, offs_n, offs_m < row_end, offs_n < N, a_ptrs, w_ptrs, w_scale_ptrs
+
+
+@triton.jit
+def load_k_step(a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, k_left, MASK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(A [BLOCK_M, BLOCK_K], bytes [BLOCK_N, BLOCK_K / 2] uint8 (two e2m1 codes a byte), scale codes [BLOCK_N,
+    BLOCK_K / 32] uint8) of one K step. MASK_K: only k_left values of K remain (a multiple of 32); the rest read as
+    zero values with scale code 127 (1.0)."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // 32)
@@ -81,9 +105,35 @@ def _mxfp4_dot_scaled_step(acc, a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, k_
         mask_a = mask_m[:, None]
         mask_w = mask_n[:, None]
         mask_s = mask_n[:, None]
-    b_a = tl.load(a_ptrs, mask=mask_a, other=0.0)  # [BLOCK_M, BLOCK_K]
-    b_w = tl.load(w_ptrs, mask=mask_w, other=0)  # [BLOCK_N, BLOCK_K / 2] uint8, two e2m1 codes a byte
-    b_s = tl.load(w_scale_ptrs, mask=mask_s, other=127)  # [BLOCK_N, BLOCK_K / 32] uint8 e8m0 codes (127: 1.0)
+    return (tl.load(a_ptrs, mask=mask_a, other=0.0), tl.load(w_ptrs, mask=mask_w, other=0),
+            tl.load(w_scale_ptrs, mask=mask_s, other=127))
+
+
+@triton.jit
+def zero_sums(SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32 sums of a tile, [BLOCK_M, BLOCK_N], or its transpose under SWAP_AB (the weight the dot's lhs)."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def store_tile(acc, c_ptr, offs_m, offs_n, mask_m, mask_n, stride_c_m, stride_c_n, SWAP_AB: tl.constexpr):
+    """C's tile from the fp32 sums acc [BLOCK_M, BLOCK_N] (its transpose under SWAP_AB), rows and columns masked."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_c_m + offs_n[None, :] * stride_c_n
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _mxfp4_dot_scaled_step(acc, a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, k_left, MASK_K: tl.constexpr,
+                           SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + one K step (`load_k_step`): A times the e2m1 weight tile by tl.dot_scaled; acc is [BLOCK_M, BLOCK_N], or
+    its transpose under SWAP_AB."""
+    b_a, b_w, b_s = load_k_step(a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, k_left, MASK_K, BLOCK_K)
     if SWAP_AB:
         # C^T += W @ A^T: the weight is the lhs, packed along K as the checkpoint stores it
         acc = tl.dot_scaled(b_w, b_s, "e2m1", tl.trans(b_a), None, "bf16", acc)
@@ -110,30 +160,11 @@ def _mxfp4_dot_scaled_grouped_gemm_kernel(
     BLOCK_M, expert_offsets[e + 1])) of expert e = tile_expert[t] and columns [j BLOCK_N, (j + 1) BLOCK_N) of C. K is a
     multiple of 32; EVEN_K: of BLOCK_K too, else every K step is masked (a peeled, masked last step compiled to
     more registers, and spills, on Triton 3.6)."""
-    pid_tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + pid_tile).to(tl.int64)
-    row_start = tl.load(tile_row_start_ptr + pid_tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_byte = tl.arange(0, BLOCK_K // 2)
-    offs_group = tl.arange(0, BLOCK_K // 32)
-    mask_m = offs_m < row_end
-    mask_n = offs_n < N
-
-    a_ptrs = a_ptr + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k  # [BLOCK_M, BLOCK_K]
-    w_ptrs = (w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n
-              + offs_byte[None, :] * stride_w_k)  # [BLOCK_N, BLOCK_K / 2]
-    w_scale_ptrs = (w_scale_ptr + expert * stride_w_scale_e + offs_n[:, None] * stride_w_scale_n
-                    + offs_group[None, :] * stride_w_scale_k)  # [BLOCK_N, BLOCK_K / 32]
-
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_m, offs_n, mask_m, mask_n, a_ptrs, w_ptrs, w_scale_ptrs = grouped_tile_pointers(
+        a_ptr, w_ptr, w_scale_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, stride_a_m, stride_a_k,
+        stride_w_e, stride_w_n, stride_w_k, stride_w_scale_e, stride_w_scale_n, stride_w_scale_k,
+        BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = zero_sums(SWAP_AB, BLOCK_M, BLOCK_N)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         acc = _mxfp4_dot_scaled_step(acc, a_ptrs, w_ptrs, w_scale_ptrs, mask_m, mask_n, K - k * BLOCK_K, not EVEN_K,
                                      SWAP_AB, BLOCK_K)
@@ -141,10 +172,7 @@ def _mxfp4_dot_scaled_grouped_gemm_kernel(
         w_ptrs += (BLOCK_K // 2) * stride_w_k
         w_scale_ptrs += (BLOCK_K // 32) * stride_w_scale_k
 
-    if SWAP_AB:
-        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_c_m + offs_n[None, :] * stride_c_n
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, c_ptr, offs_m, offs_n, mask_m, mask_n, stride_c_m, stride_c_n, SWAP_AB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,23 +223,24 @@ def tile_map(expert_offsets, block_m):
     return tile_expert.to(device, torch.int32), tile_row_start.to(device, torch.int32)
 
 
-def mxfp4_dot_scaled_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None, out=None):
-    """C [M, N] bf16 = A_seg @ dequant(W_e)^T: a bf16 [M, K] in expert-sorted rows, blocks uint8 [E, N, K/2] (or the
-    checkpoint's [E, N, K/32, 16]), scales uint8 or float8_e8m0fnu [E, N, K/32], expert_offsets int32 [E + 1]; rows
-    past expert_offsets[E] are left unwritten. `tiles`: tile_map(expert_offsets, config.block_m), built here if None."""
+def launch_grouped(kernel, a, blocks, scales, expert_offsets, config, *, tiles=None, out=None, **constexprs):
+    """C [M, N] = A_seg @ dequant(W_e)^T by a grouped probe kernel (this file's argument list and grid; `constexprs`
+    beyond the tile's): a [M, K] in expert-sorted rows, blocks uint8 [E, N, K/2] (or [E, N, K/32, 16]), scales uint8
+    or float8_e8m0fnu [E, N, K/32], expert_offsets int32 [E + 1]; rows past expert_offsets[E] are left unwritten.
+    `tiles`: tile_map(expert_offsets, config.block_m), built here if None. Records the first GPU launch's registers,
+    spills and shared memory per config name (COMPILED)."""
     E, N = blocks.shape[:2]
     w = blocks.reshape(E, N, -1)
     w_scale = scales.view(torch.uint8)
     M, K = a.shape
-    assert a.dtype == torch.bfloat16 and w.dtype == torch.uint8 and w.shape[2] * 2 == K and K % MXFP4_GROUP == 0
+    assert w.dtype == torch.uint8 and w.shape[2] * 2 == K and K % MXFP4_GROUP == 0
     assert w_scale.shape == (E, N, K // MXFP4_GROUP) and expert_offsets.shape == (E + 1,)
-    assert config.block_k % 64 == 0, "BLOCK_K: whole scale groups, and >= 64 for the MMA's K"
     tile_expert, tile_row_start = tiles if tiles is not None else tile_map(expert_offsets, config.block_m)
     c = out if out is not None else torch.empty((M, N), device=a.device, dtype=a.dtype)
     if tile_expert.numel() == 0 or N == 0:
         return c
     grid = (tile_expert.numel(), triton.cdiv(N, config.block_n))
-    compiled = _mxfp4_dot_scaled_grouped_gemm_kernel[grid](
+    compiled = kernel[grid](
         a, w, w_scale, c, tile_expert, tile_row_start, expert_offsets,
         N, K,
         a.stride(0), a.stride(1),
@@ -220,12 +249,21 @@ def mxfp4_dot_scaled_grouped_gemm(a, blocks, scales, expert_offsets, config, *, 
         c.stride(0), c.stride(1),
         SWAP_AB=config.swap_ab, EVEN_K=K % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
     if getattr(compiled, "n_regs", None) is not None and config.name not in COMPILED:  # a GPU launch's kernel
         COMPILED[config.name] = dict(registers=compiled.n_regs, spills=compiled.n_spills,
                                      shared=compiled.metadata.shared)
         print(f"   {config.name} compiled: {COMPILED[config.name]}", flush=True)
     return c
+
+
+def mxfp4_dot_scaled_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None, out=None):
+    """C [M, N] bf16 = A_seg @ dequant(W_e)^T by `_mxfp4_dot_scaled_grouped_gemm_kernel` (`launch_grouped`; a
+    bf16)."""
+    assert a.dtype == torch.bfloat16
+    assert config.block_k % 64 == 0, "BLOCK_K: whole scale groups, and >= 64 for the MMA's K"
+    return launch_grouped(_mxfp4_dot_scaled_grouped_gemm_kernel, a, blocks, scales, expert_offsets, config,
+                          tiles=tiles, out=out)
 
 
 def _offsets(counts, device):
@@ -536,6 +574,12 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print_table(rows)
+    return report_failures(rows, failures)
+
+
+def report_failures(rows, failures):
+    """Adds each row whose error against (c) reaches the bf16 tolerance to `failures`, prints them and the counts ->
+    the exit status (1 on any failure)."""
     from moe_dispatch.reference import TOLERANCE
 
     tolerance = TOLERANCE[torch.bfloat16]

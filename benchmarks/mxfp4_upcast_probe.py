@@ -39,7 +39,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, tile_map  # noqa: E402
+from mxfp4_dot_scaled_probe import (ProbeConfig, Row, _layer_shape, _random_mxfp4, _timer,  # noqa: E402
+                                    grouped_tile_pointers, launch_grouped, load_k_step, report_failures, store_tile,
+                                    tile_map, zero_sums)
 
 from moe_dispatch.gemm.jit import MXFP4_GROUP, e2m1_bf16x2, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32  # noqa: E402
 
@@ -82,39 +84,13 @@ def _mxfp4_upcast_grouped_gemm_kernel(
         DECODE: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C [M, N] = A_seg @ dequant(W_e)^T (the dot_scaled probe's grid and arguments), the weight decoded by DECODE."""
-    pid_tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + pid_tile).to(tl.int64)
-    row_start = tl.load(tile_row_start_ptr + pid_tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-
-    offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_byte = tl.arange(0, BLOCK_K // 2)
-    offs_group = tl.arange(0, BLOCK_K // 32)
-    mask_m = offs_m < row_end
-    mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
-    w_ptrs = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_byte[None, :] * stride_w_k
-    s_ptrs = (w_scale_ptr + expert * stride_w_scale_e + offs_n[:, None] * stride_w_scale_n
-              + offs_group[None, :] * stride_w_scale_k)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_m, offs_n, mask_m, mask_n, a_ptrs, w_ptrs, s_ptrs = grouped_tile_pointers(
+        a_ptr, w_ptr, w_scale_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, stride_a_m, stride_a_k,
+        stride_w_e, stride_w_n, stride_w_k, stride_w_scale_e, stride_w_scale_n, stride_w_scale_k,
+        BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = zero_sums(SWAP_AB, BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            mask_a = mask_m[:, None]
-            mask_w = mask_n[:, None]
-            mask_s = mask_n[:, None]
-        else:
-            mask_a = mask_m[:, None] & (offs_k[None, :] < K - k0)
-            mask_w = mask_n[:, None] & (offs_byte[None, :] < (K - k0) // 2)
-            mask_s = mask_n[:, None] & (offs_group[None, :] < (K - k0) // 32)
-        b_a = tl.load(a_ptrs, mask=mask_a, other=0.0)
-        b_bytes = tl.load(w_ptrs, mask=mask_w, other=0)  # [BLOCK_N, BLOCK_K / 2]
-        b_codes = tl.load(s_ptrs, mask=mask_s, other=127)  # [BLOCK_N, BLOCK_K / 32]
+        b_a, b_bytes, b_codes = load_k_step(a_ptrs, w_ptrs, s_ptrs, mask_m, mask_n, K - k0, not EVEN_K, BLOCK_K)
         if DECODE == 0:
             w0, w1 = _f32_halves(b_bytes, b_codes, a_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
             a_even, a_odd = tl.split(tl.reshape(b_a, (BLOCK_M, BLOCK_K // 2, 2)))
@@ -133,10 +109,7 @@ def _mxfp4_upcast_grouped_gemm_kernel(
         a_ptrs += BLOCK_K * stride_a_k
         w_ptrs += (BLOCK_K // 2) * stride_w_k
         s_ptrs += (BLOCK_K // 32) * stride_w_scale_k
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_c_m + offs_n[None, :] * stride_c_n
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, c_ptr, offs_m, offs_n, mask_m, mask_n, stride_c_m, stride_c_n, SWAP_AB)
 
 
 @triton.jit
@@ -173,33 +146,32 @@ def check_decode_table(device):
 
 
 @dataclasses.dataclass(frozen=True)
-class UpcastConfig:
-    decode: str
-    swap_ab: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
+class UpcastConfig(ProbeConfig):
+    """One launch: the dot_scaled probe's form and tile, and the weight's decode (DECODES)."""
+
+    decode: str = "bf16x2"
 
     @property
     def name(self):
-        return f"{self.decode} {'swap' if self.swap_ab else 'rows'} {self.block_m}x{self.block_n}x{self.block_k}" \
-               f" w{self.num_warps}s{self.num_stages}"
+        return f"{self.decode} {super().name} w{self.num_warps}s{self.num_stages}"
+
+
+def _config(decode, swap_ab, block_m, block_n, block_k, num_warps=4, num_stages=3):
+    return UpcastConfig(swap_ab, block_m, block_n, block_k, num_warps, num_stages, decode)
 
 
 CONFIGS = tuple(
-    [UpcastConfig(d, True, 16, 128, 64, 4, 4) for d in DECODES if d != "f32-prepared"]
-    + [UpcastConfig(d, True, 64, 128, 64, 8, 3) for d in DECODES if d != "f32-prepared"]
-    + [UpcastConfig(d, True, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
-    + [UpcastConfig("bf16x2", True, 256, 128, 64, 8, 3), UpcastConfig("bf16x2", True, 128, 64, 128, 4, 3),
-       UpcastConfig("bf16x2", True, 32, 64, 128, 4, 4), UpcastConfig("bf16x2", True, 16, 64, 128, 4, 4)]
-    + [UpcastConfig(d, False, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
-    + [UpcastConfig("bf16x2", False, 128, 256, 64, 8, 3)]
-    + [UpcastConfig("bf16x2-prepared", sw, bm, bn, bk, w, st) for sw, bm, bn, bk, w, st in
+    [_config(d, True, 16, 128, 64, 4, 4) for d in DECODES if d != "f32-prepared"]
+    + [_config(d, True, 64, 128, 64, 8, 3) for d in DECODES if d != "f32-prepared"]
+    + [_config(d, True, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
+    + [_config("bf16x2", True, 256, 128, 64, 8, 3), _config("bf16x2", True, 128, 64, 128, 4, 3),
+       _config("bf16x2", True, 32, 64, 128, 4, 4), _config("bf16x2", True, 16, 64, 128, 4, 4)]
+    + [_config(d, False, 128, 128, 64, 8, 3) for d in ("f32-join", "bf16x2")]
+    + [_config("bf16x2", False, 128, 256, 64, 8, 3)]
+    + [_config("bf16x2-prepared", sw, bm, bn, bk, w, st) for sw, bm, bn, bk, w, st in
        ((True, 16, 64, 128, 4, 4), (True, 32, 64, 128, 4, 4), (True, 128, 128, 64, 8, 3), (False, 128, 128, 64, 8, 3))])
-TINY_CONFIGS = (UpcastConfig("f32-split", True, 16, 64, 64), UpcastConfig("f32-join", True, 16, 64, 64),
-                UpcastConfig("f32-join", False, 16, 64, 64))
+TINY_CONFIGS = (_config("f32-split", True, 16, 64, 64), _config("f32-join", True, 16, 64, 64),
+                _config("f32-join", False, 16, 64, 64))
 
 
 def prepare_bytes(blocks):
@@ -211,26 +183,12 @@ def prepare_bytes(blocks):
 
 
 def upcast_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None, out=None):
-    """C [M, N] bf16 = A_seg @ dequant(W_e)^T (arguments as the dot_scaled probe's; blocks in the prepared order,
-    `prepare_bytes`, for the "prepared" decodes)."""
-    E, N = blocks.shape[:2]
-    w = blocks.reshape(E, N, -1)
-    w_scale = scales.view(torch.uint8)
-    M, K = a.shape
-    assert a.dtype in (torch.bfloat16, torch.float32) and w.shape[2] * 2 == K and K % 32 == 0
-    tile_expert, tile_row_start = tiles if tiles is not None else tile_map(expert_offsets, config.block_m)
-    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=a.dtype)
-    if tile_expert.numel() == 0 or N == 0:
-        return c
-    grid = (tile_expert.numel(), triton.cdiv(N, config.block_n))
-    _mxfp4_upcast_grouped_gemm_kernel[grid](
-        a, w, w_scale, c, tile_expert, tile_row_start, expert_offsets, N, K,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), c.stride(0), c.stride(1),
-        DECODE=DECODES[config.decode], SWAP_AB=config.swap_ab, EVEN_K=K % config.block_k == 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return c
+    """C [M, N] = A_seg @ dequant(W_e)^T by `_mxfp4_upcast_grouped_gemm_kernel` (the dot_scaled probe's
+    `launch_grouped`; a bf16, or fp32 for the interpreter; blocks in the prepared order, `prepare_bytes`, for the
+    "prepared" decodes)."""
+    assert a.dtype in (torch.bfloat16, torch.float32)
+    return launch_grouped(_mxfp4_upcast_grouped_gemm_kernel, a, blocks, scales, expert_offsets, config, tiles=tiles,
+                          out=out, DECODE=DECODES[config.decode])
 
 
 def probe_model(model, args, device, configs, timer, rows):
@@ -321,15 +279,7 @@ def main(argv=None):
         for row in cell_rows[:6] + [row for row in cell_rows[6:] if row.method[:3] in ("(b)", "(c)")]:
             tbs = row.weight_bytes / (row.us * 1e-6) / 1e12
             print(f"{cell:<18} {row.method:<44} {row.us:9.1f} {tbs:6.2f} {package / row.us:7.2f}x")
-    from moe_dispatch.reference import TOLERANCE
-
-    for row in rows:
-        if row.error is not None and not row.error < TOLERANCE[torch.bfloat16]:
-            failures.append(f"{row.cell} {row.method}: relative error {row.error:.2e}")
-    for line in failures:
-        print(f"FAIL {line}")
-    print(f"{len(rows)} timings, {len(failures)} failures")
-    return 1 if failures else 0
+    return report_failures(rows, failures)
 
 
 if __name__ == "__main__":

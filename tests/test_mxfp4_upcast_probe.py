@@ -10,7 +10,7 @@ from helpers import DEVICE, ON_GPU, needs_gpu
 import mxfp4_dot_scaled_probe as dot_scaled_probe
 import mxfp4_upcast_probe as probe
 
-CONFIGS = [probe.UpcastConfig(decode, swap, 16, 64, 64) for decode in probe.DECODES for swap in (True, False)
+CONFIGS = [probe.UpcastConfig(swap, 16, 64, 64, decode=decode) for decode in probe.DECODES for swap in (True, False)
            if ON_GPU or not decode.startswith("bf16x2")]
 
 
