@@ -711,7 +711,7 @@ def test_bench_mxfp4_prefill_choice(choice, decodes_first, tmp_path, monkeypatch
 
     calls = []
     real = moe.dequantize_mxfp4_experts
-    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", "auto")  # main sets it for its run; restored after the test
     results = bm.main(["--cpu-smoke", "--models", "gpt-oss-20b", "--tokens", "5", "--impls", "mxfp4,bf16",
                        "--mxfp4-prefill", choice, "--out", str(tmp_path / "out"), "--no-hub"])

@@ -128,7 +128,7 @@ def _dequantizing_first(monkeypatch):
 def _spy_dequantize(monkeypatch):
     calls = []
     real = moe.dequantize_mxfp4_experts
-    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     return calls
 
 
@@ -327,6 +327,63 @@ def test_offsets_past_32_bits(forced):
     out = _run(x, gate_up, down, ids, weights, tiles=tiles)
     rows = torch.cat([torch.arange(64), torch.randint(0, T, (192,)), torch.arange(T - 64, T)]).to(DEVICE)
     assert_close(out[rows], _reference(x[rows], gate_up, down, ids[rows], weights[rows]), torch.bfloat16)
+
+
+def test_prepared_order_is_a_permutation_and_its_own_inverse():
+    """prepare_experts_mxfp4: same shape, same bytes per 16-byte group, byte 4q + j of a group the checkpoint's 4j + q,
+    applied twice the checkpoint's bytes; refused with the argument named for bytes not in groups of 16."""
+    blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8)
+    prepared = md.prepare_experts_mxfp4(blocks)
+    assert prepared.shape == blocks.shape and prepared.is_contiguous()
+    assert torch.equal(prepared.sort(dim=-1).values, blocks.sort(dim=-1).values)
+    for q in range(4):
+        assert torch.equal(prepared[..., 4 * q:4 * q + 4], blocks[..., q::4])
+    assert torch.equal(md.prepare_experts_mxfp4(prepared), blocks)
+    assert torch.equal(md.prepare_experts_mxfp4(blocks.reshape(3, 5, 64)), prepared.reshape(3, 5, 64))
+    with pytest.raises(ValueError, match="blocks"):
+        md.prepare_experts_mxfp4(torch.zeros(2, 3, 24, dtype=torch.uint8))
+
+
+PREPARED_CASES = [case for case in CASES if case[0] != "table"]
+
+
+@pytest.mark.parametrize("case", PREPARED_CASES, ids=[case[0] for case in PREPARED_CASES])
+def test_prepared_layout_gives_the_checkpoint_layouts_bits(case, poison_empty):
+    """The same weights in the prepared order (quant weight_layout "prepared") give the checkpoint order's outputs bit
+    for bit on the decode and grouped paths, GPT-OSS's layout and concatenated rows."""
+    name, T, E, top_k, H, F, options, _ = case
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k)
+    checkpoint = _run(x, gate_up, down, ids, weights, **options, **biases)
+    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
+    out = md.fused_experts(x, md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0]), ids, weights,
+                           quant=quant, validate=False, **options, **biases)
+    assert torch.equal(out, checkpoint)
+
+
+def test_prepared_layout_gradients_and_prefill_buffer(monkeypatch):
+    """Gradients to x and the routing weights through prepared weights (the backward reads them along the packed
+    axis) equal the checkpoint order's; so does the prefill buffer (MOE_DISPATCH_MXFP4_PREFILL=buffer)."""
+    x, gate_up, down, ids, weights, biases = _experts(4, 64, 96, T=9, top_k=2)
+    options = dict(activation="swiglu_oai", interleaved=True, **biases)
+    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
+    prepared = md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0])
+    results = []
+    for blocks, q in (((gate_up[0], down[0]), md.ExpertsQuant.mxfp4(gate_up[1], down[1])), (prepared, quant)):
+        xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        out = md.fused_experts(xg, *blocks, ids, wg, quant=q, validate=False, **options)
+        out.square().sum().backward()
+        results.append((out.detach(), xg.grad, wg.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", "buffer")
+    replay.clear()
+    buffered = md.fused_experts(x, *prepared, ids, weights, quant=quant, validate=False, **options)
+    assert_close(buffered, _reference(x, gate_up, down, ids, weights, **options), torch.float32)
+
+
+def test_prepared_layout_is_an_mxfp4_layout():
+    with pytest.raises(ValueError, match="weight_layout"):
+        md.ExpertsQuant("fp8", torch.ones(2, 1, 1), torch.ones(2, 1, 1), weight_layout="prepared")
 
 
 # The PTX decode (gemm/jit.py `e2m1_bf16x2`, bf16 activations on NVIDIA) in both operand orders of mxfp4_tile_dot:
