@@ -45,6 +45,15 @@ def _reference(x, gate_up, down, ids, weights, **kwargs):
                              weights.double(), **kwargs)
 
 
+def _run_layout(layout, x, gate_up, down, ids, weights, **kwargs):
+    """`_run` with the blocks in `layout` ("prepared": prepare_experts_mxfp4's order, said by the quant object)."""
+    if layout == "checkpoint":
+        return _run(x, gate_up, down, ids, weights, **kwargs)
+    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
+    return md.fused_experts(x, md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0]), ids, weights,
+                            quant=quant, validate=False, **kwargs)
+
+
 def _run(x, gate_up, down, ids, weights, **kwargs):
     return md.fused_experts(x, gate_up[0], down[0], ids, weights, w_gate_up_scale=gate_up[1],
                             w_down_scale=down[1], validate=False, **kwargs)
@@ -408,17 +417,19 @@ def test_bf16_activations_decode_by_ptx_only_on_nvidia_gpus():
         assert dequant_scale_code(ws, 64, dtype=dtype, device=torch.device(DEVICE)) == (WeightScaleCode.MXFP4, 64)
 
 
+@pytest.mark.parametrize("layout", ["checkpoint", "prepared"])
 @pytest.mark.parametrize("tiles", list(BF16X2_TILES.values()), ids=list(BF16X2_TILES))
-def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
+def test_bf16_decode_matches_float64_and_keeps_nans(tiles, layout):
     """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes
     (H = 160: a masked K step of 64 and of 128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN
-    in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only."""
+    in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only. In the
+    checkpoint's byte order and the prepared one."""
     E, H, F, T, top_k = 6, 160, 96, 300, 2
     x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
     ids = torch.where(ids == 5, 0, ids)  # expert 5 empty
     ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 5, ids[:, 1])
     options = dict(activation="swiglu_oai", interleaved=True, tiles=tiles)
-    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    out = _run_layout(layout, x, gate_up, down, ids, weights, **options, **biases)
     ref = _reference(x, gate_up, down, ids, weights, **options, **{k: v.double() for k, v in biases.items()})
     assert_close(out, ref, torch.bfloat16)
 
@@ -426,7 +437,7 @@ def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
     codes = gate_up[1].clone()
     expert = int(ids[11, 0])
     codes[expert, 2, 1] = 0xFF
-    out = _run(x, (gate_up[0], codes), down, ids, weights, **options, **biases).isnan().any(dim=1)
+    out = _run_layout(layout, x, (gate_up[0], codes), down, ids, weights, **options, **biases).isnan().any(dim=1)
     routed = (ids == expert).any(dim=1)
     routed[7] = True
     assert torch.equal(out, routed), "NaN lost, or reached tokens of other experts"
