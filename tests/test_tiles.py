@@ -45,14 +45,12 @@ def test_table_parses_and_holds_runtime_data_only(name):
             assert set(bucket) == BUCKET_KEYS, (name, bucket)
             tiles.MoeTiles.from_dict(bucket)
     mxfp4 = table.get("mxfp4", {})
-    assert set(mxfp4) <= {"buckets", "shapes", "decode", "prepared"}, (name, set(mxfp4))
-    assert set(mxfp4.get("prepared", {})) <= {"buckets", "shapes"}, (name, set(mxfp4["prepared"]))
-    for part in (mxfp4, mxfp4.get("prepared", {})):
-        for _, buckets in _buckets(part):
-            assert [b["max_rows_per_expert"] for b in buckets] == sorted(b["max_rows_per_expert"] for b in buckets)
-            for bucket in buckets:
-                assert set(bucket) == BUCKET_KEYS, (name, "mxfp4", bucket)
-                tiles.MoeTiles.from_dict(bucket)
+    assert set(mxfp4) <= {"buckets", "shapes", "decode"}, (name, set(mxfp4))
+    for _, buckets in _buckets(mxfp4):
+        assert [b["max_rows_per_expert"] for b in buckets] == sorted(b["max_rows_per_expert"] for b in buckets)
+        for bucket in buckets:
+            assert set(bucket) == BUCKET_KEYS, (name, "mxfp4", bucket)
+            tiles.MoeTiles.from_dict(bucket)
     for _, buckets in _buckets(mxfp4.get("decode", {})):
         assert [b["max_assignments"] for b in buckets] == sorted(b["max_assignments"] for b in buckets)
         assert all(set(b) == DECODE_BUCKET_KEYS for b in buckets), (name, "mxfp4 decode", buckets)
@@ -61,8 +59,7 @@ def test_table_parses_and_holds_runtime_data_only(name):
 def _gemm_entries(table, sections=("bf16", "fp8")):
     """(section, GEMM, entry) of every GEMM entry of a table's bf16 and fp8 (and mxfp4, when asked) buckets, generic
     and per shape."""
-    parts = {"bf16": table, "fp8": table.get("fp8"), "mxfp4": table.get("mxfp4"),
-             "mxfp4 prepared": table.get("mxfp4", {}).get("prepared")}
+    parts = {"bf16": table, "fp8": table.get("fp8"), "mxfp4": table.get("mxfp4")}
     for section, part in ((section, parts[section]) for section in sections):
         if part is not None:
             for _, buckets in _buckets(part):
@@ -93,7 +90,7 @@ def test_provenance_stays_at_the_top_and_kernels_are_named(name):
 
     below_top(table, [])
     names = {member.name.lower() for member in tiles.Persistent}
-    for section, gemm, entry in _gemm_entries(table, ("bf16", "fp8", "mxfp4", "mxfp4 prepared")):
+    for section, gemm, entry in _gemm_entries(table, ("bf16", "fp8", "mxfp4")):
         assert entry.get("persistent", "off") in names, (name, section, gemm, entry)
 
 
@@ -306,20 +303,3 @@ def test_transposed_down_weights_take_the_dot_decode_tile(num_tokens, limit_tile
     from moe_dispatch.gemm.planner import ExpertsPath, plan_experts
     plan = plan_experts(device, num_tokens, 4, 8, 64, 32, torch.bfloat16, transposed=True)
     assert plan.path is ExpertsPath.DECODE and plan.tiles == chosen
-
-
-def test_prepared_mxfp4_weights_read_their_own_buckets_first(monkeypatch):
-    """Weights in the prepared byte order take the "mxfp4" section's "prepared" buckets; a table without that part
-    gives them the section's buckets, and checkpoint-order weights never read it."""
-    mine = {"block_n": 16, "block_k": 32, "num_warps": 2, "num_stages": 1, "group_m": 1}
-    section_bucket = {"max_rows_per_expert": 1000000000, "block_m": 32, "gate_up": dict(mine, block_n=32),
-                      "down": dict(mine, block_n=32)}
-    prepared_bucket = {"max_rows_per_expert": 1000000000, "block_m": 16, "gate_up": mine, "down": mine}
-    table = json.loads(json.dumps(tiles.load_table("default")))
-    table["mxfp4"] = {"buckets": [section_bucket], "prepared": {"buckets": [prepared_bucket]}}
-    monkeypatch.setattr(tiles, "load_table", lambda key: table)
-    device, dims = torch.device("cpu"), (64, 2, 8, 128, 256)
-    assert tiles.select_tiles(device, *dims, mxfp4=True, prepared=True) == tiles.MoeTiles.from_dict(prepared_bucket)
-    assert tiles.select_tiles(device, *dims, mxfp4=True) == tiles.MoeTiles.from_dict(section_bucket)
-    del table["mxfp4"]["prepared"]
-    assert tiles.select_tiles(device, *dims, mxfp4=True, prepared=True) == tiles.MoeTiles.from_dict(section_bucket)

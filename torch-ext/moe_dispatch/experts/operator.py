@@ -72,7 +72,7 @@ def launch_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_b
     mxfp4 = is_mxfp4(w_gate_up)
     plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=call.forced_tiles(), save_preact=save_preact,
                         fp8=quantized, w8a8=quantized and call.compute == "w8a8", transposed=call.transposed,
-                        mxfp4=mxfp4, prepared=call.weight_layout == "prepared")
+                        mxfp4=mxfp4)
     if plan.path is ExpertsPath.W8A8:
         static_input_scales = gate_up_input_scale is not None or down_input_scale is not None
         plan = plan_w8a8_engine(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, separate_up=separate_up,

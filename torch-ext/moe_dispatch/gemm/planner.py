@@ -95,11 +95,10 @@ class ExpertsPlan:
 
 def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
                  dtype: torch.dtype, *, forced: MoeTiles | DecodeTiles | None = None, save_preact: bool = False,
-                 fp8: bool = False, w8a8: bool = False, transposed: bool = False, mxfp4: bool = False,
-                 prepared: bool = False) -> ExpertsPlan:
+                 fp8: bool = False, w8a8: bool = False, transposed: bool = False, mxfp4: bool = False) -> ExpertsPlan:
     """The path and tiles of one experts call (`fp8`: float8 weights; `w8a8`: on the w8a8 path, already resolved
     by `fp8_compute`; `transposed`: the weights' layout, and `mxfp4`: MXFP4 weights, which read the table's "mxfp4"
-    section, `prepared` ones in the prepared byte order its "prepared" buckets: host/tiles.py). The decode path takes
+    section: host/tiles.py). The decode path takes
     inference calls (`save_preact` False, not w8a8) of at most
     MAX_DECODE_ASSIGNMENTS assignments when forced by a DecodeTiles, never when forced by a MoeTiles, and otherwise
     where the device's table has a decode bucket; every other call takes the forced MoeTiles or the table's.
@@ -115,8 +114,7 @@ def plan_experts(device: torch.device, num_tokens: int, top_k: int, num_experts:
     elif w8a8:
         tiles = select_fp8_tiles(device, num_tokens, top_k, num_experts, ffn, hidden)
     else:
-        tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, mxfp4=mxfp4,
-                             prepared=prepared)
+        tiles = select_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, mxfp4=mxfp4)
     return ExpertsPlan(ExpertsPath.W8A8 if w8a8 else ExpertsPath.GROUPED, tiles)
 
 

@@ -30,11 +30,9 @@ The first bucket with N <= `max_assignments` is used; past the last one (or with
 the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`, in the same form.
 `scripts/tune --path decode` measures the entries.
 
-MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}, "prepared":
-{"buckets": [...], "shapes": {...}}}`, each part in the forms above (the grouped path's buckets, the decode entry; every
-decode down tile `dot`); a part it lacks falls back to the float weights' buckets and to the "fp8" decode entry
-(`select_tiles`, `select_decode_tiles`). Weights in the prepared byte order (`prepare_experts_mxfp4`) read the
-"prepared" part's buckets where it has them, else the section's.
+MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}}`, each part in
+the forms above (the grouped path's buckets, the decode entry; every decode down tile `dot`); a part it lacks falls
+back to the float weights' buckets and to the "fp8" decode entry (`select_tiles`, `select_decode_tiles`).
 `scripts/tune --mxfp4` measures it.
 """
 
@@ -347,19 +345,16 @@ def _pick_bucket(buckets, rows_per_expert):
 
 
 def select_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int,
-                 dtype: torch.dtype = torch.bfloat16, *, mxfp4: bool = False, prepared: bool = False) -> MoeTiles:
+                 dtype: torch.dtype = torch.bfloat16, *, mxfp4: bool = False) -> MoeTiles:
     """Tiles for a forward of `num_tokens` tokens on `device` (host-side arithmetic only, no device reads).
 
     Tables are measured with 2-byte elements; for fp32, BLOCK_K is halved so a stage keeps the same bytes of shared
     memory (the full tile would not fit the pipeline on the H200; `_wide_k`). MXFP4 weights (`mxfp4`) read the
-    table's "mxfp4" buckets of the shape where it has them, else the float weights' buckets; those in the prepared
-    byte order (`prepared`) the section's "prepared" buckets first.
+    table's "mxfp4" buckets of the shape where it has them, else the float weights' buckets.
     """
     table = load_table(device_key(device))
     key = f"{num_experts},{ffn},{hidden}"
     section = table.get("mxfp4", {}) if mxfp4 else {}
-    if prepared:
-        section = {**section, **section.get("prepared", {})}
     buckets = (section.get("shapes", {}).get(key) or section.get("buckets")
                or table.get("shapes", {}).get(key, table["buckets"]))
     rows_per_expert = -(-num_tokens * top_k // num_experts)
