@@ -2,6 +2,7 @@
 kernels (`persistent`) as a table of the integer form selects alike, the tiles selected from it fit its device's
 shared memory in every dtype, and device names find their table."""
 
+import dataclasses
 import json
 import os
 
@@ -303,3 +304,34 @@ def test_transposed_down_weights_take_the_dot_decode_tile(num_tokens, limit_tile
     from moe_dispatch.gemm.planner import ExpertsPath, plan_experts
     plan = plan_experts(device, num_tokens, 4, 8, 64, 32, torch.bfloat16, transposed=True)
     assert plan.path is ExpertsPath.DECODE and plan.tiles == chosen
+
+
+def test_register_caps_load_from_tables_and_travel_as_ints():
+    """A GEMM entry's `maxnreg` loads into its tile, survives the flat int form the custom operators take, and
+    leaves the table form when unset; an NVIDIA launch takes it as Triton's `maxnreg`, the interpreter never."""
+    entry = {"block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "maxnreg": 64}
+    capped = tiles.GemmTile.from_dict(entry)
+    assert capped.maxnreg == 64
+    assert capped.to_dict() == {**entry, "persistent": "off"}
+    plain = tiles.GemmTile.from_dict({k: v for k, v in entry.items() if k != "maxnreg"})
+    assert plain.maxnreg == 0 and "maxnreg" not in plain.to_dict()
+    both = tiles.MoeTiles(64, capped, plain)
+    assert tiles.MoeTiles.from_list(both.to_list()) == both
+    from moe_dispatch.gemm.args import register_cap
+    assert register_cap(plain) == {}
+    assert register_cap(capped) == {}  # the suite's CPU runs are interpreted (tests/conftest.py)
+
+
+
+def test_register_caps_reach_nvidia_compiles_only():
+    """`register_cap` gives Triton's `maxnreg` for an NVIDIA target and nothing for AMD (the option is NVIDIA's)."""
+    import compile_report as cr
+    from moe_dispatch.gemm.args import register_cap
+    from moe_dispatch.host import device
+
+    capped = tiles.GemmTile(64, 64, 8, 3, 8, maxnreg=64)
+    with device.compile_target(cr.TARGETS["h200"]):
+        assert register_cap(capped) == {"maxnreg": 64}
+        assert register_cap(dataclasses.replace(capped, maxnreg=0)) == {}
+    with device.compile_target(cr.TARGETS["mi300x"]):
+        assert register_cap(capped) == {}

@@ -10,7 +10,8 @@ import torch
 from ..formats.fp8 import WeightScale
 from ..formats.mxfp4 import MXFP4_GROUP, is_mxfp4
 from ..formats.scale_codes import WeightScaleCode
-from ..host.device import decodes_mxfp4_bf16x2, dot_input_precision, dot_needs_fp32, tma_readable
+from ..host.device import (decodes_mxfp4_bf16x2, dot_input_precision, dot_needs_fp32, is_cuda, is_interpreter,
+                           tma_readable)
 from ..host.pdl import pdl_options
 from ..host.tiles import GemmTile
 from .jit import Activation
@@ -134,7 +135,13 @@ def tile_meta(info, tile: GemmTile, *, gather_a, activation, w: GemmWeights, top
     return dict(TOP_K=info.top_k, GATHER_A=gather_a, ACTIVATION=int(Activation.of(activation)),
                 HAS_BIAS=w.bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=info.block_m,
                 BLOCK_N=tile.block_n, GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                **pdl_options(info.tile_expert.device))
+                **pdl_options(info.tile_expert.device), **register_cap(tile))
+
+
+def register_cap(tile: GemmTile) -> dict:
+    """The `maxnreg` launch option of a tile that sets one, on NVIDIA GPUs (the option is theirs; AMD and the
+    interpreter run without it)."""
+    return {"maxnreg": tile.maxnreg} if tile.maxnreg and is_cuda() and not is_interpreter() else {}
 
 
 # The descriptor views of the operands (what TMA needs of a layout, host.device.tma_readable, and what each view's

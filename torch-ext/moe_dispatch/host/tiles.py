@@ -11,7 +11,8 @@ number of rows per expert (`T * top_k / E`), optionally overridden per model sha
 
 The first bucket whose `max_rows_per_expert` is >= the problem's value is used (the last one past the end). A GEMM's
 optional `persistent` names a `Persistent` member in lower case ("off", the default; "on"); the integers 0 and 1 of
-older tables load too. Provenance ("measured", "note", "fp8_note") stays at the top level, which
+older tables load too. Its optional `maxnreg` caps the registers per thread (NVIDIA; 0 or absent: no cap), so that more
+programs share an SM. Provenance ("measured", "note", "fp8_note") stays at the top level, which
 no selection reads. The w8a8 FP8 path (gemm/w8a8.py) reads its own buckets,
 `"fp8": {"buckets": [...], "shapes": {...}}`, in the same form (BLOCK_K there is the activation group;
 `gemm.w8a8.w8a8_tiles` applies the path's constraints); a table without them lends the FP8 path its bf16 buckets with
@@ -113,6 +114,9 @@ class GemmTile:
     # w8a8 path, from block_m 64) where the device and layout allow it. A plain int after `from_list` (equal to its
     # member)
     persistent: Persistent = Persistent.OFF
+    # The most registers a thread of the GEMM kernel may hold (Triton's `maxnreg`; NVIDIA only, ignored elsewhere),
+    # so that more programs fit an SM; 0: the compiler's choice
+    maxnreg: int = 0
 
     @classmethod
     def from_dict(cls, entry):
@@ -122,8 +126,11 @@ class GemmTile:
         return cls(**{**entry, "persistent": Persistent.parse(entry["persistent"])})
 
     def to_dict(self):
-        """The table entry: the fields by name, `persistent` by its member's name."""
-        return {**dataclasses.asdict(self), "persistent": Persistent(self.persistent).name.lower()}
+        """The table entry: the fields by name, `persistent` by its member's name, `maxnreg` only where set."""
+        entry = {**dataclasses.asdict(self), "persistent": Persistent(self.persistent).name.lower()}
+        if not self.maxnreg:
+            del entry["maxnreg"]
+        return entry
 
 
 @dataclasses.dataclass(frozen=True)
