@@ -9,8 +9,6 @@ are ~0.023 RMS; never a whole model), bf16 biases randn * 0.02, x randn, and GPT
 
   mxfp4          moe_dispatch.fused_experts on the MXFP4 blocks uint8 [E, 2F, H/32, 16] (gate/up rows interleaved) and
                  [E, H, F/32, 16], e8m0 scales uint8, activation "swiglu_oai", interleaved=True, both biases
-  mxfp4_prepared moe_dispatch.fused_experts on the same blocks in the prepared byte order (prepare_experts_mxfp4, once
-                 per model, outside the timing), quant=ExpertsQuant.mxfp4(..., weight_layout="prepared")
   bf16           moe_dispatch.fused_experts on the same values dequantized to bf16 (dequantize_experts_mxfp4:
                  [E, 2F, H] and [E, H, F], exact), same flags and biases: what Mxfp4Config(dequantize=True) plus the
                  package's experts give a user
@@ -86,7 +84,7 @@ MODELS = ("gpt-oss-120b", "gpt-oss-20b")
 TOKENS = (1, 2, 4, 8, 16, 128, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 5)
 SMOKE_SIZES = bench_layouts.SMOKE_SIZES  # E 4, top_k 2, H 64, F 32: multiples of the 32 values of an e8m0 scale
-IMPLS = ("mxfp4", "mxfp4_prepared", "bf16", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
+IMPLS = ("mxfp4", "bf16", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +103,7 @@ class HubPeer:
 
 HUB_IMPLS = {"tk_matmul_ogs": HubPeer("kernels-community/gpt-oss-triton-kernels", 1, "gpt_oss_triton_kernels"),
              "fg_mxfp4": HubPeer("kernels-community/finegrained-fp8", 4, "finegrained_fp8")}
-LABELS = {"mxfp4": "mxfp4", "mxfp4_prepared": "mx prep", "bf16": "bf16", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
+LABELS = {"mxfp4": "mxfp4", "bf16": "bf16", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
 DTYPE = torch.bfloat16
 ALPHA, LIMIT = harness.SWIGLU_ALPHA, harness.SWIGLU_LIMIT
 MXFP4_GROUP = harness.MXFP4_GROUP
@@ -241,19 +239,7 @@ def package_impls(kernel, w):
     def bf16(inp):
         return lambda: kernel.fused_experts(inp.x, w.dq_gu, w.dq_d, inp.ids, inp.weights, **common)
 
-    prepared = {}
-
-    def mxfp4_prepared(inp):
-        if not prepared:  # once per model: the blocks in the prepared byte order, the scales as stored
-            prepared.update(w_gate_up=kernel.prepare_experts_mxfp4(w.gu_blocks),
-                            w_down=kernel.prepare_experts_mxfp4(w.d_blocks),
-                            quant=kernel.ExpertsQuant.mxfp4(w.gu_scales, w.d_scales, weight_layout="prepared"))
-        return lambda: kernel.fused_experts(inp.x, topk_ids=inp.ids, topk_weights=inp.weights, **prepared, **common)
-
     return {"mxfp4": Impl("mxfp4", "ready", mxfp4, note="moe_dispatch.fused_experts on the MXFP4 blocks and scales"),
-            "mxfp4_prepared": Impl("mxfp4_prepared", "ready", mxfp4_prepared,
-                                   note="moe_dispatch.fused_experts on the same blocks in the prepared byte order "
-                                        "(prepare_experts_mxfp4)"),
             "bf16": Impl("bf16", "ready", bf16, note="moe_dispatch.fused_experts on the dequantized bf16 values")}
 
 
@@ -442,11 +428,11 @@ def fg_impl(fg, w):
 
 def model_impls(args, kernel, hub, w):
     """{impl: Impl} of one model's weights, in IMPLS order; a peer that cannot be built is skipped with the reason."""
-    impls = {name: impl for name, impl in package_impls(kernel, w).items() if name in args.impls}
+    impls = package_impls(kernel, w)
     builders = {"hf_grouped_mm": lambda: hf_impl(w),
                 "tk_matmul_ogs": lambda: tk_impl(hub["tk_matmul_ogs"][0], w),
                 "fg_mxfp4": lambda: fg_impl(hub["fg_mxfp4"][0], w)}
-    for name in builders:
+    for name in IMPLS[2:]:
         if name not in args.impls:
             continue
         if name in hub and hub[name][0] is None:

@@ -45,15 +45,6 @@ def _reference(x, gate_up, down, ids, weights, **kwargs):
                              weights.double(), **kwargs)
 
 
-def _run_layout(layout, x, gate_up, down, ids, weights, **kwargs):
-    """`_run` with the blocks in `layout` ("prepared": prepare_experts_mxfp4's order, said by the quant object)."""
-    if layout == "checkpoint":
-        return _run(x, gate_up, down, ids, weights, **kwargs)
-    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
-    return md.fused_experts(x, md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0]), ids, weights,
-                            quant=quant, validate=False, **kwargs)
-
-
 def _run(x, gate_up, down, ids, weights, **kwargs):
     return md.fused_experts(x, gate_up[0], down[0], ids, weights, w_gate_up_scale=gate_up[1],
                             w_down_scale=down[1], validate=False, **kwargs)
@@ -137,7 +128,7 @@ def _dequantizing_first(monkeypatch):
 def _spy_dequantize(monkeypatch):
     calls = []
     real = moe.dequantize_mxfp4_experts
-    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(moe, "dequantize_mxfp4_experts", lambda *a: calls.append(a[0].shape) or real(*a))
     return calls
 
 
@@ -338,63 +329,6 @@ def test_offsets_past_32_bits(forced):
     assert_close(out[rows], _reference(x[rows], gate_up, down, ids[rows], weights[rows]), torch.bfloat16)
 
 
-def test_prepared_order_is_a_permutation_and_its_own_inverse():
-    """prepare_experts_mxfp4: same shape, same bytes per 16-byte group, byte 4q + j of a group the checkpoint's 4j + q,
-    applied twice the checkpoint's bytes; refused with the argument named for bytes not in groups of 16."""
-    blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8)
-    prepared = md.prepare_experts_mxfp4(blocks)
-    assert prepared.shape == blocks.shape and prepared.is_contiguous()
-    assert torch.equal(prepared.sort(dim=-1).values, blocks.sort(dim=-1).values)
-    for q in range(4):
-        assert torch.equal(prepared[..., 4 * q:4 * q + 4], blocks[..., q::4])
-    assert torch.equal(md.prepare_experts_mxfp4(prepared), blocks)
-    assert torch.equal(md.prepare_experts_mxfp4(blocks.reshape(3, 5, 64)), prepared.reshape(3, 5, 64))
-    with pytest.raises(ValueError, match="blocks"):
-        md.prepare_experts_mxfp4(torch.zeros(2, 3, 24, dtype=torch.uint8))
-
-
-PREPARED_CASES = [case for case in CASES if case[0] != "table"]
-
-
-@pytest.mark.parametrize("case", PREPARED_CASES, ids=[case[0] for case in PREPARED_CASES])
-def test_prepared_layout_gives_the_checkpoint_layouts_bits(case, poison_empty):
-    """The same weights in the prepared order (quant weight_layout "prepared") give the checkpoint order's outputs bit
-    for bit on the decode and grouped paths, GPT-OSS's layout and concatenated rows."""
-    name, T, E, top_k, H, F, options, _ = case
-    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k)
-    checkpoint = _run(x, gate_up, down, ids, weights, **options, **biases)
-    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
-    out = md.fused_experts(x, md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0]), ids, weights,
-                           quant=quant, validate=False, **options, **biases)
-    assert torch.equal(out, checkpoint)
-
-
-def test_prepared_layout_gradients_and_prefill_buffer(monkeypatch):
-    """Gradients to x and the routing weights through prepared weights (the backward reads them along the packed
-    axis) equal the checkpoint order's; so does the prefill buffer (MOE_DISPATCH_MXFP4_PREFILL=buffer)."""
-    x, gate_up, down, ids, weights, biases = _experts(4, 64, 96, T=9, top_k=2)
-    options = dict(activation="swiglu_oai", interleaved=True, **biases)
-    quant = md.ExpertsQuant.mxfp4(gate_up[1], down[1], weight_layout="prepared")
-    prepared = md.prepare_experts_mxfp4(gate_up[0]), md.prepare_experts_mxfp4(down[0])
-    results = []
-    for blocks, q in (((gate_up[0], down[0]), md.ExpertsQuant.mxfp4(gate_up[1], down[1])), (prepared, quant)):
-        xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
-        out = md.fused_experts(xg, *blocks, ids, wg, quant=q, validate=False, **options)
-        out.square().sum().backward()
-        results.append((out.detach(), xg.grad, wg.grad))
-    for got, want in zip(*results):
-        assert torch.equal(got, want)
-    monkeypatch.setenv("MOE_DISPATCH_MXFP4_PREFILL", "buffer")
-    replay.clear()
-    buffered = md.fused_experts(x, *prepared, ids, weights, quant=quant, validate=False, **options)
-    assert_close(buffered, _reference(x, gate_up, down, ids, weights, **options), torch.float32)
-
-
-def test_prepared_layout_is_an_mxfp4_layout():
-    with pytest.raises(ValueError, match="weight_layout"):
-        md.ExpertsQuant("fp8", torch.ones(2, 1, 1), torch.ones(2, 1, 1), weight_layout="prepared")
-
-
 # The PTX decode (gemm/jit.py `e2m1_bf16x2`, bf16 activations on NVIDIA) in both operand orders of mxfp4_tile_dot:
 # 16-row tiles dot the weight first, 128-row tiles (MXFP4_A_LHS_MIN_ROWS) dot A first.
 BF16X2_TILES = {"weight-first": MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4)),
@@ -417,19 +351,17 @@ def test_bf16_activations_decode_by_ptx_only_on_nvidia_gpus():
         assert dequant_scale_code(ws, 64, dtype=dtype, device=torch.device(DEVICE)) == (WeightScaleCode.MXFP4, 64)
 
 
-@pytest.mark.parametrize("layout", ["checkpoint", "prepared"])
 @pytest.mark.parametrize("tiles", list(BF16X2_TILES.values()), ids=list(BF16X2_TILES))
-def test_bf16_decode_matches_float64_and_keeps_nans(tiles, layout):
+def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
     """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes
     (H = 160: a masked K step of 64 and of 128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN
-    in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only. In the
-    checkpoint's byte order and the prepared one."""
+    in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only."""
     E, H, F, T, top_k = 6, 160, 96, 300, 2
     x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
     ids = torch.where(ids == 5, 0, ids)  # expert 5 empty
     ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 5, ids[:, 1])
     options = dict(activation="swiglu_oai", interleaved=True, tiles=tiles)
-    out = _run_layout(layout, x, gate_up, down, ids, weights, **options, **biases)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
     ref = _reference(x, gate_up, down, ids, weights, **options, **{k: v.double() for k, v in biases.items()})
     assert_close(out, ref, torch.bfloat16)
 
@@ -437,7 +369,7 @@ def test_bf16_decode_matches_float64_and_keeps_nans(tiles, layout):
     codes = gate_up[1].clone()
     expert = int(ids[11, 0])
     codes[expert, 2, 1] = 0xFF
-    out = _run_layout(layout, x, (gate_up[0], codes), down, ids, weights, **options, **biases).isnan().any(dim=1)
+    out = _run(x, (gate_up[0], codes), down, ids, weights, **options, **biases).isnan().any(dim=1)
     routed = (ids == expert).any(dim=1)
     routed[7] = True
     assert torch.equal(out, routed), "NaN lost, or reached tokens of other experts"

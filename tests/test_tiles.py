@@ -308,7 +308,7 @@ def test_transposed_down_weights_take_the_dot_decode_tile(num_tokens, limit_tile
 
 def test_register_caps_load_from_tables_and_travel_as_ints():
     """A GEMM entry's `maxnreg` loads into its tile, survives the flat int form the custom operators take, and
-    leaves the table form when unset; an NVIDIA launch takes it as Triton's `maxnreg`, the interpreter never."""
+    leaves the table form when unset; an uncapped tile adds no launch option."""
     entry = {"block_n": 64, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8, "maxnreg": 64}
     capped = tiles.GemmTile.from_dict(entry)
     assert capped.maxnreg == 64
@@ -319,19 +319,16 @@ def test_register_caps_load_from_tables_and_travel_as_ints():
     assert tiles.MoeTiles.from_list(both.to_list()) == both
     from moe_dispatch.gemm.args import register_cap
     assert register_cap(plain) == {}
-    assert register_cap(capped) == {}  # the suite's CPU runs are interpreted (tests/conftest.py)
 
 
-
-def test_register_caps_reach_nvidia_compiles_only():
-    """`register_cap` gives Triton's `maxnreg` for an NVIDIA target and nothing for AMD (the option is NVIDIA's)."""
-    import compile_report as cr
-    from moe_dispatch.gemm.args import register_cap
-    from moe_dispatch.host import device
+def test_register_caps_reach_nvidia_compiles_only(monkeypatch):
+    """`register_cap` gives Triton's `maxnreg` for an NVIDIA GPU and nothing for AMD or the interpreter (the option
+    is NVIDIA's)."""
+    from moe_dispatch.gemm import args
 
     capped = tiles.GemmTile(64, 64, 8, 3, 8, maxnreg=64)
-    with device.compile_target(cr.TARGETS["h200"]):
-        assert register_cap(capped) == {"maxnreg": 64}
-        assert register_cap(dataclasses.replace(capped, maxnreg=0)) == {}
-    with device.compile_target(cr.TARGETS["mi300x"]):
-        assert register_cap(capped) == {}
+    for cuda, interpreted, expected in ((True, False, {"maxnreg": 64}), (False, False, {}), (True, True, {})):
+        monkeypatch.setattr(args, "is_cuda", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(args, "is_interpreter", lambda interpreted=interpreted: interpreted)
+        assert args.register_cap(capped) == expected, (cuda, interpreted)
+        assert args.register_cap(dataclasses.replace(capped, maxnreg=0)) == {}

@@ -70,7 +70,7 @@ from .dispatch.binned import (
 from .dispatch.combine import unpermute_tokens
 from .dispatch.segments import permute_tokens
 from .formats.fp8 import dequantize_experts_fp8, quantize_experts_fp8
-from .formats.mxfp4 import dequantize_experts_mxfp4, prepare_experts_mxfp4, quantize_experts_mxfp4
+from .formats.mxfp4 import dequantize_experts_mxfp4, quantize_experts_mxfp4
 from .formats.quant import ExpertsQuant
 from .gemm.grouped import grouped_gemm
 from .moe import expert_ffn_triton, fused_expert_ffn, fused_experts, fused_moe_forward
@@ -137,7 +137,6 @@ __all__ = [
     # MXFP4 expert weights (v1.x addition; `fused_experts` takes them with their e8m0 scales)
     "quantize_experts_mxfp4",
     "dequantize_experts_mxfp4",
-    "prepare_experts_mxfp4",
     # the quantization of a call's expert weights as one object, `fused_experts(..., quant=...)` (1.1.0 addition)
     "ExpertsQuant",
 ]

@@ -128,8 +128,7 @@ def fused_experts(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
                           validate_ids=validate_ids, tiles=tiles, fp8_block_shape=fp8_block_shape,
                           fp8_compute=fp8_compute, w_gate_up_scale_layout=w_gate_up_scale_layout)
     described = ExpertsCall.of(activation, interleaved, transposed, swiglu_alpha, swiglu_limit, tiles,
-                               tuple(fp8_block_shape), fp8_compute, w_gate_up_scale_layout,
-                               "checkpoint" if quant is None else quant.weight_layout)
+                               tuple(fp8_block_shape), fp8_compute, w_gate_up_scale_layout)
     tensors = (hidden_states, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)
     options = (described, validate, validate_ids)
@@ -180,9 +179,8 @@ def _fused_experts_in_full(hidden_states, w_gate_up, w_down, topk_ids, topk_weig
         if mxfp4_dequantizes_first(T, topk_ids.shape[1], E, 2 * w_down.shape[2], H, x.dtype,
                                    forced_tiles=described.tiles is not None, grad=grad,
                                    prefill=current_environment().mxfp4_prefill):
-            prepared = described.weight_layout == "prepared"
-            w_gate_up = dequantize_mxfp4_experts(w_gate_up, w_gate_up_scale, x.dtype, prepared=prepared)
-            w_down = dequantize_mxfp4_experts(w_down, w_down_scale, x.dtype, prepared=prepared)
+            w_gate_up = dequantize_mxfp4_experts(w_gate_up, w_gate_up_scale, x.dtype)
+            w_down = dequantize_mxfp4_experts(w_down, w_down_scale, x.dtype)
             w_gate_up_scale = w_down_scale = None
     if grad:
         # gradients through frozen quantized weights: the dequant path (the w8a8 path is forward only)

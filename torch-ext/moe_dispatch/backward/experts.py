@@ -322,7 +322,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     # Quantized weights (frozen: no weight gradient) are dequantized in the dX and dA GEMMs' loads; MXFP4 read along
     # its packed axis needs whole scale groups per column tile
     gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
-    if {WeightScaleCode.MXFP4_N, WeightScaleCode.MXFP4_N_PREPARED} & {gate_up_ws.code, down_ws.code}:
+    if WeightScaleCode.MXFP4_N in (gate_up_ws.code, down_ws.code):
         tiles = dataclasses.replace(tiles, gate_up=_mxfp4_n_tile(tiles.gate_up), down=_mxfp4_n_tile(tiles.down))
     info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
                                                 top_k=top_k), scatter_idx=scatter_idx)

@@ -76,37 +76,35 @@ def fused_experts_backward_op(
     down_bias: torch.Tensor | None, preact: torch.Tensor, expert_offsets: torch.Tensor, gather_idx: torch.Tensor,
     scatter_idx: torch.Tensor, activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float,
     needs: list[bool], w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
-    fp8_block_shape: list[int] | None = None, weight_layout: str = "checkpoint",
+    fp8_block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for the inputs named in `_GRAD_INPUTS` where `needs` says so; an empty [0] tensor elsewhere. The
     operator reads `preact` only (`experts_grads` with reuse_preact=False). Quantized (frozen) weights come with
     their scales and get no gradient."""
     return experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                          expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit,
-                         needs, w_gate_up_scale, w_down_scale, fp8_block_shape, weight_layout, reuse_preact=False)
+                         needs, w_gate_up_scale, w_down_scale, fp8_block_shape, reuse_preact=False)
 
 
 @call_scope  # run by autograd after the forward's call returned: the backward reads the switches once for itself
 def experts_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                   expert_offsets, gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs,
-                  w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None, weight_layout="checkpoint", *,
-                  reuse_preact):
+                  w_gate_up_scale=None, w_down_scale=None, fp8_block_shape=None, *, reuse_preact):
     """The backward operator's work, planned; `reuse_preact` lets the backward write d_preact over `preact`
     (backward/experts.py), which only a caller that never reads `preact` again may ask for (`_may_reuse_preact`)."""
     tensors = (grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                expert_offsets, gather_idx, scatter_idx, w_gate_up_scale, w_down_scale)
     options = (activation, interleaved, transposed, alpha, limit, tuple(bool(need) for need in needs), reuse_preact,
-               None if fp8_block_shape is None else tuple(fp8_block_shape), weight_layout)
+               None if fp8_block_shape is None else tuple(fp8_block_shape))
     return BACKWARD_PLANS.run(_launch_grads, tensors, options)
 
 
 def _launch_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact,
                   expert_offsets, gather_idx, scatter_idx, w_gate_up_scale, w_down_scale, activation, interleaved,
-                  transposed, alpha, limit, needs, reuse_preact, fp8_block_shape, weight_layout):
+                  transposed, alpha, limit, needs, reuse_preact, fp8_block_shape):
     """`experts_grads` in full (tensors first, then options)."""
     gate_up_scale, down_scale = _backward_weight_scales(w_gate_up, w_down, kernel_scale(w_gate_up_scale),
-                                                        kernel_scale(w_down_scale), fp8_block_shape, transposed,
-                                                        prepared=weight_layout == "prepared")
+                                                        kernel_scale(w_down_scale), fp8_block_shape, transposed)
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
     experts_backward(
@@ -118,21 +116,19 @@ def _launch_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     return grads
 
 
-def _backward_weight_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale, block_shape, transposed,
-                            prepared=False):
+def _backward_weight_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale, block_shape, transposed):
     """fp8.WeightScale of each quantized weight as the backward's GEMMs read it (dX: the whole gate/up weight with K
     along its 2F rows; dA: the down weight with K along H): the forward's [E, n, K] read the other way round, so
     block scales swap their sides, a per-channel scale becomes a per-K-column one (a block scale of 1 x all rows) and
-    MXFP4 is read along its packed axis (WeightScaleCode.MXFP4_N; MXFP4_N_PREPARED for `prepared` bytes). None for
-    float weights."""
+    MXFP4 is read along its packed axis (WeightScaleCode.MXFP4_N). None for float weights."""
     scales = []
     for weight, scale in ((w_gate_up, w_gate_up_scale), (w_down, w_down_scale)):
         if scale is None:
             scales.append(None)
         elif is_mxfp4(weight):
             stride_e, stride_row, stride_group = scale.stride()
-            code = WeightScaleCode.MXFP4_N_PREPARED if prepared else WeightScaleCode.MXFP4_N
-            scales.append(WeightScale(scale, code, (stride_e, stride_group, stride_row), 1, MXFP4_GROUP))
+            scales.append(WeightScale(scale, WeightScaleCode.MXFP4_N, (stride_e, stride_group, stride_row), 1,
+                                      MXFP4_GROUP))
         elif infer_scheme(scale) == "channel":
             scales.append(WeightScale(scale, WeightScaleCode.BLOCK, (scale.stride(0), 0, scale.stride(1))))
         else:
@@ -157,7 +153,7 @@ def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down
 @fused_experts_backward_op.register_fake
 def _(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, preact, expert_offsets,
       gather_idx, scatter_idx, activation, interleaved, transposed, alpha, limit, needs, w_gate_up_scale=None,
-      w_down_scale=None, fp8_block_shape=None, weight_layout="checkpoint"):
+      w_down_scale=None, fp8_block_shape=None):
     return _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
 
 
@@ -178,7 +174,7 @@ def _backward(ctx, grad_out, *_):
     saved = ctx.saved_tensors
     c = ctx.call
     args = (grad_out, *saved[:-len(_SAVED_SCALES)], c.activation, c.interleaved, c.transposed, c.alpha, c.limit, needs,
-            *saved[-len(_SAVED_SCALES):], list(c.block_shape), c.weight_layout)
+            *saved[-len(_SAVED_SCALES):], list(c.block_shape))
     if getattr(ctx, "preact_private", False) and _may_reuse_preact(args):
         grads = experts_grads(*args, reuse_preact=True)
     else:

@@ -30,7 +30,6 @@ class ExpertsCall:
     block_shape: tuple[int, int] = DEFAULT_FP8_BLOCK_SHAPE  # float8 block scales: (N side, K side) as stored
     compute: str = "dequant"  # quantized weights: "auto" at the entry, "w8a8" or "dequant" once resolved
     gate_up_scale_layout: str = "fused"  # formats/fp8.GATE_UP_SCALE_LAYOUTS
-    weight_layout: str = "checkpoint"  # formats/quant.WEIGHT_LAYOUTS: "prepared" MXFP4 bytes (prepare_experts_mxfp4)
 
     def __post_init__(self):  # one spelling per value, so that equal calls share a plan
         object.__setattr__(self, "alpha", float(self.alpha))
@@ -62,7 +61,7 @@ class ExpertsCall:
         """The operator schema's trailing slots (`operator.fused_experts_op`), in field order."""
         return (self.activation, self.interleaved, self.transposed, self.alpha, self.limit,
                 None if self.tiles is None else list(self.tiles), list(self.block_shape), self.compute,
-                self.gate_up_scale_layout, self.weight_layout)
+                self.gate_up_scale_layout)
 
     def forced_tiles(self) -> MoeTiles | DecodeTiles | None:
         return None if self.tiles is None else tiles_from_list(list(self.tiles))
@@ -93,9 +92,8 @@ def weight_scales(call: ExpertsCall, w_gate_up_scale, w_down_scale, num_ffn, *, 
     is read whole, column j is row j. `mxfp4`: MXFP4 weights, their scales uint8 e8m0 codes."""
     if mxfp4:
         # interleaved rows are read whole (paired); concatenated ones as two views, up's rows F further on
-        prepared = call.weight_layout == "prepared"
-        return (mxfp4_weight_scale(w_gate_up_scale, up_row_offset=0 if paired else num_ffn, prepared=prepared),
-                mxfp4_weight_scale(w_down_scale, prepared=prepared))
+        return (mxfp4_weight_scale(w_gate_up_scale, up_row_offset=0 if paired else num_ffn),
+                mxfp4_weight_scale(w_down_scale))
     gate_up = down = None
     if w_gate_up_scale is not None:
         scheme = infer_scheme(w_gate_up_scale)

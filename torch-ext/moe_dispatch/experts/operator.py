@@ -39,7 +39,7 @@ def fused_experts_op(
     w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None,
     gate_up_input_scale: torch.Tensor | None, down_input_scale: torch.Tensor | None, save_preact: bool,
     activation: str, interleaved: bool, transposed: bool, alpha: float, limit: float, tiles: list[int] | None,
-    block_shape: list[int], compute: str, gate_up_scale_layout: str, weight_layout: str,
+    block_shape: list[int], compute: str, gate_up_scale_layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts forward (module docstring). w_up given: w_gate_up is the gate weight alone (seed layout
     [E, F, H]); else the concatenated or interleaved [E, 2F, H] ([E, H, 2F] transposed). The trailing slots are an
@@ -48,7 +48,7 @@ def fused_experts_op(
     tensors = (x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, w_gate_up_scale,
                w_down_scale, gate_up_input_scale, down_input_scale)
     call = ExpertsCall(activation, interleaved, transposed, alpha, limit, tiles, block_shape, compute,
-                       gate_up_scale_layout, weight_layout)
+                       gate_up_scale_layout)
     return FORWARD_PLANS.run(launch_experts, tensors, (save_preact, call))
 
 

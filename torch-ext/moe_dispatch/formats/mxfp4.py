@@ -115,27 +115,10 @@ def check_mxfp4_weight(name: str, blocks: torch.Tensor, scale_name: str, scale: 
     return packed, scale.view(torch.uint8)
 
 
-def mxfp4_weight_scale(scale: torch.Tensor, *, up_row_offset: int = 0, prepared: bool = False) -> WeightScale:
+def mxfp4_weight_scale(scale: torch.Tensor, *, up_row_offset: int = 0) -> WeightScale:
     """How the GEMMs read the uint8 e8m0 codes [E, N, K/32] of an MXFP4 weight used as [E, n, K] (a view of it:
-    column j is row j, + up_row_offset for the up half of concatenated gate/up rows); `prepared`: its bytes are in
-    the prepared order (`prepare_experts_mxfp4`)."""
-    code = WeightScaleCode.MXFP4_PREPARED if prepared else WeightScaleCode.MXFP4
-    return WeightScale(scale, code, scale.stride(), 1, MXFP4_GROUP, 1, up_row_offset)
-
-
-def prepare_experts_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks ([E, N, K/32, 16] or [E, N, K/2] uint8, K contiguous) -> the same bytes in the prepared order, a
-    new contiguous tensor of the same shape: inside each 16-byte group (32 values, one scale), byte 4q + j holds the
-    checkpoint's byte 4j + q, so that the four bytes one thread of a Hopper MMA operand reads (bytes q, q + 4, q + 8,
-    q + 12 of the group) lie together. The order is its own inverse (preparing prepared bytes gives the checkpoint's
-    back); the scales keep theirs. `fused_experts` reads prepared blocks with
-    `quant=ExpertsQuant.mxfp4(..., weight_layout="prepared")`."""
-    if blocks.dtype != torch.uint8 or blocks.dim() not in (3, 4) or blocks.shape[-1] % BYTES_PER_GROUP:
-        raise ValueError(f"blocks must be MXFP4 bytes, uint8 [E, N, K/32, 16] or [E, N, K/2] with K a multiple of "
-                         f"{MXFP4_GROUP}, got {blocks.dtype} {tuple(blocks.shape)}")
-    E, N = blocks.shape[:2]
-    groups = blocks.reshape(E, N, -1, 4, 4)
-    return groups.transpose(-1, -2).contiguous().view(blocks.shape)
+    column j is row j, + up_row_offset for the up half of concatenated gate/up rows)."""
+    return WeightScale(scale, WeightScaleCode.MXFP4, scale.stride(), 1, MXFP4_GROUP, 1, up_row_offset)
 
 
 def _pow2(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,9 +15,8 @@ Fields by format:
   mxfp4  uint8 e2m1 blocks with e8m0 scales per 32 along K (formats/mxfp4.py), as GPT-OSS stores them; `compute`
          "auto" or "dequant" (they are dequantized in the loads).
 
-`weight_layout` names how the weights are laid out in memory: "checkpoint", the layout a checkpoint stores, or, for
-MXFP4, "prepared": the same bytes reordered once when the weights are loaded (`prepare_experts_mxfp4`), which the
-GEMMs read with wider loads from shared memory.
+`weight_layout` names how the weights are laid out in memory: "checkpoint", the layout a checkpoint stores (the only one
+today; a prepared layout, made once when weights are loaded, will be another value of it).
 """
 
 import dataclasses
@@ -30,7 +29,7 @@ from .fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, GATE_UP_SCALE_LAYOUTS, ch
 from .mxfp4 import is_mxfp4
 
 QUANT_FORMATS = ("fp8", "mxfp4")
-WEIGHT_LAYOUTS = ("checkpoint", "prepared")
+WEIGHT_LAYOUTS = ("checkpoint", )
 # The v1 keyword arguments of `fused_experts` that an ExpertsQuant replaces, with their defaults.
 V1_QUANT_KEYWORDS = {"w_gate_up_scale": None, "w_down_scale": None, "fp8_block_shape": DEFAULT_FP8_BLOCK_SHAPE,
                      "gate_up_input_scale": None, "down_input_scale": None, "fp8_compute": "auto",
@@ -50,7 +49,7 @@ class ExpertsQuant:
     down_input_scale: torch.Tensor | None = None  # fp8, w8a8: static scale of the intermediate
     compute: Literal["auto", "w8a8", "dequant"] = "auto"  # FP8_COMPUTE; mxfp4: "auto" or "dequant"
     gate_up_scale_layout: Literal["fused", "merged"] = "fused"  # GATE_UP_SCALE_LAYOUTS
-    weight_layout: Literal["checkpoint", "prepared"] = "checkpoint"  # WEIGHT_LAYOUTS; "prepared": MXFP4 only
+    weight_layout: Literal["checkpoint"] = "checkpoint"  # WEIGHT_LAYOUTS
 
     def __post_init__(self):
         check_choice("quant.format", self.format, QUANT_FORMATS)
@@ -62,9 +61,6 @@ class ExpertsQuant:
             value = getattr(self, name)
             if value is not None:
                 check_tensor(f"quant.{name}", value)
-        if self.weight_layout == "prepared" and self.format != "mxfp4":
-            raise ValueError(f"quant.weight_layout 'prepared' is an MXFP4 layout (prepare_experts_mxfp4); "
-                             f"quant.format is {self.format!r}")
         if self.format == "mxfp4":
             if self.w_gate_up_scale is None or self.w_down_scale is None:
                 raise ValueError("quant.format 'mxfp4' needs both quant.w_gate_up_scale and quant.w_down_scale (the "
@@ -88,11 +84,9 @@ class ExpertsQuant:
 
     @classmethod
     def mxfp4(cls, w_gate_up_scale: torch.Tensor, w_down_scale: torch.Tensor, *,
-              compute: Literal["auto", "dequant"] = "auto",
-              weight_layout: Literal["checkpoint", "prepared"] = "checkpoint") -> "ExpertsQuant":
-        """MXFP4 expert weights (both) with their e8m0 scales; `weight_layout` "prepared": both weights' bytes made
-        by `prepare_experts_mxfp4` (the scales as stored)."""
-        return cls("mxfp4", w_gate_up_scale, w_down_scale, compute=compute, weight_layout=weight_layout)
+              compute: Literal["auto", "dequant"] = "auto") -> "ExpertsQuant":
+        """MXFP4 expert weights (both) with their e8m0 scales."""
+        return cls("mxfp4", w_gate_up_scale, w_down_scale, compute=compute)
 
     def keywords(self) -> dict:
         """The v1 keyword arguments of `fused_experts` that say the same (V1_QUANT_KEYWORDS' names)."""

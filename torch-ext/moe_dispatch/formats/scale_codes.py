@@ -33,8 +33,3 @@ class WeightScaleCode(enum.IntEnum):
     # two values per 32-bit operation by inline PTX (`e2m1_bf16x2`: bf16 bit patterns, then two bf16x2 fma, one by
     # 2^126 and one by the group's scale), the same values as MXFP4's fp32 decode, bit for bit
     MXFP4_BF16X2 = 7
-    # MXFP4, MXFP4_BF16X2 and MXFP4_N on bytes in the prepared order (mxfp4.prepare_experts_mxfp4: inside each 16-byte
-    # group, byte 4q + j holds the checkpoint's byte 4j + q), put back into K order in registers
-    MXFP4_PREPARED = 8
-    MXFP4_BF16X2_PREPARED = 9
-    MXFP4_N_PREPARED = 10

@@ -97,11 +97,6 @@ def gemm_weights(weight, weight_up, bias, bias_up, *, transposed, activation, pa
                        bias_up)
 
 
-# MXFP4 codes (either byte order) and their PTX decode's
-_MXFP4_PTX_CODES = {WeightScaleCode.MXFP4: WeightScaleCode.MXFP4_BF16X2,
-                    WeightScaleCode.MXFP4_PREPARED: WeightScaleCode.MXFP4_BF16X2_PREPARED}
-
-
 def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16, *, dtype=None, device=None):
     """(WEIGHT_SCALE, BLOCK_K) of the dequant path for weight scales `ws` and a tile's BLOCK_K (MXFP4 weights: at least
     one 32-value scale group per step, decoded by PTX, MXFP4_BF16X2, for activations of `dtype` on `device` where
@@ -111,9 +106,9 @@ def dequant_scale_code(ws: WeightScale, block_k, min_block_k=16, *, dtype=None, 
     stage, which overflowed the H200's shared memory with DeepSeek-V3's 128 x 128 tiles)."""
     if ws.code == WeightScaleCode.BLOCK and (ws.block_k & -ws.block_k) >= min_block_k:
         return WeightScaleCode.BLOCK_STEP, min(block_k, ws.block_k & -ws.block_k)
-    if ws.code in _MXFP4_PTX_CODES:  # whole scale groups per K step (tiles' BLOCK_K are powers of two)
+    if ws.code == WeightScaleCode.MXFP4:  # whole scale groups per K step (tiles' BLOCK_K are powers of two)
         fast = dtype is not None and decodes_mxfp4_bf16x2(dtype, device)
-        return _MXFP4_PTX_CODES[ws.code] if fast else ws.code, max(block_k, MXFP4_GROUP)
+        return WeightScaleCode.MXFP4_BF16X2 if fast else ws.code, max(block_k, MXFP4_GROUP)
     return ws.code, block_k
 
 

@@ -51,9 +51,9 @@ from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
 from ..host.tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from .args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k, weight_strides
-from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_MXFP4_BF16X2_PREPARED,
-                  SCALE_MXFP4_PREPARED, SCALE_NONE, Activation, StepDot, add_bias, apply_activation, expert_tile_dot,
-                  gate_up_tile_dot, paired_bias_and_preact, scale_sums, scale_values, split_pairs, weight_scale_ptrs)
+from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_NONE, Activation, StepDot,
+                  add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
+                  scale_values, split_pairs, weight_scale_ptrs)
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 # From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
@@ -337,8 +337,7 @@ def _decode_down_dot_kernel(
     # K side, and of MXFP4's 32-value groups, two to a byte)
     s_base = scale_ptr
     w_base = w_ptr + k_begin * stride_w_k
-    MXFP4: tl.constexpr = (WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2
-                           or WEIGHT_SCALE == SCALE_MXFP4_PREPARED or WEIGHT_SCALE == SCALE_MXFP4_BF16X2_PREPARED)
+    MXFP4: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2
     if WEIGHT_SCALE == SCALE_BLOCK_STEP or WEIGHT_SCALE == SCALE_BLOCK or MXFP4:
         s_base = scale_ptr + (k_begin // scale_block_k) * stride_scale_k
     if MXFP4:

@@ -46,9 +46,6 @@ SCALE_BLOCK_STEP = tl.constexpr(WeightScaleCode.BLOCK_STEP.value)
 SCALE_MXFP4 = tl.constexpr(WeightScaleCode.MXFP4.value)
 SCALE_MXFP4_N = tl.constexpr(WeightScaleCode.MXFP4_N.value)
 SCALE_MXFP4_BF16X2 = tl.constexpr(WeightScaleCode.MXFP4_BF16X2.value)
-SCALE_MXFP4_PREPARED = tl.constexpr(WeightScaleCode.MXFP4_PREPARED.value)
-SCALE_MXFP4_BF16X2_PREPARED = tl.constexpr(WeightScaleCode.MXFP4_BF16X2_PREPARED.value)
-SCALE_MXFP4_N_PREPARED = tl.constexpr(WeightScaleCode.MXFP4_N_PREPARED.value)
 MXFP4_GROUP = tl.constexpr(32)  # K values per e8m0 scale (mxfp4.MXFP4_GROUP)
 # fp32 bit pattern of 2^-127 (e8m0 code 0), and 2^126: e2m1's bits placed at fp32's lowest exponent bits read the
 # value times 2^-126 (`e2m1_to_f32`)
@@ -338,31 +335,16 @@ def e2m1_bf16x2(b_bytes, b_scale):
 
 
 @triton.jit
-def unprepare_bytes(b_bytes):
-    """MXFP4 bytes [rows, n] (n a multiple of 16, whole groups along the last axis) from the prepared order back to
-    the checkpoint's: byte 4q + j of each 16-byte group is the checkpoint's byte 4j + q (formats/mxfp4.py,
-    `prepare_experts_mxfp4`). A reshape and a permute that Triton folds into the MMA operand's register layout."""
-    rows: tl.constexpr = b_bytes.shape[0]
-    n: tl.constexpr = b_bytes.shape[1]
-    b_groups = tl.reshape(b_bytes, (rows, n // 16, 4, 4))
-    return tl.reshape(tl.permute(b_groups, (0, 1, 3, 2)), (rows, n))
-
-
-@triton.jit
-def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BF16X2: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREPARED: tl.constexpr = False):
+def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BF16X2: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight values [BLOCK_N, BLOCK_K] in a_dtype and K order, from MXFP4 bytes w_ptrs [BLOCK_N, BLOCK_K / 2]
     (byte j of a row: K index 2j in the low nibble, 2j + 1 in the high) times the e8m0 scales at s_ptrs [BLOCK_N,
     BLOCK_K / 32] (one per 16 bytes); k_left values of K remain from this step on (a multiple of 32), the rest read as
-    zero. BF16X2 (a_dtype bf16): `e2m1_bf16x2`; else each value in fp32 (`e2m1_to_f32`) times its scale, converted.
-    PREPARED: the bytes are in the prepared order (`unprepare_bytes`)."""
+    zero. BF16X2 (a_dtype bf16): `e2m1_bf16x2`; else each value in fp32 (`e2m1_to_f32`) times its scale, converted."""
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
     b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] < k_left // 2), other=0)
     b_codes = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_group[None, :] < k_left // MXFP4_GROUP), other=0)
     rows: tl.constexpr = b_bytes.shape[0]
-    if PREPARED:
-        b_bytes = unprepare_bytes(b_bytes)
     if BF16X2:
         b_scale = tl.broadcast_to(e8m0_to_bf16(b_codes)[:, :, None], (rows, BLOCK_K // MXFP4_GROUP, MXFP4_GROUP // 2))
         b_lo, b_hi = e2m1_bf16x2(b_bytes, tl.reshape(b_scale, (rows, BLOCK_K // 2)))
@@ -377,8 +359,7 @@ def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BF16X2: tl.conste
 @triton.jit
 def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k,
                    stride_w_n, stride_w_k, stride_s_k, GATED: tl.constexpr, DOT_FP32: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BF16X2: tl.constexpr,
-                   PREPARED: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BF16X2: tl.constexpr):
     """`tile_dot` for MXFP4 weights: w_ptr (w_up_ptr) at the expert's bytes [n, K / 2], s_ptrs (s_up_ptrs) [BLOCK_N]
     at each column's first scale code; K a multiple of 32 and of nothing else (the last step masked). Each K step
     decodes the weight tile in registers (`mxfp4_weight_tile`) and dots it whole against A's tile as loaded. Tiles of
@@ -404,14 +385,13 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
     for k0 in range(0, K, BLOCK_K):
         a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_n, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)  # [rows, BLOCK_K]
-        b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K, PREPARED)
+        b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K)
         if A_LHS:
             b_sum = tl.dot(b_a, tl.trans(b_w), b_sum, input_precision=DOT_PRECISION)
         else:
             b_sum = tl.dot(b_w, tl.trans(b_a), b_sum, input_precision=DOT_PRECISION)
         if GATED:
-            b_w_up = mxfp4_weight_tile(w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K,
-                                        PREPARED)
+            b_w_up = mxfp4_weight_tile(w_up_ptrs, s_up_tile_ptrs, mask_n, K - k0, a_dtype, BF16X2, BLOCK_K)
             if A_LHS:
                 b_sum_up = tl.dot(b_a, tl.trans(b_w_up), b_sum_up, input_precision=DOT_PRECISION)
             else:
@@ -434,7 +414,7 @@ def mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr, w_up_ptr, s_ptrs, s_up_ptrs, 
 @triton.jit
 def mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr, s_ptr, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
                      stride_s_n, stride_s_k, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREPARED: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr):
     """b_acc + A @ W over all of K for an MXFP4 weight whose packed axis is the GEMM's N (SCALE_MXFP4_N): w_ptr and
     s_ptr at the expert's bytes and scale codes, byte j of row k holding columns 2j and 2j + 1 (stride_w_n per byte,
     stride_w_k per row), scale group g of row k columns [32 g, 32 g + 32); offs_n the tile's columns, starting on a
@@ -455,8 +435,6 @@ def mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr, s_ptr, offs_n, mask_m, mask_n, K, str
         a_mask, _ = step_masks(offs_k, k0, K, mask_m, mask_byte, EVEN_K)
         b_a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(a_dtype)
         b_bytes = tl.load(w_ptrs, mask=mask_k[:, None] & mask_byte[None, :], other=0)
-        if PREPARED:  # the tile's columns start on a scale group: whole 16-byte groups along the byte axis
-            b_bytes = unprepare_bytes(b_bytes)
         b_codes = tl.load(s_ptrs, mask=mask_k[:, None] & mask_group[None, :], other=0)
         b_values = tl.join(e2m1_to_f32(b_bytes), e2m1_to_f32(b_bytes >> 4))  # [BLOCK_K, BLOCK_N / 2, 2]
         b_values = tl.reshape(b_values, (BLOCK_K, HALF // (MXFP4_GROUP // 2), MXFP4_GROUP))
@@ -487,20 +465,15 @@ def expert_tile_dot(b_acc, b_acc_up, a_ptrs, mask_m, mask_n, expert, offs_n, off
     if WEIGHT_SCALE != SCALE_NONE:
         s_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n,
                                               scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
-    # MXFP4 read along K: the fp32 or the PTX decode (MXFP4_BF16X2), either byte order (MXFP4_PREPARED)
-    MXFP4_DECODE: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_PREPARED
-    MXFP4_BF16X2: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4_BF16X2 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2_PREPARED
-    MXFP4_PREPARED: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4_PREPARED or WEIGHT_SCALE == SCALE_MXFP4_BF16X2_PREPARED
-    if WEIGHT_SCALE == SCALE_MXFP4_N or WEIGHT_SCALE == SCALE_MXFP4_N_PREPARED:  # not gated: the backward's GEMMs
+    if WEIGHT_SCALE == SCALE_MXFP4_N:  # not gated: the backward's GEMMs
         b_acc = mxfp4_n_tile_dot(b_acc, a_ptrs, w_ptr + expert_base, scale_ptr + expert.to(tl.int64) * stride_scale_e,
                                  offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
-                                 stride_scale_n, stride_scale_k, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
-                                 WEIGHT_SCALE == SCALE_MXFP4_N_PREPARED)
-    elif MXFP4_DECODE or MXFP4_BF16X2:
+                                 stride_scale_n, stride_scale_k, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K)
+    elif WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2:
         b_acc, b_acc_up = mxfp4_tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base, w_up_ptr + expert_base, s_ptrs,
                                          s_up_ptrs, offs_n, mask_m, mask_n, K, stride_a_k, stride_w_n, stride_w_k,
                                          stride_scale_k, GATED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K,
-                                         MXFP4_BF16X2, MXFP4_PREPARED)
+                                         WEIGHT_SCALE == SCALE_MXFP4_BF16X2)
     else:
         w_offs = offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_k  # [BLOCK_K, BLOCK_N]
         b_acc, b_acc_up = tile_dot(b_acc, b_acc_up, a_ptrs, w_ptr + expert_base + w_offs,

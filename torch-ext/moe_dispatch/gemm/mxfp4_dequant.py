@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..host.host_math import cdiv
 from ..host.replay import launch
-from .jit import MXFP4_GROUP, e2m1_to_f32, e8m0_to_f32, unprepare_bytes
+from .jit import MXFP4_GROUP, e2m1_to_f32, e8m0_to_f32
 
 _BLOCK_ROWS = 16  # weight rows (N) per program
 _BLOCK_BYTES = 128  # bytes of a row per program: 256 values, 8 scale groups
@@ -27,10 +27,9 @@ _BLOCK_BYTES = 128  # bytes of a row per program: 256 values, 8 scale groups
 @triton.jit
 def _dequantize_mxfp4_kernel(blocks_ptr, codes_ptr, out_ptr, num_rows, rows_per_expert, half_k,
                              stride_b_e, stride_b_n, stride_b_k, stride_c_e, stride_c_n, stride_c_k,
-                             BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr, PREPARED: tl.constexpr):
+                             BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """out [E * N, K] (contiguous) = the MXFP4 weight [E, N, K / 2] bytes with their [E, N, K / 32] scale codes,
-    rows r = e * N + n; byte j of a row holds K index 2j (low nibble) and 2j + 1 (high) (PREPARED: in the prepared
-    order, `unprepare_bytes`)."""
+    rows r = e * N + n; byte j of a row holds K index 2j (low nibble) and 2j + 1 (high)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offs_byte = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
     mask_rows = rows < num_rows
@@ -40,8 +39,6 @@ def _dequantize_mxfp4_kernel(blocks_ptr, codes_ptr, out_ptr, num_rows, rows_per_
     n = rows % rows_per_expert
     b_bytes = tl.load(blocks_ptr + expert[:, None] * stride_b_e + n[:, None] * stride_b_n
                       + offs_byte[None, :] * stride_b_k, mask=mask, other=0)
-    if PREPARED:  # BLOCK_BYTES holds whole 16-byte groups, and so does every row's tail (K a multiple of 32)
-        b_bytes = unprepare_bytes(b_bytes)
     b_codes = tl.load(codes_ptr + expert[:, None] * stride_c_e + n[:, None] * stride_c_n
                       + (offs_byte // (MXFP4_GROUP // 2))[None, :] * stride_c_k, mask=mask, other=0)
     b_scale = e8m0_to_f32(b_codes)
@@ -52,11 +49,9 @@ def _dequantize_mxfp4_kernel(blocks_ptr, codes_ptr, out_ptr, num_rows, rows_per_
              mask=mask_rows[:, None] & (offs_k[None, :] < 2 * half_k))
 
 
-def dequantize_mxfp4_experts(blocks: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype, *,
-                             prepared: bool = False) -> torch.Tensor:
+def dequantize_mxfp4_experts(blocks: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The checked [E, N, K / 2] uint8 view of MXFP4 blocks and their [E, N, K / 32] uint8 scale codes
-    (formats/mxfp4.check_mxfp4_weight's results; `prepared`: the bytes in the prepared order) -> w [E, N, K] in
-    `dtype`, contiguous: one launch, no host sync."""
+    (formats/mxfp4.check_mxfp4_weight's results) -> w [E, N, K] in `dtype`, contiguous: one launch, no host sync."""
     num_experts, rows_per_expert, half_k = blocks.shape
     out = torch.empty(num_experts, rows_per_expert, 2 * half_k, dtype=dtype, device=blocks.device)
     num_rows = num_experts * rows_per_expert
@@ -64,5 +59,5 @@ def dequantize_mxfp4_experts(blocks: torch.Tensor, codes: torch.Tensor, dtype: t
         return out
     grid = (cdiv(num_rows, _BLOCK_ROWS), cdiv(half_k, _BLOCK_BYTES))
     launch(_dequantize_mxfp4_kernel, grid, blocks, codes, out, num_rows, rows_per_expert, half_k, *blocks.stride(),
-           *codes.stride(), BLOCK_ROWS=_BLOCK_ROWS, BLOCK_BYTES=_BLOCK_BYTES, PREPARED=prepared)
+           *codes.stride(), BLOCK_ROWS=_BLOCK_ROWS, BLOCK_BYTES=_BLOCK_BYTES)
     return out
