@@ -51,14 +51,20 @@ Metric: decode tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)), whe
 `generate(max_new_tokens=n)` timed between two `torch.cuda.synchronize()`; the difference removes prefill and set-up.
 In the eager mode the implementations' timed runs are interleaved (each round times every implementation once, the
 order rotated by one per round): eager decode is host-bound, and the host's speed drifts by tens of percent within
-one process on a shared machine, so cells timed one after another would compare the drift. `--interleave all` does the same in the compiled modes
-(each implementation's compiled graph stays in dynamo's cache and replays after a switch).
+one process on a shared machine, so cells timed one after another would compare the drift. `--interleave all` does
+the same in the compiled modes (each implementation's compiled graph stays in dynamo's cache and replays after a
+switch).
 Each implementation's tokens are compared with the reference's (transformers' default on a GPU, its `eager` loop on
 the CPU): the fraction of rows equal, and the first generated position at which any row differs (bf16 random weights
 can legitimately diverge after a few tokens: a near-tie in an argmax flips on rounding).
 
-Per model the order is: eager decode, training, static, static-reuse (a run cut by --budget-s loses the compiled
-modes first; a cell that fails records its error and the run goes on).
+Prefill (--prefill-tokens N; off by default, 4096 in the MXFP4 mode on a GPU): one forward of an N-token prompt at
+batch 1 with the logits of the last position only, as generate's prefill runs it, timed between two synchronizes;
+--warmup untimed forwards per implementation, then --repeats rounds interleaved as the eager decode's; the median ms,
+tokens/s, vs default (the default's ms over this one's) and whether its next token equals the reference's.
+
+Per model the order is: eager decode, prefill, training, static, static-reuse (a run cut by --budget-s loses the
+compiled modes first; a cell that fails records its error and the run goes on).
 
 Training (--train, on by default on a GPU): one forward + backward of a --train-tokens batch (default 4x512,
 labels = input ids) with moe_dispatch and with grouped_mm: step time (median of --train-steps after one warm-up
@@ -82,10 +88,11 @@ the GPU busy time (the union of the kernels' and copies' intervals), host gaps =
 operators that made them), and the raw `key_averages()` table (top 40 by device time).
 
 Output: the tables (every implementation, then a short one: model, batch, mode, moe_dispatch vs default, tokens
-match; then training, and with --profile-train the step's breakdown) are printed last; with --out,
-`generate_e2e.json` (every measurement, device, versions of torch, triton, transformers and the package, git commit,
-arguments) and `generate_e2e.md`, rewritten after every cell so a run cut short keeps what it measured, and with
---profile-train `generate_e2e_train_profile.txt` (the raw profiler tables of every model and implementation).
+match; then training, with --profile-train the step's breakdown, with --prefill-tokens the prefill, and the prefill
+logits) are printed last; with --out, `generate_e2e.json` (every measurement, device, versions of torch, triton,
+transformers and the package, git commit, arguments; `prefill` only where --prefill-tokens is on) and
+`generate_e2e.md`, rewritten after every cell so a run cut short keeps what it measured, and with --profile-train
+`generate_e2e_train_profile.txt` (the raw profiler tables of every model and implementation).
 
 FP8 mode (--quantize fp8): does an FP8 checkpoint through transformers decode faster with the package than with
 transformers' FP8 default, in the same run? After the model is built, `quantize_fp8_` quantizes it in place exactly as
@@ -115,6 +122,51 @@ a kernel transformers downloads on first use, which a machine without network ca
 then runs every FP8Linear, the same layers under every experts implementation, so the experts comparison is
 unaffected.
 
+MXFP4 mode (--quantize mxfp4; gpt-oss-20b and gpt-oss-120b, both by default): in one process, on the same random
+weights, does GPT-OSS with MXFP4 experts decode and prefill faster through `generate` with the package than with
+transformers' own MXFP4 path? The model is built by the package's `build_random_gpt_oss_mxfp4`
+(moe_dispatch.integrations.transformers_experts) as its `from_pretrained_mxfp4` leaves a checkpoint: every GptOssMLP
+keeps transformers' router and holds an `Mxfp4Experts` (uint8 e2m1 blocks [E, 2F, H/32, 16] and [E, H, F/32, 16],
+uint8 e8m0 scales, biases in the model dtype; uniformly random bytes, scale codes around the one that gives weights of
+--init-std, 120 at 0.02: `mxfp4_scale_code`), the rest initialised by transformers. The implementations are MoE blocks
+swapped into each layer (`Mxfp4Variants`), the router object shared, so attention, routers, embeddings and LM head
+are the same objects under every one:
+
+    moe_dispatch_mxfp4        the package: GptOssMLP with the Mxfp4Experts (`fused_experts` on the bytes as stored)
+    transformers_mxfp4        transformers' MXFP4 path (transformers/integrations/mxfp4.py): `replace_with_mxfp4_linear`
+                              (what from_pretrained runs for an MXFP4 checkpoint) makes an Mxfp4GptOssMLP per layer
+                              around the same router, and `swizzle_mxfp4_convertops` (the op loading runs on a
+                              checkpoint's *_blocks / *_scales) fills its Mxfp4GptOssExperts from the package's tensors:
+                              the same values, the bytes in the GPU's value layout, the scales strided, the biases fp32.
+                              Its forward runs OpenAI's triton_kernels from kernels-community/gpt-oss-triton-kernels
+                              (version 1): routing (top-k of the router logits, softmax), two matmul_ogs (SwiGLU fused)
+    transformers_dequantized  GptOssExperts holding transformers' dequantization of the same blocks and scales
+                              (`convert_moe_packed_tensors`, what Mxfp4Config(dequantize=True) loads), run by
+                              transformers' eager loop on the CPU and by its default experts implementation on a GPU
+                              (grouped_mm, batched_mm in the decode steps); the CPU's reference, on a GPU by --impls
+
+Each implementation carries the `hf_quantizer` loading would give it: the package's (compileable), transformers'
+Mxfp4HfQuantizer (not compileable: `generate` runs its static-cache decode uncompiled, as for a model transformers
+loads in MXFP4; a static cell's `compiled` says which ran), none for the dequantized model (loading with dequantize=True
+drops it). On a GPU transformers_mxfp4 is the reference (tokens, next token of the prefill, logits) and the default
+(the ratios); the defaults there are --impls moe_dispatch_mxfp4,transformers_mxfp4, --modes eager,static, batches 1
+and 16, --prefill-tokens 4096, --layers 2, no training (the weights are frozen: --train is refused). The model record
+holds `quantization` (MXFP4 experts modules, GiB of blocks and scales, the scale codes drawn) and `implementations`
+(each one "ready" or "skipped: why").
+
+transformers' MXFP4 path loads its kernel with `get_kernel("kernels-community/gpt-oss-triton-kernels", version=1)`. The
+run loads it first, once, with scripts/bench_mxfp4.py's `load_hub` (scripts/ on PYTHONPATH): from the Hub or its cache,
+or with --hub-dir DIR from DIR/gpt-oss-triton-kernels (the kernel repository as the Hub serves it, or its source:
+build.toml, torch-ext/gpt_oss_triton_kernels/, served as a local build) through LOCAL_KERNELS, which transformers' own
+call then finds; meta.mxfp4_peer records where it came from and the module loaded, the model record `peer_module` the
+module transformers' blocks run. Where the peer cannot run (no CUDA device: its kernels are GPU-only; scripts/ not
+importable; no such folder; the load or the conversion failing) its cells record `skipped` with the reason and the run
+goes on with the others. Cost: not yet measured; only the package compiles decode graphs (at batch 1 and 16),
+transformers' MXFP4 blocks running uncompiled. On a GPU, from the repository root:
+
+    PYTHONPATH=torch-ext:scripts python benchmarks/generate_e2e.py --quantize mxfp4 --hub-dir .peers/hub \\
+        --out results/generate-e2e-mxfp4
+
 Run from the repository root (torch-ext/ holds the package), all models in one process or one model per process:
 
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --out results/generate-e2e
@@ -123,6 +175,8 @@ Run from the repository root (torch-ext/ holds the package), all models in one p
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --models gpt-oss-120b --static-batches 1 --profile-train
     PYTHONPATH=torch-ext python benchmarks/generate_e2e.py --quantize fp8 --models qwen3-30b-a3b,deepseek-v3 \\
         --finegrained-fp8 .peers/hub/finegrained-fp8 --modes eager,static --out results/generate-e2e-fp8
+    PYTHONPATH=torch-ext:scripts python benchmarks/generate_e2e.py --quantize mxfp4 --models gpt-oss-120b \\
+        --hub-dir .peers/hub --layers 4 --out results/generate-e2e-mxfp4/gpt-oss-120b
 
 Cost on one H200 (estimated, not yet measured): mostly torch.compile, 6 decode graphs per model (moe_dispatch,
 batched_mm, which grouped_mm's decode steps reuse, and grouped_mm_always, each at batch 1 and again with a dynamic
@@ -141,7 +195,10 @@ the finegrained-fp8 kernel take any block shape). The interpreter has no GPU dri
 configs with, so there each of the finegrained-fp8 kernel's autotuners keeps its first config (they differ in launch
 parameters and tiles, not in what is computed). The package runs weight-only FP8 on the CPU (the weights dequantized
 in its GEMMs' loads) while the finegrained-fp8 kernel quantizes the activations too, so there the tokens and logits
-agree with transformers' FP8 loop to FP8 rounding, not exactly.
+agree with transformers' FP8 loop to FP8 rounding, not exactly. With --quantize mxfp4 the smoke run builds GPT-OSS at
+the same tiny widths (H and F multiples of the 32 values of a scale; scale codes around 122 for --init-std 0.1) with
+all three implementations and a 16-token prefill: transformers_mxfp4 is skipped with its reason (GPU-only), the
+reference is transformers_dequantized in transformers' eager loop, and at fp32 the package's tokens equal it exactly.
 """
 
 import argparse
@@ -152,6 +209,7 @@ import datetime
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -235,7 +293,7 @@ TINY_EXPERTS = dict(num_experts=8, top_k=2, hidden=64, ffn=32)
 TINY_GROUPS = dict(n_group=2, topk_group=1)
 
 MODES = ("eager", "static", "static-reuse")
-QUANTIZE = ("none", "fp8")
+QUANTIZE = ("none", "fp8", "mxfp4")
 # FP8 weight blocks: FineGrainedFP8Config's default (DeepSeek-V3's), and the smoke run's (its widths, H 64 and F 32, are
 # no multiples of 128, and transformers leaves such a weight unquantized)
 FP8_BLOCK = (128, 128)
@@ -246,12 +304,27 @@ FINEGRAINED_FP8_REPO = "kernels-community/finegrained-fp8"
 FINEGRAINED_FP8_VERSION = 4
 GPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm," + ALWAYS_GROUPED, modes=",".join(MODES),
                     batches="1,16", new_tokens=64, prompt_len=32, layers=2, vocab=32000, repeats=3, warmup=1,
-                    dtype="bfloat16", init_std=0.02, reference="grouped_mm", train=True)
+                    dtype="bfloat16", init_std=0.02, reference="grouped_mm", train=True, prefill_tokens=0)
 # The CPU reference is transformers' eager loop: at fp32 its tokens and the kernel's must agree exactly. A larger
 # init std than 0.02 makes the experts, not the embeddings, decide the tiny model's logits.
 CPU_DEFAULTS = dict(impls="moe_dispatch,grouped_mm,batched_mm,eager", modes="eager", batches="1,2", new_tokens=3,
                     prompt_len=8, layers=1, vocab=128, repeats=1, warmup=0, dtype="float32", init_std=0.1,
-                    reference="eager", train=False)
+                    reference="eager", train=False, prefill_tokens=0)
+# MXFP4 mode (--quantize mxfp4): GPT-OSS models whose experts are MXFP4, swapped between the implementations below.
+MXFP4_MODELS = ("gpt-oss-20b", "gpt-oss-120b")
+MXFP4_PACKAGE = "moe_dispatch_mxfp4"  # the package's Mxfp4Experts under transformers' GptOssMLP and router
+MXFP4_PEER = "transformers_mxfp4"  # transformers' Mxfp4GptOssMLP: OpenAI's triton_kernels (matmul_ogs)
+MXFP4_DEQUANTIZED = "transformers_dequantized"  # GptOssExperts, dequantized as Mxfp4Config(dequantize=True) loads
+MXFP4_IMPLS = (MXFP4_PACKAGE, MXFP4_PEER, MXFP4_DEQUANTIZED)
+# The peer's kernel as transformers' replace_with_mxfp4_linear asks for it (bench_mxfp4.HUB_IMPLS names the same).
+TRITON_KERNELS_REPO = "kernels-community/gpt-oss-triton-kernels"
+# On top of GPU_DEFAULTS / CPU_DEFAULTS. The CPU reference is the dequantized experts in transformers' eager loop (fp32:
+# the package's tokens must equal it); on a GPU the peer is both the reference and the default.
+MXFP4_GPU_DEFAULTS = dict(impls=f"{MXFP4_PACKAGE},{MXFP4_PEER}", modes="eager,static", reference=MXFP4_PEER,
+                          train=False, prefill_tokens=4096)
+MXFP4_CPU_DEFAULTS = dict(impls=",".join(MXFP4_IMPLS), reference=MXFP4_DEQUANTIZED, prefill_tokens=16)
+# RMS of an e2m1 value drawn uniformly from its 16 codes: sqrt(mean of 0, .25, 1, 2.25, 4, 9, 16, 36) = 2.93
+E2M1_RMS = 2.93
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -259,14 +332,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda (default where there is one) or cpu (the smoke run)")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma list of {', '.join(SPECS)} (default all but gpt-oss-20b)")
+    p.add_argument("--models", default=None,
+                   help=f"comma list of {', '.join(SPECS)} (default all but gpt-oss-20b; --quantize mxfp4: "
+                   f"{', '.join(MXFP4_MODELS)}, the default)")
     p.add_argument("--impls", default=None, help="experts implementations to compare (GPU default: "
-                   f"{GPU_DEFAULTS['impls']}; CPU: {CPU_DEFAULTS['impls']})")
+                   f"{GPU_DEFAULTS['impls']}; CPU: {CPU_DEFAULTS['impls']}; --quantize mxfp4 takes "
+                   f"{', '.join(MXFP4_IMPLS)}: GPU default {MXFP4_GPU_DEFAULTS['impls']}, CPU all three)")
     p.add_argument("--reference", default=None, help="implementation whose tokens the others are compared with "
-                   "(GPU: grouped_mm, transformers' default; CPU: eager)")
+                   f"(GPU: grouped_mm, transformers' default; CPU: eager; --quantize mxfp4: {MXFP4_PEER} on a GPU, "
+                   f"{MXFP4_DEQUANTIZED} on the CPU)")
     p.add_argument("--modes", default=None, help="of eager (DynamicCache), static (StaticCache, compiled decode), "
-                   "static-reuse (one StaticCache reused); GPU default all three, CPU eager")
+                   "static-reuse (one StaticCache reused); GPU default all three (--quantize mxfp4: eager,static), "
+                   "CPU eager")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (GPU 1,16; CPU 1,2)")
     p.add_argument("--static-batches", default=None, help="batch sizes of the compiled modes (static, static-reuse) "
                    "where they differ from --batches, e.g. 1")
@@ -285,7 +362,16 @@ def parse_args(argv=None):
                    "--quantize fp8)")
     p.add_argument("--quantize", choices=QUANTIZE, default="none",
                    help="fp8: quantize the built model as FineGrainedFP8Config does on load (FP8Linear, FP8Experts; "
-                   "128x128 blocks, 16x16 at the smoke widths)")
+                   "128x128 blocks, 16x16 at the smoke widths); mxfp4: GPT-OSS built with MXFP4 experts, run by the "
+                   f"package ({MXFP4_PACKAGE}) and by transformers' own MXFP4 path ({MXFP4_PEER}: OpenAI's "
+                   f"triton_kernels from {TRITON_KERNELS_REPO}); gpt-oss models only")
+    p.add_argument("--hub-dir", default=None, metavar="DIR",
+                   help=f"--quantize mxfp4: load {TRITON_KERNELS_REPO} from DIR/gpt-oss-triton-kernels (the kernel "
+                   "repository as the Hub serves it, or its source: build.toml, torch-ext/gpt_oss_triton_kernels/) "
+                   "through LOCAL_KERNELS instead of the Hub, as scripts/bench_mxfp4.py --hub-dir does")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="also time one forward of a prompt of this many tokens (batch 1, the last position's logits) "
+                   "per implementation; default 0 (off), --quantize mxfp4: 4096 on a GPU, 16 on the CPU")
     p.add_argument("--finegrained-fp8", default=None, metavar="DIR",
                    help="source folder of the kernels-community/finegrained-fp8 kernel (build.toml, "
                    "torch-ext/finegrained_fp8/) that transformers' FP8 layers load, served locally through "
@@ -314,13 +400,21 @@ def parse_args(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device cpu for the smoke run")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    if args.quantize == "fp8":
+    if args.quantize in ("fp8", "mxfp4"):
         if args.train or args.profile_train:
-            p.error("--quantize fp8 has no training step: FP8 weights are frozen (no weight gradients to compare); "
-                    "drop --train / --profile-train")
+            p.error(f"--quantize {args.quantize} has no training step: {args.quantize.upper()} weights are frozen (no "
+                    "weight gradients to compare); drop --train / --profile-train")
         args.train = False
-    elif args.finegrained_fp8 is not None:
+    if args.quantize != "fp8" and args.finegrained_fp8 is not None:
         p.error("--finegrained-fp8 serves the kernel of transformers' FP8 layers: add --quantize fp8")
+    if args.quantize != "mxfp4" and args.hub_dir is not None:
+        p.error(f"--hub-dir serves {TRITON_KERNELS_REPO}, the kernel of transformers' MXFP4 path: add --quantize mxfp4")
+    if args.quantize == "mxfp4":
+        defaults = {**defaults, **(MXFP4_GPU_DEFAULTS if device.type == "cuda" else MXFP4_CPU_DEFAULTS)}
+        if args.models is None:
+            args.models = ",".join(MXFP4_MODELS)
+    elif args.models is None:
+        args.models = ",".join(DEFAULT_MODELS)
     if args.profile_train:
         if args.train is False:
             p.error("--profile-train profiles the training step: drop --no-train")
@@ -336,6 +430,15 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown models {unknown}; choose from {list(SPECS)}")
     args.impls = _names(args.impls)
+    if args.quantize == "mxfp4":
+        others = [m for m in args.models if m not in MXFP4_MODELS]
+        if others:
+            p.error(f"--quantize mxfp4 builds GPT-OSS models only ({', '.join(MXFP4_MODELS)}), not {others}")
+        others = [i for i in args.impls + [args.reference] if i not in MXFP4_IMPLS]
+        if others:
+            p.error(f"--quantize mxfp4 compares {', '.join(MXFP4_IMPLS)} (--impls, --reference), not {others}")
+    if args.prefill_tokens < 0:
+        p.error("--prefill-tokens must be 0 (off) or a prompt length")
     args.modes = _names(args.modes)
     if set(args.modes) - set(MODES):
         p.error(f"--modes takes {', '.join(MODES)}")
@@ -373,7 +476,8 @@ def config_kwargs(spec, shape, args):
     kwargs = dict(spec.tiny if args.tiny else spec.real)
     kwargs.update(hidden_size=shape.hidden, num_experts_per_tok=shape.top_k, num_hidden_layers=args.layers,
                   vocab_size=args.vocab, initializer_range=args.init_std, tie_word_embeddings=False,
-                  max_position_embeddings=max(4096, args.prompt_len + args.new_tokens, args.train_seq),
+                  max_position_embeddings=max(4096, args.prompt_len + args.new_tokens, args.train_seq,
+                                              args.prefill_tokens),
                   bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, output_router_logits=False)
     kwargs.update({field: getattr(shape, attribute) for field, attribute in spec.experts.items()})
     return kwargs
@@ -462,8 +566,8 @@ def experts_parameters(model):
 
 def model_record(model, spec, shape, args, build_s):
     """What was built: class, experts' shape, depth, parameter counts, weights in GiB (from each parameter's own
-    element size: FP8 weights count one byte, their fp32 scales four), the build time, the config's scalars, and with
-    --quantize fp8 `quantization` (`fp8_summary`)."""
+    element size: FP8 weights count one byte, their fp32 scales four; MXFP4 blocks one byte per two values), the build
+    time, the config's scalars, and with --quantize `quantization` (`fp8_summary`, `mxfp4_summary`)."""
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, p in experts_parameters(model))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -472,7 +576,9 @@ def model_record(model, spec, shape, args, build_s):
               "weights_gib": weight_bytes / 2**30, "build_s": build_s,
               "config": {k: v for k, v in model.config.to_diff_dict().items()
                          if isinstance(v, (int, float, str, bool))}}
-    if getattr(model.config, "quantization_config", None) is not None:
+    if args.quantize == "mxfp4":
+        record["quantization"] = mxfp4_summary(model)
+    elif getattr(model.config, "quantization_config", None) is not None:
         record["quantization"] = fp8_summary(model)
     return record
 
@@ -652,6 +758,260 @@ def pin_autotune_configs(kernel):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# MXFP4
+
+
+VARIANTS_ATTRIBUTE = "_generate_e2e_mxfp4_variants"  # where an MXFP4-mode model keeps its Mxfp4Variants
+
+
+def mxfp4_scale_code(std):
+    """The e8m0 code whose scale gives uniformly random e2m1 values the standard deviation `std` (the codes drawn lie
+    around it): 120 for 0.02, the package's default, and 122 for the smoke run's 0.1."""
+    return round(127 + math.log2(std / E2M1_RMS))
+
+
+def build_mxfp4_model(spec, args, device, dtype):
+    """A random GPT-OSS causal LM of `spec`'s widths whose experts are the package's `Mxfp4Experts` (uint8 e2m1 blocks
+    and e8m0 scales, biases in `dtype`), as `from_pretrained_mxfp4` leaves a checkpoint it loads: the package's
+    `build_random_gpt_oss_mxfp4` on `device`, no float copy of the experts ever made; the rest initialised by
+    transformers (normal(0, --init-std), norms 1), the experts' bytes uniform, their scale codes around
+    `mxfp4_scale_code(--init-std)`, their biases normal(0, --init-std). Eval mode."""
+    import transformers
+
+    build = load_package(device).integrations.transformers_experts.build_random_gpt_oss_mxfp4
+    shape = experts_shape(spec.name, args.tiny)
+    config = getattr(transformers, spec.config)(**config_kwargs(spec, shape, args), attn_implementation=spec.attention)
+    model = build(config, device=device, dtype=dtype, seed=args.seed, scale_code=mxfp4_scale_code(args.init_std))
+    return model, shape
+
+
+def mxfp4_summary(model):
+    """The MXFP4 experts of an MXFP4-mode model: how many, GiB of blocks and of scales, the scale codes drawn."""
+    experts = [module for _, module in experts_modules(model)]
+    tensors = [(name, p) for module in experts for name, p in module.named_parameters()]
+    scales = [p for name, p in tensors if name.endswith("_scales")]
+    return {"method": "mxfp4", "mxfp4_experts": len(experts),
+            "blocks_gib": sum(p.numel() for name, p in tensors if name.endswith("_blocks")) / 2**30,
+            "scales_gib": sum(p.numel() for p in scales) / 2**30,
+            "scale_codes": [min(int(p.min()) for p in scales), max(int(p.max()) for p in scales)] if scales else None}
+
+
+def _portable_path(value):
+    """A folder as given where it is relative; an absolute one relative to the repository where it lies inside,
+    else its last component (no machine's layout in the results)."""
+    if value is None or not os.path.isabs(value):
+        return value
+    try:
+        return str(Path(value).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(value).name
+
+
+def load_mxfp4_peer(args, device):
+    """(module or None, meta's record) of the kernel transformers' MXFP4 path runs, kernels-community/gpt-oss-triton-
+    kernels, loaded once before the first model by scripts/bench_mxfp4.py's `load_hub`: `kernels.get_kernel(repo,
+    version=1)` (the version transformers asks for), with --hub-dir from DIR/gpt-oss-triton-kernels through
+    LOCAL_KERNELS (a source folder served as a local build first), so that transformers' own `get_kernel` call gets the
+    same copy. The record says where it came from and the module loaded, or "skipped: why": no CUDA device (its kernels
+    are GPU-only), scripts/ not importable, the folder absent, the load failing."""
+    where = (f"{_portable_path(args.hub_dir)}/gpt-oss-triton-kernels" if args.hub_dir is not None
+             else "the Hub or its cache (kernels.get_kernel)")
+    record = {"repo": TRITON_KERNELS_REPO, "from": where}
+    try:
+        import bench_mxfp4  # scripts/: the Hub peers' loading, shared with the MXFP4 experts benchmark
+    except Exception as exc:  # noqa: BLE001 (scripts/ not on the path, or a broken import: the peer is skipped)
+        record["status"] = (f"skipped: cannot import scripts/bench_mxfp4.py, which loads the kernel ({_error(exc)}; "
+                            "run with scripts/ on PYTHONPATH)")
+        return None, record
+    try:
+        record["version"] = bench_mxfp4.HUB_IMPLS["tk_matmul_ogs"].version
+        hub = bench_mxfp4.load_hub(argparse.Namespace(impls=("tk_matmul_ogs",), hub_dir=args.hub_dir), device)
+        module, record["status"] = hub["tk_matmul_ogs"]
+    except Exception as exc:  # noqa: BLE001 (another bench_mxfp4: the peer is skipped, the package still runs)
+        module, record["status"] = None, f"skipped: loading it failed: {_error(exc)}"
+    if module is not None:
+        record["loaded"] = module.__name__
+    return module, record
+
+
+@dataclasses.dataclass
+class Mxfp4Variants:
+    """The MoE blocks of one MXFP4-mode model under each implementation, swapped in by `use`: one model object, so the
+    attention, routers, embeddings and LM head are the same objects under every implementation, and the experts'
+    tensors are the package's, converted where another implementation holds them in another layout.
+
+    blocks[impl] maps each decoder layer's `mlp` name to the block that implementation runs there; quantizers[impl]
+    is the `hf_quantizer` the model carries under it (generate compiles a static-cache decode step only where the
+    quantizer allows it, and transformers' Mxfp4HfQuantizer does not); experts_implementation[impl] is set in
+    transformers' experts interface where the block's experts read it (the dequantized GptOssExperts); skipped[impl]
+    says why an implementation cannot run; checks[impl] is its first block's difference from the package's
+    (`block_difference`); peer_module is the triton_kernels module transformers' MXFP4 blocks run."""
+
+    blocks: dict
+    quantizers: dict
+    experts_implementation: dict = dataclasses.field(default_factory=dict)
+    skipped: dict = dataclasses.field(default_factory=dict)
+    checks: dict = dataclasses.field(default_factory=dict)
+    peer_module: str | None = None
+
+    def use(self, model, impl):
+        if impl in self.skipped:
+            raise RuntimeError(f"{impl} skipped: {self.skipped[impl]}")
+        if impl not in self.blocks:
+            raise ValueError(f"--quantize mxfp4 runs {', '.join(self.blocks)}, not {impl!r}")
+        for name, block in self.blocks[impl].items():
+            model.set_submodule(name, block)
+        model.hf_quantizer = self.quantizers[impl]
+        if impl in self.experts_implementation:
+            model.set_experts_implementation(self.experts_implementation[impl])
+
+    def status(self):
+        return {impl: "ready" for impl in self.blocks} | {impl: f"skipped: {why}" for impl, why in self.skipped.items()}
+
+
+def dequantized_blocks(model, ours, dtype):
+    """{name: GptOssMLP} holding each block's router and transformers' GptOssExperts with the weights as
+    `Mxfp4Config(dequantize=True)` loads them: `convert_moe_packed_tensors` (transformers' dequantizing load op) of the
+    package's blocks and scales, in `dtype` ([E, H, 2F] gate/up interleaved, [E, F, H]), its biases in `dtype`."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = model.config.get_text_config()
+    out = {}
+    for name, block in ours.items():
+        mxfp4 = block.experts
+        with torch.device("meta"):
+            dense = GptOssMLP(config)
+        dense.router = block.router
+        with torch.no_grad():
+            for proj in ("gate_up_proj", "down_proj"):
+                weight = convert_moe_packed_tensors(getattr(mxfp4, f"{proj}_blocks"), getattr(mxfp4, f"{proj}_scales"),
+                                                    dtype=dtype)
+                setattr(dense.experts, proj, torch.nn.Parameter(weight, requires_grad=False))
+                bias = getattr(mxfp4, f"{proj}_bias").detach().to(dtype)
+                setattr(dense.experts, f"{proj}_bias", torch.nn.Parameter(bias, requires_grad=False))
+        out[name] = dense
+    return out
+
+
+def transformers_mxfp4_blocks(model, ours):
+    """({name: Mxfp4GptOssMLP}, the triton_kernels module they run): transformers' own MXFP4 blocks filled from the
+    package's tensors. `replace_with_mxfp4_linear` (what from_pretrained runs before it reads an MXFP4 checkpoint)
+    replaces every GptOssMLP with an Mxfp4GptOssMLP holding the same router and an empty Mxfp4GptOssExperts, and loads
+    the kernel itself (`get_kernel(repo, version=1)`, answered by the copy load_mxfp4_peer loaded); then each experts
+    module gets the package's blocks and scales through `swizzle_mxfp4_convertops`, the op loading runs on a
+    checkpoint's `*_blocks` / `*_scales` (the bytes transposed into the GPU's value layout, the scales strided), and its
+    biases in fp32, as transformers holds them. The package's blocks go back into the model."""
+    from transformers import Mxfp4Config
+    from transformers.integrations import mxfp4 as hf_mxfp4
+
+    try:
+        hf_mxfp4.replace_with_mxfp4_linear(model, quantization_config=Mxfp4Config())
+        peer = {name: model.get_submodule(name) for name in ours}
+    finally:
+        for name, block in ours.items():
+            model.set_submodule(name, block)
+    triton_kernels = hf_mxfp4.triton_kernels_hub  # what Mxfp4GptOssMLP's forward reads
+    for name, block in peer.items():
+        if not isinstance(block, hf_mxfp4.Mxfp4GptOssMLP):
+            raise RuntimeError(f"replace_with_mxfp4_linear left {name} a {type(block).__name__}")
+        peer_experts, experts = block.experts, ours[name].experts
+        device = experts.gate_up_proj_blocks.device
+        with torch.no_grad():
+            for proj in ("gate_up_proj", "down_proj"):
+                blocks, scales = getattr(experts, f"{proj}_blocks"), getattr(experts, f"{proj}_scales")
+                hf_mxfp4.swizzle_mxfp4_convertops(blocks, scales, peer_experts, proj, device, triton_kernels)
+                bias = getattr(experts, f"{proj}_bias").detach().float()
+                setattr(peer_experts, f"{proj}_bias", torch.nn.Parameter(bias, requires_grad=False))
+        left = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
+        if left:
+            raise RuntimeError(f"{name}: {left} left on the meta device after the conversion")
+    return peer, getattr(triton_kernels, "__name__", None)
+
+
+def block_difference(block, reference, hidden, device, dtype, tokens=8, seed=0):
+    """||block(x) - reference(x)|| / ||reference(x)|| of two MoE blocks on `tokens` rows of normal(0, 1) activations in
+    `dtype` (what a post-attention norm hands the block): a conversion that changed the experts' values, or a block that
+    cannot run here, shows before anything is timed."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, hidden, generator=generator).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        got, ref = block(x)[0].float(), reference(x)[0].float()
+    return float((got - ref).norm() / ref.norm())
+
+
+def mxfp4_variants(model, impls, device, dtype, peer_kernel):
+    """The Mxfp4Variants of a freshly built MXFP4-mode model (its blocks are the package's), with the dequantized and
+    transformers' MXFP4 blocks where `impls` names them. The dequantized experts run transformers' eager loop on the
+    CPU (exact at fp32: the smoke run's reference) and its default experts implementation on a GPU (grouped_mm,
+    batched_mm in the decode steps). transformers' MXFP4 blocks are skipped with the reason where its kernel
+    (`peer_kernel`: load_mxfp4_peer's answer) did not load, or the conversion or its first block's check
+    (`block_difference` against the package's, recorded in `checks`) fails."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+
+    ours = {name: module for name, module in model.named_modules() if isinstance(module, GptOssMLP)}
+    first = next(iter(ours))
+    hidden = model.config.get_text_config().hidden_size
+    variants = Mxfp4Variants(blocks={MXFP4_PACKAGE: ours}, quantizers={MXFP4_PACKAGE: model.hf_quantizer})
+    if MXFP4_DEQUANTIZED in impls:
+        try:
+            variants.blocks[MXFP4_DEQUANTIZED] = dequantized_blocks(model, ours, dtype)
+            variants.checks[MXFP4_DEQUANTIZED] = block_difference(variants.blocks[MXFP4_DEQUANTIZED][first],
+                                                                  ours[first], hidden, device, dtype)
+        except Exception as exc:  # noqa: BLE001 (out of memory, say: the others still run)
+            variants.blocks.pop(MXFP4_DEQUANTIZED, None)
+            variants.skipped[MXFP4_DEQUANTIZED] = f"dequantizing the experts failed: {_error(exc)}"
+        else:
+            variants.quantizers[MXFP4_DEQUANTIZED] = None  # loading with dequantize=True drops the quantizer
+            variants.experts_implementation[MXFP4_DEQUANTIZED] = ("eager" if device.type == "cpu"
+                                                                  else model.config._experts_implementation)
+    if MXFP4_PEER in impls:
+        module, record = peer_kernel
+        if module is None:
+            variants.skipped[MXFP4_PEER] = record["status"].removeprefix("skipped: ")
+        else:
+            step = "building transformers' MXFP4 blocks"
+            try:
+                from transformers import Mxfp4Config
+
+                blocks, variants.peer_module = transformers_mxfp4_blocks(model, ours)
+                step = "checking its first block"
+                variants.checks[MXFP4_PEER] = block_difference(blocks[first], ours[first], hidden, device, dtype)
+                variants.blocks[MXFP4_PEER] = blocks
+                variants.quantizers[MXFP4_PEER] = Mxfp4HfQuantizer(Mxfp4Config(), pre_quantized=True)
+            except Exception as exc:  # noqa: BLE001 (a triton_kernels that does not fit this Triton or GPU)
+                variants.skipped[MXFP4_PEER] = f"{step} failed: {_error(exc)}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return variants
+
+
+def use_implementation(model, impl):
+    """Switch `model` to the experts implementation `impl`: in transformers' experts interface
+    (set_experts_implementation), or with --quantize mxfp4 by swapping in that implementation's MoE blocks
+    (Mxfp4Variants.use)."""
+    variants = getattr(model, VARIANTS_ATTRIBUTE, None)
+    if variants is None:
+        model.set_experts_implementation(impl)
+    else:
+        variants.use(model, impl)
+
+
+def skipped_implementations(model):
+    """{impl: why} of the implementations `model` cannot run (--quantize mxfp4: a peer that did not load)."""
+    variants = getattr(model, VARIANTS_ATTRIBUTE, None)
+    return dict(variants.skipped) if variants is not None else {}
+
+
+def runs_compiled(model):
+    """Whether generate runs `model`'s compiled decode step now: one was compiled and the model's quantizer allows it
+    (transformers' Mxfp4HfQuantizer does not: its static-cache decode runs uncompiled)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    return hasattr(model, "_compiled_call") and (quantizer is None or bool(quantizer.is_compileable))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Decode
 
 
@@ -726,7 +1086,7 @@ def decode_rate(ids, long_s, short_s, args):
 def warm_up(model, impl, ids, mode, args, device, cache=None):
     """Switch the model to `impl` and run the untimed generates (the compiled modes at least twice: compile, then
     CUDA-graph recording)."""
-    model.set_experts_implementation(impl)
+    use_implementation(model, impl)
     warmup = max(args.warmup, 2) if mode != "eager" else args.warmup
     for _ in range(warmup):
         timed_generate(model, ids, args.new_tokens, mode, args, device, cache)
@@ -763,7 +1123,7 @@ def measure_decode(model, impl, ids, mode, args, device, cache=None):
     cell = decode_rate(ids, long_s, short_s, args)
     cell.update(diagnostics(model, ids, mode, args, device, cache))
     if mode != "eager":  # a graph compiled while timed would mean the timed runs were not the warmed-up graph
-        cell.update(compiled=hasattr(model, "_compiled_call"), compile_in_warmup=_delta(after_warmup, before),
+        cell.update(compiled=runs_compiled(model), compile_in_warmup=_delta(after_warmup, before),
                     compile_while_timed=_delta(compile_counts(), after_warmup))
     return cell, tokens.cpu()
 
@@ -791,7 +1151,7 @@ def measure_interleaved(model, impls, ids, mode, args, device, cache=None):
         for impl in ready[r % len(ready):] + ready[:r % len(ready)]:
             if impl in results:  # failed in an earlier round
                 continue
-            model.set_experts_implementation(impl)
+            use_implementation(model, impl)
             try:
                 seconds, tokens, short = timed_pair(model, ids, mode, args, device, cache)
             except Exception as exc:  # noqa: BLE001 (without a warm-up the first failure happens here)
@@ -804,11 +1164,11 @@ def measure_interleaved(model, impls, ids, mode, args, device, cache=None):
     timed = _delta(compile_counts(), after_warmup)
     for impl in [i for i in ready if i not in results]:
         long_s, short_s, tokens = times[impl]
-        model.set_experts_implementation(impl)
+        use_implementation(model, impl)
         cell = decode_rate(ids, long_s, short_s, args)
         cell.update(diagnostics(model, ids, mode, args, device, cache))
         if mode != "eager":
-            cell.update(compiled=hasattr(model, "_compiled_call"), compile_in_warmup=_delta(after_warmup, before),
+            cell.update(compiled=runs_compiled(model), compile_in_warmup=_delta(after_warmup, before),
                         compile_while_timed=timed, interleaved=True)
         results[impl] = (cell, tokens.cpu())
     return results
@@ -860,10 +1220,14 @@ def prefill_logits(model, impls, ids, reference):
     |difference| and the reference's logit scale, the rows whose argmax (the first generated token) differs, and for
     those rows the reference's margin between its top two logits. A differing first token with a margin under the
     logit difference that two of transformers' own implementations also show between themselves is a near tie
-    flipped by rounding, not a wrong result."""
+    flipped by rounding, not a wrong result. An implementation the model cannot run is recorded as skipped."""
+    skipped = skipped_implementations(model)
     logits = {}
     for impl in impls:
-        model.set_experts_implementation(impl)
+        if impl in skipped:
+            logits[impl] = None
+            continue
+        use_implementation(model, impl)
         try:
             with torch.no_grad():
                 logits[impl] = model(ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
@@ -875,8 +1239,13 @@ def prefill_logits(model, impls, ids, reference):
     out = []
     for impl, got in logits.items():
         cell = {"impl": impl, "batch": ids.shape[0]}
-        if isinstance(got, Exception) or isinstance(ref, Exception) or ref is None:
+        if impl in skipped:
+            cell["skipped"] = skipped[impl]
+        elif isinstance(got, Exception) or isinstance(ref, Exception):
             cell["error"] = _error(got if isinstance(got, Exception) else ref)
+        elif ref is None:
+            cell["error"] = f"no reference logits: {reference} did not run"
+        if "skipped" in cell or "error" in cell:
             out.append(cell)
             continue
         top2 = ref.topk(2, dim=-1).values
@@ -886,6 +1255,62 @@ def prefill_logits(model, impls, ids, reference):
                     flipped_ref_margins=[float(top2[r, 0] - top2[r, 1]) for r in flipped.tolist()])
         out.append(cell)
     return out
+
+
+def prefill_prompt(args, device):
+    """The --prefill-tokens prompt: one row of random ids, seeded apart from the decode prompts."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + 999)
+    return torch.randint(PAD + 1, args.vocab, (1, args.prefill_tokens), generator=generator).to(device)
+
+
+def timed_prefill(model, ids, device):
+    """(seconds, the next token) of one forward of `ids` as generate's prefill runs it: a fresh cache, the logits of
+    the last position only."""
+    synchronize(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1).logits
+    synchronize(device)
+    return time.perf_counter() - start, logits[:, -1].argmax(-1).cpu()
+
+
+def measure_prefill(model, impls, ids, args, device):
+    """The prefill cells: per implementation --warmup untimed forwards of `ids`, then --repeats rounds, each timing one
+    forward of every implementation, the order rotated by one per round (as the eager decode's cells: the host's drift
+    is shared out); median ms, tokens/s and the next token of each. {impl: cell, or the exception it raised}; an
+    implementation the model cannot run is left out."""
+    skipped = skipped_implementations(model)
+    ready, results, times = [], {}, {}
+    for impl in [i for i in impls if i not in skipped]:
+        try:
+            use_implementation(model, impl)
+            for _ in range(args.warmup):
+                timed_prefill(model, ids, device)
+            ready.append(impl)
+            times[impl] = []
+        except Exception as exc:  # noqa: BLE001 (out of memory, say: the others are still timed)
+            results[impl] = exc
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    tokens = {}
+    for r in range(args.repeats if ready else 0):
+        for impl in ready[r % len(ready):] + ready[:r % len(ready)]:
+            if impl in results:
+                continue
+            use_implementation(model, impl)
+            try:
+                seconds, tokens[impl] = timed_prefill(model, ids, device)
+            except Exception as exc:  # noqa: BLE001 (without a warm-up the first failure happens here)
+                results[impl] = exc
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            times[impl].append(seconds)
+    for impl in [i for i in ready if i not in results]:
+        median = statistics.median(times[impl])
+        results[impl] = {"prefill_ms": median * 1e3, "tokens_per_s": ids.numel() / median, "times_s": times[impl],
+                         "next_token": tokens[impl].tolist()}
+    return results
 
 
 def reset_compiled(model):
@@ -1257,6 +1682,7 @@ def meta(args, device, package):
     import triton
 
     recorded = {k: v for k, v in vars(args).items() if k != "out"}  # --out is a path on this machine
+    recorded["hub_dir"] = _portable_path(args.hub_dir)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -1283,14 +1709,21 @@ def _match(cell):
     return text if cell["first_diff"] is None else f"{text} (first diff at {cell['first_diff']})"
 
 
+def _not_measured(cell):
+    """Why a cell has no measurement, for a table: its error, or "skipped: why"."""
+    return cell.get("error") or f"skipped: {cell.get('skipped')}"
+
+
 def tables(results):
-    """[full table, short table, training table, the training profile (with --profile-train), prefill logits], each
-    in Markdown."""
+    """[full table, short table, training table, the training profile (with --profile-train), the prefill timing
+    (with --prefill-tokens), prefill logits], each in Markdown."""
     args = results["meta"]["args"]
     cells = [c for c in results["decode"] if "tokens_per_s" in c]
     weights = args["dtype"]
     if args.get("quantize", "none") == "fp8":
         weights += f" with FP8 weights ({'x'.join(map(str, args['fp8_block']))} blocks, FineGrainedFP8Config)"
+    elif args.get("quantize", "none") == "mxfp4":
+        weights += " with MXFP4 experts (e2m1 blocks, e8m0 scales per 32 values)"
     head = (f"{args['layers']} decoder layers, vocab {args['vocab']}, prompt {args['prompt_len']}, "
             f"{args['new_tokens']} new tokens, {weights}, {results['meta']['device']}; decode tok/s = "
             f"batch * (new_tokens - 1) / (t(new_tokens) - t(1)); tokens vs {args['reference']}")
@@ -1298,8 +1731,7 @@ def tables(results):
             "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for c in results["decode"]:
         if "tokens_per_s" not in c:
-            full.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c['impl']} | "
-                        f"{c.get('error') or c.get('skipped')} | | | | |")
+            full.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c['impl']} | {_not_measured(c)} | | | | |")
             continue
         full.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c['impl']} | {_num(c['tokens_per_s'])} | "
                     f"{_num(c['decode_ms_per_step'], 2)} | {_num(c['generate_s'], 3)} | "
@@ -1312,8 +1744,7 @@ def tables(results):
         if c["impl"] != package:
             continue
         if "tokens_per_s" not in c:
-            short.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {c.get('error') or c.get('skipped')} "
-                         f"| | | |")
+            short.append(f"| {c['model']} | {c['batch']} | {c['mode']} | {_not_measured(c)} | | | |")
             continue
         base = next((b for b in cells if b["impl"] == default and
                      (b["model"], b["batch"], b["mode"]) == (c["model"], c["batch"], c["mode"])), None)
@@ -1325,7 +1756,7 @@ def tables(results):
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     for c in results["train"]:
         if "step_ms" not in c:
-            train.append(f"| {c['model']} | | {c.get('impl', '')} | {c.get('error') or c.get('skipped')} | | | | |")
+            train.append(f"| {c['model']} | | {c.get('impl', '')} | {_not_measured(c)} | | | | |")
             continue
         memory = "-" if "peak_gib" not in c else f"{c['peak_gib']:.2f} ({c['before_gib']:.2f})"
         train.append(f"| {c['model']} | {c['batch']}x{c['seq']} | {c['impl']} | {_num(c['step_ms'])} | {memory} | "
@@ -1337,8 +1768,8 @@ def tables(results):
               "", "| model | batch | impl | max abs diff | rows flipped | margins of flipped rows |",
               "|---|---:|---|---:|---:|---|"]
     for c in results.get("logits", []):
-        if "error" in c:
-            logits.append(f"| {c['model']} | {c['batch']} | {c['impl']} | {c['error']} | | |")
+        if "error" in c or "skipped" in c:
+            logits.append(f"| {c['model']} | {c['batch']} | {c['impl']} | {_not_measured(c)} | | |")
             continue
         margins = ", ".join(f"{m:.3g}" for m in c["flipped_ref_margins"]) or "-"
         logits.append(f"| {c['model']} | {c['batch']} | {c['impl']} | {_sci(c['max_abs_diff'])} "
@@ -1346,8 +1777,29 @@ def tables(results):
     if not results.get("logits"):
         logits = ["Prefill logits: not compared (--no-logits)"]
     profile = profile_table(results)
-    sections = [full, short, train] + ([profile] if profile else []) + [logits]
+    prefill = prefill_table(results)
+    sections = [full, short, train] + ([profile] if profile else []) + ([prefill] if prefill else []) + [logits]
     return ["\n".join(lines) for lines in sections]
+
+
+def prefill_table(results):
+    """The --prefill-tokens cells in Markdown lines (none without)."""
+    cells = results.get("prefill")
+    if not cells:
+        return []
+    args = results["meta"]["args"]
+    lines = [f"Prefill: one forward of a {args['prefill_tokens']}-token prompt (batch 1, the last position's logits, "
+             f"as generate's prefill), median of {args['repeats']} interleaved rounds; vs default = "
+             f"{results['default_impl']} ms / ms; next token vs {args['reference']}", "",
+             "| model | tokens | impl | ms | tok/s | vs default | next token |", "|---|---:|---|---:|---:|---:|---|"]
+    for c in cells:
+        if "prefill_ms" not in c:
+            lines.append(f"| {c['model']} | {c['tokens']} | {c['impl']} | {_not_measured(c)} | | | |")
+            continue
+        match = "-" if "next_token_equal" not in c else ("equal" if c["next_token_equal"] else "differs")
+        lines.append(f"| {c['model']} | {c['tokens']} | {c['impl']} | {_num(c['prefill_ms'], 2)} | "
+                     f"{_num(c['tokens_per_s'])} | {_num(c.get('vs_default'), 2)} | {match} |")
+    return lines
 
 
 def _short_name(name, width=90):
@@ -1438,8 +1890,11 @@ def _over_budget(args, started):
 
 
 def run_decode_mode(model, spec, mode, impls, args, device, results, started, log):
-    """Every (batch, implementation) cell of one mode; tokens compared with the reference's of the same batch."""
+    """Every (batch, implementation) cell of one mode; tokens compared with the reference's of the same batch. An
+    implementation the model cannot run (skipped_implementations) gets its cells with the reason."""
     default = results["default_impl"]
+    skipped = skipped_implementations(model)
+    ready = [impl for impl in impls if impl not in skipped]
     for batch in args.batches if mode == "eager" else args.static_batches:
         ids = prompt(batch, args, device)
         cache = None
@@ -1449,12 +1904,16 @@ def run_decode_mode(model, spec, mode, impls, args, device, results, started, lo
             cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
         ref_tokens, by_impl = None, {}
         interleaved = None
-        if (mode == "eager" or args.interleave == "all") and len(impls) > 1 and not _over_budget(args, started):
-            interleaved = measure_interleaved(model, impls, ids, mode, args, device, cache)
+        if (mode == "eager" or args.interleave == "all") and len(ready) > 1 and not _over_budget(args, started):
+            interleaved = measure_interleaved(model, ready, ids, mode, args, device, cache)
         for impl in impls:
             cell = {"model": spec.name, "batch": batch, "mode": mode, "impl": impl, "new_tokens": args.new_tokens,
                     "prompt_len": args.prompt_len}
             results["decode"].append(cell)
+            if impl in skipped:
+                cell["skipped"] = skipped[impl]
+                log(f"  {mode} batch {batch} {impl}: skipped: {skipped[impl]}")
+                continue
             if _over_budget(args, started):
                 cell["skipped"] = "budget"
                 continue
@@ -1517,11 +1976,48 @@ def run_training(model, spec, args, device, results, started, log):
             torch.cuda.empty_cache()
 
 
-def run_model(spec, args, device, dtype, results, started, log):
-    """Build one model, then: eager decode, the training step, the compiled decode modes (the order a run cut short
-    by --budget-s loses least in)."""
+def run_prefill(model, spec, impls, args, device, results, started, log):
+    """The --prefill-tokens cells of one model (measure_prefill), each against the default implementation's time and
+    the reference's next token."""
+    skipped = skipped_implementations(model)
+    cells = {impl: {"model": spec.name, "impl": impl, "batch": 1, "tokens": args.prefill_tokens} for impl in impls}
+    results["prefill"].extend(cells.values())
+    if _over_budget(args, started):
+        for cell in cells.values():
+            cell["skipped"] = "budget"
+        return
+    measured = measure_prefill(model, impls, prefill_prompt(args, device), args, device)
+    for impl, cell in cells.items():
+        got = measured.get(impl)
+        if impl in skipped:
+            cell["skipped"] = skipped[impl]
+        elif isinstance(got, Exception):
+            cell["error"] = _error(got)
+        else:
+            cell.update(got)
+    base, ref = cells[results["default_impl"]].get("prefill_ms"), cells[args.reference].get("next_token")
+    for impl, cell in cells.items():
+        if "prefill_ms" not in cell:
+            log(f"  prefill {args.prefill_tokens} {impl}: " + (f"skipped: {cell['skipped']}" if "skipped" in cell
+                                                               else cell["error"]))
+            continue
+        if base:
+            cell["vs_default"] = base / cell["prefill_ms"]
+        if ref is not None:
+            cell["next_token_equal"] = cell["next_token"] == ref
+        log(f"  prefill {args.prefill_tokens} {impl}: {cell['prefill_ms']:.2f} ms, {_num(cell['tokens_per_s'])} tok/s"
+            + (f", next token {'equal' if cell['next_token_equal'] else 'differs'}" if ref is not None else ""))
+    write(results, args.out)
+
+
+def run_model(spec, args, device, dtype, results, started, log, peer_kernel=None):
+    """Build one model, then: eager decode, the prefill timing, the training step, the compiled decode modes (the order
+    a run cut short by --budget-s loses least in). `peer_kernel`: load_mxfp4_peer's answer (--quantize mxfp4)."""
     build_start = time.perf_counter()
-    model, shape = build_model(spec, args, device, dtype, None)  # None: the implementation transformers defaults to
+    if args.quantize == "mxfp4":
+        model, shape = build_mxfp4_model(spec, args, device, dtype)
+    else:
+        model, shape = build_model(spec, args, device, dtype, None)  # None: the implementation transformers defaults to
     quantize_s = None
     if args.quantize == "fp8":
         synchronize(device)
@@ -1530,18 +2026,36 @@ def run_model(spec, args, device, dtype, results, started, log):
         synchronize(device)
         quantize_s = time.perf_counter() - quantize_start
     synchronize(device)
-    default = results["default_impl"] = model.config._experts_implementation
+    if args.quantize != "mxfp4":  # the MXFP4 mode's default is transformers' MXFP4 path (main)
+        results["default_impl"] = model.config._experts_implementation
+    default = results["default_impl"]
     record = model_record(model, spec, shape, args, time.perf_counter() - build_start)
-    fp8 = ""
+    quantized = ""
     if quantize_s is not None:
         record["quantize_s"] = quantize_s
         quant = record["quantization"]
-        fp8 = (f", FP8 {'x'.join(map(str, quant['weight_block_size']))} blocks ({quant['fp8_linear']} FP8Linear, "
-               f"{quant['fp8_experts']} FP8Experts, {len(quant['unquantized'])} left unquantized; {quantize_s:.1f} s)")
+        quantized = (f", FP8 {'x'.join(map(str, quant['weight_block_size']))} blocks ({quant['fp8_linear']} FP8Linear, "
+                     f"{quant['fp8_experts']} FP8Experts, {len(quant['unquantized'])} left unquantized; "
+                     f"{quantize_s:.1f} s)")
     results["models"][spec.name] = record
-    log(f"{spec.name}: built in {record['build_s']:.1f} s, {record['params'] / 1e9:.2f} B parameters "
-        f"({record['weights_gib']:.1f} GiB){fp8}, {record['moe_layers']} MoE layers; default experts: {default}")
     impls = list(dict.fromkeys([args.reference, default, *args.impls]))  # reference first, then the default
+    if args.quantize == "mxfp4":
+        variants = mxfp4_variants(model, impls, device, dtype, peer_kernel)
+        setattr(model, VARIANTS_ATTRIBUTE, variants)
+        record["implementations"] = variants.status()
+        record["block_check"] = variants.checks
+        record["peer_module"] = variants.peer_module
+        quant = record["quantization"]
+        gib = quant["blocks_gib"] + quant["scales_gib"]
+        quantized = (f", {quant['mxfp4_experts']} MXFP4 experts modules ({gib:.2f} GiB of blocks and scales, scale "
+                     f"codes {quant['scale_codes']})")
+    log(f"{spec.name}: built in {record['build_s']:.1f} s, {record['params'] / 1e9:.2f} B parameters "
+        f"({record['weights_gib']:.1f} GiB){quantized}, {record['moe_layers']} MoE layers; default experts: {default}")
+    for impl, status in record.get("implementations", {}).items():
+        if status != "ready":
+            log(f"  {impl}: {status}")
+    for impl, difference in record.get("block_check", {}).items():
+        log(f"  {impl}: first MoE block vs {MXFP4_PACKAGE}'s on random activations: rel diff {difference:.2e}")
     try:
         if args.logits and not _over_budget(args, started):
             for batch in args.batches:
@@ -1550,6 +2064,8 @@ def run_model(spec, args, device, dtype, results, started, log):
             write(results, args.out)
         if "eager" in args.modes:
             run_decode_mode(model, spec, "eager", impls, args, device, results, started, log)
+        if args.prefill_tokens:
+            run_prefill(model, spec, impls, args, device, results, started, log)
         if args.train:
             run_training(model, spec, args, device, results, started, log)
             write(results, args.out)
@@ -1577,6 +2093,8 @@ def main(argv=None):
             served = serve_finegrained_fp8(args.finegrained_fp8)
     package = load_package(device)
     package_impl = register_implementations(package)
+    if args.quantize == "mxfp4":
+        package_impl = MXFP4_PACKAGE
     if set(args.modes) - {"eager"}:
         # Each implementation and batch size compiles its own decode graph of the same frame (model.__call__):
         # close to dynamo's default limit of 8 recompilations, past which it would silently run uncompiled.
@@ -1587,15 +2105,24 @@ def main(argv=None):
     def log(line):
         print(line, flush=True)
 
-    results = {"meta": meta(args, device, package), "package_impl": package_impl, "default_impl": None,
+    results = {"meta": meta(args, device, package), "package_impl": package_impl,
+               "default_impl": MXFP4_PEER if args.quantize == "mxfp4" else None,
                "models": {}, "decode": [], "train": [], "logits": []}
+    if args.prefill_tokens:
+        results["prefill"] = []
     log(f"generate_e2e on {results['meta']['device']}: {args.layers} layers, vocab {args.vocab}, {args.dtype}, "
         f"impls {','.join(args.impls)}, modes {','.join(args.modes)}, batches {args.batches}")
     if args.quantize == "fp8":
         peer = results["meta"]["finegrained_fp8"] = load_finegrained_fp8(served, device)
         log(f"finegrained-fp8 kernel from {peer['source']}: " + (peer.get("error") or f"loaded as {peer['loaded']}"))
+    peer_kernel = None
+    if args.quantize == "mxfp4":
+        peer_kernel = load_mxfp4_peer(args, device)
+        peer = results["meta"]["mxfp4_peer"] = peer_kernel[1]
+        log(f"{TRITON_KERNELS_REPO} from {peer['from']}: " + (f"loaded as {peer['loaded']}" if "loaded" in peer
+                                                             else peer["status"]))
     for name in args.models:
-        run_model(SPECS[name], args, device, dtype, results, started, log)
+        run_model(SPECS[name], args, device, dtype, results, started, log, peer_kernel)
     results["meta"]["wall_s"] = time.monotonic() - started
     write(results, args.out)
     print("\n" + "\n\n".join(tables(results)), flush=True)

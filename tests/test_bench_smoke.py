@@ -15,6 +15,9 @@
 - The MXFP4 benchmark (scripts/bench_mxfp4.py): its --cpu-smoke run (the package on MXFP4 weights and on their bf16
   values against the float64 experts, the Hub peers skipped with a reason), its decode floor and prefill ratio, the
   finegrained-fp8 layout it converts our weights into, and how it finds and imports the Hub peers.
+- The end-to-end generate benchmark's MXFP4 mode (benchmarks/generate_e2e.py --quantize mxfp4): its arguments, the MoE
+  blocks it swaps around one router, and its CPU smoke run (the package's tokens equal transformers' eager loop on the
+  dequantized experts; transformers' MXFP4 path, GPU-only, skipped with the reason in every cell).
 """
 
 import dataclasses
@@ -785,3 +788,103 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     assert bm.find_peer(hub, fg) == (hub / "finegrained-fp8", "build")
     module, why = bm.load_peer(hub, fg)
     assert why is None and module.SERVED == "from --hub-dir" and module.__name__ == "_finegrained_fp8_bench_smoke"
+
+
+# The end-to-end generate benchmark's MXFP4 mode (benchmarks/generate_e2e.py --quantize mxfp4).
+
+
+def test_generate_e2e_mxfp4_arguments_and_blocks():
+    """--quantize mxfp4's CPU defaults (GPT-OSS only, all three implementations, the dequantized model as reference, a
+    16-token prefill, no training) and what it refuses; the scale code follows --init-std; on a tiny model the package's
+    and the dequantized blocks swap in and out around the same router, each with the quantizer loading would give it."""
+    import generate_e2e as ge
+
+    args = ge.parse_args(["--device", "cpu", "--quantize", "mxfp4"])
+    assert args.models == list(ge.MXFP4_MODELS) and args.impls == list(ge.MXFP4_IMPLS)
+    assert args.reference == ge.MXFP4_DEQUANTIZED and args.prefill_tokens == 16 and not args.train
+    assert ge.parse_args(["--device", "cpu"]).prefill_tokens == 0  # off outside the MXFP4 mode
+    for refused in (["--train"], ["--models", "qwen3-30b-a3b"], ["--impls", "moe_dispatch"],
+                    ["--reference", "eager"], ["--prefill-tokens", "-1"]):
+        with pytest.raises(SystemExit):
+            ge.parse_args(["--device", "cpu", "--quantize", "mxfp4", *refused])
+    with pytest.raises(SystemExit):
+        ge.parse_args(["--device", "cpu", "--hub-dir", "somewhere"])  # the flag needs the MXFP4 mode
+    assert (ge.mxfp4_scale_code(0.02), ge.mxfp4_scale_code(0.1)) == (120, 122)
+
+    device = torch.device("cpu")
+    model, shape = ge.build_mxfp4_model(ge.SPECS["gpt-oss-20b"], args, device, torch.float32)
+    package_quantizer = model.hf_quantizer
+    impls = [ge.MXFP4_PACKAGE, ge.MXFP4_DEQUANTIZED, ge.MXFP4_PEER]
+    variants = ge.mxfp4_variants(model, impls, device, torch.float32, (None, {"status": "skipped: not here"}))
+    assert variants.status() == {ge.MXFP4_PACKAGE: "ready", ge.MXFP4_DEQUANTIZED: "ready",
+                                 ge.MXFP4_PEER: "skipped: not here"}
+    setattr(model, ge.VARIANTS_ATTRIBUTE, variants)
+    assert ge.skipped_implementations(model) == {ge.MXFP4_PEER: "not here"}
+    (name,) = variants.blocks[ge.MXFP4_PACKAGE]
+    ours = model.get_submodule(name)
+    ge.use_implementation(model, ge.MXFP4_DEQUANTIZED)
+    dense = model.get_submodule(name)
+    assert type(dense.experts).__name__ == "GptOssExperts" and dense.router is ours.router
+    assert model.hf_quantizer is None and model.config._experts_implementation == "eager"
+    assert dense.experts.gate_up_proj.shape == (shape.num_experts, shape.hidden, 2 * shape.ffn)
+    ge.use_implementation(model, ge.MXFP4_PACKAGE)
+    assert model.get_submodule(name) is ours and model.hf_quantizer is package_quantizer
+    with pytest.raises(RuntimeError, match="not here"):
+        ge.use_implementation(model, ge.MXFP4_PEER)
+
+
+@needs_interpreter  # the package's MXFP4 kernels on CPU tensors
+def test_generate_e2e_mxfp4_cpu_smoke(tmp_path, monkeypatch):
+    """The MXFP4 mode's smoke run on tiny GPT-OSS-20B: the package's kernel ran, its greedy tokens, prefill next token
+    and logits equal transformers' eager loop on the dequantized experts (fp32), transformers' MXFP4 path is skipped in
+    every cell with the reason (GPU-only) instead of failing the run, and the JSON / Markdown say so, naming no
+    machine path."""
+    import generate_e2e as ge
+
+    import moe_dispatch as md
+
+    calls = []
+    fused_experts = md.transformers_experts.fused_experts
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return fused_experts(*args, **kwargs)
+
+    monkeypatch.setattr(md.transformers_experts, "fused_experts", counted)
+    local_kernels = os.environ.get("LOCAL_KERNELS")
+    out = tmp_path / "out"
+    results = ge.main(["--device", "cpu", "--quantize", "mxfp4", "--models", "gpt-oss-20b", "--out", str(out),
+                       "--hub-dir", str(tmp_path / "hub")])
+    assert calls, "the package's fused_experts never ran"
+    assert os.environ.get("LOCAL_KERNELS") == local_kernels  # a CPU run loads no peer
+    assert (results["package_impl"], results["default_impl"]) == (ge.MXFP4_PACKAGE, ge.MXFP4_PEER)
+    record = results["models"]["gpt-oss-20b"]
+    assert record["moe_layers"] == 1 and record["quantization"]["mxfp4_experts"] == 1
+    assert 118 <= record["quantization"]["scale_codes"][0] <= record["quantization"]["scale_codes"][1] <= 123
+    assert record["implementations"][ge.MXFP4_PEER].startswith("skipped: needs a CUDA device")
+    assert record["block_check"][ge.MXFP4_DEQUANTIZED] < 1e-5  # fp32: the same values, dequantized
+
+    cells = {(c["batch"], c["impl"]): c for c in results["decode"]}
+    assert set(cells) == {(b, i) for b in (1, 2) for i in ge.MXFP4_IMPLS}
+    for (batch, impl), c in cells.items():
+        if impl == ge.MXFP4_PEER:
+            assert c["skipped"].startswith("needs a CUDA device") and "tokens_per_s" not in c, c
+            continue
+        assert "error" not in c and c["generate_s"] > 0, c
+        assert c["rows_equal"] == 1.0 and c["first_diff"] is None, c  # fp32: the dequantized eager loop's tokens
+    prefill = {c["impl"]: c for c in results["prefill"]}
+    assert prefill[ge.MXFP4_PACKAGE]["prefill_ms"] > 0 and prefill[ge.MXFP4_PACKAGE]["next_token_equal"]
+    assert prefill[ge.MXFP4_PACKAGE]["tokens"] == 16 and "skipped" in prefill[ge.MXFP4_PEER]
+    for c in results["logits"]:
+        if c["impl"] == ge.MXFP4_PACKAGE:
+            assert c["max_abs_diff"] <= 1e-4 * c["ref_max_abs"] and c["rows_flipped"] == 0, c
+        elif c["impl"] == ge.MXFP4_PEER:
+            assert c["skipped"].startswith("needs a CUDA device"), c
+
+    data = json.loads((out / "generate_e2e.json").read_text())
+    assert data["meta"]["mxfp4_peer"]["status"].startswith("skipped: needs a CUDA device")
+    assert "gpt-oss-triton-kernels under --hub-dir" in data["meta"]["mxfp4_peer"]["status"]
+    assert str(tmp_path) not in json.dumps(data["meta"])
+    md_text = (out / "generate_e2e.md").read_text()
+    assert "| gpt-oss-20b | 1 | eager | transformers_mxfp4 | skipped: needs a CUDA device" in md_text
+    assert "Prefill: one forward of a 16-token prompt" in md_text
