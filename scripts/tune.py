@@ -32,7 +32,8 @@ One sweep serves every path. Per unit (a model and the T scored together: a gene
 
   1. the table's choice (the baseline) is checked and timed;
   2. the path's stages of candidates (general and fp8: BLOCK_M, then the gate_up GEMM's tile with the rest held, then
-     the down GEMM's), each stage starting from the best so far. Every candidate's output is checked (against the
+     the down GEMM's; general: then register caps on each GEMM, REGISTER_CAPS), each stage starting from the best so
+     far. Every candidate's output is checked (against the
      float64 reference; the backward's gradients against the baseline's) and one that is off, does not compile or
      does not fit is rejected. Each is timed once, briefly (--select, --rep-ms);
   3. the --finalists best are re-timed beside the baseline call by call in alternation, --pairs pairs (CUDA graphs
@@ -285,11 +286,12 @@ def gemm_tile(tiles_module, values):
 
 
 def tiles_text(tiles):
-    """One short line: bm<BLOCK_M> gu n/k/warps/stages/group_m[/persistent] dn ...; decode: the kernels' fields
-    (/split_k where it is not 1); backward: the weight-gradient tile, then the GEMMs'."""
+    """One short line: bm<BLOCK_M> gu n/k/warps/stages/group_m[/persistent][/r<maxnreg>] dn ...; decode: the kernels'
+    fields (/split_k where it is not 1); backward: the weight-gradient tile, then the GEMMs'."""
     def fields(tile):
-        values = [getattr(tile, f.name) for f in dataclasses.fields(tile)
-                  if not (f.name in ("persistent", "split_k") and getattr(tile, f.name) == f.default)]
+        values = [f"r{getattr(tile, f.name)}" if f.name == "maxnreg" else getattr(tile, f.name)
+                  for f in dataclasses.fields(tile)
+                  if not (f.name in ("persistent", "split_k", "maxnreg") and getattr(tile, f.name) == f.default)]
         return "/".join(str(getattr(v, "name", v)).lower() for v in values)
 
     if isinstance(tiles, BackwardTiles):
@@ -603,6 +605,8 @@ class GeneralPath(TunerPath):
                                       for g in cls.gemm_candidates(run, held.block_m, "gate_up")]),
             ("down", lambda held: [dataclasses.replace(held, down=d)
                                    for d in cls.gemm_candidates(run, held.block_m, "down")]),
+            ("gate_up maxnreg", lambda held: register_cap_candidates(held, "gate_up")),
+            ("down maxnreg", lambda held: register_cap_candidates(held, "down")),
         )
 
     @staticmethod
@@ -753,6 +757,19 @@ class Fp8Path(TunerPath):
         cells = [{"shape": r["shape"], "rows_per_expert": r["rows_per_expert"], "gain": r["gain"],
                   "best_tiles": r["winner"]} for r in records if r.get("winner") is not None]
         return patched_table(base, cells, run.args.min_gain)
+
+
+# Register caps (GemmTile.maxnreg) the general path tries on each GEMM once its tile is chosen, by the tile's warps:
+# the caps at which 2 or 3 (4 warps: 4 or 5) programs' threads fit an SM's 64K registers. Measured on MXFP4 GPT-OSS
+# (docs/performance.md, MXFP4 experts): lower caps fail in ptxas or spill on 128-row tiles.
+REGISTER_CAPS = {4: (128, 96), 8: (128, 80, 64)}
+
+
+def register_cap_candidates(held, gemm):
+    """`held` with its `gemm` tile under each cap of REGISTER_CAPS for its warps (none it already has)."""
+    tile = getattr(held, gemm)
+    return [dataclasses.replace(held, **{gemm: dataclasses.replace(tile, maxnreg=cap)})
+            for cap in REGISTER_CAPS.get(tile.num_warps, ()) if cap != tile.maxnreg]
 
 
 def bucket_index(buckets, rows):

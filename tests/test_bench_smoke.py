@@ -309,8 +309,8 @@ def _read_back(monkeypatch, tiles, table):
 def test_tune_general_path(tmp_path, monkeypatch):
     """The general path on a tiny Mixtral (H = 64, F = 32) at T = 2 and 8 (two buckets): the spoilt gate_up candidate
     is rejected by the float64 check although its time would win, the down candidate (faster than the table's tiles)
-    wins, and the table gives each T the chosen tiles through tiles.select_tiles; tune's layout keeps runtime data
-    only."""
+    wins, register caps are tried on both GEMMs of the chosen tiles, and the table gives each T the chosen tiles
+    through tiles.select_tiles; tune's layout keeps runtime data only."""
     package = harness.load_kernel()
     tiles = package.tiles
     # the first gate_up candidate of BLOCK_M 16 (tune.GENERAL_TILES), never the interpreter table's
@@ -323,6 +323,11 @@ def test_tune_general_path(tmp_path, monkeypatch):
     for unit in units:
         spoilt = [t for t in unit["tried"] if t["stage"] == "gate_up"]
         assert spoilt and all(t["error"].startswith("ValueError: rel err") for t in spoilt), unit["tried"]
+        capped = [t for t in unit["tried"] if t["stage"].endswith("maxnreg")]  # register caps on the chosen tiles
+        assert {t["stage"] for t in capped} == {"gate_up maxnreg", "down maxnreg"}, unit["tried"]
+        for t in capped:  # "bm.. gu n/k/w/s/g[/rCAP] dn n/k/w/s/g[/rCAP]": the cap on the stage's GEMM
+            gate_up, down = t["tiles"].split(" dn ")
+            assert "/r" in (gate_up if t["stage"].startswith("gate_up") else down), t
         assert unit["changed"] and unit["gain"] == pytest.approx(1.0) and unit["best"] != unit["table"]
         assert all(t["rel_err"] <= TOLERANCE[torch.bfloat16] for t in unit["tried"] if "error" not in t)
         (t,) = unit["tokens"]
