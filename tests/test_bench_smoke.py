@@ -18,6 +18,9 @@
 - The end-to-end generate benchmark's MXFP4 mode (benchmarks/generate_e2e.py --quantize mxfp4): its arguments, the MoE
   blocks it swaps around one router, and its CPU smoke run (the package's tokens equal transformers' eager loop on the
   dequantized experts; transformers' MXFP4 path, GPU-only, skipped with the reason in every cell).
+- The training benchmark's frozen mode (scripts/bench_train.py --frozen): its arguments and its --cpu-smoke run (the
+  package's backward through frozen FP8 and MXFP4 experts against the same call on their bf16 values: d x and
+  d topk_weights only, no weight gradient).
 """
 
 import dataclasses
@@ -893,3 +896,72 @@ def test_generate_e2e_mxfp4_cpu_smoke(tmp_path, monkeypatch):
     md_text = (out / "generate_e2e.md").read_text()
     assert "| gpt-oss-20b | 1 | eager | transformers_mxfp4 | skipped: needs a CUDA device" in md_text
     assert "Prefill: one forward of a 16-token prompt" in md_text
+
+
+# The training benchmark's frozen mode (scripts/bench_train.py --frozen).
+
+
+def test_bench_train_frozen_arguments():
+    """--frozen's models: each format's defaults, or the --models it takes (MXFP4 only GPT-OSS's); refused: an unknown
+    format, a model no format takes, --cpu-smoke without --frozen (the bf16 table's peers need a GPU)."""
+    import bench_train as bt
+
+    args = bt.parse_args(["--frozen", "fp8,mxfp4"])
+    assert args.frozen_runs == [("fp8", name) for name in bt.FROZEN_MODELS["fp8"]] + [
+        ("mxfp4", name) for name in bt.FROZEN_MODELS["mxfp4"]]
+    assert args.tokens == bt.TOKENS and args.device == "cuda"
+    args = bt.parse_args(["--frozen", "mxfp4,fp8", "--models", "gpt-oss-20b,mixtral-8x7b", "--cpu-smoke"])
+    assert args.frozen_runs == [("mxfp4", "gpt-oss-20b"), ("fp8", "gpt-oss-20b"), ("fp8", "mixtral-8x7b")]
+    assert args.tokens == bt.SMOKE_TOKENS and args.device == "cpu"
+    assert bt.parse_args([]).models == bt.MODELS and bt.parse_args([]).frozen is None
+    for refused in (["--frozen", "int4"], ["--frozen", ""], ["--frozen", "mxfp4", "--models", "mixtral-8x7b"],
+                    ["--cpu-smoke"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(refused)
+
+
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
+def test_bench_train_frozen_cpu_smoke(tmp_path, capsys, monkeypatch):
+    """--frozen fp8,mxfp4 --cpu-smoke: every default (format, model) cell ran both steps (frozen quantized weights and
+    their bf16 values), the quantized step's d x and d topk_weights agree with the bf16 step's within the bf16
+    tolerance, no weight tensor required or got a gradient and every backward was asked for d x and d topk_weights
+    only, memory is None on the CPU, and train.json / train.md hold the frozen section, printed last. Plans off, so
+    that every backward runs its launcher in full (a replay would skip the recorded allocation); the CPU timer's
+    repeats cut to one (the times are plumbing, not measurements)."""
+    import functools
+
+    import bench_train as bt
+
+    from moe_dispatch.experts import autograd
+
+    monkeypatch.setattr(harness, "WallTimer", functools.partial(harness.WallTimer, repeats=1))
+    monkeypatch.setenv("MOE_DISPATCH_PLANS", "0")
+    asked = []
+    allocate = autograd._allocate_grads
+
+    def recording(*args):
+        *_, needs = args
+        asked.append({name for name, need in zip(autograd._GRAD_INPUTS, needs) if need})
+        return allocate(*args)
+
+    monkeypatch.setattr(autograd, "_allocate_grads", recording)
+    results = bt.main(["--frozen", "fp8,mxfp4", "--cpu-smoke", "--out", str(tmp_path)])
+    cells = results["frozen"]
+    expected = [(fmt, name, T) for fmt in bt.FROZEN_FORMATS for name in bt.FROZEN_MODELS[fmt] for T in bt.SMOKE_TOKENS]
+    assert [(c["format"], c["model"], c["T"]) for c in cells] == expected
+    for c in cells:
+        assert (c["E"], c["top_k"], c["H"], c["F"]) == (4, 2, 64, 32), c
+        for side in ("quantized", "bf16"):
+            assert "error" not in c[side] and c[side]["ms"] > 0 and c[side]["peak_gib"] is None, c
+        assert c["quantized_over_bf16"] == pytest.approx(c["quantized"]["ms"] / c["bf16"]["ms"])
+        assert set(c["grad_rel_diff"]) == {"x", "topk_weights"}
+        assert c["grad_ok"] and max(c["grad_rel_diff"].values()) <= TOLERANCE[torch.bfloat16], c
+        assert c["weights_with_grad"] == [], c
+    assert asked and all(needs == {"x", "topk_weights"} for needs in asked), asked
+    data = json.loads((tmp_path / "train.json").read_text())
+    assert data["rows"] == [] and len(data["frozen"]) == len(expected)
+    assert data["frozen_meta"]["tolerance"] == TOLERANCE[torch.bfloat16] and str(tmp_path) not in json.dumps(data)
+    md_text = (tmp_path / "train.md").read_text()
+    assert md_text.startswith("## Frozen quantized experts") and md_text.count("| ok |") == len(expected)
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert printed[-1].startswith("| mxfp4 | gpt-oss-20b | 5 | ") and printed[-1].endswith("| ok |"), printed[-1]

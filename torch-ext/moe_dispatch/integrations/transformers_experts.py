@@ -252,8 +252,9 @@ class Mxfp4Experts(torch.nn.Module):
     `alpha` and `limit` are the clamped SwiGLU's (`config.swiglu_alpha`, `config.swiglu_limit`, as `GptOssExperts`
     reads them). `forward(hidden_states [T, H], router_indices [T, k], routing_weights [T, k]) -> [T, H]` has
     `GptOssExperts`' signature, so the module takes the place of `GptOssMLP.experts` under the model's own router;
-    activations are cast to the biases' dtype and back. Inference only: no gradient reaches the weights. Built with
-    `device="meta"` it allocates nothing (what the loader fills).
+    activations are cast to the biases' dtype and back. The experts are frozen: no gradient reaches their tensors,
+    while the hidden states and routing weights get theirs (fine-tuning the rest of the model, adapters included:
+    examples/gpt_oss_mxfp4_finetune.py). Built with `device="meta"` it allocates nothing (what the loader fills).
     """
 
     def __init__(self, config: Any, *, device: torch.device | str | None = None,
@@ -338,7 +339,7 @@ def _mxfp4_quantization_classes() -> tuple[type, type]:
 
         @property
         def is_trainable(self) -> bool:
-            return False
+            return True  # adapters and the non-expert weights train; the MXFP4 experts stay frozen (Mxfp4Experts)
 
         @property
         def is_compileable(self) -> bool:
@@ -378,7 +379,8 @@ def from_pretrained_mxfp4(pretrained_model_name_or_path: str | os.PathLike, *mod
     `output_router_logits`, aux loss unchanged); its experts are an `Mxfp4Experts` holding the checkpoint's uint8
     blocks and scales byte for byte, its biases in the model dtype. Nothing else is downloaded: no Hub kernel and no
     `kernels` package (accelerate only for `device_map=`, as for any model). `save_pretrained` writes a stock MXFP4
-    checkpoint again; `model.dequantize()` gives transformers' own `GptOssExperts`. Inference only.
+    checkpoint again; `model.dequantize()` gives transformers' own `GptOssExperts`. The experts stay frozen under
+    training; the rest of the model (or adapters on it) trains through them.
 
     Not for: `quantization_config=` (the checkpoint's config decides), `use_kernels=True` without a kernel mapping
     naming this package's `MegaBlocksMoeMLP` (transformers' default mapping downloads a layer that reads float
