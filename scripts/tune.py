@@ -32,8 +32,7 @@ One sweep serves every path. Per unit (a model and the T scored together: a gene
 
   1. the table's choice (the baseline) is checked and timed;
   2. the path's stages of candidates (general and fp8: BLOCK_M, then the gate_up GEMM's tile with the rest held, then
-     the down GEMM's; general: then register caps on each GEMM, REGISTER_CAPS), each stage starting from the best so
-     far. Every candidate's output is checked (against the
+     the down GEMM's; then register caps on each GEMM, REGISTER_CAPS), each stage starting from the best so far. Every candidate's output is checked (against the
      float64 reference; the backward's gradients against the baseline's) and one that is off, does not compile or
      does not fit is rejected. Each is timed once, briefly (--select, --rep-ms);
   3. the --finalists best are re-timed beside the baseline call by call in alternation, --pairs pairs (CUDA graphs
@@ -749,6 +748,8 @@ class Fp8Path(TunerPath):
                                                                                           "gate_up")]),
             ("down", lambda held: [dataclasses.replace(held, down=d)
                                    for d in cls.gemm_candidates(run, held.block_m, "down")]),
+            ("gate_up maxnreg", lambda held: register_cap_candidates(held, "gate_up")),
+            ("down maxnreg", lambda held: register_cap_candidates(held, "down")),
         )
 
     @staticmethod
@@ -759,7 +760,7 @@ class Fp8Path(TunerPath):
         return patched_table(base, cells, run.args.min_gain)
 
 
-# Register caps (GemmTile.maxnreg) the general path tries on each GEMM once its tile is chosen, by the tile's warps:
+# Register caps (GemmTile.maxnreg) the general and fp8 paths try on each GEMM once its tile is chosen, by its warps:
 # the caps at which 2 or 3 (4 warps: 4 or 5) programs' threads fit an SM's 64K registers. Measured on MXFP4 GPT-OSS
 # (docs/performance.md, MXFP4 experts): lower caps fail in ptxas or spill on 128-row tiles.
 REGISTER_CAPS = {4: (128, 96), 8: (128, 80, 64)}

@@ -365,8 +365,8 @@ def test_tune_decode_path(tmp_path, monkeypatch):
 @needs_interpreter
 def test_tune_fp8_path(tmp_path, monkeypatch):
     """The w8a8 path on a tiny Mixtral (H = 64, F = 32: one 128-wide scale block, partly filled) at T = 1 and 40: every
-    candidate passed the w8a8 check, and the "fp8" buckets (split at each measured rows per expert) give each T its
-    winner through tiles.select_fp8_tiles, the bf16 buckets untouched."""
+    candidate passed the w8a8 check (register caps tried on both GEMMs too), and the "fp8" buckets (split at each
+    measured rows per expert) give each T its winner through tiles.select_fp8_tiles, the bf16 buckets untouched."""
     package = harness.load_kernel()
     kernel = RecordingKernel(package)
     table, units = _tune(tmp_path, "fp8", "mixtral-8x7b", "1,40", CostTimer(kernel), kernel, shapes=SMALL)
@@ -376,6 +376,7 @@ def test_tune_fp8_path(tmp_path, monkeypatch):
     _read_back(monkeypatch, package.tiles, table)
     for unit in units:
         assert unit["changed"] and all(t["rel_err"] <= W8A8_TOLERANCE for t in unit["tried"]), unit["tried"]
+        assert {t["stage"] for t in unit["tried"]} >= {"gate_up maxnreg", "down maxnreg"}, unit["tried"]
         (t,) = unit["tokens"]
         chosen = package.tiles.select_fp8_tiles(torch.device(DEVICE), t, shape.top_k, shape.num_experts, shape.ffn,
                                                 shape.hidden)
