@@ -675,6 +675,10 @@ KNOWN = (
     Known("MXFP4 weights: the e2m1 values and e8m0 scales of each weight tile are decoded in registers; the tiles "
           "are the tables' (the H200's `mxfp4` section tuned with them, docs/performance.md, \"MXFP4 experts\").",
           ALL_TARGETS, where=(("WEIGHT_SCALE", 5),)),
+    Known("MXFP4 weights decoded by PTX (bf16 activations) at the tables' 64-row tiles under their register cap of 64 "
+          "(4 programs an SM): 96-192 bytes; capped, they measured 1.38x faster than uncapped on an H100 with Triton "
+          "3.6 (docs/performance.md, \"MXFP4 experts\").", ALL_TARGETS, ("_grouped_gemm_kernel",),
+          where=(("WEIGHT_SCALE", 7), ("BLOCK_M", 64))),
     Known("H200, the forward of a training step (STORE_PREACT: the pre-activations stored for the backward) at the "
           "table's 64- and 128-row tiles: 16-128 bytes; the tiles were measured for inference, the training step was "
           "measured with them (docs/performance.md, \"Training\").", ("h200",),
