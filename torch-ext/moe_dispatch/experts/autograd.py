@@ -164,9 +164,14 @@ def _setup_context(ctx, inputs, output):
                           *(a[name] for name in _SAVED_SCALES))
     ctx.call = ExpertsCall(*inputs[_FORWARD_SLOTS.index("activation"):])
     ctx.save_preact = a["save_preact"]
+    # The outputs besides `out` (pre-activations, dispatch) get no gradient: autograd would otherwise fill a zero
+    # tensor for each, one [N, 2F] buffer live at the backward's peak (benchmarks/experts_memory.py).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, *_):
+    if grad_out is None:  # `out` took no part in the loss (only the other outputs did: none of them has a gradient)
+        return (None,) * len(_FORWARD_SLOTS)
     if not ctx.save_preact:
         raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
                            "cannot backward through it")
