@@ -11,8 +11,9 @@ but the attention projections (q/k/v/o, weights and biases) and the routers: a s
 MXFP4 checkpoint. With PEFT one would wrap the same modules instead (LoRA adapters on `q_proj`, `k_proj`, `v_proj`,
 `o_proj`, the routers in `modules_to_save`); the experts see the same thing either way: gradients flow through them to
 the hidden states and the routing weights, and none reaches their parameters. The loop here is plain PyTorch;
-transformers' `Trainer` takes such a model too (the package's MXFP4 quantizer says it is trainable: its experts are
-frozen, the rest trains).
+transformers' `Trainer` takes such a model once PEFT adapters are attached (it refuses a quantized model without
+them, and asks the quantizer `is_trainable`, which the package's MXFP4 quantizer answers yes: its experts are frozen,
+the rest trains).
 
 Then --steps AdamW steps of next-token cross-entropy on one fixed random batch (--batch sequences of --seq-len
 tokens) in train mode, so the loss has to fall (the model overfits the batch). Per step: the loss, the step time

@@ -339,7 +339,7 @@ def _mxfp4_quantization_classes() -> tuple[type, type]:
 
         @property
         def is_trainable(self) -> bool:
-            return True  # adapters and the non-expert weights train; the MXFP4 experts stay frozen (Mxfp4Experts)
+            return True  # adapters (Trainer wants PEFT ones on a quantized model) train; the experts stay frozen
 
         @property
         def is_compileable(self) -> bool:
