@@ -40,16 +40,13 @@ import time
 
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The generating example beside this one (its folder on the path also when this file is loaded by path) sets up the
+# device (Triton's interpreter without a GPU, before moe_dispatch imports) and holds the tiny widths.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_oss_mxfp4 import ON_GPU, TINY, GiB, synchronize  # noqa: E402
 
 import moe_dispatch as md  # noqa: E402  (torch-ext/ on PYTHONPATH)
 from moe_dispatch.reference import TOLERANCE, relative_error  # noqa: E402
-
-GiB = 2**30
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The gradient check's experts: scale codes 122-125 give weights of standard deviation about 0.1-0.7 (the default 120
 # about 0.02-0.05), so the experts' share of the attention gradient is far above the tolerance.
@@ -81,11 +78,6 @@ def parse_args(argv=None):
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss of the last step is compared with the first's)")
     return args
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(tiny, layers, device, dtype, seed, **changes):

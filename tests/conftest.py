@@ -119,6 +119,23 @@ def device():
     return torch.device(DEVICE)
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the package's `fused_experts` calls from its transformers integration (proof the kernel ran): the
+    number of rows of each call, in order."""
+    import moe_dispatch
+
+    calls = []
+    original = moe_dispatch.transformers_experts.fused_experts
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moe_dispatch.transformers_experts, "fused_experts", counted)
+    return calls
+
+
 # Time is reported, never a verdict: a slow or loaded machine runs the same tests slower, and a run that passes its
 # tests passes. The report lists each test file's summed durations (setup + call + teardown), slowest first, so the
 # files to shrink or split are named where a reader looks: at the end of the output.

@@ -843,28 +843,18 @@ def test_generate_e2e_mxfp4_arguments_and_blocks():
 
 
 @needs_interpreter  # the package's MXFP4 kernels on CPU tensors
-def test_generate_e2e_mxfp4_cpu_smoke(tmp_path, monkeypatch):
+def test_generate_e2e_mxfp4_cpu_smoke(tmp_path, kernel_calls):
     """The MXFP4 mode's smoke run on tiny GPT-OSS-20B: the package's kernel ran, its greedy tokens, prefill next token
     and logits equal transformers' eager loop on the dequantized experts (fp32), transformers' MXFP4 path is skipped in
     every cell with the reason (GPU-only) instead of failing the run, and the JSON / Markdown say so, naming no
     machine path."""
     import generate_e2e as ge
 
-    import moe_dispatch as md
-
-    calls = []
-    fused_experts = md.transformers_experts.fused_experts
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return fused_experts(*args, **kwargs)
-
-    monkeypatch.setattr(md.transformers_experts, "fused_experts", counted)
     local_kernels = os.environ.get("LOCAL_KERNELS")
     out = tmp_path / "out"
     results = ge.main(["--device", "cpu", "--quantize", "mxfp4", "--models", "gpt-oss-20b", "--out", str(out),
                        "--hub-dir", str(tmp_path / "hub")])
-    assert calls, "the package's fused_experts never ran"
+    assert kernel_calls, "the package's fused_experts never ran"
     assert os.environ.get("LOCAL_KERNELS") == local_kernels  # a CPU run loads no peer
     assert (results["package_impl"], results["default_impl"]) == (ge.MXFP4_PACKAGE, ge.MXFP4_PEER)
     record = results["models"]["gpt-oss-20b"]

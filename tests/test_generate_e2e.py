@@ -33,28 +33,12 @@ import pytest
 import torch
 from helpers import needs_interpreter
 
-import moe_dispatch
-
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
 ROOT = Path(__file__).resolve().parents[1]
 # A source folder of the kernels-community/finegrained-fp8 kernel (its build.toml and torch-ext/finegrained_fp8/), what
 # benchmarks/generate_e2e.py --finegrained-fp8 takes: a measuring instrument, not project code, so the repository has
 # none. MOE_DISPATCH_FINEGRAINED_FP8_SOURCE names it; without it, a copy at .peers/hub/finegrained-fp8 of the checkout.
 PEER_SOURCE = Path(os.environ.get("MOE_DISPATCH_FINEGRAINED_FP8_SOURCE") or ROOT / ".peers" / "hub" / "finegrained-fp8")
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts the package's `fused_experts` calls from its transformers integration (proof the kernel ran)."""
-    calls = []
-    original = moe_dispatch.transformers_experts.fused_experts
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(moe_dispatch.transformers_experts, "fused_experts", counted)
-    return calls
 
 
 def test_cpu_defaults():
