@@ -930,10 +930,10 @@ def test_bench_train_frozen_cpu_smoke(tmp_path, capsys, monkeypatch):
     asked = []
     allocate = autograd._allocate_grads
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         *_, needs = args
         asked.append({name for name, need in zip(autograd._GRAD_INPUTS, needs) if need})
-        return allocate(*args)
+        return allocate(*args, **kwargs)
 
     monkeypatch.setattr(autograd, "_allocate_grads", recording)
     results = bt.main(["--frozen", "fp8,mxfp4", "--cpu-smoke", "--out", str(tmp_path)])

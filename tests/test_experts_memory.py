@@ -131,3 +131,15 @@ def test_package_backward_fills_no_zero_gradient_for_its_other_outputs(package_r
         filled = [b for b in record.buffers if b.phase == "backward" and b.allocated_by.startswith("autograd")
                   and "zeros" in b.op]
         assert not filled, [(b.shape, b.dtype, b.op) for b in filled]
+
+
+def test_package_backward_frees_the_activated_rows_before_the_gate_up_gradient(package_records):
+    """The backward writes dW_down (the last reader of the activated rows [T*top_k, F]) before it allocates the
+    gate/up weight's gradient [E, 2F, H], and frees the rows in between: the largest gradient never sits beside them."""
+    for record in package_records:
+        s = record.sizes
+        backward = [b for b in record.buffers if b.phase == "backward"]
+        act = [b for b in backward if b.shape == (s.T * s.top_k, s.F)]
+        grad_gate_up = [b for b in backward if b.shape == (s.E, 2 * s.F, s.H)]
+        assert len(act) == 1 and len(grad_gate_up) == 1, [(b.shape, b.op) for b in backward]
+        assert act[0].freed is not None and act[0].freed < grad_gate_up[0].born, (act[0], grad_gate_up[0])

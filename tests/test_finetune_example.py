@@ -65,7 +65,8 @@ def test_gradient_check_catches_a_reference_off_by_1e_3(monkeypatch):
         dequantize(model, dtype)
         with torch.no_grad():
             weight = model.model.layers[0].mlp.experts.down_proj
-            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * weight.std() * 1e-3)
+            noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))  # CPU generator: same values
+            weight.add_(noise.to(weight.device) * weight.std() * 1e-3)                  # on every device
         return model
 
     monkeypatch.setattr(experts_module, "_dequantize_gpt_oss_experts", dequantize_off)

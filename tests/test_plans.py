@@ -348,3 +348,27 @@ def test_fused_moe_forward_replays():
         assert_close(weights, ref_weights, torch.float32, "top_k_weights")
         assert_close(out, ref_out, torch.float32)
     assert len(_FUSED_MOE_PLANS) == 1
+
+
+def test_replayed_backward_allocates_by_lifetime():
+    """The backward's plans allocate each buffer at its first use and drop it after its last (host/replay.py): the
+    activated rows [N, F] are dropped before the step that first writes dW_gate_up, which is allocated there and
+    kept (an output). The replayed gradients are the full path's, bit for bit."""
+    T, E, top_k, H, F = 37, 6, 2, 32, 24
+    grads = []
+    for _ in range(2):  # recorded, then replayed
+        x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)
+        leaves = [t.requires_grad_(True) for t in (x, w_gate_up, w_down, weights)]
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+        grads.append(torch.autograd.grad(out, leaves, torch.ones(T, H, device=DEVICE)))
+    assert BACKWARD_PLANS.replays >= 1, BACKWARD_PLANS.last_reason
+    for full, replayed in zip(*grads):
+        assert torch.equal(full, replayed)
+    (plan,) = [p for p in BACKWARD_PLANS._plans.values() if p is not None]
+    assert plan.scratch_bytes == 0 and plan.allocate_before is not None
+    shapes = [spec[0] for spec in plan.buffers]
+    act, grad_gate_up = shapes.index((T * top_k, F)), shapes.index((E, 2 * F, H))
+    dropped = [i for i, drops in enumerate(plan.drop_after) if act in drops]
+    allocated = [i for i, new in enumerate(plan.allocate_before) if grad_gate_up in new]
+    assert len(dropped) == 1 and len(allocated) == 1 and dropped[0] < allocated[0], (dropped, allocated)
+    assert not any(grad_gate_up in drops for drops in plan.drop_after)

@@ -281,7 +281,9 @@ def _mxfp4_n_tile(tile):
 @dataclasses.dataclass(frozen=True)
 class ExpertsGrads:
     """Output buffers of one backward; None where no gradient was asked for. Weight-shaped buffers have the layout
-    of the weights the forward read (`transposed`)."""
+    of the weights the forward read (`transposed`). A field may also hold a function of no arguments that allocates
+    the buffer (`deferred`): `experts_backward` then calls it right before the first launch that writes it, so the
+    weight gradients are allocated after the activated rows are freed, and returns the buffers it filled."""
 
     x: torch.Tensor | None  # [T, H]
     w_gate_up: torch.Tensor | None  # [E, 2F, H] (or [E, H, 2F]); with separate up weights the gate's [E, F, H]
@@ -290,6 +292,19 @@ class ExpertsGrads:
     topk_weights: torch.Tensor | None  # [T, top_k]
     gate_up_bias: torch.Tensor | None  # [E, 2F], in the order of the gate/up weight's 2F rows
     down_bias: torch.Tensor | None  # [E, H]
+
+
+def deferred(like: torch.Tensor):
+    """An `ExpertsGrads` field allocating a buffer like `like` (shape, dtype, device) when the backward first needs it."""
+    return lambda: torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _materialized(grads: ExpertsGrads, name: str) -> ExpertsGrads:
+    """`grads` with field `name` allocated (a no-op for a tensor or None)."""
+    value = getattr(grads, name)
+    if value is None or isinstance(value, torch.Tensor):
+        return grads
+    return dataclasses.replace(grads, **{name: value()})
 
 
 def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
@@ -305,7 +320,11 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     configurations (tuning, tests); by default planner.plan_backward chooses. `reuse_preact`: d_preact is written
     over `preact` (same shape and dtype; each program of `_down_grad_kernel` reads the elements of its own tile
     before it writes them, and nothing reads preact after that kernel), which saves one [N, 2F] buffer; the caller
-    must never read `preact` again."""
+    must never read `preact` again. Returns `grads` with every deferred buffer allocated.
+
+    Launch order, for the peak memory: the pre-activations' gradient and the activated rows, the routing weights'
+    gradient, dW_down (the last reader of the activated rows, which are freed after it), dX, then dW_gate_up: the
+    largest weight gradient is allocated while neither the activated rows [N, F] nor the partial sums are live."""
     separate = w_up is not None
     paired = interleaved and not separate
     T, H = x.shape
@@ -369,6 +388,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
         if needs_act:
             act.zero_()
 
+    grads = _materialized(grads, "topk_weights")
     if grads.topk_weights is not None and N:
         launch(_topk_weights_grad_kernel, (cdiv(N, 64),),
             partial, n_partials if F and info.max_tiles else 0, scatter_idx,
@@ -380,10 +400,28 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
             TOP_K=top_k, HAS_DOWN_BIAS=down_bias is not None, BLOCK_A=64, BLOCK_H=64,
         )
 
+    partial = None  # read by the routing weights' gradient alone
+
     needs_w_gate_up = grads.w_gate_up is not None or grads.w_up is not None
-    rows = None  # [N, H]: dX's rows, then the sorted operand copies of the weight gradients
+    rows = None  # [N, H]: the sorted copy of w * dout, then dX's rows, then the sorted copy of x
     if grads.x is not None or needs_w_gate_up or grads.w_down is not None:
         rows = torch.empty((N, H), device=device, dtype=x.dtype)
+    layout = Layout(PLAIN.value, top_k)
+
+    # dW_down[e] = (w * dout[token])^T act over the expert's rows, in the weight's own layout; act is freed after it
+    grads = _materialized(_materialized(grads, "w_down"), "down_bias")
+    if grads.w_down is not None:
+        dout_rows = launch_gather(grad_out.contiguous(), info.gather_idx, topk_weights.contiguous(), None, None,
+                                  layout, N, out=rows)  # w * dout[token] in sorted order
+        _weight_grad(dout_rows, act, grads.w_down.transpose(1, 2) if transposed else grads.w_down, grads.down_bias,
+                     info, topk_weights, weight_tile)
+    elif grads.down_bias is not None:
+        _weight_grad(grad_out, grad_out[:, :1], torch.empty((E, H, 1), device=device, dtype=torch.float32),
+                     grads.down_bias, info, topk_weights, weight_tile, gather_left=True, gather_right=True,
+                     weight_bias=True, bias_only=True)
+    act = None
+
+    grads = _materialized(grads, "x")
     if grads.x is not None:
         tile = tiles.down
         if N and H and info.max_tiles:
@@ -411,7 +449,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     # 2F columns (their order is the rows'); transposed [E, H, 2F] is its transpose. Separate up weights: one GEMM per
     # half. A bias gradient without its weight's runs the pointer kernel's BIAS_ONLY loop (out a one-column stand-in,
     # left unwritten).
-    layout = Layout(PLAIN.value, top_k)
+    grads = _materialized(_materialized(_materialized(grads, "w_gate_up"), "w_up"), "gate_up_bias")
     if needs_w_gate_up:
         x_rows = launch_gather(x.contiguous(), info.gather_idx, None, None, None, layout, N, out=rows)
     d_bias = grads.gate_up_bias
@@ -431,12 +469,4 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
                                         x[:, :1], True)
         _weight_grad(left, right, out, d_b, info, topk_weights, weight_tile, gather_right=gather_right,
                      bias_only=d_w is None)
-    if grads.w_down is not None:
-        dout_rows = launch_gather(grad_out.contiguous(), info.gather_idx, topk_weights.contiguous(), None, None,
-                                  layout, N, out=rows)  # w * dout[token] in sorted order
-        _weight_grad(dout_rows, act, grads.w_down.transpose(1, 2) if transposed else grads.w_down, grads.down_bias,
-                     info, topk_weights, weight_tile)
-    elif grads.down_bias is not None:
-        _weight_grad(grad_out, grad_out[:, :1], torch.empty((E, H, 1), device=device, dtype=torch.float32),
-                     grads.down_bias, info, topk_weights, weight_tile, gather_left=True, gather_right=True,
-                     weight_bias=True, bias_only=True)
+    return grads

@@ -9,7 +9,7 @@ dequantized weights. The w8a8 path is forward only: every input is detached (war
 
 import torch
 
-from ..backward.experts import ExpertsGrads, experts_backward
+from ..backward.experts import ExpertsGrads, deferred, experts_backward
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, WeightScale, infer_scheme, is_fp8, kernel_scale
 from ..formats.mxfp4 import MXFP4_GROUP, is_mxfp4
 from ..formats.scale_codes import WeightScaleCode
@@ -20,7 +20,8 @@ from ..host.replay import PlanCache
 from .call import ExpertsCall
 from .operator import fused_experts_op
 
-BACKWARD_PLANS = PlanCache("fused_experts backward")
+# by lifetime: the replayed backward frees its activated rows before it allocates dW_gate_up, as the full path does
+BACKWARD_PLANS = PlanCache("fused_experts backward", by_lifetime=True)
 
 # The forward operator's inputs that can have a gradient, by their position in its schema.
 _GRAD_INPUTS = ("x", "w_gate_up", "w_up", "w_down", "topk_weights", "gate_up_bias", "down_bias")
@@ -106,14 +107,14 @@ def _launch_grads(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, 
     gate_up_scale, down_scale = _backward_weight_scales(w_gate_up, w_down, kernel_scale(w_gate_up_scale),
                                                         kernel_scale(w_down_scale), fp8_block_shape, transposed)
     needs = _needed(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
-    grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs)
-    experts_backward(
+    grads = _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs, defer=True)
+    filled = experts_backward(
         grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weights, down_bias, preact, expert_offsets,
         gather_idx, scatter_idx,
         ExpertsGrads(*(g if need else None for g, need in zip(grads, needs))),
         activation=activation, transposed=transposed, interleaved=interleaved, alpha=alpha, limit=limit,
         reuse_preact=reuse_preact, gate_up_scale=gate_up_scale, down_scale=down_scale)
-    return grads
+    return tuple(getattr(filled, name) if need else g for name, g, need in zip(_GRAD_INPUTS, grads, needs))
 
 
 def _backward_weight_scales(w_gate_up, w_down, w_gate_up_scale, w_down_scale, block_shape, transposed):
@@ -143,11 +144,13 @@ def _needed(*inputs_and_needs):
     return [bool(need) and t is not None for t, need in zip(inputs, needs)]
 
 
-def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs):
+def _allocate_grads(x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias, needs, defer=False):
+    """A buffer like each input whose gradient is needed (`defer`: its allocation, backward.experts.deferred, made
+    when the backward first writes it), an empty [0] tensor for the others: the backward operator's outputs."""
     like = (x, w_gate_up, w_up, w_down, topk_weights, gate_up_bias, down_bias)
     needs = _needed(*like, needs)
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else x.new_empty((0,))
-                 for t, need in zip(like, needs))
+    return tuple((deferred(t) if defer else torch.empty(t.shape, dtype=t.dtype, device=t.device)) if need
+                 else x.new_empty((0,)) for t, need in zip(like, needs))
 
 
 @fused_experts_backward_op.register_fake

@@ -13,6 +13,12 @@ signature while recording what it does, and from then on replays the record (a `
     replay   allocate the same buffers, then start the same compiled kernels with the new pointers through Triton's
              compiled launcher (`CompiledKernel.run`), on the current stream
 
+Buffers are allocated in one of two ways (`PlanCache(..., by_lifetime=)`): at the call's start, the outputs each on
+its own and every other buffer carved from one scratch allocation (one allocator call: the eager inference path,
+where host time counts); or by lifetime, each buffer right before the first step that uses it and dropped after the
+last (outputs kept), as the full path did (the backward, whose peak memory counts: its activated rows are freed
+before its largest output is allocated). A dropped buffer goes back to the caching allocator in stream order.
+
 A record is kept only when the path did nothing but allocate, take views and launch Triton kernels: a torch op that
 computes (`.zero_()`, a cast, a host read of a device value), a tensor from outside the call, an ambiguous alias or
 a kernel started outside `launch` (announced with `unrecorded_launch`: the Gluon GEMM) leaves a `None` plan, and
@@ -292,9 +298,37 @@ class Plan:
     outputs: tuple
     single: bool  # the recorded function returned one tensor, not a tuple
     fast: bool  # every launch has a compiled handle
+    # by lifetime: per step, the buffers to allocate before it and those to drop after it (None: all at the start)
+    allocate_before: tuple | None = None
+    drop_after: tuple | None = None
 
 
-def _make_plan(recorder, inputs, result):
+def _lifetimes(steps, outputs, num_buffers):
+    """(allocate_before, drop_after): per step, the buffers it uses first and those it uses last (a buffer no step
+    uses: before the first step); outputs are never dropped."""
+    first, last = {}, {}
+    for index, step in enumerate(steps):
+        if type(step) is _Fill:
+            used = (step.buffer,)
+        else:
+            used = tuple(source.index for _, source in step.fills if type(source) is _Source
+                         and source.kind in (_BUFFER, _BUFFER_AT))
+            used += tuple(source.base.index for _, source in step.fills if type(source) is _Descriptor
+                          and source.base.kind in (_BUFFER, _BUFFER_AT))
+        for buffer in used:
+            first.setdefault(buffer, index)
+            last[buffer] = index
+    kept = {source.index for source in outputs if source.kind in (_BUFFER, _BUFFER_AT)}
+    allocate_before = [[] for _ in steps] or [[]]
+    drop_after = [[] for _ in steps] or [[]]
+    for buffer in range(num_buffers):
+        allocate_before[first.get(buffer, 0)].append(buffer)
+        if buffer not in kept and buffer in last:
+            drop_after[last[buffer]].append(buffer)
+    return tuple(map(tuple, allocate_before)), tuple(map(tuple, drop_after))
+
+
+def _make_plan(recorder, inputs, result, by_lifetime=False):
     if recorder.foreign_op is not None:
         raise NotReplayable(f"the call runs torch op {recorder.foreign_op}")
     if recorder.unrecorded is not None:
@@ -327,6 +361,10 @@ def _make_plan(recorder, inputs, result):
     fast = _knobs is not None and bool(launches) and all(step.launcher is not None for step in launches)
     separate = {source.index for source in outputs if source.kind in (_BUFFER, _BUFFER_AT)}
     separate |= {step.buffer for step in steps if type(step) is _Fill}
+    allocate_before = drop_after = None
+    if by_lifetime:
+        separate = set(range(len(resolver.specs)))
+        allocate_before, drop_after = _lifetimes(steps, outputs, len(resolver.specs))
     buffers, scratch_bytes = [], 0
     for index, (shape, stride, dtype, device) in enumerate(resolver.specs):
         if index in separate:
@@ -336,7 +374,7 @@ def _make_plan(recorder, inputs, result):
         size = (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * dtype.itemsize if all(shape) else 0
         scratch_bytes += -(-size // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
     device = inputs[0].device
-    return Plan(tuple(buffers), steps, scratch_bytes, device, outputs, single, fast)
+    return Plan(tuple(buffers), steps, scratch_bytes, device, outputs, single, fast, allocate_before, drop_after)
 
 
 def _tensor(source, inputs, buffers):
@@ -385,14 +423,17 @@ def _no_launch_hooks() -> bool:
 def _buffers(plan, fast):
     """The call's buffers: outputs and filled buffers as tensors of their own, the others carved from one scratch
     allocation (addresses on the compiled path, typed views on the re-launch path). The scratch tensor is returned
-    too: it must outlive the launches' enqueueing (the caching allocator then reuses it in stream order)."""
+    too: it must outlive the launches' enqueueing (the caching allocator then reuses it in stream order). A plan by
+    lifetime gets None for every buffer: `_replay` allocates them step by step."""
+    if plan.allocate_before is not None:
+        return [None] * len(plan.buffers), None
     scratch = (torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=plan.device) if plan.scratch_bytes
                else None)
     base = scratch.data_ptr() if fast and scratch is not None else 0
     buffers = []
     for shape, stride, dtype, device, offset in plan.buffers:
         if offset is None:
-            buffers.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+            buffers.append(_new_buffer(shape, stride, dtype, device))
         elif fast:
             buffers.append(base + offset)
         else:
@@ -403,12 +444,26 @@ def _buffers(plan, fast):
     return buffers, scratch
 
 
+def _new_buffer(shape, stride, dtype, device):
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
 def _replay(plan, inputs):
     fast = plan.fast and _no_launch_hooks()
     buffers, scratch = _buffers(plan, fast)
     if fast:
         stream = _current_stream(plan.device)
-    for step in plan.steps:
+    lifetime = plan.allocate_before is not None
+    if lifetime and not plan.steps:
+        for buffer in plan.allocate_before[0]:
+            buffers[buffer] = _new_buffer(*plan.buffers[buffer][:4])
+    for index, step in enumerate(plan.steps):
+        if lifetime:
+            if index:
+                for buffer in plan.drop_after[index - 1]:
+                    buffers[buffer] = None  # back to the caching allocator, in stream order
+            for buffer in plan.allocate_before[index]:
+                buffers[buffer] = _new_buffer(*plan.buffers[buffer][:4])
         if type(step) is _Fill:
             buffers[step.buffer].fill_(step.value)
             continue
@@ -497,8 +552,9 @@ def _types(options):
 class PlanCache:
     """Plans of one entry point, keyed by (options and their types, tensor signature, global state)."""
 
-    def __init__(self, name):
+    def __init__(self, name, by_lifetime=False):
         self.name = name
+        self.by_lifetime = by_lifetime  # allocate each buffer at its first use, drop it after its last (module doc)
         self._plans = {}
         self.last_reason = None  # why the last new signature was not recorded (tests, benchmarks)
         self.replays = 0  # calls served from a plan
@@ -538,7 +594,7 @@ class PlanCache:
         finally:
             _state.recorder = None
         try:
-            plan = _make_plan(recorder, tensors, result)
+            plan = _make_plan(recorder, tensors, result, self.by_lifetime)
             self.last_reason = None
         except NotReplayable as reason:
             plan, self.last_reason = None, str(reason)
