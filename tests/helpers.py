@@ -200,8 +200,7 @@ def gpu_biases(E, H, F, dtype=torch.bfloat16, *, device):
 @pytest.fixture
 def h200_tile_table(monkeypatch):
     """The H200's tile table (configs/NVIDIA_H200.json) on whatever GPU runs the test: for GPU tests whose cases are
-    sized for the tiles that table chooses (an H100, the same SM90 with the same shared memory and SM count, reads
-    configs/default.json otherwise)."""
+    sized for the tiles that table chooses (the H100 reads it anyway, `tiles.TABLE_ALIASES`; other GPUs their own)."""
     from moe_dispatch.host import tiles
 
     monkeypatch.setattr(tiles, "device_key", lambda device: "NVIDIA_H200")

@@ -270,7 +270,8 @@ def test_selected_decode_tiles_fit_shared_memory(name, dtype, fp8, monkeypatch):
 
 @pytest.mark.parametrize("key,expected", [("NVIDIA_H200", "NVIDIA_H200"), ("NVIDIA_A100_SXM4_80GB", "NVIDIA_A100"),
                                           ("AMD_Instinct_MI300X", "AMD_Instinct_MI300X"),
-                                          ("NVIDIA_H200_NVL", "NVIDIA_H200"), ("Some_New_GPU", "default")])
+                                          ("NVIDIA_H200_NVL", "NVIDIA_H200"), ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"),
+                                          ("NVIDIA_H100", "NVIDIA_H200"), ("Some_New_GPU", "default")])
 def test_device_names_find_their_table(key, expected):
     assert os.path.basename(tiles.table_path(key)) == f"{expected}.json"
 
