@@ -92,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="with --frozen: plumbing run on the CPU (Triton's interpreter), widths E 4, top_k 2, H 64,\n"
                         "F 32, wall-clock timing, no memory figures")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no new cell after this many seconds (0: no budget); cells not started are listed.\n"
+                        "train.json and train.md are rewritten after every cell, so a run stopped from outside\n"
+                        "keeps what it measured")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.cpu_smoke and args.frozen is None:
@@ -202,39 +206,58 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     results = dict(device=device_name(device), torch=torch.__version__, triton=triton.__version__, P=None, rows=[],
                    frozen=[])
+    args.deadline = time.time() + args.budget_s if args.budget_s else None
     if args.frozen:
         results["frozen_meta"] = frozen_meta(args)
-        results["frozen"] = run_frozen(args, device)
-        table = frozen_markdown(results["frozen"], device)
+        results["frozen"] = cells = []
+        run_frozen(args, device, cells, lambda: save(args, results, frozen_markdown(cells, device)))
+        table = frozen_markdown(cells, device)
     else:
-        results["P"], impls, results["rows"] = run_train(args)
-        table = markdown(results["rows"], impls, results["P"])
+        results["rows"] = rows = []
+        impls = run_train(args, results, lambda impls: save(args, results, markdown(rows, impls, results["P"])))
+        table = markdown(rows, impls, results["P"])
+    save(args, results, table)
+    print(table)
+    return results
+
+
+def save(args, results, table):
+    """train.json and train.md as they stand (after every cell)."""
     with open(os.path.join(args.out, "train.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "train.md"), "w") as f:
         f.write(table)
-    print(table)
-    return results
+
+
+def out_of_budget(args) -> bool:
+    return args.deadline is not None and time.time() > args.deadline
 
 
 # The bf16 training table: every weight trained, against grouped_mm and Liger.
 
 
-def run_train(args):
-    """(P, the implementations run, the rows) of the bf16 training table."""
-    P = matmul_rate()
+def run_train(args, results, saved):
+    """The bf16 training table into results["P"] and results["rows"] (`saved(impls)` after every row); returns the
+    implementations run."""
+    results["P"] = P = matmul_rate()
     impls = ["moe_dispatch", "grouped_mm"] + (["liger"] if liger_function() is not None else [])
     print(f"bf16 matmul P = {P / 1e12:.0f} TFLOP/s; implementations: {impls}", flush=True)
-    rows = []
+    rows = results["rows"]
     for name in args.models:
+        if out_of_budget(args):
+            rows += [dict(model=name, T=T, P=P, skipped=f"budget {args.budget_s:g} s") for T in args.tokens]
+            continue
         shape = MODEL_SHAPES[name]
         E, k, H, F = shape.num_experts, shape.top_k, shape.hidden, shape.ffn
         torch.manual_seed(args.seed)
         w_gate_up = (torch.randn(E, 2 * F, H, device="cuda", dtype=DTYPE) * 0.02).requires_grad_()
         w_down = (torch.randn(E, H, F, device="cuda", dtype=DTYPE) * 0.02).requires_grad_()
         for T in args.tokens:
+            if out_of_budget(args):
+                rows.append(dict(model=name, T=T, P=P, skipped=f"budget {args.budget_s:g} s"))
+                continue
             x = torch.randn(T, H, device="cuda", dtype=DTYPE, requires_grad=True)
-            ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+            ids = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :k]  # k distinct experts per token, uniform
             weights = torch.rand(T, k, device="cuda", dtype=torch.float32).requires_grad_()
             grad_out = torch.randn(T, H, device="cuda", dtype=DTYPE)
             flops = 3 * 2 * T * k * 3 * H * F
@@ -261,14 +284,17 @@ def run_train(args):
                                                     grads["moe_dispatch"], grads["grouped_mm"])}
             rows.append(row)
             print(format_row(row, impls), flush=True)
+            saved(impls)
             del x, ids, weights, grad_out, grads
             torch.cuda.empty_cache()
         del w_gate_up, w_down
         torch.cuda.empty_cache()
-    return P, impls, rows
+    return impls
 
 
 def format_row(row, impls):
+    if "skipped" in row:
+        return f"{row['model']} T={row['T']}: not started ({row['skipped']})"
     cells = []
     for impl in impls:
         r = row[impl]
@@ -282,6 +308,10 @@ def markdown(rows, impls, P):
             + " | ours / 0.8 P | max grad diff |")
     lines = [f"bf16 matmul P = {P / 1e12:.0f} TFLOP/s", "", head, "|" + "---|" * (len(impls) + 4)]
     for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['model']} | {row['T']} | " + " | ".join(["not started"] * len(impls))
+                         + f" | - | {row['skipped']} |")
+            continue
         cells = []
         for impl in impls:
             r = row[impl]
@@ -374,10 +404,13 @@ def measure(fn, args, device):
     return dict(ms=ms, peak_gib=peak_gib, wall_s=time.time() - started), grads
 
 
-def run_frozen(args, device):
-    """The frozen cells of every (format, model) of args.frozen_runs at every T."""
-    cells = []
+def run_frozen(args, device, cells, saved):
+    """The frozen cells of every (format, model) of args.frozen_runs at every T, appended to `cells` (`saved()` after
+    each)."""
     for index, (fmt, name) in enumerate(args.frozen_runs):
+        if out_of_budget(args):
+            cells += [dict(format=fmt, model=name, T=T, skipped=f"budget {args.budget_s:g} s") for T in args.tokens]
+            continue
         shape = frozen_shape(name, args.cpu_smoke)
         try:
             experts = make_frozen_experts(fmt, shape, device, args.seed + 1000 * index)
@@ -387,12 +420,15 @@ def run_frozen(args, device):
             harness.free_memory(device)
             continue
         for T in args.tokens:
+            if out_of_budget(args):
+                cells.append(dict(format=fmt, model=name, T=T, skipped=f"budget {args.budget_s:g} s"))
+                continue
             cell = frozen_cell(args, device, experts, shape, T)
             cells.append(cell)
             print(format_frozen(cell), flush=True)
+            saved()
         del experts
         harness.free_memory(device)
-    return cells
 
 
 def frozen_cell(args, device, experts, shape, T):
@@ -455,8 +491,8 @@ def frozen_markdown(cells, device):
     for c in cells:
         q, b, diff = c.get("quantized", {}), c.get("bf16", {}), c.get("grad_rel_diff", {})
         with_grad = c.get("weights_with_grad")
-        check = ("weights got grads" if with_grad else "error" if "grad_ok" not in c else
-                 "ok" if c["grad_ok"] else "FAIL")
+        check = ("not started: " + c["skipped"] if "skipped" in c else "weights got grads" if with_grad else
+                 "error" if "grad_ok" not in c else "ok" if c["grad_ok"] else "FAIL")
         values = (harness.fmt(q.get("ms"), ".2f", "error"), harness.fmt(b.get("ms"), ".2f", "error"),
                   harness.fmt(c.get("quantized_over_bf16"), ".2f"), harness.fmt(q.get("peak_gib"), ".2f"),
                   harness.fmt(b.get("peak_gib"), ".2f"), harness.fmt(diff.get("x"), ".1e"),

@@ -912,6 +912,37 @@ def test_bench_train_frozen_arguments():
 
 
 @needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
+def test_bench_train_saves_every_cell_and_keeps_its_budget(tmp_path, capsys, monkeypatch):
+    """train.json holds every cell measured before the next one starts (a run stopped from outside keeps them), and
+    past --budget-s no cell starts: the rest are listed as not started, in the JSON and the table."""
+    import functools
+
+    import bench_train as bt
+
+    monkeypatch.setattr(harness, "WallTimer", functools.partial(harness.WallTimer, repeats=1))
+    measure = bt.frozen_cell
+    saved_before = []
+
+    def measured_then_out_of_time(args, *rest):
+        saved_before.append(json.loads((tmp_path / "train.json").read_text())["frozen"]
+                            if (tmp_path / "train.json").exists() else None)
+        cell = measure(args, *rest)
+        args.deadline = 0.0  # the budget runs out during the first cell
+        return cell
+
+    monkeypatch.setattr(bt, "frozen_cell", measured_then_out_of_time)
+    results = bt.main(["--frozen", "fp8", "--cpu-smoke", "--budget-s", "3600", "--out", str(tmp_path)])
+    cells = results["frozen"]
+    assert saved_before == [None] and "skipped" not in cells[0] and cells[0]["grad_ok"]
+    assert len(cells) == len(bt.FROZEN_MODELS["fp8"]) * len(bt.SMOKE_TOKENS) > 1
+    assert all(c["skipped"] == "budget 3600 s" for c in cells[1:]), cells[1:]
+    assert json.loads((tmp_path / "train.json").read_text())["frozen"] == cells
+    table = (tmp_path / "train.md").read_text()
+    assert table.count("| ok |") == 1 and table.count("not started: budget 3600 s") == len(cells) - 1
+    capsys.readouterr()
+
+
+@needs_interpreter  # --cpu-smoke runs the kernels on CPU tensors
 def test_bench_train_frozen_cpu_smoke(tmp_path, capsys, monkeypatch):
     """--frozen fp8,mxfp4 --cpu-smoke: every default (format, model) cell ran both steps (frozen quantized weights and
     their bf16 values), the quantized step's d x and d topk_weights agree with the bf16 step's within the bf16
