@@ -310,9 +310,11 @@ def problems(target: CompileTarget, quick=False):
       float8         where the target loads its float8 type (e4m3fn on NVIDIA from SM89, e4m3fnuz on AMD): the w8a8
                      path (NVIDIA from SM89) at every "fp8" bucket with block scales; the dequant path at the generic
                      bf16 buckets and at every fp8 decode bucket with block scales; channel and tensor scales at the
-                     generic buckets of each
+                     generic buckets of each; the frozen experts' backward (gradients for x and the routing weights)
+                     with block scales at the generic buckets' ends
       GPT-OSS        MXFP4 weights and the transposed float layout (interleaved, biases, swiglu_oai) at every bucket
-                     of the lists GPT-OSS-120B reads, general and decode; the backward of the float layout
+                     of the lists GPT-OSS-120B reads, general and decode; the backward of the float layout and of
+                     the frozen MXFP4 experts
       the rest       the router, the v1 functions on sorted rows, binned routing, the expert-parallel plan
 
     Generic lists are checked at `_models_for`'s models. `quick` (the CI test): the generic lists alone (all of a
@@ -392,6 +394,11 @@ def _fp8_problems(table, fp8_dtype, w8a8, quick):
                         out.append(Problem(f"{compute} {scheme}", model.name, _where(kind, index, key, T),
                                            _experts_call(model, T, torch.bfloat16, weights="fp8", scheme=scheme,
                                                          fp8_dtype=fp8_dtype, fp8_compute=compute)))
+                if kind == "" and key is None:  # frozen float8 experts in training: the backward's dequant GEMMs
+                    for T, index in _ends(cells, quick, last=quick):
+                        out.append(Problem("frozen fp8 backward block", model.name, _where(kind, index, key, T),
+                                           _experts_call(model, T, torch.bfloat16, weights="fp8", scheme="block",
+                                                         fp8_dtype=fp8_dtype, fp8_compute="dequant", grad=True)))
     return out
 
 
@@ -419,6 +426,8 @@ def _gpt_oss_problems(table, quick):
     for T, why in general[-1:] if quick else general:
         out.append(Problem("gpt-oss layout backward bf16", model.name, f"{why}, T={T}",
                            _experts_call(model, T, torch.bfloat16, gpt_oss=True, grad=True)))
+        out.append(Problem("frozen mxfp4 backward bf16", model.name, f"{why}, T={T}",
+                           _experts_call(model, T, torch.bfloat16, weights="mxfp4", gpt_oss=True, grad=True)))
     return out
 
 

@@ -273,6 +273,18 @@ def _topk_weights_grad_kernel(
              tl.where(b_kept, b_acc, 0.0).to(out_ptr.dtype.element_ty), mask=mask_a)
 
 
+# The dX GEMM on quantized (frozen) weights decodes each [BLOCK_K, BLOCK_N] weight tile in registers before its dot:
+# at the bf16 dX tile's 256 columns (8 warps) that spills on sm_90 (block FP8 8 bytes, MXFP4 296 bytes a thread; the
+# compile report), at 128 it does not (171 and 203 registers). Chosen by that check, not timed: the quantized
+# backward's tiles are not tuned (docs/performance.md, "Frozen quantized experts").
+DEQUANT_DX_MAX_BLOCK_N = 128
+
+
+def _dequant_dx_tile(tile):
+    """The dX GEMM's tile for quantized weights: BLOCK_N at most DEQUANT_DX_MAX_BLOCK_N."""
+    return dataclasses.replace(tile, block_n=min(tile.block_n, DEQUANT_DX_MAX_BLOCK_N))
+
+
 def _mxfp4_n_tile(tile):
     """A GEMM tile whose columns cover whole MXFP4 scale groups (BLOCK_N >= 32; tiles' BLOCK_N are powers of two)."""
     return dataclasses.replace(tile, block_n=max(tile.block_n, MXFP4_GROUP))
@@ -343,6 +355,8 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
     if WeightScaleCode.MXFP4_N in (gate_up_ws.code, down_ws.code):
         tiles = dataclasses.replace(tiles, gate_up=_mxfp4_n_tile(tiles.gate_up), down=_mxfp4_n_tile(tiles.down))
+    if gate_up_ws.code != WeightScaleCode.NONE:
+        tiles = dataclasses.replace(tiles, down=_dequant_dx_tile(tiles.down))
     info = dataclasses.replace(segment_dispatch(expert_offsets, N, E, tiles.block_m, gather_idx=gather_idx,
                                                 top_k=top_k), scatter_idx=scatter_idx)
     device = x.device
