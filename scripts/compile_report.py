@@ -678,6 +678,12 @@ class Known:
 
 ALL_TARGETS = tuple(TARGETS)
 KNOWN = (
+    Known("The backward of frozen quantized experts (block FP8, MXFP4; gradients for x and the routing weights) at "
+          "the tables' forward tiles, which it borrows: its dX and dA GEMMs decode each weight tile in registers "
+          "before the dot, 8-520 bytes at some buckets. Its tiles are not tuned (measured 1.37-1.93x the bf16 "
+          "backward's time on an H100; docs/performance.md, \"Frozen quantized experts\"); the dX GEMM's BLOCK_N is "
+          "capped at 128 on quantized weights, which removed the largest spills.", ALL_TARGETS,
+          ("_gate_up_grad_kernel", "_down_grad_kernel"), where=(("WEIGHT_SCALE", (4, 6)),)),
     Known("fp32 operands: the dots run at input_precision \"ieee\", as FMA, whose operand slices and accumulator "
           "live in registers; the tables' tiles are sized for 2-byte operands (fp32 only halves BLOCK_K). fp32 is "
           "the exact path, not a tuned one.", ALL_TARGETS, GEMM_KERNELS, "fp32"),
