@@ -135,15 +135,19 @@ DECODE_TILES = {
              (64, 128, 4, 3, 4), (32, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1), (128, 256, 8, 3, 2),
              (64, 128, 4, 3, 1, True), (64, 128, 4, 3, 2, True), (64, 128, 4, 3, 4, True), (128, 128, 4, 3, 1, True)),
 }
-# --mxfp4: the gate/up kernel's tiles with wider K steps too; the down kernel only as the dot kernel (the GEMV reads
-# no MXFP4), the first one tiles.MXFP4_DOWN_DECODE_TILES' (held while the gate/up tiles are measured).
+# --mxfp4: the gate/up kernel's tiles with wider K steps too, then its GEMV's (DecodeTile.gemv); the down kernel as the
+# dot kernel, the first one tiles.MXFP4_DOWN_DECODE_TILES' (held while the gate/up tiles are measured), then as the
+# GEMV.
 MXFP4_DECODE_TILES = {
     "gate_up": ((32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (16, 512, 4, 3), (32, 512, 4, 3), (32, 128, 4, 4),
                 (64, 128, 4, 4), (32, 256, 8, 3), (64, 512, 8, 2), (128, 256, 8, 3)),
     "down": ((64, 128, 4, 3, 2, True), (128, 128, 4, 3, 1, True), (64, 128, 4, 3, 4, True), (32, 128, 4, 3, 2, True),
              (64, 256, 4, 3, 2, True), (32, 256, 4, 3, 4, True), (128, 256, 8, 3, 1, True), (64, 128, 4, 3, 8, True),
-             (32, 128, 4, 3, 8, True), (128, 128, 4, 3, 2, True)),
+             (32, 128, 4, 3, 8, True), (128, 128, 4, 3, 2, True), (32, 256, 4, 1, 1), (16, 256, 4, 1, 2),
+             (64, 128, 4, 1, 1), (32, 512, 4, 1, 1)),
 }
+MXFP4_DECODE_TILES["gate_up"] += ((16, 256, 4, 1, 1, False, True), (16, 512, 4, 1, 1, False, True),
+                                  (32, 256, 4, 1, 1, False, True), (16, 128, 4, 1, 1, False, True))
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).
 BACKWARD_WEIGHT_TILES = ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
@@ -882,8 +886,10 @@ class DecodePath(TunerPath):
     @staticmethod
     def fits(tile, block_t, smem, gated):
         """The pipeline's shared memory (2-byte elements): x tile plus gate and up tiles, the down dot's intermediate
-        and weight tiles, or the GEMV's weight tile."""
+        and weight tiles, or the GEMVs' weight tiles."""
         rows = block_t + 2 * tile.block_n if gated else tile.block_n + (block_t if tile.dot else 0)
+        if tile.gemv:  # the gate/up GEMV: gate and up rows of the weight, no x tile
+            rows = 2 * tile.block_n
         return tile.num_stages * rows * tile.block_k * 2 <= smem
 
     @classmethod

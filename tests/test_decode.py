@@ -27,7 +27,10 @@ from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 DECODE = DecodeTiles(DecodeTile(16, 16), DecodeTile(16, 16))
 # the down GEMM as one dot per expert hit over all its tokens' rows (DecodeTile.dot)
 DECODE_DOT = DecodeTiles(DecodeTile(16, 16), DecodeTile(16, 16, dot=True))
-DOWN_KERNELS = pytest.mark.parametrize("decode_tiles", [DECODE, DECODE_DOT], ids=["gemv", "dot"])
+# the gate/up GEMM as a GEMV per assignment too (DecodeTile.gemv)
+DECODE_GATE_UP_GEMV = DecodeTiles(DecodeTile(16, 16, gemv=True), DecodeTile(16, 16))
+DOWN_KERNELS = pytest.mark.parametrize("decode_tiles", [DECODE, DECODE_DOT, DECODE_GATE_UP_GEMV],
+                                       ids=["gemv", "dot", "gate-up-gemv"])
 GENERAL = MoeTiles(16, GemmTile(16, 16), GemmTile(16, 16))
 GUARD = 4  # NaN experts on each side of the real ones; sentinel ids below stay within them (-1, E, E + 3)
 
@@ -192,9 +195,14 @@ DOT_CASES = {"ragged-T3-k2", "silu-T16-k4", "one-expert-T5-k4", "all-sentinels",
              "bf16-T5-k4", "int32-column-major-T5-k2"}
 
 
+def _kernels_id(tiles):
+    return "gate-up-gemv" if tiles.gate_up.gemv else "dot" if tiles.down.dot else "gemv"
+
+
 @pytest.mark.parametrize("case,decode_tiles", [
-    *((c, DECODE) for c in CASES), *((c, DECODE_DOT) for c in CASES if c.id in DOT_CASES)],
-    ids=lambda v: v.id if isinstance(v, DecodeCase) else ("dot" if v.down.dot else "gemv"))
+    *((c, DECODE) for c in CASES), *((c, DECODE_DOT) for c in CASES if c.id in DOT_CASES),
+    *((c, DECODE_GATE_UP_GEMV) for c in CASES if c.id in DOT_CASES)],
+    ids=lambda v: v.id if isinstance(v, DecodeCase) else _kernels_id(v))
 def test_decode_path(case, decode_tiles, poison_empty):
     inputs = make_inputs(case)
     out = run(case, inputs, decode_tiles)
@@ -202,8 +210,8 @@ def test_decode_path(case, decode_tiles, poison_empty):
     assert out.dtype == case.dtype and out.shape == (case.T, case.H)
     assert_close(out, ref, case.dtype, exact_zeros=True)
     assert torch.equal(run(case, inputs, decode_tiles), out), "a rerun differs"
-    if decode_tiles is DECODE_DOT:
-        return  # the general path's comparison once, under the GEMV
+    if decode_tiles is not DECODE:
+        return  # the general path's comparison once, under the GEMVs
     general = run(case, inputs, GENERAL)
     assert_close(general, ref, case.dtype, "general path", exact_zeros=True)
     assert_close(out, general, case.dtype, "decode vs general path")

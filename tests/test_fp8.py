@@ -178,6 +178,25 @@ def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch)
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
 
+@pytest.mark.parametrize("scheme,block_shape", DECODE_SCALES, ids=["block", "block-k-side-24", "channel", "tensor"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_fp8_decode_gate_up_gemv(layout, scheme, block_shape, poison_empty):
+    """The gate/up GEMV (DecodeTile.gemv) on float8 weights: block scales step inside one block (a K side of 24: 8
+    columns a step), channel and tensor scales after the loop; every layout against the float64 experts."""
+    _, options, _ = layout
+    options = dict(options)
+    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
+                                             block_shape=block_shape)
+    if options.get("activation") == "swiglu_oai":
+        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
+                       down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
+    x = torch.randn(3, H, device=DEVICE).bfloat16()
+    ids, weights = _ids(3), torch.rand(3, TOP_K, device=DEVICE)
+    tiles = DecodeTiles(dataclasses.replace(DECODE.gate_up, gemv=True), DECODE.down)
+    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=tiles, **scales, **options)
+    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_fp8_decode_path_fp16_dots(layout, poison_empty):
     """From decode.F16_DOTS_FROM_TOKENS tokens the gate/up kernel dots in fp16 (decode.step_dot's choice, not

@@ -19,6 +19,9 @@ from moe_dispatch.host.tiles import DecodeTile, DecodeTiles, GemmTile, MoeTiles
 # Forced tiles, so each path runs whatever the device's table says: the decode path (its down GEMM the dot kernel,
 # split in two along F) and the grouped path; BLOCK_K 32 / 64 against K = 96 leaves a masked tail step.
 DECODE = DecodeTiles(DecodeTile(32, 64), DecodeTile(32, 32, split_k=2, dot=True))
+# the decode path's GEMVs (gate/up per assignment, DecodeTile.gemv; down per assignment, split in two along F): the
+# weight bytes multiplied in registers
+DECODE_GEMV = DecodeTiles(DecodeTile(16, 64, gemv=True), DecodeTile(32, 32, split_k=2))
 GROUPED = MoeTiles(16, GemmTile(32, 64), GemmTile(32, 32))
 
 
@@ -57,6 +60,11 @@ CASES = [
      "GEMM and its second split"),
     ("decode-concatenated", 3, 4, 2, 96, 64, dict(tiles=DECODE),
      "gate rows then up rows (two views, the up scales F rows on), silu; H = 96 a masked K step of gate/up"),
+    ("decode-gemv-gpt-oss", 3, 4, 2, 64, 96, dict(tiles=DECODE_GEMV, activation="swiglu_oai", interleaved=True),
+     "the GEMVs on GPT-OSS's layout: gate and up rows of a tile read as alternate rows; F = 96 a masked K step of the "
+     "down GEMV and its second split"),
+    ("decode-gemv-concatenated", 3, 4, 2, 96, 64, dict(tiles=DECODE_GEMV),
+     "the GEMVs on two views (the up rows and their scales F rows on), silu; H = 96 a masked K step of gate/up"),
     ("grouped-gpt-oss", 37, 5, 3, 64, 96, dict(tiles=GROUPED, activation="swiglu_oai", interleaved=True),
      "the grouped path: dispatch, the pointer GEMMs dequantizing in their loads, combine; prime E, top-3"),
     ("grouped-concatenated", 37, 5, 2, 96, 64, dict(tiles=GROUPED), "the grouped path on concatenated rows"),
@@ -88,7 +96,7 @@ def test_both_block_forms_give_the_same_bits():
     assert torch.equal(_run(x, *flat[:1], flat[1], ids, weights, **biases), first)
 
 
-@pytest.mark.parametrize("tiles", [DECODE, GROUPED], ids=["decode", "grouped"])
+@pytest.mark.parametrize("tiles", [DECODE, DECODE_GEMV, GROUPED], ids=["decode", "decode-gemv", "grouped"])
 def test_non_finite_values_propagate(tiles):
     """A NaN in x makes its token's row NaN and no other; an e8m0 NaN code (0xFF) makes every token routed to that
     expert NaN and no other; inf in x stays non-finite."""
@@ -310,6 +318,20 @@ def test_gpt_oss_width_on_the_gpu(T):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T", [1, 2, 7], ids=lambda T: f"T{T}")
+def test_gpt_oss_width_decode_gemvs_on_the_gpu(T):
+    """The decode GEMVs forced at GPT-OSS-20B's widths (H = F = 2880: a masked tail step of 256 values in both) in bf16
+    (the PTX decode) against float64 on the dequantized weights."""
+    E, H, F, top_k = 32, 2880, 2880, 4
+    x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
+    options = dict(activation="swiglu_oai", interleaved=True)
+    tiles = DecodeTiles(DecodeTile(16, 256, gemv=True), DecodeTile(16, 256, split_k=2))
+    out = _run(x, gate_up, down, ids, weights, tiles=tiles, **options, **biases)
+    ref = _reference(x, gate_up, down, ids, weights, **options, **{k: v.double() for k, v in biases.items()})
+    assert_close(out, ref, torch.bfloat16)
+
+
+@needs_gpu
 @pytest.mark.parametrize("forced", [False, True], ids=["a-first-tiles", "weight-first-tiles"])
 def test_offsets_past_32_bits(forced):
     """T * k * H > 2^31 with MXFP4 weights and bf16 activations (the PTX decode): row offsets into x, the
@@ -332,7 +354,8 @@ def test_offsets_past_32_bits(forced):
 # The PTX decode (gemm/jit.py `e2m1_bf16x2`, bf16 activations on NVIDIA) in both operand orders of mxfp4_tile_dot:
 # 16-row tiles dot the weight first, 128-row tiles (MXFP4_A_LHS_MIN_ROWS) dot A first.
 BF16X2_TILES = {"weight-first": MoeTiles(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4)),
-                "a-first": MoeTiles(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3))}
+                "a-first": MoeTiles(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3)),
+                "decode-gemv": DecodeTiles(DecodeTile(16, 128, gemv=True), DecodeTile(32, 128, split_k=2))}
 
 
 def test_bf16_activations_decode_by_ptx_only_on_nvidia_gpus():
@@ -356,7 +379,8 @@ def test_bf16_decode_matches_float64_and_keeps_nans(tiles):
     """bf16 activations (on an NVIDIA GPU: the PTX decode; elsewhere the fp32 one) against float64 on odd sizes
     (H = 160: a masked K step of 64 and of 128; F = 96), an expert nobody routes to, ragged rows per expert; then a NaN
     in x reaches its token only and a NaN scale code (0xFF) every token routed to that expert only."""
-    E, H, F, T, top_k = 6, 160, 96, 300, 2
+    E, H, F, top_k = 6, 160, 96, 2
+    T = 100 if isinstance(tiles, DecodeTiles) else 300  # the decode path takes at most 256 assignments
     x, gate_up, down, ids, weights, biases = _experts(E, H, F, T=T, top_k=top_k, dtype=torch.bfloat16)
     ids = torch.where(ids == 5, 0, ids)  # expert 5 empty
     ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 5, ids[:, 1])

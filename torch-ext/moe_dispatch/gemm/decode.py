@@ -16,6 +16,11 @@ and round trips through memory than the arithmetic they order. Here the assignme
                           order does not depend on which program arrives last: reruns are bit-identical. One program
                           per assignment rather than per token keeps top_k times more weight loads in flight, which
                           is what a weight-bound GEMV at a few tokens needs to cover the GPU.
+  _decode_gate_up_gemv_kernel
+                          the gate/up kernel where the tile table says `gemv` (DecodeTile.gemv): one program per
+                          (assignment, F tile) whatever the expert, a GEMV over the tile's gate and up rows together
+                          (`rows_gemv`). MXFP4 bytes go from memory to registers 16 at a time and are multiplied there:
+                          no 16-row padded MMA and no trip through shared memory into the MMA operand layout.
   _decode_down_dot_kernel the down kernel where the tile table says `dot` (DecodeTile.dot): one program per (expert
                           hit, K split, H tile), as the gate/up kernel owns experts, whose tl.dot takes the rows of
                           every token that picked the expert. Once tokens share experts the GEMV converts and
@@ -24,6 +29,9 @@ and round trips through memory than the arithmetic they order. Here the assignme
 
 Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and add nothing; their intermediate rows are
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
+
+MXFP4 weights (formats/mxfp4.py) run in every kernel here, decoded in registers after their loads (gemm.jit's
+`mxfp4_weight_tile`).
 
 float8 weights (formats/fp8.py) run here too, dequantized in the loads as gemm/grouped.py's dequant path does (same
 WEIGHT_SCALE codes; the activations are not quantized): at a few tokens the GEMMs are weight-bound, so reading half the
@@ -51,9 +59,9 @@ from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
 from ..host.tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
 from .args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k, weight_strides
-from .jit import (SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_NONE, Activation, StepDot,
-                  add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, paired_bias_and_preact, scale_sums,
-                  scale_values, split_pairs, weight_scale_ptrs)
+from .jit import (MXFP4_GROUP, SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_NONE, Activation,
+                  StepDot, add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, mxfp4_weight_tile,
+                  pair_columns, paired_bias_and_preact, scale_sums, scale_values, split_pairs, weight_scale_ptrs)
 
 COUNTER_BLOCK = tl.constexpr(1024)  # counters the gate/up kernel zeroes per store
 # From this many tokens the gate/up kernel dots float8 tiles in fp16 (`step_dot`)
@@ -70,6 +78,70 @@ def owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K: tl.c
                         mask=offs_a < pid_a, other=-1)  # [BLOCK_A]
     num_earlier = tl.sum((b_earlier == expert).to(tl.int32), axis=0)
     return expert, (expert >= 0) & (expert < E) & (num_earlier == 0)
+
+
+@triton.jit
+def zero_counters(counter_ptr, num_counters, pid_n):
+    """The slice of the down kernel's arrival counters program (0, pid_n) of a gate/up kernel zeroes (the programs of
+    the first assignment do it, before any can exit)."""
+    per_program = tl.cdiv(num_counters, tl.num_programs(1))
+    end = tl.minimum((pid_n + 1) * per_program, num_counters)
+    for c0 in range(pid_n * per_program, end, COUNTER_BLOCK):
+        offs_c = c0 + tl.arange(0, COUNTER_BLOCK)
+        tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < end)
+
+
+@triton.jit
+def rows_gemv(row_ptr, stride_row_k, w_row_ptrs, s_ptrs, mask_r, stride_w_k, stride_scale_k, scale_block_k, k_begin,
+              k_end, WEIGHT_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[R] fp32: sum over k in [k_begin, k_end) of row[k] * W[r, k] for the R weight rows at w_row_ptrs (each row's k
+    = 0, rows outside mask_r read as zero) and the activation row at row_ptr (stride_row_k apart); the GEMV of both
+    decode GEMV kernels. Float weights and float8 ones under the WEIGHT_SCALE codes NONE, TENSOR, CHANNEL and
+    BLOCK_STEP (block scales step inside one block: one scale per row and K step; s_ptrs [R] each row's scale at k =
+    0) multiply per step and sum across the tile each step. MXFP4 bytes (WEIGHT_SCALE MXFP4 or MXFP4_BF16X2; k_begin
+    and k_end multiples of 32, BLOCK_K at least 32) go from memory straight to registers, 16 bytes of a row to a
+    thread, are decoded there (`mxfp4_weight_tile`) and multiplied into an fp32 tile [R, BLOCK_K] summed across
+    once, after the loop: no trip through shared memory and no MMA operand layout to meet."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = row_ptr + (k_begin + offs_k) * stride_row_k  # [BLOCK_K]
+    MXFP4: tl.constexpr = WEIGHT_SCALE == SCALE_MXFP4 or WEIGHT_SCALE == SCALE_MXFP4_BF16X2
+    if MXFP4:
+        offs_byte = tl.arange(0, BLOCK_K // 2)
+        offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
+        w_ptrs = w_row_ptrs[:, None] + (k_begin // 2 + offs_byte[None, :]) * stride_w_k  # [R, BLOCK_K / 2]
+        s_tile_ptrs = s_ptrs[:, None] + (k_begin // MXFP4_GROUP + offs_group[None, :]) * stride_scale_k
+        b_tile = tl.zeros((w_row_ptrs.shape[0], BLOCK_K // MXFP4_GROUP), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            b_w = mxfp4_weight_tile(w_ptrs, s_tile_ptrs, mask_r, k_end - k0, tl.float32,
+                                    WEIGHT_SCALE == SCALE_MXFP4_BF16X2, BLOCK_K)
+            b_row = tl.load(x_ptrs, mask=offs_k < k_end - k0, other=0.0)
+            b_prod = b_w.to(tl.float32) * b_row.to(tl.float32)[None, :]
+            b_tile += tl.sum(tl.reshape(b_prod, (w_row_ptrs.shape[0], BLOCK_K // MXFP4_GROUP, MXFP4_GROUP)), axis=2)
+            x_ptrs += BLOCK_K * stride_row_k
+            w_ptrs += (BLOCK_K // 2) * stride_w_k
+            s_tile_ptrs += (BLOCK_K // MXFP4_GROUP) * stride_scale_k
+        b_sum = tl.sum(b_tile, axis=1)
+    else:
+        w_ptrs = w_row_ptrs[:, None] + (k_begin + offs_k[None, :]) * stride_w_k  # [R, BLOCK_K]
+        b_sum = tl.zeros((w_row_ptrs.shape[0],), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            if EVEN_K:
+                b_row = tl.load(x_ptrs)
+                b_w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
+            else:
+                mask_k = offs_k < k_end - k0
+                b_row = tl.load(x_ptrs, mask=mask_k, other=0.0)
+                b_w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
+            if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
+                b_step *= scale_values(tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_r,
+                                               other=0))
+            b_sum += b_step
+            x_ptrs += BLOCK_K * stride_row_k
+            w_ptrs += BLOCK_K * stride_w_k
+        b_sum, _ = scale_sums(b_sum[None, :], b_sum[None, :], s_ptrs, s_ptrs, mask_r, False, WEIGHT_SCALE)
+        b_sum = tl.reshape(b_sum, (w_row_ptrs.shape[0],))
+    return b_sum
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -114,11 +186,7 @@ def _decode_gate_up_kernel(
     pid_a = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
-        per_program = tl.cdiv(num_counters, tl.num_programs(1))
-        end = tl.minimum((pid_n + 1) * per_program, num_counters)
-        for c0 in range(pid_n * per_program, end, COUNTER_BLOCK):
-            offs_c = c0 + tl.arange(0, COUNTER_BLOCK)
-            tl.store(counter_ptr + offs_c, tl.zeros((COUNTER_BLOCK,), dtype=tl.int32), mask=offs_c < end)
+        zero_counters(counter_ptr, num_counters, pid_n)
     expert, owner = owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A)
     if owner == 0:
         return
@@ -153,6 +221,83 @@ def _decode_gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
+def _decode_gate_up_gemv_kernel(
+    # x: [T, H]; the row of each assignment's token is read
+    x_ptr, stride_x_t, stride_x_h,
+    # gate and up weights as in `_decode_gate_up_kernel` (PAIRED: one interleaved [E, 2F, H] weight and its bias)
+    w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
+    bias_gate_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
+    scale_block_n, scale_block_k,
+    inter_ptr, stride_inter_a,
+    topk_ids_ptr, stride_ids_t, stride_ids_k,
+    counter_ptr, num_counters,
+    num_tokens, F, H, E,
+    alpha, limit,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHT_SCALE: tl.constexpr,
+    PAIRED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The gate/up kernel where the tile table says `gemv` (DecodeTile.gemv): grid (N, cdiv(F, BLOCK_N)), program
+    (a = t * TOP_K + j, n) computes columns [n * BLOCK_N, +BLOCK_N) of intermediate[a] = act(x[t] @ gate^T, x[t] @
+    up^T) for expert topk_ids[t, j] as one GEMV over the tile's gate and up rows together (`rows_gemv`; 2 BLOCK_N
+    rows, gate and up alternating), and exits for an id outside [0, E). Every assignment reads its expert's weights
+    (assignments sharing an expert find them in L2: assignment is the grid's fastest axis); nothing waits on an
+    owner. What wins at one or two tokens, where the dot kernel's padded 16-row MMA and the MXFP4 weight's trip
+    through shared memory into the MMA operand layout cost more than multiplying in registers."""
+    wait_for_producer(PDL)
+    pid_a = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
+        zero_counters(counter_ptr, num_counters, pid_n)
+    t = pid_a // TOP_K
+    expert = tl.load(topk_ids_ptr + t * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
+    if (expert < 0) | (expert >= E):
+        return
+    # the tile's rows as pairs: pair p is F column offs_pair // 2, its gate row when even, its up row when odd
+    offs_pair, mask_pair = pair_columns(pid_n, F, BLOCK_N)
+    expert_base = expert.to(tl.int64) * stride_w_e
+    if PAIRED:  # one interleaved weight: row p of it
+        w_row_ptrs = w_gate_ptr + expert_base + offs_pair * stride_w_n
+        s_ptrs = scale_ptr
+        if WEIGHT_SCALE != SCALE_NONE:
+            s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_pair, stride_scale_e, stride_scale_n,
+                                          scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    else:
+        is_up = (offs_pair % 2) == 1
+        cols = offs_pair // 2
+        w_row_ptrs = tl.where(is_up, w_up_ptr, w_gate_ptr) + expert_base + cols * stride_w_n
+        s_ptrs = scale_ptr
+        if WEIGHT_SCALE != SCALE_NONE:
+            s_gate_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, cols, stride_scale_e, stride_scale_n,
+                                                       scale_row_step, scale_up_row_offset, scale_block_n,
+                                                       WEIGHT_SCALE)
+            s_ptrs = tl.where(is_up, s_up_ptrs, s_gate_ptrs)
+    b_pairs = rows_gemv(x_ptr + t.to(tl.int64) * stride_x_t, stride_x_h, w_row_ptrs, s_ptrs, mask_pair, stride_w_k,
+                        stride_scale_k, scale_block_k, 0, H, WEIGHT_SCALE, EVEN_K, BLOCK_K)[None, :]
+    release_dependents(PDL)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < F
+    if PAIRED:
+        b_pairs = paired_bias_and_preact(b_pairs, expert, offs_n, mask_n, offs_pair, mask_pair, bias_gate_ptr,
+                                         stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
+        b_gate, b_up = split_pairs(b_pairs)
+    else:
+        b_gate, b_up = split_pairs(b_pairs)
+        if HAS_BIAS:
+            b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
+                                    stride_bias_n, ACTIVATION)
+    b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
+    tl.store(inter_ptr + pid_a.to(tl.int64) * stride_inter_a + offs_n[None, :], b_act, mask=mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _decode_down_kernel(
     # intermediate: [N, F] in assignment order, unit stride along F
     inter_ptr, stride_inter_a,
@@ -160,7 +305,7 @@ def _decode_down_kernel(
     w_ptr, stride_w_e, stride_w_n, stride_w_k,
     bias_ptr, stride_bias_e, stride_bias_n,
     # float8 weights: scales (WEIGHT_SCALE NONE, TENSOR, CHANNEL or BLOCK_STEP: block scales always step inside one
-    # block here)
+    # block here); MXFP4 weights (bytes [E, H, F / 2]): their e8m0 codes [E, H, F / 32] (MXFP4, MXFP4_BF16X2)
     scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_block_n, scale_block_k,
     # routing: topk_ids, topk_weights [T, TOP_K], any strides; weights of any float dtype (applied in fp32)
     topk_ids_ptr, stride_ids_t, stride_ids_k,
@@ -198,37 +343,18 @@ def _decode_down_kernel(
     j = a % TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
     k_begin = split * split_len
     k_end = tl.minimum(k_begin + split_len, F)
     b_y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     expert = tl.load(topk_ids_ptr + t * stride_ids_t + j * stride_ids_k)
     if (expert >= 0) & (expert < E):
-        row_ptrs = inter_ptr + a.to(tl.int64) * stride_inter_a + k_begin + offs_k  # [BLOCK_K]
-        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_w_e + offs_n[:, None] * stride_w_n
-                  + (k_begin + offs_k[None, :]) * stride_w_k)  # [BLOCK_N, BLOCK_K]
-        # scales of the tile's rows (a view's column j reads scale row j: the down weight is never split)
         s_ptrs = scale_ptr
-        if WEIGHT_SCALE != SCALE_NONE:
+        if WEIGHT_SCALE != SCALE_NONE:  # the down weight is never split: column j reads scale row j
             s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_n, stride_scale_e, stride_scale_n, 1, 0,
                                           scale_block_n, WEIGHT_SCALE)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            if EVEN_K:
-                b_row = tl.load(row_ptrs)
-                b_w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            else:
-                mask_k = offs_k < k_end - k0
-                b_row = tl.load(row_ptrs, mask=mask_k, other=0.0)
-                b_w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            b_step = tl.sum(b_w.to(tl.float32) * b_row.to(tl.float32)[None, :], axis=1)
-            if WEIGHT_SCALE == SCALE_BLOCK_STEP:  # the K step lies inside one scale block: one scale per row
-                b_step *= scale_values(tl.load(s_ptrs + (k0 // scale_block_k) * stride_scale_k, mask=mask_n,
-                                               other=0))
-            b_y += b_step
-            row_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_w_k
-        b_y, _ = scale_sums(b_y[None, :], b_y[None, :], s_ptrs, s_ptrs, mask_n, False, WEIGHT_SCALE)
-        b_y = tl.reshape(b_y, (BLOCK_N,))
+        b_y = rows_gemv(inter_ptr + a.to(tl.int64) * stride_inter_a, 1,
+                        w_ptr + expert.to(tl.int64) * stride_w_e + offs_n * stride_w_n, s_ptrs, mask_n, stride_w_k,
+                        stride_scale_k, scale_block_k, k_begin, k_end, WEIGHT_SCALE, EVEN_K, BLOCK_K)
         if HAS_BIAS:
             if split == 0:
                 b_y += tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=mask_n,
@@ -445,41 +571,66 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         if gate_bias is not None:
             gate_bias, up_bias = same_strides(gate_bias, up_bias)
         stride_e, stride_n, stride_k = weight_strides(w_gate, transposed)
-        block_t = max(16, next_power_of_2(T))
-        dot_fp32, precision = dot_options(x.dtype)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
-        scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
-        launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)),
-            x, x.stride(0), x.stride(1),
-            w_gate, w_up, stride_e, stride_n, stride_k,
-            gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
-            *scale_args(ws),
-            intermediate, intermediate.stride(0),
-            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-            counters, num_counters,
-            T, F, H, E,
-            float(alpha), float(limit),
-            TOP_K=top_k,
-            ACTIVATION=int(Activation.of(activation)),
-            HAS_BIAS=gate_bias is not None,
-            WEIGHT_SCALE=int(scale_code),
-            PAIRED=paired,
-            DOT_FP32=dot_fp32,
-            DOT_PRECISION=precision,
-            EVEN_K=H % block_k == 0,
-            STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
-            BLOCK_T=block_t,
-            # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
-            BLOCK_A=next_power_of_2(block_t * top_k),
-            BLOCK_N=tile.block_n,
-            BLOCK_K=block_k,
-            num_warps=tile.num_warps,
-            **pdl_options(x.device),
-            num_stages=pipeline_stages(tile.num_stages,
-                                       (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
-                                       * block_k, smem_per_program(x.device)),
-        )
+        if tile.gemv:  # block scales step inside one block, as in the down GEMV
+            scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype, device=x.device)
+            launch(_decode_gate_up_gemv_kernel, (num_assignments, cdiv(F, tile.block_n)),
+                x, x.stride(0), x.stride(1),
+                w_gate, w_up, stride_e, stride_n, stride_k,
+                gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
+                *scale_args(ws),
+                intermediate, intermediate.stride(0),
+                topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+                counters, num_counters,
+                T, F, H, E,
+                float(alpha), float(limit),
+                TOP_K=top_k,
+                ACTIVATION=int(Activation.of(activation)),
+                HAS_BIAS=gate_bias is not None,
+                WEIGHT_SCALE=int(scale_code),
+                PAIRED=paired,
+                EVEN_K=H % block_k == 0,
+                BLOCK_N=tile.block_n,
+                BLOCK_K=block_k,
+                num_warps=tile.num_warps,
+                num_stages=tile.num_stages,
+                **pdl_options(x.device),
+            )
+        else:
+            block_t = max(16, next_power_of_2(T))
+            dot_fp32, precision = dot_options(x.dtype)
+            scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
+            launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)),
+                x, x.stride(0), x.stride(1),
+                w_gate, w_up, stride_e, stride_n, stride_k,
+                gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
+                *scale_args(ws),
+                intermediate, intermediate.stride(0),
+                topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+                counters, num_counters,
+                T, F, H, E,
+                float(alpha), float(limit),
+                TOP_K=top_k,
+                ACTIVATION=int(Activation.of(activation)),
+                HAS_BIAS=gate_bias is not None,
+                WEIGHT_SCALE=int(scale_code),
+                PAIRED=paired,
+                DOT_FP32=dot_fp32,
+                DOT_PRECISION=precision,
+                EVEN_K=H % block_k == 0,
+                STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
+                BLOCK_T=block_t,
+                # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
+                BLOCK_A=next_power_of_2(block_t * top_k),
+                BLOCK_N=tile.block_n,
+                BLOCK_K=block_k,
+                num_warps=tile.num_warps,
+                **pdl_options(x.device),
+                num_stages=pipeline_stages(tile.num_stages,
+                                           (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
+                                           * block_k, smem_per_program(x.device)),
+            )
     else:
         counters.zero_()  # no gate/up launch to zero them
     # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs

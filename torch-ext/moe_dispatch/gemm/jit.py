@@ -342,7 +342,10 @@ def mxfp4_weight_tile(w_ptrs, s_ptrs, mask_n, k_left, a_dtype, BF16X2: tl.conste
     zero. BF16X2 (a_dtype bf16): `e2m1_bf16x2`; else each value in fp32 (`e2m1_to_f32`) times its scale, converted."""
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // MXFP4_GROUP)
-    b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] < k_left // 2), other=0)
+    # masked by whole groups (k_left is a multiple of 32): the mask is constant over each group's 16 bytes, so a
+    # thread's 16 bytes of a row load as one 128-bit vector (a mask by bytes allows 8)
+    b_bytes = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_byte[None, :] // (MXFP4_GROUP // 2) < k_left // MXFP4_GROUP),
+                      other=0)
     b_codes = tl.load(s_ptrs, mask=mask_n[:, None] & (offs_group[None, :] < k_left // MXFP4_GROUP), other=0)
     rows: tl.constexpr = b_bytes.shape[0]
     if BF16X2:

@@ -228,8 +228,6 @@ def _decode_tiles(forced, device, num_tokens, top_k, num_experts, ffn, hidden, d
     if num_tokens * top_k > MAX_DECODE_ASSIGNMENTS or isinstance(forced, MoeTiles):
         return None
     if isinstance(forced, DecodeTiles):
-        if mxfp4 and not forced.down.dot:
-            raise ValueError("tiles: the decode down GEMV reads no MXFP4 weights; force a down tile with dot=True")
         return forced
     return select_decode_tiles(device, num_tokens, top_k, num_experts, ffn, hidden, dtype, fp8=fp8,
                                transposed=transposed, mxfp4=mxfp4)

@@ -33,7 +33,7 @@ the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`
 `scripts/tune --path decode` measures the entries.
 
 MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}}`, each part in
-the forms above (the grouped path's buckets, the decode entry; every decode down tile `dot`); a part it lacks falls
+the forms above (the grouped path's buckets, the decode entry); a part it lacks falls
 back to the float weights' buckets and to the "fp8" decode entry (`select_tiles`, `select_decode_tiles`).
 `scripts/tune --mxfp4` measures it.
 """
@@ -178,12 +178,17 @@ class DecodeTile:
     # the down kernel only: one tensor-core dot per expert hit over the rows of all its tokens (gemm/decode.py's
     # `_decode_down_dot_kernel`) instead of a GEMV per assignment; what wins once several tokens share experts
     dot: bool = False
+    # the gate/up kernel only: a GEMV per assignment (gemm/decode.py's `_decode_gate_up_gemv_kernel`, the weights
+    # multiplied in registers) instead of a tensor-core dot per expert hit over 16 padded rows
+    gemv: bool = False
 
     def __post_init__(self):
-        if type(self.dot) is not bool:  # from flat ints (`DecodeTiles.from_list`) too; bool("False") would be True
-            if type(self.dot) is not int or self.dot not in (0, 1):
-                raise TypeError(f"DecodeTile.dot must be a bool, got {type(self.dot).__name__} {self.dot!r}")
-            object.__setattr__(self, "dot", bool(self.dot))
+        for name in ("dot", "gemv"):  # from flat ints (`DecodeTiles.from_list`) too; bool("False") would be True
+            value = getattr(self, name)
+            if type(value) is not bool:
+                if type(value) is not int or value not in (0, 1):
+                    raise TypeError(f"DecodeTile.{name} must be a bool, got {type(value).__name__} {value!r}")
+                object.__setattr__(self, name, bool(value))
 
 
 # First element of `DecodeTiles.to_list()`: a block_m of 0 (the decode path has no row tiles) tells it from MoeTiles'.
@@ -218,7 +223,7 @@ def check_forced_tiles(name: str, tiles) -> "MoeTiles | DecodeTiles | None":
     """A caller's forced tiles (the `tiles` argument, named `name`): None, or a MoeTiles of GemmTiles or a DecodeTiles
     of DecodeTiles whose fields the kernels take: ints (not bools or floats), block sides powers of two >= MIN_BLOCK,
     num_warps a power of two <= MAX_WARPS, num_stages, group_m and split_k >= 1, `persistent` a `Persistent` (or its
-    int), `dot` a bool. TypeError / ValueError naming the field (`tiles.gate_up.block_k`) before anything runs."""
+    int), `dot` and `gemv` bools. TypeError / ValueError naming the field (`tiles.gate_up.block_k`) before anything runs."""
     if tiles is None:
         return None
     if isinstance(tiles, MoeTiles):
@@ -247,8 +252,10 @@ def check_forced_tiles(name: str, tiles) -> "MoeTiles | DecodeTiles | None":
                 raise ValueError(f"{where}.persistent must be one of {names}, got {persistent!r}")
         else:
             _check_tile_int(f"{where}.split_k", tile.split_k)
-            if type(tile.dot) is not bool:
-                raise TypeError(f"{where}.dot must be a bool, got {type(tile.dot).__name__} {tile.dot!r}")
+            for field in ("dot", "gemv"):
+                if type(getattr(tile, field)) is not bool:
+                    raise TypeError(f"{where}.{field} must be a bool, got {type(getattr(tile, field)).__name__} "
+                                    f"{getattr(tile, field)!r}")
     return tiles
 
 
@@ -394,8 +401,8 @@ def transposed_down_decode_tile(num_assignments: int) -> DecodeTile:
     return next(tile for limit, tile in TRANSPOSED_DOWN_DECODE_TILES if limit is None or num_assignments <= limit)
 
 
-# The decode down tile of MXFP4 down weights ([E, H, F / 2] bytes): the dot kernel (the GEMV kernel reads no MXFP4),
-# BLOCK_K 128 (four scale groups, 64 bytes of a row per step); the same split rule as the transposed tiles above. Not
+# The decode down tile of MXFP4 down weights ([E, H, F / 2] bytes) on devices whose table has no MXFP4 decode entry:
+# the dot kernel, BLOCK_K 128 (four scale groups, 64 bytes of a row per step); the same split rule as the transposed tiles above. Not
 # tuned: chosen before any measurement.
 MXFP4_DOWN_DECODE_TILES = ((4, DecodeTile(64, 128, num_warps=4, num_stages=3, split_k=2, dot=True)),
                            (None, DecodeTile(128, 128, num_warps=4, num_stages=3, dot=True)))
@@ -407,7 +414,7 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
     """The decode path's tiles for this problem from the device's table, or None when the table gives it none (no
     `decode` entry, or N = num_tokens * top_k past its last bucket). float8 weights (`fp8`) read the "fp8" section's
     own `decode` entry (half the weight bytes move the point where the path stops winning); MXFP4 weights (`mxfp4`)
-    read the "mxfp4" section's where the table has one (its down tiles all `dot`: the GEMV reads no MXFP4), else the
+    read the "mxfp4" section's where the table has one, else the
     "fp8" one with the down tile of MXFP4_DOWN_DECODE_TILES. `transposed` weights take the down tile of
     TRANSPOSED_DOWN_DECODE_TILES for float weights. Host-side arithmetic only."""
     table = load_table(device_key(device))
