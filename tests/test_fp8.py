@@ -157,11 +157,13 @@ PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
 DECODE_SCALES = [("block", (16, 16)), ("block", (16, 24)), ("channel", (16, 16)), ("tensor", (16, 16))]
 
 
+@pytest.mark.parametrize("gate_up", ["dot", "gemv"])
 @pytest.mark.parametrize("scheme,block_shape", DECODE_SCALES, ids=["block", "block-k-side-24", "channel", "tensor"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch):
+def test_fp8_decode_path(layout, scheme, block_shape, gate_up, poison_empty, monkeypatch):
     """The two-launch decode path dequantizes float8 weights in its loads: every layout and scale scheme against the
-    float64 experts on the dequantized weights."""
+    float64 experts on the dequantized weights, with either gate/up kernel (the gate/up GEMV, DecodeTile.gemv: block
+    scales step inside one block, a K side of 24 8 columns a step; channel and tensor scales after the loop)."""
     _, options, _ = layout
     options = dict(options)
     q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
@@ -173,27 +175,9 @@ def test_fp8_decode_path(layout, scheme, block_shape, poison_empty, monkeypatch)
     monkeypatch.setattr(operator, "decode_experts", lambda *a, **k: launched.append(1) or decode.decode_experts(*a, **k))
     x = torch.randn(3, H, device=DEVICE).bfloat16()
     ids, weights = _ids(3), torch.rand(3, TOP_K, device=DEVICE)
-    out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=DECODE, **scales, **options)
-    assert launched == [1]
-    assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
-
-
-@pytest.mark.parametrize("scheme,block_shape", DECODE_SCALES, ids=["block", "block-k-side-24", "channel", "tensor"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_fp8_decode_gate_up_gemv(layout, scheme, block_shape, poison_empty):
-    """The gate/up GEMV (DecodeTile.gemv) on float8 weights: block scales step inside one block (a K side of 24: 8
-    columns a step), channel and tensor scales after the loop; every layout against the float64 experts."""
-    _, options, _ = layout
-    options = dict(options)
-    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
-                                             block_shape=block_shape)
-    if options.get("activation") == "swiglu_oai":
-        options.update(gate_up_bias=torch.randn(E, 2 * F, device=DEVICE).bfloat16(),
-                       down_bias=torch.randn(E, H, device=DEVICE).bfloat16())
-    x = torch.randn(3, H, device=DEVICE).bfloat16()
-    ids, weights = _ids(3), torch.rand(3, TOP_K, device=DEVICE)
-    tiles = DecodeTiles(dataclasses.replace(DECODE.gate_up, gemv=True), DECODE.down)
+    tiles = DecodeTiles(dataclasses.replace(DECODE.gate_up, gemv=gate_up == "gemv"), DECODE.down)
     out = md.fused_experts(x, q_gate_up, q_down, ids, weights, tiles=tiles, **scales, **options)
+    assert launched == [1]
     assert_close(out, fused_experts_fp8_ref(x, q_gate_up, q_down, ids, weights, **scales, **options))
 
 

@@ -573,10 +573,8 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         stride_e, stride_n, stride_k = weight_strides(w_gate, transposed)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
-        if tile.gemv:  # block scales step inside one block, as in the down GEMV
-            scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype, device=x.device)
-            launch(_decode_gate_up_gemv_kernel, (num_assignments, cdiv(F, tile.block_n)),
-                x, x.stride(0), x.stride(1),
+        # what both gate/up kernels take: every argument but the scale code's constexprs and each kernel's own
+        args = (x, x.stride(0), x.stride(1),
                 w_gate, w_up, stride_e, stride_n, stride_k,
                 gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
                 *scale_args(ws),
@@ -584,53 +582,32 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
                 topk_ids, topk_ids.stride(0), topk_ids.stride(1),
                 counters, num_counters,
                 T, F, H, E,
-                float(alpha), float(limit),
-                TOP_K=top_k,
-                ACTIVATION=int(Activation.of(activation)),
-                HAS_BIAS=gate_bias is not None,
-                WEIGHT_SCALE=int(scale_code),
-                PAIRED=paired,
-                EVEN_K=H % block_k == 0,
-                BLOCK_N=tile.block_n,
-                BLOCK_K=block_k,
-                num_warps=tile.num_warps,
-                num_stages=tile.num_stages,
-                **pdl_options(x.device),
-            )
+                float(alpha), float(limit))
+        meta = dict(TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
+                    PAIRED=paired, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **pdl_options(x.device))
+        if tile.gemv:  # block scales step inside one block, as in the down GEMV
+            scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype, device=x.device)
+            launch(_decode_gate_up_gemv_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
+                   WEIGHT_SCALE=int(scale_code), EVEN_K=H % block_k == 0, BLOCK_K=block_k,
+                   num_stages=tile.num_stages, **meta)
         else:
             block_t = max(16, next_power_of_2(T))
             dot_fp32, precision = dot_options(x.dtype)
             scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
-            launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)),
-                x, x.stride(0), x.stride(1),
-                w_gate, w_up, stride_e, stride_n, stride_k,
-                gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
-                *scale_args(ws),
-                intermediate, intermediate.stride(0),
-                topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-                counters, num_counters,
-                T, F, H, E,
-                float(alpha), float(limit),
-                TOP_K=top_k,
-                ACTIVATION=int(Activation.of(activation)),
-                HAS_BIAS=gate_bias is not None,
-                WEIGHT_SCALE=int(scale_code),
-                PAIRED=paired,
-                DOT_FP32=dot_fp32,
-                DOT_PRECISION=precision,
-                EVEN_K=H % block_k == 0,
-                STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
-                BLOCK_T=block_t,
-                # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
-                BLOCK_A=next_power_of_2(block_t * top_k),
-                BLOCK_N=tile.block_n,
-                BLOCK_K=block_k,
-                num_warps=tile.num_warps,
-                **pdl_options(x.device),
-                num_stages=pipeline_stages(tile.num_stages,
-                                           (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
-                                           * block_k, smem_per_program(x.device)),
-            )
+            launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
+                   WEIGHT_SCALE=int(scale_code),
+                   DOT_FP32=dot_fp32,
+                   DOT_PRECISION=precision,
+                   EVEN_K=H % block_k == 0,
+                   STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
+                   BLOCK_T=block_t,
+                   # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
+                   BLOCK_A=next_power_of_2(block_t * top_k),
+                   BLOCK_K=block_k,
+                   num_stages=pipeline_stages(tile.num_stages,
+                                              (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
+                                              * block_k, smem_per_program(x.device)),
+                   **meta)
     else:
         counters.zero_()  # no gate/up launch to zero them
     # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs
