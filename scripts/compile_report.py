@@ -404,8 +404,8 @@ def _fp8_problems(table, fp8_dtype, w8a8, quick):
 
 def _gpt_oss_problems(table, quick):
     """MXFP4 weights and GPT-OSS's float layout at the buckets of the lists GPT-OSS-120B reads (its own, else the
-    generic ones): general and decode (MXFP4 weights read the "fp8" section's decode entry); the float layout's
-    backward at the general ones."""
+    generic ones): general and decode (MXFP4 weights read the "mxfp4" section's decode entry, else the "fp8" one's);
+    the float layout's backward at the general ones."""
     model = MODEL_SHAPES["gpt-oss-120b"]
 
     def own(section):
@@ -413,8 +413,9 @@ def _gpt_oss_problems(table, quick):
 
     general = _ends(_bucket_tokens(own(table), model), quick)
     decode = [(T, f"decode bucket {i}") for T, i in _decode_tokens(own(table.get("decode")), model)]
-    mxfp4_decode = [(T, f"fp8 decode bucket {i}")
-                    for T, i in _decode_tokens(own(table.get("fp8", {}).get("decode")), model)]
+    mxfp4_entry = "mxfp4" if "decode" in table.get("mxfp4", {}) else "fp8"  # as tiles.select_decode_tiles reads
+    mxfp4_decode = [(T, f"{mxfp4_entry} decode bucket {i}")
+                    for T, i in _decode_tokens(own(table.get(mxfp4_entry, {}).get("decode")), model)]
     general = [(T, f"bucket {i}") for T, i in general]
     out = []
     for T, why in general + decode:
