@@ -396,7 +396,8 @@ def test_tiles_travel_as_flat_ints():
     """The operator takes tiles as a list of ints: each kind comes back as itself."""
     assert tiles.tiles_from_list(DECODE.to_list()) == DECODE
     assert tiles.tiles_from_list(DECODE_DOT.to_list()) == DECODE_DOT
-    assert all(type(v) is int for v in DECODE_DOT.to_list())
+    assert tiles.tiles_from_list(DECODE_GATE_UP_GEMV.to_list()) == DECODE_GATE_UP_GEMV
+    assert all(type(v) is int for v in DECODE_DOT.to_list() + DECODE_GATE_UP_GEMV.to_list())
     assert tiles.tiles_from_list(GENERAL.to_list()) == GENERAL
 
 

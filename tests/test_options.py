@@ -140,11 +140,23 @@ def test_a_forced_tile_is_checked_against_the_kernels(tiles, error, field, call,
         function(**arguments, tiles=tiles)
 
 
-def test_a_decode_tile_refuses_a_string_for_dot():
-    """DecodeTile turned `dot` into a bool with bool(): dot="False" asked for the dot kernel."""
-    with pytest.raises(TypeError, match="DecodeTile.dot must be a bool"):
-        DecodeTile(16, 16, dot="False")
-    assert DecodeTile(16, 16, dot=1).dot is True  # the flat ints of DecodeTiles.to_list still load
+@pytest.mark.parametrize("field", ["dot", "gemv"])
+def test_a_decode_tile_refuses_a_string_for_its_switches(field):
+    """DecodeTile turned `dot` into a bool with bool(): dot="False" asked for the dot kernel; `gemv` likewise."""
+    with pytest.raises(TypeError, match=f"DecodeTile.{field} must be a bool"):
+        DecodeTile(16, 16, **{field: "False"})
+    assert getattr(DecodeTile(16, 16, **{field: 1}), field) is True  # the flat ints of DecodeTiles.to_list still load
+    with pytest.raises(TypeError, match=f"tiles.gate_up.{field} must be a bool"):
+        md.fused_experts(torch.randn(2, 16, device=DEVICE), torch.randn(2, 32, 16, device=DEVICE),
+                         torch.randn(2, 16, 16, device=DEVICE), torch.zeros(2, 1, dtype=torch.int64, device=DEVICE),
+                         torch.ones(2, 1, device=DEVICE),
+                         tiles=DecodeTiles(_with_field(DecodeTile(16, 16), field, 2), DecodeTile(16, 16)))
+
+
+def _with_field(tile, field, value):
+    """A frozen tile with one field set past __post_init__'s check (what a forced tile built by hand could hold)."""
+    object.__setattr__(tile, field, value)
+    return tile
 
 
 SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8", "MOE_DISPATCH_MXFP4_PREFILL"]
