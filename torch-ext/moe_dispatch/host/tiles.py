@@ -29,7 +29,10 @@ of assignments N = T * top_k, optionally per model shape::
                "shapes": {"8,14336,4096": [<buckets>]}}
 
 The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
-the entry) the general path runs. float8 weights read `"fp8": {"decode": {...}}`, in the same form.
+the entry) the general path runs. A decode tile's optional fields: `split_k` and `dot` (the down kernel's: splits along
+F, one tensor-core dot per expert hit instead of a GEMV per assignment), `gemv` (the gate/up kernel's: a GEMV per
+assignment instead of a dot per expert hit); see `DecodeTile`. float8 weights read `"fp8": {"decode": {...}}`, in the
+same form.
 `scripts/tune --path decode` measures the entries.
 
 MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}}`, each part in
