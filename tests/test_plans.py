@@ -235,6 +235,30 @@ def test_training_steps_replay_below_autograd(case):
     assert replays == (2, 2), (FORWARD_PLANS.last_reason, BACKWARD_PLANS.last_reason)
 
 
+@pytest.mark.parametrize("layout", ["expanded", "column-major"])
+def test_training_backward_replays_for_a_strided_gradient(layout):
+    """The gradient reaching the experts' output need not be contiguous: `out.sum()` hands autograd an expanded one
+    (strides 0, 0), a transposed consumer a column-major one. The backward still replays from the second step on
+    (it copies the gradient to rows before its planned call, not inside it) and matches the float64 reference."""
+    T, E, top_k, H, F = 29, 6, 2, 32, 16
+    replays_before = BACKWARD_PLANS.replays
+    for step in range(3):
+        x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F, seed=10 + step)
+        leaves = [t.requires_grad_(True) for t in (x, w_gate_up, w_down, weights)]
+        if layout == "expanded":
+            grad_out = torch.randn(1, H, device=DEVICE).expand(T, H)
+        else:
+            grad_out = torch.randn(H, T, device=DEVICE).t()
+        out = md.fused_experts(x, w_gate_up, w_down, ids, weights, validate=False)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = fused_experts_ref(*ref_leaves[:3], ids, ref_leaves[3])
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+        for what, g, r in zip(("d hidden_states", "d w_gate_up", "d w_down", "d topk_weights"), grads, ref_grads):
+            assert_close(g, r, torch.float32, what=f"step {step} {what}")
+    assert BACKWARD_PLANS.replays - replays_before == 2, BACKWARD_PLANS.last_reason
+
+
 def test_nan_propagates_through_a_replay():
     T, E, top_k, H, F = 3, 8, 2, 32, 16
     x, w_gate_up, w_down, ids, weights = _inputs(T, E, top_k, H, F)

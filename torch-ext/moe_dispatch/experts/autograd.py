@@ -179,6 +179,9 @@ def _backward(ctx, grad_out, *_):
         raise RuntimeError("fused_experts ran without saving its pre-activations (no input required grad at the time); "
                            "cannot backward through it")
     needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_SLOTS]
+    # The backward's kernels read the gradient by rows. Made contiguous here, outside the planned call, so that a
+    # gradient of another layout (`out.sum()` gives an expanded one) does not keep the call from replaying its plan.
+    grad_out = grad_out.contiguous()
     saved = ctx.saved_tensors
     c = ctx.call
     args = (grad_out, *saved[:-len(_SAVED_SCALES)], c.activation, c.interleaved, c.transposed, c.alpha, c.limit, needs,
