@@ -783,8 +783,9 @@ def bucket_index(buckets, rows):
 
 
 def bucket_tiles(bucket):
-    """A bucket's tiles: the entry without its bound (max_rows_per_expert, or the decode entry's max_assignments)."""
-    return {k: v for k, v in bucket.items() if k not in ("max_rows_per_expert", "max_assignments")}
+    """A bucket's tiles: the entry without its bound (max_rows_per_expert, or the decode entry's max_assignments) and
+    without an FP8 decode bucket's "auto" (host/tiles.py: what fp8_compute="auto" runs there; not measured here)."""
+    return {k: v for k, v in bucket.items() if k not in ("max_rows_per_expert", "max_assignments", "auto")}
 
 
 def patched_table(table, cells, min_gain):

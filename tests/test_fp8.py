@@ -15,6 +15,7 @@ path's own tests and non-finite tokens on every FP8 path are in tests/test_fp8_w
 halves run on two workers).
 """
 
+import copy
 import dataclasses
 
 import pytest
@@ -274,6 +275,40 @@ def test_auto_takes_the_decode_path_at_decode_sizes(case, monkeypatch):
     chosen = planner.choose_fp8_compute(choice, torch.device("cuda"), q_gate_up, q_down, ["block", "block"], (16, 16),
                                         False, runs_decode=lambda: plan.path is planner.ExpertsPath.DECODE)
     assert chosen == expected
+
+
+# (id, the bucket's "auto", fp8_compute, forced tiles, expected): a table's FP8 decode bucket that says
+# "auto": "w8a8" sends "auto" to w8a8 and keeps its tiles for "dequant" and for forced decode tiles
+BUCKET_AUTO_CASES = [
+    ("bucket-without-auto", None, "auto", None, "dequant"),
+    ("bucket-auto-w8a8", "w8a8", "auto", None, "w8a8"),
+    ("bucket-auto-w8a8-forced-decode-tiles", "w8a8", "auto", DECODE, "dequant"),
+    ("bucket-auto-w8a8-dequant-forced", "w8a8", "dequant", None, "dequant"),
+]
+
+
+@pytest.mark.parametrize("case", BUCKET_AUTO_CASES, ids=[c[0] for c in BUCKET_AUTO_CASES])
+def test_decode_bucket_can_send_auto_to_w8a8(case, monkeypatch):
+    """`operator.resolve_fp8_compute` on the interpreter table with its FP8 decode bucket (N <= 12) given `auto` or
+    not, T = 6 (N = 12, in the bucket), a device with FP8 tensor cores stood in for; the decode path's plan for
+    "dequant" is unchanged by the bucket's "auto"."""
+    _, auto, choice, forced, expected = case
+    table = copy.deepcopy(md.tiles.load_table("interpreter"))
+    if auto is not None:
+        table["fp8"]["decode"]["buckets"][0]["auto"] = auto
+    monkeypatch.setattr(md.tiles, "device_key", lambda device: "interpreter")
+    monkeypatch.setattr(md.tiles, "load_table", lambda key: table)
+    monkeypatch.setattr(planner, "w8a8_refusal", lambda *args: None)
+    monkeypatch.setattr(planner, "on_gpu", lambda device: True)
+    q_gate_up, q_down, scales = _fp8_experts("block")
+    x = torch.randn(6, H, device=DEVICE).bfloat16()
+    chosen = operator.resolve_fp8_compute(choice, forced, x, TOP_K, q_gate_up, q_down,
+                                          [scales["w_gate_up_scale"], scales["w_down_scale"]], (16, 16), False)
+    assert chosen == expected
+    plan = planner.plan_experts(torch.device(DEVICE), 6, TOP_K, E, F, H, torch.bfloat16, forced=forced, fp8=True)
+    assert plan.path is planner.ExpertsPath.DECODE
+    assert md.tiles.fp8_auto_takes_w8a8(torch.device(DEVICE), 6, TOP_K, E, F, H) == (auto == "w8a8")
+    assert not md.tiles.fp8_auto_takes_w8a8(torch.device(DEVICE), 7, TOP_K, E, F, H)  # past the bucket
 
 
 @pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32])

@@ -234,12 +234,16 @@ def test_decode_entries_parse_and_stay_in_the_kernel_limit(name):
     table = tiles.load_table(name)
     assert set(table.get("decode", {})) <= {"buckets", "shapes"}
     assert set(table.get("fp8", {}).get("decode", {})) <= {"buckets", "shapes"}
-    for _, buckets in [*_decode_buckets(table), *_decode_buckets(table, fp8=True)]:
-        limits = [b["max_assignments"] for b in buckets]
-        assert limits == sorted(limits) and all(0 < n <= tiles.MAX_DECODE_ASSIGNMENTS for n in limits), (name, limits)
-        for bucket in buckets:
-            assert set(bucket) == DECODE_BUCKET_KEYS, (name, bucket)
-            tiles.DecodeTiles.from_dict(bucket)
+    for fp8 in (False, True):
+        for _, buckets in _decode_buckets(table, fp8=fp8):
+            limits = [b["max_assignments"] for b in buckets]
+            assert limits == sorted(limits) and all(0 < n <= tiles.MAX_DECODE_ASSIGNMENTS for n in limits), (name, limits)
+            for bucket in buckets:
+                # FP8 buckets may send fp8_compute="auto" to w8a8 (their tiles then serve "dequant" alone)
+                optional = {"auto"} if fp8 else set()
+                assert DECODE_BUCKET_KEYS <= set(bucket) <= DECODE_BUCKET_KEYS | optional, (name, bucket)
+                assert bucket.get("auto", tiles.AUTO_W8A8) == tiles.AUTO_W8A8, (name, bucket)
+                tiles.DecodeTiles.from_dict(bucket)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float-weights", "fp8-weights"])

@@ -27,6 +27,7 @@ from ..gemm.planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_w
 from ..gemm.w8a8 import w8a8_experts
 from ..host.library import custom_op
 from ..host.replay import PlanCache
+from ..host.tiles import fp8_auto_takes_w8a8
 from .call import ExpertsCall, ffn_size, split_gate_up, weight_scales
 
 FORWARD_PLANS = PlanCache("fused_experts operator")
@@ -134,13 +135,16 @@ def no_backward_outputs(x):
 
 def resolve_fp8_compute(choice, tiles, x, top_k, w_gate_up, w_down, scales, block_shape, transposed) -> str:
     """planner.choose_fp8_compute for this call: whether the decode path would run it with float8 weights comes
-    from the planner's plan of the call."""
+    from the planner's plan of the call, unless the table's FP8 decode bucket sends "auto" to w8a8
+    (tiles.fp8_auto_takes_w8a8; decode tiles the caller forced run as forced)."""
     T, H = x.shape
     E, F = w_down.shape[0], ffn_size(w_down, transposed)
 
     def runs_decode():
         plan = plan_experts(x.device, T, top_k, E, F, H, x.dtype, forced=tiles, fp8=True)
-        return plan.path is ExpertsPath.DECODE
+        if plan.path is not ExpertsPath.DECODE:
+            return False
+        return tiles is not None or not fp8_auto_takes_w8a8(x.device, T, top_k, E, F, H)  # forced decode tiles run
 
     return choose_fp8_compute(choice, x.device, w_gate_up, w_down, [infer_scheme(s) for s in scales if s is not None],
                               block_shape, transposed, runs_decode=runs_decode)

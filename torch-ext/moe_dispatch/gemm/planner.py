@@ -239,7 +239,8 @@ def choose_fp8_compute(choice: str, device: torch.device, w_gate_up, w_down, sch
     weights (`schemes`: their scales' schemes, fp8.infer_scheme).
 
     "auto" takes "w8a8" on devices with FP8 tensor cores when the weights allow it (fp8.w8a8_refusal), except where
-    the decode path will run (`runs_decode()`, asked only then: `plan_experts` of the call with float8 weights;
+    the decode path will run (`runs_decode()`, asked only then: `plan_experts` of the call with float8 weights, where
+    the table's FP8 decode bucket does not send "auto" to w8a8;
     torch.compile traces this, and the tile tables are read from files only inside the operator): at a few
     tokens the GEMMs are weight-bound, and the weight-only path reads the same bytes without quantizing the
     activations, in two launches. A forced "w8a8" that cannot run raises ValueError saying why."""

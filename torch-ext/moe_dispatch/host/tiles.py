@@ -32,7 +32,8 @@ The first bucket with N <= `max_assignments` is used; past the last one (or with
 the entry) the general path runs. A decode tile's optional fields: `split_k` and `dot` (the down kernel's: splits along
 F, one tensor-core dot per expert hit instead of a GEMV per assignment), `gemv` (the gate/up kernel's: a GEMV per
 assignment instead of a dot per expert hit); see `DecodeTile`. float8 weights read `"fp8": {"decode": {...}}`, in the
-same form.
+same form; a bucket there may say `"auto": "w8a8"`: `fp8_compute="auto"` then runs the w8a8 path instead of the decode
+path (measured faster there), and the bucket's tiles serve `fp8_compute="dequant"` (`fp8_auto_takes_w8a8`).
 `scripts/tune --path decode` measures the entries.
 
 MXFP4 weights read an optional `"mxfp4"` section: `{"buckets": [...], "shapes": {...}, "decode": {...}}`, each part in
@@ -436,19 +437,36 @@ def select_decode_tiles(device: torch.device, num_tokens: int, top_k: int, num_e
         down, block_k=_wide_k(down.block_k, dtype)))
 
 
-def _table_decode_tiles(decode, num_tokens, top_k, num_experts, ffn, hidden, dtype) -> DecodeTiles | None:
-    """The tiles of a table's `decode` entry (None: no entry) for this problem, or None past its buckets."""
+def _table_decode_bucket(decode, num_tokens, top_k, num_experts, ffn, hidden) -> dict | None:
+    """The bucket of a table's `decode` entry (None: no entry) for this problem, or None past its buckets."""
     if decode is None:
         return None
     buckets = decode.get("shapes", {}).get(f"{num_experts},{ffn},{hidden}", decode["buckets"])
-    for bucket in buckets:
-        if num_tokens * top_k <= bucket["max_assignments"]:
-            tiles = DecodeTiles.from_dict(bucket)
-            if dtype.itemsize <= 2:
-                return tiles
-            return DecodeTiles(*(dataclasses.replace(d, block_k=_wide_k(d.block_k, dtype))
-                                 for d in (tiles.gate_up, tiles.down)))
-    return None
+    return next((bucket for bucket in buckets if num_tokens * top_k <= bucket["max_assignments"]), None)
+
+
+def _table_decode_tiles(decode, num_tokens, top_k, num_experts, ffn, hidden, dtype) -> DecodeTiles | None:
+    """The tiles of a table's `decode` entry (None: no entry) for this problem, or None past its buckets."""
+    bucket = _table_decode_bucket(decode, num_tokens, top_k, num_experts, ffn, hidden)
+    if bucket is None:
+        return None
+    tiles = DecodeTiles.from_dict(bucket)
+    if dtype.itemsize <= 2:
+        return tiles
+    return DecodeTiles(*(dataclasses.replace(d, block_k=_wide_k(d.block_k, dtype)) for d in (tiles.gate_up, tiles.down)))
+
+
+AUTO_W8A8 = "w8a8"  # an FP8 decode bucket's "auto" value: fp8_compute="auto" runs w8a8 there
+
+
+def fp8_auto_takes_w8a8(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
+                        hidden: int) -> bool:
+    """Whether the table's FP8 decode bucket for this problem says `"auto": "w8a8"`: where forced w8a8 measured
+    faster than the weight-only decode path, `fp8_compute="auto"` runs w8a8 and the bucket's decode tiles serve
+    `fp8_compute="dequant"` alone. False past the buckets and in tables without the entry. Host-side arithmetic only."""
+    decode = load_table(device_key(device)).get("fp8", {}).get("decode")
+    bucket = _table_decode_bucket(decode, num_tokens, top_k, num_experts, ffn, hidden)
+    return bucket is not None and bucket.get("auto") == AUTO_W8A8
 
 
 def select_fp8_tiles(device: torch.device, num_tokens: int, top_k: int, num_experts: int, ffn: int,
