@@ -11,11 +11,18 @@ Per (model, T, implementation), under torch.no_grad as `generate` runs:
   gpu_us       the sum of the call's kernel times (harness.kernel_times, torch.profiler)
 The implementations are measured in alternating rounds (`--rounds`), medians reported, so clock drift hits all alike.
 
+`--train` times a training call instead (autograd on, no torch.no_grad): each implementation's forward and
+`torch.autograd.grad` of its output for x, both weights and the routing weights, with a dense output gradient (what a
+residual stream hands the experts); `batched_mm` is left out (transformers' decode-step function), T defaults to
+2048 (the whole-model step's 4 x 512 tokens), and each cell also records how many of three calls the package's
+forward and backward served from their plans (`replays`: 2 and 2 where the second and third calls replay).
+
 `--profile MODEL:T` adds a cProfile of 1000 calls of `fused_experts` with plans off and on (top functions by own
 time) and the cost of each recorded launch through `JITFunction.run` against the compiled launcher the plan uses.
 
     scripts/bench_host.py --out "$OUT/host"                      # GPU: the whole table
     scripts/bench_host.py --models qwen3-30b-a3b --tokens 1,4 --profile qwen3-30b-a3b:1
+    scripts/bench_host.py --train --models qwen3-30b-a3b,mixtral-8x7b --out "$OUT/host-train"
 
 Prints a markdown table last and writes OUT/host.json (and OUT/profile.txt with --profile).
 """
@@ -63,6 +70,47 @@ def implementations(md, prob, tokens, topk_ids, topk_weights):
             continue
         fns[name] = (lambda f: lambda: f(module, x, topk_ids, topk_weights))(fn)
     return fns
+
+
+def training_implementations(md, prob, tokens, topk_ids, topk_weights, grad_out):
+    """{name: zero-argument callable} of one training cell (`--train`): the forward with autograd, then
+    `torch.autograd.grad` of its output (`grad_out`) for x, both weights and the routing weights; each returns the
+    four gradients."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
+
+    x = prob.x[:tokens].detach().requires_grad_(True)
+    weights = topk_weights.detach().requires_grad_(True)
+    module = TransformersExperts(prob.w_gate_up, prob.w_down, _default_apply_gate)
+    for param in (module.gate_up_proj, module.down_proj):
+        param.requires_grad_(True)
+    leaves = [x, module.gate_up_proj, module.down_proj, weights]
+    plan_module = md.host.replay
+
+    def step(forward, plans=True):
+        def call():
+            plan_module.ENABLED = plans
+            return torch.autograd.grad(forward(), leaves, grad_out)
+        return call
+
+    def fused():
+        return md.fused_experts(x, module.gate_up_proj, module.down_proj, topk_ids, weights)
+
+    fns = {"plans": step(fused), "no_plans": step(fused, plans=False),
+           "transformers_fn": step(lambda: md.moe_dispatch_experts(module, x, topk_ids, weights))}
+    fn = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") if hasattr(ALL_EXPERTS_FUNCTIONS, "get") else None
+    if fn is not None:
+        fns["grouped_mm"] = step(lambda: fn(module, x, topk_ids, weights))
+    return fns
+
+
+def plan_replays(md, fn, calls=3):
+    """How many of `calls` calls of `fn` the experts operator's forward and backward served from their plans."""
+    forward, backward = md.experts.operator.FORWARD_PLANS, md.experts.autograd.BACKWARD_PLANS
+    before = (forward.replays, backward.replays)
+    for _ in range(calls):
+        fn()
+    return {"forward": forward.replays - before[0], "backward": backward.replays - before[1],
+            "why_not": forward.last_reason or backward.last_reason}
 
 
 def idle_times(fn, calls=7):
@@ -157,7 +205,8 @@ def profile_cell(md, prob, tokens, topk_ids, topk_weights, calls=1000):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODEL_SHAPES))
-    parser.add_argument("--tokens", default="1,4,16,128")
+    parser.add_argument("--tokens", default=None, help="comma list (default 1,4,16,128; --train 2048)")
+    parser.add_argument("--train", action="store_true", help="time training calls (forward + autograd.grad)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default=None, help="MODEL:T for the cProfile and per-launch costs")
     parser.add_argument("--out", default=None)
@@ -169,8 +218,9 @@ def main(argv=None):
     import moe_dispatch as md
 
     device = torch.device("cuda")
-    tokens_list = [int(t) for t in args.tokens.split(",")]
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cells": [], "profile": None}
+    tokens_list = [int(t) for t in (args.tokens or ("2048" if args.train else "1,4,16,128")).split(",")]
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cells": [], "profile": None,
+               "train": args.train}
     try:
         import transformers
         import triton
@@ -178,16 +228,24 @@ def main(argv=None):
     except ImportError:
         pass
     profile_model, profile_tokens = (args.profile.split(":") if args.profile else (None, None))
-    with torch.no_grad():
+    with torch.set_grad_enabled(args.train):
         for name in args.models.split(","):
             shape = MODEL_SHAPES[name]
             prob = harness.make_problem(shape, max(tokens_list), torch.bfloat16, device, seed=0)
             for tokens in tokens_list:
                 topk_ids, topk_weights = harness.random_routing(tokens, shape.num_experts, shape.top_k, device, seed=1)
-                fns = implementations(md, prob, tokens, topk_ids, topk_weights)
+                if args.train:
+                    grad_out = torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16)
+                    fns = training_implementations(md, prob, tokens, topk_ids, topk_weights, grad_out)
+                else:
+                    fns = implementations(md, prob, tokens, topk_ids, topk_weights)
                 record = measure_cell(fns, args.rounds)
-                results["cells"].append({"model": name, "T": tokens, **record})
-                print(name, tokens, {k: round(v["host_us"], 1) for k, v in record.items()}, flush=True)
+                cell = {"model": name, "T": tokens, **record}
+                if args.train:
+                    cell["replays"] = plan_replays(md, fns["plans"])
+                results["cells"].append(cell)
+                print(name, tokens, {k: round(v["host_us"], 1) for k, v in record.items()}, cell.get("replays", ""),
+                      flush=True)
                 if name == profile_model and tokens == int(profile_tokens):
                     text, launch_costs = profile_cell(md, prob, tokens, topk_ids, topk_weights)
                     results["profile"] = {"cell": args.profile, "launches": launch_costs}
@@ -218,11 +276,17 @@ def markdown(results):
             return "-"
         return f"{r['host_us']:.1f} ({r['gpu_us']:.1f})" if gpu else f"{r['host_us']:.1f}"
 
+    if results.get("train"):  # training calls: how many of three calls replayed, forward / backward
+        lines[0] += " replays (fwd / bwd of 3) |"
+        lines[1] += "---|"
     for c in results["cells"]:
         plans = c["plans"]
-        lines.append(f"| {c['model']} | {c['T']} | {plans['gpu_us']:.1f} | {plans['host_us']:.1f} / "
-                     f"{plans['idle_us']:.1f} | {cell(c, 'no_plans')} | {cell(c, 'transformers_fn')} | "
-                     f"{cell(c, 'batched_mm', True)} | {cell(c, 'grouped_mm', True)} |")
+        line = (f"| {c['model']} | {c['T']} | {plans['gpu_us']:.1f} | {plans['host_us']:.1f} / "
+                f"{plans['idle_us']:.1f} | {cell(c, 'no_plans')} | {cell(c, 'transformers_fn')} | "
+                f"{cell(c, 'batched_mm', True)} | {cell(c, 'grouped_mm', True)} |")
+        if "replays" in c:
+            line += f" {c['replays']['forward']} / {c['replays']['backward']} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 

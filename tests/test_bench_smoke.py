@@ -558,6 +558,31 @@ def test_bench_host_implementations_agree():
         assert_close(fn(), expected, torch.float32, what=name)
 
 
+@needs_interpreter
+def test_bench_host_training_implementations_agree():
+    """scripts/bench_host.py --train's cells on an interpreter-sized Mixtral layer: the four gradients of every
+    implementation (with and without plans, through the transformers experts function, transformers' grouped_mm)
+    agree, and the package's second and third calls replay their forward and backward plans."""
+    import bench_host
+
+    import moe_dispatch as md
+
+    shape, tokens = TINY["mixtral-8x7b"], 5
+    prob = harness.make_problem(shape, tokens, torch.float32, torch.device(DEVICE), seed=0)
+    topk_ids, topk_weights = harness.random_routing(tokens, shape.num_experts, shape.top_k, torch.device(DEVICE),
+                                                    seed=1)
+    grad_out = torch.randn(tokens, shape.hidden, device=DEVICE)
+    fns = bench_host.training_implementations(md, prob, tokens, topk_ids, topk_weights, grad_out)
+    assert {"plans", "no_plans", "transformers_fn", "grouped_mm"} <= set(fns)
+    expected = fns["no_plans"]()
+    for name, fn in fns.items():
+        for what, got, want in zip(("x", "w_gate_up", "w_down", "topk_weights"), fn(), expected):
+            assert_close(got, want, torch.float32, what=f"{name} d{what}")
+    fns["plans"]()  # recorded (or replayed: the cache may hold this signature from above)
+    replays = bench_host.plan_replays(md, fns["plans"])
+    assert (replays["forward"], replays["backward"]) == (3, 3), replays
+
+
 # The weight-layout benchmark (scripts/bench_layouts.py).
 
 
