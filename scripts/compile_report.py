@@ -706,12 +706,12 @@ KNOWN = (
     Known("H200 (the H100 reads its table), Mixtral-8x7B's one-token FP8 decode bucket: the gate/up GEMV at 32 x 128 "
           "(64 weight rows a program) with stepped block scales, 72 bytes under the pinned Triton; measured with Triton "
           "3.6 on an H100 1.15x faster than the dot kernel it replaced (168.5 -> 146.5 us; docs/performance.md, "
-          "\"Decode: the GEMVs\").", ("h200",), ("_decode_gate_up_gemv_kernel",),
-          where=(("WEIGHT_SCALE", 4), ("BLOCK_N", 32), ("BLOCK_K", 128))),
+          "\"Decode: the GEMVs\").", ("h200",), ("_decode_gate_up_kernel",),
+          where=(("GEMV", True), ("WEIGHT_SCALE", 4), ("BLOCK_N", 32), ("BLOCK_K", 128))),
     Known("H200 with Triton 3.6 (the GPU image's; none with the pinned Triton): the fp8 decode table's gate/up tile "
           "at BLOCK_K 256 on the dequant path with a per-tensor or per-channel scale: 8 bytes; the tile was measured "
           "with that Triton (scripts/tune --path decode --fp8).", ("h200",), ("_decode_gate_up_kernel",),
-          where=(("WEIGHT_SCALE", (1, 2)), ("BLOCK_K", 256))),
+          where=(("GEMV", False), ("WEIGHT_SCALE", (1, 2)), ("BLOCK_K", 256))),
     Known("H200, Qwen3-30B's measured 32 x 128 x 128 tile (4 warps, 3 stages) in inference: 16 bytes; the winner by "
           "kernel time (scripts/tune).", ("h200",), ("_grouped_gemm_kernel",),
           where=(("BLOCK_M", 32), ("BLOCK_N", 128), ("BLOCK_K", 128), ("num_warps", 4), ("num_stages", 3))),

@@ -4,11 +4,16 @@ At a few tokens the four launches of the general path (dispatch, GEMM1, GEMM2, c
 and round trips through memory than the arithmetic they order. Here the assignments stay in their given order
 (a = t * top_k + j, N = T * top_k of them):
 
-  _decode_gate_up_kernel  one program per (assignment, F tile); the program of the FIRST assignment naming an expert
-                          owns that expert, the others exit. It multiplies all T rows of x (read densely) by the
-                          expert's gate and up tiles, applies the activation, and stores the rows of the tokens that
-                          picked the expert into intermediate[t * top_k + j] (both slots when a token lists it twice).
-                          Each expert hit is streamed from memory exactly once.
+  _decode_gate_up_kernel  one program per (assignment, F tile), in one of two forms (constexpr GEMV). The dot form:
+                          the program of the FIRST assignment naming an expert owns that expert, the others exit. It
+                          multiplies all T rows of x (read densely) by the expert's gate and up tiles, applies the
+                          activation, and stores the rows of the tokens that picked the expert into
+                          intermediate[t * top_k + j] (both slots when a token lists it twice). Each expert hit is
+                          streamed from memory exactly once. The GEMV form, where the tile table says `gemv`
+                          (DecodeTile.gemv): every program works, whatever its expert, as a GEMV over the tile's gate
+                          and up rows together (`rows_gemv`). MXFP4 bytes go from memory to registers 16 at a time and
+                          are multiplied there: no 16-row padded MMA and no trip through shared memory into the MMA
+                          operand layout.
   _decode_down_kernel     one program per (assignment, H tile): the GEMV intermediate[t * top_k + j] @ W_down[e]^T
                           (+ down bias) times topk_weights[t, j] in fp32, written to a partial row; the last of a
                           token's top_k programs to arrive (an atomic counter per (token, H tile)) sums the top_k
@@ -16,11 +21,6 @@ and round trips through memory than the arithmetic they order. Here the assignme
                           order does not depend on which program arrives last: reruns are bit-identical. One program
                           per assignment rather than per token keeps top_k times more weight loads in flight, which
                           is what a weight-bound GEMV at a few tokens needs to cover the GPU.
-  _decode_gate_up_gemv_kernel
-                          the gate/up kernel where the tile table says `gemv` (DecodeTile.gemv): one program per
-                          (assignment, F tile) whatever the expert, a GEMV over the tile's gate and up rows together
-                          (`rows_gemv`). MXFP4 bytes go from memory to registers 16 at a time and are multiplied there:
-                          no 16-row padded MMA and no trip through shared memory into the MMA operand layout.
   _decode_down_dot_kernel the down kernel where the tile table says `dot` (DecodeTile.dot): one program per (expert
                           hit, K split, H tile), as the gate/up kernel owns experts, whose tl.dot takes the rows of
                           every token that picked the expert. Once tokens share experts the GEMV converts and
@@ -146,7 +146,7 @@ def rows_gemv(row_ptr, stride_row_k, w_row_ptrs, s_ptrs, mask_r, stride_w_k, str
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _decode_gate_up_kernel(
-    # x: [T, H], every row read (no gather)
+    # x: [T, H]; the dot form reads every row (no gather), the GEMV form the row of each assignment's token
     x_ptr, stride_x_t, stride_x_h,
     # gate and up weights: per-expert [E, F, H] views by strides (one set for both, see gemm.grouped.same_strides);
     # PAIRED: w_gate_ptr is one interleaved [E, 2F, H] weight (gate at even rows) and bias_gate_ptr its [E, 2F] bias
@@ -169,132 +169,109 @@ def _decode_gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
     PAIRED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    GEMV: tl.constexpr,
+    # the dot form's alone (the GEMV form's launch passes fixed values)
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr,
     STEP_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_A: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """Grid: (N, cdiv(F, BLOCK_N)). Program (a, n) works only when assignment a is the first naming its expert e, a
-    valid one; it then writes columns [n * BLOCK_N, +BLOCK_N) of intermediate[t * TOP_K + j] for every (t, j) with
-    topk_ids[t, j] == e. BLOCK_T >= T rows (at least 16 for tl.dot); BLOCK_A >= N."""
+    """Grid: (N, cdiv(F, BLOCK_N)), program (a, n) for columns [n * BLOCK_N, +BLOCK_N) of the intermediate.
+
+    Dot form (GEMV off): program (a, n) works only when assignment a is the first naming its expert e, a valid one;
+    it then writes those columns of intermediate[t * TOP_K + j] for every (t, j) with topk_ids[t, j] == e. BLOCK_T
+    >= T rows (at least 16 for tl.dot); BLOCK_A >= N.
+
+    GEMV form (the tile table's `gemv`, DecodeTile.gemv): program (a = t * TOP_K + j, n) computes intermediate[a] =
+    act(x[t] @ gate^T, x[t] @ up^T) for expert topk_ids[t, j] as one GEMV over the tile's gate and up rows together
+    (`rows_gemv`; 2 BLOCK_N rows, gate and up alternating), and exits for an id outside [0, E). Every assignment
+    reads its expert's weights (assignments sharing an expert find them in L2: assignment is the grid's fastest
+    axis); nothing waits on an owner. What wins at one or two tokens, where the dot form's padded 16-row MMA and the
+    MXFP4 weight's trip through shared memory into the MMA operand layout cost more than multiplying in registers."""
     wait_for_producer(PDL)
     pid_a = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
         zero_counters(counter_ptr, num_counters, pid_n)
-    expert, owner = owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A)
-    if owner == 0:
-        return
-
-    offs_t = tl.arange(0, BLOCK_T)
-    mask_t = offs_t < num_tokens
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < F
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h  # [BLOCK_T, BLOCK_K]
-    # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (gemm/grouped.py's PAIRED)
-    b_gate, b_up, offs_pair, mask_pair = gate_up_tile_dot(
-        a_ptrs, mask_t, expert, pid_n, offs_n, mask_n, offs_k, F, w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n,
-        stride_w_k, scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
-        scale_block_n, scale_block_k, H, stride_x_h, True, PAIRED, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_T, BLOCK_N,
-        BLOCK_K, WEIGHT_SCALE, STEP_DOT)
-    release_dependents(PDL)
-    if PAIRED:
-        b_pairs = paired_bias_and_preact(b_gate, expert, offs_t, mask_t, offs_pair, mask_pair, bias_gate_ptr,
-                                         stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
-        b_gate, b_up = split_pairs(b_pairs)
-    elif HAS_BIAS:
-        b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
-                                stride_bias_n, ACTIVATION)
-    b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
-
-    for j in tl.static_range(TOP_K):
-        b_ids = tl.load(topk_ids_ptr + offs_t * stride_ids_t + j * stride_ids_k, mask=mask_t, other=-1)  # [BLOCK_T]
-        mask_rows = mask_t & (b_ids == expert)
-        inter_ptrs = inter_ptr + (offs_t * TOP_K + j)[:, None].to(tl.int64) * stride_inter_a + offs_n[None, :]
-        tl.store(inter_ptrs, b_act, mask=mask_rows[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _decode_gate_up_gemv_kernel(
-    # x: [T, H]; the row of each assignment's token is read
-    x_ptr, stride_x_t, stride_x_h,
-    # gate and up weights as in `_decode_gate_up_kernel` (PAIRED: one interleaved [E, 2F, H] weight and its bias)
-    w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n, stride_w_k,
-    bias_gate_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
-    scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step, scale_up_row_offset,
-    scale_block_n, scale_block_k,
-    inter_ptr, stride_inter_a,
-    topk_ids_ptr, stride_ids_t, stride_ids_k,
-    counter_ptr, num_counters,
-    num_tokens, F, H, E,
-    alpha, limit,
-    TOP_K: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    WEIGHT_SCALE: tl.constexpr,
-    PAIRED: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The gate/up kernel where the tile table says `gemv` (DecodeTile.gemv): grid (N, cdiv(F, BLOCK_N)), program
-    (a = t * TOP_K + j, n) computes columns [n * BLOCK_N, +BLOCK_N) of intermediate[a] = act(x[t] @ gate^T, x[t] @
-    up^T) for expert topk_ids[t, j] as one GEMV over the tile's gate and up rows together (`rows_gemv`; 2 BLOCK_N
-    rows, gate and up alternating), and exits for an id outside [0, E). Every assignment reads its expert's weights
-    (assignments sharing an expert find them in L2: assignment is the grid's fastest axis); nothing waits on an
-    owner. What wins at one or two tokens, where the dot kernel's padded 16-row MMA and the MXFP4 weight's trip
-    through shared memory into the MMA operand layout cost more than multiplying in registers."""
-    wait_for_producer(PDL)
-    pid_a = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
-        zero_counters(counter_ptr, num_counters, pid_n)
-    t = pid_a // TOP_K
-    expert = tl.load(topk_ids_ptr + t * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
-    if (expert < 0) | (expert >= E):
-        return
-    # the tile's rows as pairs: pair p is F column offs_pair // 2, its gate row when even, its up row when odd
-    offs_pair, mask_pair = pair_columns(pid_n, F, BLOCK_N)
-    expert_base = expert.to(tl.int64) * stride_w_e
-    if PAIRED:  # one interleaved weight: row p of it
-        w_row_ptrs = w_gate_ptr + expert_base + offs_pair * stride_w_n
-        s_ptrs = scale_ptr
-        if WEIGHT_SCALE != SCALE_NONE:
-            s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_pair, stride_scale_e, stride_scale_n,
-                                          scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+    if GEMV:
+        t = pid_a // TOP_K
+        expert = tl.load(topk_ids_ptr + t * stride_ids_t + (pid_a % TOP_K) * stride_ids_k)
+        if (expert < 0) | (expert >= E):
+            return
+        # the tile's rows as pairs: pair p is F column offs_pair // 2, its gate row when even, its up row when odd
+        offs_pair, mask_pair = pair_columns(pid_n, F, BLOCK_N)
+        expert_base = expert.to(tl.int64) * stride_w_e
+        if PAIRED:  # one interleaved weight: row p of it
+            w_row_ptrs = w_gate_ptr + expert_base + offs_pair * stride_w_n
+            s_ptrs = scale_ptr
+            if WEIGHT_SCALE != SCALE_NONE:
+                s_ptrs, _ = weight_scale_ptrs(scale_ptr, expert, offs_pair, stride_scale_e, stride_scale_n,
+                                              scale_row_step, scale_up_row_offset, scale_block_n, WEIGHT_SCALE)
+        else:
+            is_up = (offs_pair % 2) == 1
+            cols = offs_pair // 2
+            w_row_ptrs = tl.where(is_up, w_up_ptr, w_gate_ptr) + expert_base + cols * stride_w_n
+            s_ptrs = scale_ptr
+            if WEIGHT_SCALE != SCALE_NONE:
+                s_gate_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, cols, stride_scale_e, stride_scale_n,
+                                                           scale_row_step, scale_up_row_offset, scale_block_n,
+                                                           WEIGHT_SCALE)
+                s_ptrs = tl.where(is_up, s_up_ptrs, s_gate_ptrs)
+        b_pairs = rows_gemv(x_ptr + t.to(tl.int64) * stride_x_t, stride_x_h, w_row_ptrs, s_ptrs, mask_pair,
+                            stride_w_k, stride_scale_k, scale_block_k, 0, H, WEIGHT_SCALE, EVEN_K, BLOCK_K)[None, :]
+        release_dependents(PDL)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < F
+        if PAIRED:
+            b_pairs = paired_bias_and_preact(b_pairs, expert, offs_n, mask_n, offs_pair, mask_pair, bias_gate_ptr,
+                                             stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
+            b_gate, b_up = split_pairs(b_pairs)
+        else:
+            b_gate, b_up = split_pairs(b_pairs)
+            if HAS_BIAS:
+                b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr,
+                                        stride_bias_e, stride_bias_n, ACTIVATION)
+        b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
+        tl.store(inter_ptr + pid_a.to(tl.int64) * stride_inter_a + offs_n[None, :], b_act, mask=mask_n[None, :])
     else:
-        is_up = (offs_pair % 2) == 1
-        cols = offs_pair // 2
-        w_row_ptrs = tl.where(is_up, w_up_ptr, w_gate_ptr) + expert_base + cols * stride_w_n
-        s_ptrs = scale_ptr
-        if WEIGHT_SCALE != SCALE_NONE:
-            s_gate_ptrs, s_up_ptrs = weight_scale_ptrs(scale_ptr, expert, cols, stride_scale_e, stride_scale_n,
-                                                       scale_row_step, scale_up_row_offset, scale_block_n,
-                                                       WEIGHT_SCALE)
-            s_ptrs = tl.where(is_up, s_up_ptrs, s_gate_ptrs)
-    b_pairs = rows_gemv(x_ptr + t.to(tl.int64) * stride_x_t, stride_x_h, w_row_ptrs, s_ptrs, mask_pair, stride_w_k,
-                        stride_scale_k, scale_block_k, 0, H, WEIGHT_SCALE, EVEN_K, BLOCK_K)[None, :]
-    release_dependents(PDL)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < F
-    if PAIRED:
-        b_pairs = paired_bias_and_preact(b_pairs, expert, offs_n, mask_n, offs_pair, mask_pair, bias_gate_ptr,
-                                         stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
-        b_gate, b_up = split_pairs(b_pairs)
-    else:
-        b_gate, b_up = split_pairs(b_pairs)
-        if HAS_BIAS:
+        expert, owner = owned_expert(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A)
+        if owner == 0:
+            return
+
+        offs_t = tl.arange(0, BLOCK_T)
+        mask_t = offs_t < num_tokens
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < F
+        offs_k = tl.arange(0, BLOCK_K)
+        # [BLOCK_T, BLOCK_K]
+        a_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_x_t + offs_k[None, :] * stride_x_h
+        # PAIRED: one [BLOCK_K, 2 BLOCK_N] tile of the interleaved weight per K step (gemm/grouped.py's PAIRED)
+        b_gate, b_up, offs_pair, mask_pair = gate_up_tile_dot(
+            a_ptrs, mask_t, expert, pid_n, offs_n, mask_n, offs_k, F, w_gate_ptr, w_up_ptr, stride_w_e, stride_w_n,
+            stride_w_k, scale_ptr, stride_scale_e, stride_scale_n, stride_scale_k, scale_row_step,
+            scale_up_row_offset, scale_block_n, scale_block_k, H, stride_x_h, True, PAIRED, DOT_FP32, DOT_PRECISION,
+            EVEN_K, BLOCK_T, BLOCK_N, BLOCK_K, WEIGHT_SCALE, STEP_DOT)
+        release_dependents(PDL)
+        if PAIRED:
+            b_pairs = paired_bias_and_preact(b_gate, expert, offs_t, mask_t, offs_pair, mask_pair, bias_gate_ptr,
+                                             stride_bias_e, stride_bias_n, inter_ptr, 0, HAS_BIAS, False)
+            b_gate, b_up = split_pairs(b_pairs)
+        elif HAS_BIAS:
             b_gate, b_up = add_bias(b_gate, b_up, expert, offs_n, mask_n, bias_gate_ptr, bias_up_ptr, stride_bias_e,
                                     stride_bias_n, ACTIVATION)
-    b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
-    tl.store(inter_ptr + pid_a.to(tl.int64) * stride_inter_a + offs_n[None, :], b_act, mask=mask_n[None, :])
+        b_act = apply_activation(b_gate, b_up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
+
+        for j in tl.static_range(TOP_K):
+            b_ids = tl.load(topk_ids_ptr + offs_t * stride_ids_t + j * stride_ids_k, mask=mask_t,
+                            other=-1)  # [BLOCK_T]
+            mask_rows = mask_t & (b_ids == expert)
+            inter_ptrs = inter_ptr + (offs_t * TOP_K + j)[:, None].to(tl.int64) * stride_inter_a + offs_n[None, :]
+            tl.store(inter_ptrs, b_act, mask=mask_rows[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -573,7 +550,6 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         stride_e, stride_n, stride_k = weight_strides(w_gate, transposed)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
-        # what both gate/up kernels take: every argument but the scale code's constexprs and each kernel's own
         args = (x, x.stride(0), x.stride(1),
                 w_gate, w_up, stride_e, stride_n, stride_k,
                 gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
@@ -583,31 +559,27 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
                 counters, num_counters,
                 T, F, H, E,
                 float(alpha), float(limit))
-        meta = dict(TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
-                    PAIRED=paired, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **pdl_options(x.device))
+        dot_fp32, precision = dot_options(x.dtype)
         if tile.gemv:  # block scales step inside one block, as in the down GEMV
             scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype, device=x.device)
-            launch(_decode_gate_up_gemv_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
-                   WEIGHT_SCALE=int(scale_code), EVEN_K=H % block_k == 0, BLOCK_K=block_k,
-                   num_stages=tile.num_stages, **meta)
+            # the dot form's constexprs at fixed values: one compiled GEMV per specialization whatever T
+            form = dict(GEMV=True, DOT_FP32=dot_fp32, DOT_PRECISION=precision, STEP_DOT=0, BLOCK_T=1, BLOCK_A=1,
+                        num_stages=tile.num_stages)
         else:
             block_t = max(16, next_power_of_2(T))
-            dot_fp32, precision = dot_options(x.dtype)
             scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
-            launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
-                   WEIGHT_SCALE=int(scale_code),
-                   DOT_FP32=dot_fp32,
-                   DOT_PRECISION=precision,
-                   EVEN_K=H % block_k == 0,
-                   STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)),
-                   BLOCK_T=block_t,
-                   # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
-                   BLOCK_A=next_power_of_2(block_t * top_k),
-                   BLOCK_K=block_k,
-                   num_stages=pipeline_stages(tile.num_stages,
-                                              (block_t * x.element_size() + 2 * tile.block_n * w_gate.element_size())
-                                              * block_k, smem_per_program(x.device)),
-                   **meta)
+            form = dict(GEMV=False, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+                        STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)), BLOCK_T=block_t,
+                        # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
+                        BLOCK_A=next_power_of_2(block_t * top_k),
+                        num_stages=pipeline_stages(tile.num_stages,
+                                                   (block_t * x.element_size()
+                                                    + 2 * tile.block_n * w_gate.element_size()) * block_k,
+                                                   smem_per_program(x.device)))
+        launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
+               TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
+               WEIGHT_SCALE=int(scale_code), PAIRED=paired, EVEN_K=H % block_k == 0, BLOCK_N=tile.block_n,
+               BLOCK_K=block_k, num_warps=tile.num_warps, **pdl_options(x.device), **form)
     else:
         counters.zero_()  # no gate/up launch to zero them
     # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs

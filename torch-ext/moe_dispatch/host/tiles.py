@@ -182,7 +182,7 @@ class DecodeTile:
     # the down kernel only: one tensor-core dot per expert hit over the rows of all its tokens (gemm/decode.py's
     # `_decode_down_dot_kernel`) instead of a GEMV per assignment; what wins once several tokens share experts
     dot: bool = False
-    # the gate/up kernel only: a GEMV per assignment (gemm/decode.py's `_decode_gate_up_gemv_kernel`, the weights
+    # the gate/up kernel only: a GEMV per assignment (gemm/decode.py's `_decode_gate_up_kernel` in its GEMV form, the weights
     # multiplied in registers) instead of a tensor-core dot per expert hit over 16 padded rows
     gemv: bool = False
 
