@@ -48,6 +48,14 @@ def _fp8_gated_call(activation, bias):
                                                           activation=activation, **biases)
 
 
+def _mxfp4_probe_call():
+    import gluon_mxfp4_probe
+
+    a, offsets = torch.zeros(1000, 2880, dtype=torch.bfloat16), offsets_of([300, 0, 400, 300], device="cpu")
+    blocks, scales = torch.zeros(4, 5760, 1440, dtype=torch.uint8), torch.zeros(4, 5760, 90, dtype=torch.uint8)
+    return lambda: gluon_mxfp4_probe.mxfp4_grouped_gemm(a, blocks, scales, offsets)
+
+
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
 VARIANTS = [
     *[(f"fp8-gemm-{form}", (lambda g=grouped: _fp8_call(g)), gluon_fp8.DEFAULT_CONFIG,
@@ -64,6 +72,10 @@ VARIANTS = [
        (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
        "wgmma.wait_group.sync.aligned 0;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
+    # benchmarks/gluon_mxfp4_probe.py's GEMM at GPT-OSS-120B's GEMM1 widths: the decode of step i + 1 under the
+    # wgmma of step i (one left in flight)
+    ("mxfp4-probe-grouped", _mxfp4_probe_call, gluon_fp8.DEFAULT_CONFIG,
+     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
 ]
 
 
