@@ -84,7 +84,7 @@ MODELS = ("gpt-oss-120b", "gpt-oss-20b")
 TOKENS = (1, 2, 4, 8, 16, 128, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 5)
 SMOKE_SIZES = bench_layouts.SMOKE_SIZES  # E 4, top_k 2, H 64, F 32: multiples of the 32 values of an e8m0 scale
-IMPLS = ("mxfp4", "bf16", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
+IMPLS = ("mxfp4", "bf16", "mxfp4_portable", "hf_grouped_mm", "tk_matmul_ogs", "fg_mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class HubPeer:
 
 HUB_IMPLS = {"tk_matmul_ogs": HubPeer("kernels-community/gpt-oss-triton-kernels", 1, "gpt_oss_triton_kernels"),
              "fg_mxfp4": HubPeer("kernels-community/finegrained-fp8", 4, "finegrained_fp8")}
-LABELS = {"mxfp4": "mxfp4", "bf16": "bf16", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
+LABELS = {"mxfp4": "mxfp4", "bf16": "bf16", "mxfp4_portable": "mx portable", "hf_grouped_mm": "hf gmm", "tk_matmul_ogs": "tk ogs", "fg_mxfp4": "fg"}
 DTYPE = torch.bfloat16
 ALPHA, LIMIT = harness.SWIGLU_ALPHA, harness.SWIGLU_LIMIT
 MXFP4_GROUP = harness.MXFP4_GROUP
@@ -118,6 +118,7 @@ FG_TOLERANCE = reference.W8A8_TOLERANCE
 
 # --mxfp4-prefill: the values of MOE_DISPATCH_MXFP4_PREFILL (host/device.py), read by the package once per call
 PREFILL_CHOICES = ("auto", "loads", "buffer")
+GLUON_MXFP4_VARIABLE = "MOE_DISPATCH_GLUON_MXFP4"  # host/device.py's switch of the MXFP4 Gluon engine
 
 
 def parse_args(argv):
@@ -241,6 +242,23 @@ def package_impls(kernel, w):
 
     return {"mxfp4": Impl("mxfp4", "ready", mxfp4, note="moe_dispatch.fused_experts on the MXFP4 blocks and scales"),
             "bf16": Impl("bf16", "ready", bf16, note="moe_dispatch.fused_experts on the dequantized bf16 values")}
+
+
+def portable_impl(kernel, w):
+    """The package on the MXFP4 blocks with its Gluon MXFP4 engine off (MOE_DISPATCH_GLUON_MXFP4=0 for the call, read
+    at its entry and part of its plan's key): the portable kernels, which decode in their loads."""
+    def make(inp):
+        def call():
+            os.environ[GLUON_MXFP4_VARIABLE] = "0"
+            try:
+                return kernel.fused_experts(inp.x, topk_ids=inp.ids, topk_weights=inp.weights, validate=False,
+                                            **w.call_kwargs())
+            finally:
+                del os.environ[GLUON_MXFP4_VARIABLE]
+        return call
+
+    return Impl("mxfp4_portable", "ready", make, note="moe_dispatch.fused_experts on the MXFP4 blocks and scales with "
+                "MOE_DISPATCH_GLUON_MXFP4=0: the portable kernels (the same as mxfp4 where the engine does not run)")
 
 
 def hf_impl(w):
@@ -429,7 +447,7 @@ def fg_impl(fg, w):
 def model_impls(args, kernel, hub, w):
     """{impl: Impl} of one model's weights, in IMPLS order; a peer that cannot be built is skipped with the reason."""
     impls = package_impls(kernel, w)
-    builders = {"hf_grouped_mm": lambda: hf_impl(w),
+    builders = {"mxfp4_portable": lambda: portable_impl(kernel, w), "hf_grouped_mm": lambda: hf_impl(w),
                 "tk_matmul_ogs": lambda: tk_impl(hub["tk_matmul_ogs"][0], w),
                 "fg_mxfp4": lambda: fg_impl(hub["fg_mxfp4"][0], w)}
     for name in IMPLS[2:]:

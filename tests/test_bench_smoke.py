@@ -715,7 +715,7 @@ def test_bench_mxfp4_cpu_smoke(tmp_path, capsys):
     for c in cells:
         impls = c["impls"]
         assert set(impls) == set(bm.IMPLS)
-        for name in ("mxfp4", "bf16"):
+        for name in ("mxfp4", "bf16", "mxfp4_portable"):
             assert "error" not in impls[name] and impls[name]["ok"], impls[name]
             assert impls[name]["rel_err"] <= bm.TOLERANCE and impls[name]["us"] > 0
         hf = impls["hf_grouped_mm"]

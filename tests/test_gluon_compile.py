@@ -24,7 +24,7 @@ import torch
 import triton
 from helpers import INTERPRETED, offsets_of
 
-from moe_dispatch.gemm import gluon_experts, gluon_fp8, gluon_ws
+from moe_dispatch.gemm import gluon_experts, gluon_fp8, gluon_mxfp4, gluon_ws
 
 H200_SMEM = 227 * 1024  # the opt-in maximum of shared memory per block (scripts/compile_report.py's H200 target)
 pytestmark = pytest.mark.skipif(
@@ -48,12 +48,10 @@ def _fp8_gated_call(activation, bias):
                                                           activation=activation, **biases)
 
 
-def _mxfp4_probe_call():
-    import gluon_mxfp4_probe
-
+def _mxfp4_call(block_m):
     a, offsets = torch.zeros(1000, 2880, dtype=torch.bfloat16), offsets_of([300, 0, 400, 300], device="cpu")
     blocks, scales = torch.zeros(4, 5760, 1440, dtype=torch.uint8), torch.zeros(4, 5760, 90, dtype=torch.uint8)
-    return lambda: gluon_mxfp4_probe.mxfp4_grouped_gemm(a, blocks, scales, offsets)
+    return lambda: gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m)
 
 
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
@@ -72,10 +70,11 @@ VARIANTS = [
        (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
        "wgmma.wait_group.sync.aligned 0;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
-    # benchmarks/gluon_mxfp4_probe.py's GEMM at GPT-OSS-120B's GEMM1 widths: the decode of step i + 1 under the
-    # wgmma of step i (one left in flight)
-    ("mxfp4-probe-grouped", _mxfp4_probe_call, gluon_fp8.DEFAULT_CONFIG,
-     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;"),
+    # the MXFP4 GEMM at GPT-OSS-120B's GEMM1 widths, 64-row tiles (the engine's) and 128 (the probe's): the decode of
+    # step i + 1 under the wgmma of step i (one left in flight)
+    *[(f"mxfp4-grouped-{block_m}-rows", (lambda b=block_m: _mxfp4_call(b)), gluon_fp8.DEFAULT_CONFIG,
+       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;")
+      for block_m in (64, 128)],
 ]
 
 

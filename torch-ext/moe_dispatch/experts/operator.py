@@ -5,7 +5,8 @@
 dispatch.segments.dispatch -> GEMM1 (gather + gate/up + activation, the pre-activations saved when a gradient is
 needed) -> GEMM2 (down, routed weight) -> combine; at a few tokens in inference, gemm/decode.py instead (two launches,
 no dispatch); float8 weights on the w8a8 path run the portable w8a8 kernels or the SM90 Gluon engine
-(planner.plan_w8a8_engine). The last four outputs are what the backward needs; without save_preact they are empty [0].
+(planner.plan_w8a8_engine), MXFP4 weights at prefill the portable grouped GEMMs or the SM90 Gluon MXFP4 engine
+(planner.plan_mxfp4_engine). The last four outputs are what the backward needs; without save_preact they are empty [0].
 
 The operator is planned (host/replay.py) only where no plan stands above it: a training step's forward, whose
 inputs require gradients, cannot replay at the public entry and replays here, below autograd; an eager inference call
@@ -19,11 +20,11 @@ from ..dispatch.combine import combine
 from ..dispatch.segments import dispatch
 from ..formats.fp8 import infer_scheme, is_fp8, kernel_scale
 from ..formats.mxfp4 import is_mxfp4
-from ..gemm import gluon_fp8
+from ..gemm import gluon_fp8, gluon_mxfp4
 from ..gemm.decode import decode_experts
-from ..gemm.gluon_experts import gluon_w8a8_experts
+from ..gemm.gluon_experts import gluon_mxfp4_experts, gluon_w8a8_experts
 from ..gemm.grouped import expert_gemm
-from ..gemm.planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_w8a8_engine
+from ..gemm.planner import ExpertsPath, choose_fp8_compute, plan_experts, plan_mxfp4_engine, plan_w8a8_engine
 from ..gemm.w8a8 import w8a8_experts
 from ..host.library import custom_op
 from ..host.replay import PlanCache
@@ -80,7 +81,12 @@ def launch_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_b
                                 block_shape=call.block_shape, scale_layout=call.gate_up_scale_layout,
                                 static_input_scales=static_input_scales, transposed=call.transposed, top_k=top_k,
                                 available=gluon_fp8.available)
-    paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON)
+    if mxfp4:
+        plan = plan_mxfp4_engine(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, separate_up=separate_up,
+                                 transposed=call.transposed, save_preact=save_preact,
+                                 forced_tiles=call.forced_tiles() is not None, top_k=top_k,
+                                 available=gluon_mxfp4.available)
+    paired &= plan.path not in (ExpertsPath.W8A8, ExpertsPath.W8A8_GLUON, ExpertsPath.MXFP4_GLUON)
     gate_up_scale, down_scale = weight_scales(call, w_gate_up_scale, w_down_scale, F, paired=paired, mxfp4=mxfp4)
     if paired:
         w_gate, w_up, gate_bias, up_bias = w_gate_up, None, gate_up_bias, None
@@ -95,6 +101,10 @@ def launch_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_b
     combine_weights = None  # routing weights still to apply: the paths below apply them in their last GEMM's epilogue
     if plan.path is ExpertsPath.W8A8_GLUON:
         y, combine_weights = gluon_w8a8_experts(
+            x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, topk_weights=topk_weights,
+            interleaved=call.interleaved, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, **activation)
+    elif plan.path is ExpertsPath.MXFP4_GLUON:
+        y, combine_weights = gluon_mxfp4_experts(
             x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, topk_weights=topk_weights,
             interleaved=call.interleaved, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, **activation)
     elif plan.path is ExpertsPath.W8A8:

@@ -19,8 +19,11 @@
                         `available`, the TMA producer warp, the tile order and the expert tile map, launch checks
   gluon_fp8.py          a warp-specialized SM90 block-scaled FP8 GEMM in Gluon on that skeleton (dense and over
                         expert-sorted rows)
-  gluon_experts.py      the w8a8 experts path on gluon_fp8.py's GEMM (128 x 128 block scales, bf16; the engine at
-                        prefill on SM90: planner.plan_w8a8_engine, MOE_DISPATCH_GLUON_FP8)
+  gluon_mxfp4.py        a warp-specialized SM90 grouped GEMM in Gluon on that skeleton, bf16 x MXFP4 weights (the
+                        decode of one K step under the wgmma of the step before)
+  gluon_experts.py      the experts paths on those GEMMs: w8a8 on gluon_fp8.py's (128 x 128 block scales, bf16;
+                        planner.plan_w8a8_engine, MOE_DISPATCH_GLUON_FP8) and MXFP4 on gluon_mxfp4.py's
+                        (planner.plan_mxfp4_engine, MOE_DISPATCH_GLUON_MXFP4), at prefill on SM90
 
 Reference: `reference.grouped_gemm_ref`, `expert_ffn_ref`, `fused_experts_ref`, `fused_experts_fp8_ref`,
 `fused_experts_w8a8_ref`, `fp8_block_gemm_ref`, `fp8_block_grouped_gemm_ref`.

@@ -1,5 +1,6 @@
-"""The w8a8 experts path on the warp-specialized Gluon FP8 GEMM of gemm/gluon_fp8.py (Hopper, Triton 3.6). No host
-sync anywhere.
+"""The experts paths on the warp-specialized Gluon GEMMs (Hopper, Triton 3.6): w8a8 on gemm/gluon_fp8.py's FP8 GEMM,
+MXFP4 weights on gemm/gluon_mxfp4.py's (`gluon_mxfp4_experts`, at the end: the same passes around its two GEMMs, in
+bf16). No host sync anywhere.
 
 The engine (`gluon_w8a8_experts`): float8_e4m3fn weights with 128 x 128 block scales, run where
 planner.plan_w8a8_engine says so (SM90 with Triton's Gluon, from planner.GLUON_FP8_MIN_ROWS rows per expert unless
@@ -48,7 +49,8 @@ from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, t
                   tile_setup)
 from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
 from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
-from .w8a8 import fp8_rows, quantize_fp8_rows
+from .gluon_mxfp4 import mxfp4_grouped_gemm
+from .w8a8 import fp8_rows, gather_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
 # 64 x 256 below this many rows per expert: H200 speedup over 128 x 128 1.04-1.13x at 128-512, 0.97-1.02x from 1024
@@ -116,6 +118,35 @@ def _gated_activation_fp8_kernel(
 
 
 @triton.jit
+def _gated_activation_kernel(
+    # gate_up: [num_rows, 2 n_cols] GEMM1's output in sorted order (concatenated or, PAIRED, alternating columns)
+    gate_up_ptr, stride_gate_up_m,
+    bias_ptr, bias_up_ptr, stride_bias_e, stride_bias_n,
+    # h: [num_rows, n_cols] in gate_up's dtype
+    h_ptr, stride_h_m,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    num_rows, n_cols, E, max_tiles,
+    alpha, limit,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PAIRED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid: (max_tiles * cdiv(n_cols, BLOCK_N),). `_gated_activation_fp8_kernel`'s pass writing h in gate_up's dtype
+    (GEMM2's A on the MXFP4 engine): the expert's biases, the activation, one rounding. Sentinel tiles exit."""
+    expert, offs_m, mask_m, pid_n, offs_n, mask_n = tile_setup(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                               num_rows, n_cols, E, max_tiles, BLOCK_M, BLOCK_N, 1)
+    if expert < 0:
+        return
+    b_gate, b_up = _load_gate_up(gate_up_ptr, stride_gate_up_m, offs_m, mask_m, pid_n, offs_n, mask_n, n_cols, BLOCK_N,
+                                 PAIRED)
+    tile_epilogue(b_gate, b_up, expert, offs_m, mask_m, offs_n, mask_n, offs_m, bias_ptr, bias_up_ptr, stride_bias_e,
+                  stride_bias_n, h_ptr, stride_h_m, 1, None, 0, n_cols, None, 0, 0, alpha, limit, 1, ACTIVATION,
+                  HAS_BIAS, False, False)
+
+
+@triton.jit
 def _bias_routing_weight_kernel(
     # y: [num_rows, n_cols] GEMM2's output in sorted order, rewritten in place
     y_ptr, stride_y_m,
@@ -162,6 +193,25 @@ def _gated_activation_fp8(gate_up, info, *, interleaved, activation, gate_bias, 
         ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, PAIRED=interleaved,
         ROUND_IN_FP32=is_interpreter(), BLOCK_M=info.block_m, GROUP=SCALE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return h, h_scale
+
+
+def _gated_activation(gate_up, info, *, interleaved, activation, gate_bias, up_bias, alpha, limit):
+    """gate_up [N, 2F] (sorted rows) -> h [N, F] in gate_up's dtype (rows past the kept assignments unwritten)."""
+    num_rows, num_ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    h = torch.empty((num_rows, num_ffn), device=gate_up.device, dtype=gate_up.dtype)
+    if num_rows == 0 or num_ffn == 0 or info.max_tiles == 0:
+        return h
+    bias = gate_bias is not None
+    launch(_gated_activation_kernel, (info.max_tiles * cdiv(num_ffn, ELEMENTWISE_BLOCK_N),),
+        gate_up, gate_up.stride(0),
+        gate_bias, up_bias, gate_bias.stride(0) if bias else 0, gate_bias.stride(1) if bias else 0,
+        h, h.stride(0),
+        info.tile_expert, info.tile_row_start, info.expert_offsets,
+        num_rows, num_ffn, info.num_experts, info.max_tiles,
+        float(alpha), float(limit),
+        ACTIVATION=int(Activation.of(activation)), HAS_BIAS=bias, PAIRED=interleaved, BLOCK_M=info.block_m,
+        BLOCK_N=ELEMENTWISE_BLOCK_N, num_warps=ELEMENTWISE_WARPS)
+    return h
 
 
 def _bias_routing_weight(y, info, down_bias, topk_weights):
@@ -225,6 +275,29 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
         h, h_scale = _gated_activation_fp8(gate_up, info, interleaved=interleaved, activation=activation,
                                            gate_bias=gate_bias, up_bias=up_bias, alpha=alpha, limit=limit)
     y = fp8_block_grouped_gemm(h, h_scale, w_down, w_down_scale, info.expert_offsets, cfg=cfg)
+    if down_bias is None:
+        return y, topk_weights
+    return _bias_routing_weight(y, info, down_bias, topk_weights), None
+
+
+def gluon_mxfp4_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
+                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
+                        alpha=1.702, limit=7.0):
+    """Both GEMMs of the MXFP4 experts path on the Gluon MXFP4 GEMM (gemm/gluon_mxfp4.py) -> (y [N, H] bf16 in the
+    dispatch's sorted order, the routing weights combine must still apply: None where a down bias pass applied them),
+    as `gluon_w8a8_experts` returns them. For what planner.gluon_mxfp4_refusal accepts.
+
+    x [T, H] bf16; w_gate_up uint8 [E, 2F, H / 2] contiguous MXFP4 bytes, gate rows then up rows (`interleaved`:
+    alternating, gate first), w_gate_up_scale uint8 [E, 2F, H / 32]; w_down uint8 [E, H, F / 2] with w_down_scale
+    [E, H, F / 32]; info the dispatch (any block_m); gate_bias, up_bias [E, F] views with equal strides, down_bias
+    [E, H]. The passes: x's rows gathered into sorted order (`gemm.w8a8.gather_rows`), GEMM1 -> gate_up [N, 2F],
+    biases and activation -> h [N, F] bf16 (`_gated_activation`), GEMM2 -> y, then the down bias and routing weight
+    (`_bias_routing_weight`) where there is a down bias."""
+    a = gather_rows(x, info)
+    gate_up = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets)
+    h = _gated_activation(gate_up, info, interleaved=interleaved, activation=activation, gate_bias=gate_bias,
+                          up_bias=up_bias, alpha=alpha, limit=limit)
+    y = mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets)
     if down_bias is None:
         return y, topk_weights
     return _bias_routing_weight(y, info, down_bias, topk_weights), None

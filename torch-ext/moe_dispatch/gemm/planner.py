@@ -8,6 +8,10 @@ decides; it launches nothing and imports no launcher.
   plan_w8a8_engine     the w8a8 path's engine: the portable Triton GEMMs, or the warp-specialized Gluon GEMM
                        (gemm.gluon_experts; SM90 with Triton's Gluon, from GLUON_FP8_MIN_ROWS rows per expert, or
                        as MOE_DISPATCH_GLUON_FP8 says); `gluon_fp8_refusal` says why not
+  plan_mxfp4_engine    the MXFP4 path's engine at prefill: the portable grouped GEMMs (the decode in their loads), or
+                       the warp-specialized Gluon MXFP4 GEMM (gemm.gluon_experts.gluon_mxfp4_experts; SM90 with
+                       Triton's Gluon, from GLUON_MXFP4_MIN_ROWS rows per expert, or as MOE_DISPATCH_GLUON_MXFP4
+                       says); `gluon_mxfp4_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
@@ -31,7 +35,7 @@ import torch
 
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import (GLUON_FP8_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment, has_tma, has_wgmma,
+from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment, has_tma, has_wgmma,
                            is_interpreter, on_gpu, tma_readable)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
@@ -64,6 +68,13 @@ GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
 # mostly empty.
 GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = DEFAULT_FP8_BLOCK_SHAPE  # the one weight block the Gluon GEMM reads: the default's
+# The Gluon engine of the MXFP4 path (gemm/gluon_experts.py's gluon_mxfp4_experts): "auto" (MOE_DISPATCH_GLUON_MXFP4
+# unset or empty) runs it from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) outside the decode path, "1"
+# wherever it can run, "0" never.
+GLUON_MXFP4_MODES = SWITCH_VALUES[GLUON_MXFP4_VARIABLE]
+# Its GEMM measured faster than the portable MXFP4 GEMM from 4 rows per expert (H100, GPT-OSS-120B GEMM1, T = 128:
+# 894 against 1013 us; docs/performance.md, "MXFP4 experts")
+GLUON_MXFP4_MIN_ROWS = 4
 
 
 class ExpertsPath(enum.Enum):
@@ -75,6 +86,9 @@ class ExpertsPath(enum.Enum):
     # dispatch -> gemm.gluon_experts.gluon_w8a8_experts -> combine: the w8a8 path's arithmetic on the Gluon GEMM
     # (`plan_w8a8_engine`)
     W8A8_GLUON = "w8a8 on the Gluon GEMM"
+    # dispatch -> gemm.gluon_experts.gluon_mxfp4_experts -> combine: MXFP4 weights on the Gluon MXFP4 GEMM
+    # (`plan_mxfp4_engine`)
+    MXFP4_GLUON = "MXFP4 on the Gluon GEMM"
 
 
 class GemmKernel(enum.Enum):
@@ -180,6 +194,60 @@ def plan_w8a8_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor
     `plan` unchanged (the portable kernels)."""
     if gluon_fp8_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
         return dataclasses.replace(plan, path=ExpertsPath.W8A8_GLUON)
+    return plan
+
+
+def gluon_mxfp4_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                        w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, *, separate_up: bool,
+                        transposed: bool, save_preact: bool, forced_tiles: bool, top_k: int,
+                        available: Callable[[torch.device], bool]) -> str | None:
+    """Why the MXFP4 Gluon engine (gemm.gluon_experts.gluon_mxfp4_experts) does not run this experts call (a
+    sentence), or None when it does.
+
+    It runs unless GLUON_MXFP4_VARIABLE is "0", from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) when the
+    variable is "auto" (unset) and at any count when it is "1", on the grouped path (the decode path keeps its GEMVs),
+    without gradients (it saves no pre-activations), unless the caller forced tiles (they are the portable kernels'),
+    for bf16 activations and MXFP4 weights (uint8 bytes [E, N, K / 2],
+    uint8 e8m0 codes), gate and up in one weight (concatenated or interleaved), both weights contiguous (their rows
+    are read as one [E * N, K / 2] matrix by TMA), and where `available(device)` says the Gluon GEMM can run
+    (gemm.gluon_mxfp4.available: Triton 3.6's Gluon, an SM90 GPU; the CPU never). Host facts only."""
+    mode = current_environment().gluon_mxfp4
+    if mode == "0":
+        return f"{GLUON_MXFP4_VARIABLE} is 0"
+    if plan.path is not ExpertsPath.GROUPED:
+        return f"the call takes the {plan.path.value} path, not grouped"
+    if save_preact:
+        return "gradients are taken: the engine saves no pre-activations"
+    if forced_tiles:
+        return "the caller forced tiles: they are the portable kernels'"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}; the Gluon MXFP4 GEMM reads bf16"
+    if transposed:
+        return "transposed weights; the Gluon MXFP4 GEMM reads [E, N, K / 2] rows"
+    if separate_up:
+        return "gate and up are separate tensors; the engine reads one [E, 2F, H / 2] weight"
+    for name, weight, scale in (("w_gate_up", w_gate_up, w_gate_up_scale), ("w_down", w_down, w_down_scale)):
+        if weight.dtype != torch.uint8 or weight.dim() != 3:
+            return f"{name} is not MXFP4 bytes [E, N, K / 2]"
+        if scale is None or scale.dtype != torch.uint8:
+            return f"{name} has no uint8 e8m0 scale codes"
+        if not weight.is_contiguous() or not tma_readable(weight):
+            return f"{name} is not contiguous with rows of whole {TMA_ALIGN} bytes (TMA)"
+    rows = x.shape[0] * top_k / max(w_gate_up.shape[0], 1)
+    if mode == "auto" and rows < GLUON_MXFP4_MIN_ROWS:
+        return (f"{rows:g} rows per expert (T * top_k / E), under GLUON_MXFP4_MIN_ROWS = {GLUON_MXFP4_MIN_ROWS}, "
+                "where the portable kernels are faster")
+    if not available(x.device):
+        return f"the Gluon MXFP4 GEMM cannot run on {x.device}"
+    return None
+
+
+def plan_mxfp4_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                      w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, **facts) -> ExpertsPlan:
+    """`plan` on ExpertsPath.MXFP4_GLUON where `gluon_mxfp4_refusal` (same arguments) finds no reason against it; else
+    `plan` unchanged (the portable kernels)."""
+    if gluon_mxfp4_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
+        return dataclasses.replace(plan, path=ExpertsPath.MXFP4_GLUON)
     return plan
 
 

@@ -65,6 +65,7 @@ from .w8a8_jit import (A_FP8_GROUPS, A_FP8_STATIC, A_STATIC, AQuant, QuantOut, b
 from .w8a8_persistent import persistent_w8a8_gemm
 
 QUANTIZE_BLOCK_M = 32  # rows per program of the quantization pass
+COPY_BLOCK_K = 128  # columns per program of the same pass copying rows (`gather_rows`)
 
 
 @triton.jit
@@ -166,9 +167,10 @@ def _w8a8_gemm_kernel(
 def _quantize_rows_kernel(x_ptr, stride_x_m, q_ptr, stride_q_m, s_ptr, stride_s_m, static_ptr, num_rows, K, fp8_max,
                           gather_idx_ptr, num_tokens, TOP_K: tl.constexpr, GATHER: tl.constexpr,
                           STATIC: tl.constexpr, ROUND_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                          GROUP: tl.constexpr):
+                          GROUP: tl.constexpr, COPY: tl.constexpr = False):
     """Grid: (cdiv(num_rows, BLOCK_M), cdiv(K, GROUP)). Each program quantizes a [BLOCK_M, GROUP] block of rows to e4m3:
-    one scale per row (s[row, group] = amax / fp8_max), or x / the static scale (STATIC: no scales written).
+    one scale per row (s[row, group] = amax / fp8_max), or x / the static scale (STATIC: no scales written); COPY
+    stores the rows in q's dtype instead (x's own values: no scales written; `gather_rows`).
     GATHER: row p of q is x[gather_idx[p] // TOP_K] (the expert-sorted order), zeros where gather_idx names no token
     (-1 past the kept assignments), so every row of q is written."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,7 +183,9 @@ def _quantize_rows_kernel(x_ptr, stride_x_m, q_ptr, stride_q_m, s_ptr, stride_s_
     mask_k = (offs_k < K)[None, :]
     b_x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_x_m + offs_k[None, :], mask=mask_x[:, None] & mask_k,
                   other=0.0).to(tl.float32)
-    if STATIC:
+    if COPY:
+        b_q = b_x.to(q_ptr.dtype.element_ty)
+    elif STATIC:
         b_q = to_fp8(b_x / tl.load(static_ptr), fp8_max, ROUND_IN_FP32)
     else:
         b_q, b_s = quantize_rows(b_x, fp8_max, ROUND_IN_FP32)
@@ -215,6 +219,23 @@ def quantize_fp8_rows(x, group, static_scale=None, info=None):
         TOP_K=info.top_k if info is not None else 1, GATHER=info is not None, STATIC=static_scale is not None,
         ROUND_IN_FP32=is_interpreter(), BLOCK_M=QUANTIZE_BLOCK_M, GROUP=group)
     return q, scales
+
+
+def gather_rows(x, info):
+    """x [T, K] (unit column stride) -> its rows in the dispatch's expert-sorted order, [info.num_assignments, K] in
+    x's dtype: row p is x[info.gather_idx[p] // top_k], zeros past the kept assignments (every row written): A of a
+    GEMM that reads rows through descriptors (gemm/gluon_mxfp4.py), in `quantize_fp8_rows`' pass with COPY."""
+    T, K = x.shape
+    M = info.num_assignments
+    out = torch.empty((M, K), device=x.device, dtype=x.dtype)
+    if M == 0 or K == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    launch(_quantize_rows_kernel, (cdiv(M, QUANTIZE_BLOCK_M), cdiv(K, COPY_BLOCK_K)),
+        x, x.stride(0), out, out.stride(0), None, 0, None, M, K, 0.0, info.gather_idx, T,
+        TOP_K=info.top_k, GATHER=True, STATIC=False, ROUND_IN_FP32=False, BLOCK_M=QUANTIZE_BLOCK_M,
+        GROUP=COPY_BLOCK_K, COPY=True)
+    return out
 
 
 def _group(tile_block_k, weight_scale: WeightScale):

@@ -1,0 +1,225 @@
+"""The MXFP4 path's Gluon engine (moe_dispatch.gemm.gluon_mxfp4's GEMM, gemm.gluon_experts.gluon_mxfp4_experts, chosen
+by planner.plan_mxfp4_engine): when it runs, the arithmetic around its two GEMMs, and on a Hopper GPU the GEMM and the
+whole engine against float64.
+
+The Gluon GEMM needs an SM90 GPU and Triton 3.6, so the CPU tests run the engine's glue (the pass that gathers x's
+rows, the activation pass, the down bias / routing-weight pass, combine) in the interpreter with the GEMM swapped for
+its float64 reference on the dequantized weight (helpers.swap_gluon_gemm: the real launcher checks every operand
+first), through `fused_experts` with MOE_DISPATCH_GLUON_MXFP4=1 and `gluon_mxfp4.available` patched to True. Its
+sm_90 compile is tests/test_gluon_compile.py's.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, Refusal, assert_close, capture_cuda_graph, engine_refusals, offsets_of, swap_gluon_gemm
+
+import moe_dispatch as md
+from moe_dispatch.gemm import gluon_experts, gluon_mxfp4, planner
+from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
+from moe_dispatch.host import replay
+from moe_dispatch.host.device import GLUON_MXFP4_VARIABLE
+from moe_dispatch.host.tiles import GemmTile, MoeTiles
+from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref, grouped_gemm_ref
+
+on_hopper = pytest.mark.skipif(not gluon_mxfp4.available(), reason=f"{gluon_mxfp4.unavailable_reason()}")
+PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
+
+
+def _mxfp4(E, N, K, seed, device=DEVICE):
+    """(blocks uint8 [E, N, K / 2], scale codes uint8 [E, N, K / 32]) of a random weight, by the package's quantizer."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, scales = md.quantize_experts_mxfp4(torch.randn(E, N, K, generator=gen) * 0.2)
+    return blocks.reshape(E, N, K // 2).to(device), scales.to(device)
+
+
+def _gemm_reference(a, blocks, scales, expert_offsets, **_):
+    return grouped_gemm_ref(a, dequantize_mxfp4_ref(blocks, scales), expert_offsets, blocks.shape[0])
+
+
+def _experts(T, E, top_k, H, F, *, bias, skip=2, seed=0):
+    """x bf16, MXFP4 (blocks, scales) of gate/up [E, 2F, H] and down [E, H, F], ids (never expert `skip`), routing
+    weights, biases."""
+    torch.manual_seed(seed)
+    x = torch.randn(T, H).to(DEVICE, torch.bfloat16)
+    gate_up, down = _mxfp4(E, 2 * F, H, seed + 1), _mxfp4(E, H, F, seed + 2)
+    pool = torch.tensor([e for e in range(E) if e != skip])
+    ids = torch.stack([pool[torch.randperm(len(pool))[:top_k]] for _ in range(T)]).to(DEVICE)
+    weights = torch.rand(T, top_k, device=DEVICE)
+    biases = {}
+    if bias:
+        biases = dict(gate_up_bias=(torch.randn(E, 2 * F, device=DEVICE) * 0.1).bfloat16(),
+                      down_bias=(torch.randn(E, H, device=DEVICE) * 0.1).bfloat16())
+    return x, gate_up, down, ids, weights, biases
+
+
+def _run(x, gate_up, down, ids, weights, **options):
+    return md.fused_experts(x, gate_up[0], down[0], ids, weights, w_gate_up_scale=gate_up[1], w_down_scale=down[1],
+                            validate=False, **options)
+
+
+def _reference(x, gate_up, down, ids, weights, **options):
+    options = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    return fused_experts_ref(x.double(), dequantize_mxfp4_ref(*gate_up), dequantize_mxfp4_ref(*down), ids,
+                             weights.double(), **options)
+
+
+# (id, T, E, top_k, H, F, fused_experts options, biases, why)
+GLUE_CASES = [
+    ("gpt-oss", 13, 4, 2, 64, 96, dict(activation="swiglu_oai", interleaved=True), True,
+     "GPT-OSS's layout (gate and up rows alternating) with both biases: the activation pass splits the pairs, the down "
+     "bias pass applies the routing weights; expert 2 gets no row"),
+    ("concatenated-silu", 13, 4, 2, 96, 64, {}, False,
+     "gate rows then up rows, silu, no bias: combine applies the routing weights; H = 96 not a multiple of 64"),
+]
+
+
+@pytest.mark.parametrize("case", GLUE_CASES, ids=[c[0] for c in GLUE_CASES])
+def test_engine_glue_matches_float64(case, monkeypatch, poison_empty):
+    """The whole experts output through fused_experts (dispatch, the engine's passes, combine) with both GEMMs the
+    float64 reference rounded to bf16, against the float64 experts on the dequantized weights. Buffers start as NaN
+    (poison_empty): the passes write every row the GEMMs and combine read."""
+    _, T, E, top_k, H, F, options, bias, _ = case
+    calls = swap_gluon_gemm(monkeypatch, gluon_mxfp4, "mxfp4_grouped_gemm", GLUON_MXFP4_VARIABLE, _gemm_reference,
+                            out_dtype=torch.bfloat16)
+    replay.clear()
+    x, gate_up, down, ids, weights, biases = _experts(T, E, top_k, H, F, bias=bias)
+    out = _run(x, gate_up, down, ids, weights, **options, **biases)
+    N = T * top_k
+    assert calls == [((N, H), (E, 2 * F, H // 2), torch.bfloat16), ((N, F), (E, H, F // 2), torch.bfloat16)]
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert_close(out, _reference(x, gate_up, down, ids, weights, **options, **biases), torch.bfloat16)
+
+
+def test_gather_rows_zeroes_rows_past_the_kept_assignments():
+    """gemm.w8a8.gather_rows: row p is x[gather_idx[p] // top_k] in sorted order; an assignment to an expert out of
+    range is dropped by the dispatch and its row reads as zeros (every row written, none read from past x)."""
+    from moe_dispatch.dispatch.segments import dispatch
+    from moe_dispatch.gemm.w8a8 import gather_rows
+
+    x = torch.randn(5, 40).to(DEVICE, torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 9], [0, 2]], device=DEVICE)  # 9: out of range for E = 3
+    info = dispatch(ids, 3, 16)
+    rows = gather_rows(x, info)
+    kept = int(info.expert_offsets[-1])
+    assert kept == 9 and rows.shape == (10, 40)
+    assert torch.equal(rows[:kept], x[info.gather_idx[:kept].long() // 2])
+    assert torch.equal(rows[kept:], torch.zeros_like(rows[kept:]))
+
+
+def _refusal_args(**changes):
+    x = torch.zeros(512, 64, dtype=torch.bfloat16)
+    w_gate_up, w_down = torch.zeros(4, 192, 32, dtype=torch.uint8), torch.zeros(4, 64, 48, dtype=torch.uint8)
+    args = dict(plan=ExpertsPlan(ExpertsPath.GROUPED, PREFILL), x=x, w_gate_up=w_gate_up, w_down=w_down,
+                w_gate_up_scale=torch.zeros(4, 192, 2, dtype=torch.uint8),
+                w_down_scale=torch.zeros(4, 64, 3, dtype=torch.uint8), separate_up=False, transposed=False,
+                save_preact=False, forced_tiles=False, top_k=2, available=lambda device: True)
+    args.update(changes)
+    return args
+
+
+REFUSALS = [
+    *engine_refusals(gluon_mxfp4, PREFILL),
+    Refusal("gradients", "a training call saves pre-activations", lambda: dict(save_preact=True), "gradients"),
+    Refusal("forced-tiles", "the caller's tiles are the portable kernels'", lambda: dict(forced_tiles=True),
+            "forced tiles"),
+    Refusal("fp32", "fp32 activations", lambda: dict(x=torch.zeros(512, 64)), "activations are torch.float32"),
+    Refusal("separate-up", "gate and up as two tensors", lambda: dict(separate_up=True), "separate"),
+    Refusal("strided", "a weight that is not contiguous",
+            lambda: dict(w_down=torch.zeros(4, 48, 64, dtype=torch.uint8).transpose(1, 2)), "w_down is not contiguous"),
+    Refusal("few-rows", "T * top_k / E under GLUON_MXFP4_MIN_ROWS",
+            lambda: dict(x=torch.zeros(7, 64, dtype=torch.bfloat16)), "rows per expert"),
+]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=[r.id for r in REFUSALS])
+def test_planner_refuses(refusal, monkeypatch):
+    monkeypatch.delenv(GLUON_MXFP4_VARIABLE, raising=False)
+    refusal.assert_refused(lambda **changes: planner.gluon_mxfp4_refusal(**_refusal_args(**changes)))
+
+
+def test_planner_accepts_and_follows_the_variable(monkeypatch):
+    """Accepted at 256 rows per expert; "1" takes it at 3.5 rows, "0" refuses it anywhere; any other value raises
+    naming the variable."""
+    monkeypatch.delenv(GLUON_MXFP4_VARIABLE, raising=False)
+    assert planner.gluon_mxfp4_refusal(**_refusal_args()) is None
+    args = _refusal_args()
+    plan = planner.plan_mxfp4_engine(**args)
+    assert plan.path is ExpertsPath.MXFP4_GLUON and plan.tiles == PREFILL
+    few = _refusal_args(x=torch.zeros(7, 64, dtype=torch.bfloat16))
+    assert planner.gluon_mxfp4_refusal(**few) is not None
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "1")
+    assert planner.gluon_mxfp4_refusal(**few) is None
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "0")
+    assert "is 0" in planner.gluon_mxfp4_refusal(**_refusal_args())
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "yes")
+    with pytest.raises(ValueError, match=GLUON_MXFP4_VARIABLE):
+        planner.gluon_mxfp4_refusal(**_refusal_args())
+
+
+# (expert row counts, N, K, why): small odd sizes of the GEMM
+GEMM_CASES = [
+    ((5, 0, 17, 1), 96, 96, "an empty expert, ragged rows, a one-row expert; N 96 a masked column tile (of 256), K 96 "
+                            "a masked K step (96 = 64 + 32)"),
+    ((3, 70, 0), 320, 128, "K a multiple of 64; 70 rows span two 64-row tiles; N 320 a second, partial output tile "
+                           "whose second half reads past the expert's rows; the last expert empty"),
+]
+
+
+@on_hopper
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=["ragged", "two-tiles"])
+def test_gemm_matches_float64(case, block_m):
+    counts, N, K, why = case
+    E, M = len(counts), sum(counts)
+    a = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    blocks, scales = _mxfp4(E, N, K, 1)
+    offsets = offsets_of(counts, device=DEVICE)
+    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m)
+    assert_close(out, _gemm_reference(a, blocks, scales, offsets), torch.bfloat16, what=why)
+
+
+@on_hopper
+def test_gemm_keeps_nans_in_place():
+    """A NaN in row 7 of A reaches row 7 only; scale code 0xFF of expert 2, column 9 makes column 9 NaN in expert 2's
+    rows (5..21) only."""
+    counts, N, K = (5, 0, 17, 1), 96, 96
+    a = torch.randn(sum(counts), K, device=DEVICE).bfloat16()
+    a[7, 5] = float("nan")
+    blocks, scales = _mxfp4(len(counts), N, K, 2)
+    scales[2, 9, 1] = 0xFF
+    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets_of(counts, device=DEVICE))
+    expected = torch.zeros_like(out, dtype=torch.bool)
+    expected[7] = True
+    expected[5:22, 9] = True
+    assert torch.equal(out.isnan(), expected)
+
+
+@on_hopper
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "concatenated"])
+def test_engine_matches_float64_and_replays(interleaved, monkeypatch):
+    """The whole engine through fused_experts at odd widths (H = 288, F = 160: masked K steps and a partial 256-column
+    tile in both GEMMs; an expert with no row), against float64 on the dequantized weights and against the portable
+    kernels (MOE_DISPATCH_GLUON_MXFP4=0); two calls agree bit for bit and a CUDA graph replay equals the eager call."""
+    T, E, top_k, H, F = 300, 8, 4, 288, 160
+    options = dict(activation="swiglu_oai", interleaved=True) if interleaved else {}
+    x, gate_up, down, ids, weights, biases = _experts(T, E, top_k, H, F, bias=interleaved)
+    run = lambda: _run(x, gate_up, down, ids, weights, **options, **biases)  # noqa: E731
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "0")
+    replay.clear()
+    portable = run()
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "1")
+    replay.clear()
+    calls = []
+    real = gluon_experts.gluon_mxfp4_experts
+    from moe_dispatch.experts import operator
+    monkeypatch.setattr(operator, "gluon_mxfp4_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = run()
+    assert calls, "the engine did not run"
+    assert torch.equal(run(), out)
+    graph, static = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+    ref = _reference(x, gate_up, down, ids, weights, **options, **biases)
+    assert_close(out, ref, torch.bfloat16, what="engine")
+    assert_close(portable, ref, torch.bfloat16, what="portable")

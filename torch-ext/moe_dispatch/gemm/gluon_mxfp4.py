@@ -1,0 +1,228 @@
+"""A warp-specialized grouped GEMM with MXFP4 weights in Gluon (Hopper, SM90; Triton 3.6), on gemm/gluon_ws.py's
+skeleton: out [M, N] bf16 = a_seg @ dequant(w_e)^T over expert-sorted rows, bf16 activations against MXFP4 weights
+as checkpoints store them ([E, N, K / 2] bytes, byte j of a row holding K values 2j and 2j + 1; e8m0 scale codes
+[E, N, K / 32]). The MXFP4 experts path runs both of its GEMMs on it at prefill on SM90 (gemm/gluon_experts.py's
+`gluon_mxfp4_experts`, chosen by planner.plan_mxfp4_engine).
+
+One CTA per SM walks the 64 x 256 output tiles of the tile map (dispatch.segments.segment_tile_map, built on the
+device: no host sync) in gluon_ws's grouped-M order, in three partitions:
+
+    producer  (1 warp)       TMA loads of A [64, 64] bf16 and the weight's two packed tiles [128, 32] uint8 (the
+                             output tile's two 128-column halves; 64 K values as 32 bytes a row) into a ring of stages
+    consumer c (warp group)  its 128 columns: per K step the packed bytes from shared memory into registers (16 a
+                             thread: one scale group), their two scale codes from global memory, the PTX decode of
+                             gemm/jit.py (E2M1_BF16X2_PTX: two values per 32-bit operation, the scale applied) joined
+                             back into K order, stored to one of its two bf16 [128, 64] buffers, then an asynchronous
+                             wgmma (m64n128k16) of the stage's A tile against that buffer. The decode of step i + 1
+                             runs while the wgmma of step i is in flight (one left outstanding); a stage goes back to
+                             the producer once the wgmma that read its A tile has completed.
+
+Why: the portable kernels decode each weight tile on the MMA's critical path (registers -> shared memory -> wgmma, no
+overlap); here the decode of one step overlaps the MMA of the step before. Measured on an H100 at GPT-OSS-120B's GEMM1
+(docs/performance.md, "MXFP4 experts"): 1.43-1.83x faster than the portable MXFP4 GEMM from T = 1024.
+
+Tile edges: TMA reads past a tensor's rows or K as zeros and a tile never straddles two experts (rows of the next
+expert that a tile load reaches are never stored); the scale codes of a K step past K // 32 read as 0 (2^-127, times
+zero bytes). A 0xFF scale code decodes to NaN, so a NaN scale reaches every output of its column in its expert's rows.
+Importing this module never needs Gluon (gluon_ws's guarded import).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..dispatch.segments import segment_tile_map
+from ..host.device import num_sms
+from ..host.replay import unrecorded_launch
+from .gluon_ws import (TensorDescriptor, available, check_device, check_expert_offsets, check_operand,  # noqa: F401
+                       check_stacked_weight, gl, gluon_jit, mbarrier, stage_ring, store_layout, store_tile, tile_at,
+                       tile_counts, tma_load, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+from .jit import E2M1_BF16X2_PTX
+
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+except ImportError:  # a Triton without Gluon: `available()` is False and nothing here launches
+    fence_async_shared = None
+
+MXFP4_GROUP = 32  # K values per e8m0 scale (formats.mxfp4.MXFP4_GROUP)
+BLOCK_M, HALF_N, BLOCK_K = 64, 128, 64  # a consumer's wgmma: m64 n128, K steps of 64 values (32 bytes, 2 scales)
+NUM_STAGES = 4  # 4 x 16 KiB stages; 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384: within 1%)
+GROUP_M = 8
+MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
+GEMM_NAME = "Gluon MXFP4 GEMM"
+
+
+@gluon_jit
+def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n, num_tiles,
+                    n_per_expert, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr):
+    """Producer: per tile and K step, A [BLOCK_M, BLOCK_K] and the weight's two [HALF_N, BLOCK_K / 2] byte tiles
+    (columns off_n and off_n + HALF_N of the expert) into the next free stage."""
+    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    A_K: gl.constexpr = a_desc.block_type.shape[1]
+    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    k_blocks = gl.cdiv(K, A_K)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, A_ROWS, GROUP_M, True)
+        row_w = expert * n_per_expert + pid_n * (2 * W_ROWS)
+        for kb in range(k_blocks):
+            stage = it % STAGES
+            mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, STAGE_BYTES)
+            tma_load(a_desc, [row_start, kb * A_K], ready, a_bufs.index(stage))
+            for t in gl.static_range(2):
+                tma_load(w_desc, [row_w + t * W_ROWS, kb * (A_K // 2)], ready, w_bufs.index(2 * stage + t))
+            it += 1
+
+
+@gluon_jit
+def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
+                   num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
+                   stride_s_k, stride_out_m, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
+                   acc_layout: gl.constexpr, out_layout: gl.constexpr,
+                   bytes_layout: gl.constexpr, split_layout: gl.constexpr):
+    """Consumer WARP_GROUP: columns [WARP_GROUP * HALF_N, +HALF_N) of every 64 x 2 HALF_N tile (module docstring)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    A_ROWS: gl.constexpr = a_bufs.type.shape[1]
+    A_K: gl.constexpr = a_bufs.type.shape[2]
+    W_ROWS: gl.constexpr = w_bufs.type.shape[1]
+    GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
+    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
+    offs_r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, scale_layout))
+    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
+    k_blocks = gl.cdiv(K, A_K)
+    k_groups = K // 32
+    zero = gl.zeros([A_ROWS, W_ROWS], gl.float32, acc_layout)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, A_ROWS, GROUP_M, True)
+        col_start = pid_n * (2 * W_ROWS) + WARP_GROUP * W_ROWS
+        cols = col_start + offs_r
+        s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
+                  + gl.expand_dims(offs_g * stride_s_k, 0))
+        mask_cols = gl.expand_dims(cols < N, 1)
+        acc = zero
+        for kb in range(k_blocks):
+            stage = it % STAGES
+            mbarrier.wait(ready_bars.index(stage), (it // STAGES) & 1)
+            packed = w_bufs.index(2 * stage + WARP_GROUP).load(bytes_layout)  # [W_ROWS, A_K / 2] uint8
+            packed = gl.convert_layout(gl.reshape(packed, [W_ROWS, GROUPS, 16]), split_layout)
+            codes = gl.load(s_ptrs + kb * GROUPS * stride_s_k,
+                            mask=mask_cols & gl.expand_dims(kb * GROUPS + offs_g < k_groups, 0), other=0)
+            codes = codes.to(gl.uint16)
+            bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
+            scale = gl.expand_dims(bits.to(gl.bfloat16, bitcast=True), 2)  # [W_ROWS, GROUPS, 1]
+            scale, packed = gl.broadcast(scale, packed)
+            lo, hi = gl.inline_asm_elementwise(E2M1_BF16X2_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+            w = gl.reshape(gl.join(lo, hi), [W_ROWS, A_K])  # K order: byte j's low nibble is value 2j
+            dec = dec_bufs.index(2 * WARP_GROUP + it % 2)
+            dec.store(w)
+            fence_async_shared()
+            acc = warpgroup_mma(a_bufs.index(stage), dec.permute((1, 0)), acc, is_async=True)
+            # the wgmma of the step before has completed: its stage (A tile) goes back to the producer, and its
+            # decode buffer may be written at the next step
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if kb > 0:
+                mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
+        store_tile(out_ptr, stride_out_m, gl.convert_layout(acc.to(gl.bfloat16), out_layout), row_start, row_end,
+                   col_start, N, out_layout)
+
+
+@gluon_jit
+def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
+                       expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
+                       NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
+                       bytes_layout: gl.constexpr, split_layout: gl.constexpr, dec_layout: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """out = a_seg @ dequant(w_e)^T over the tile map's tiles of A_ROWS x 2 W_ROWS (module docstring). Grid:
+    (min(#SMs, bound on the tiles),); num_warps 4: the default partition is consumer 0, consumer 1 (4 warps) and the
+    producer (1 warp) are workers."""
+    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    A_K: gl.constexpr = a_desc.block_type.shape[1]
+    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(num_warps == 4, "each consumer is one warp group")
+    a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 2)
+    dec_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, W_ROWS, A_K], dec_layout)  # two per consumer
+    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, A_ROWS, 2 * W_ROWS, True)
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
+                          num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
+                          stride_s_n, stride_s_k, stride_out_m, 0, GROUP_M, acc_layout, out_layout, bytes_layout,
+                          split_layout)),
+        (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
+                          num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
+                          stride_s_n, stride_s_k, stride_out_m, 1, GROUP_M, acc_layout, out_layout, bytes_layout,
+                          split_layout)),
+        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                           num_tiles, n_per_expert, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def kernel_layouts(block_m: int = BLOCK_M):
+    """Register and shared layouts of the kernel with output tiles of `block_m` rows: (acc, out, bytes, split, dec,
+    a_smem, w_smem)."""
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
+    out = store_layout(block_m, HALF_N)
+    # a consumer's [128, 32] packed tile: 16 bytes (one scale group) a thread, two threads a row, 16 rows a warp
+    bytes_layout = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+    split = gl.BlockedLayout([1, 1, 16], [16, 2, 1], [4, 1, 1], [2, 1, 0])  # the same as [rows, groups, 16 bytes]
+    dec = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_K], gl.bfloat16)
+    a_smem = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
+    w_smem = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_K // 2], gl.uint8)
+    return acc, out, bytes_layout, split, dec, a_smem, w_smem
+
+
+def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert_offsets: torch.Tensor, *,
+                       stages: int = NUM_STAGES, block_m: int = BLOCK_M) -> torch.Tensor:
+    """out [M, N] bf16: rows of expert e, out[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ dequant(blocks[e], scales[e])^T.
+
+    a [M, K] bf16 sorted by expert (K-contiguous, 16-byte aligned rows), blocks uint8 [E, N, K / 2] contiguous (the
+    checkpoint's byte order), scales uint8 [E, N, K / 32] e8m0 codes (any strides), K a multiple of 32;
+    expert_offsets int32 [E + 1] (o_0 = 0, nondecreasing, o_E <= M: rows past o_E are left unwritten; offsets outside
+    that are clamped on the device, never read as given). No host sync: the launch is sized by the tile map's bound.
+    `stages` and `block_m` (64, or 128: each consumer's wgmma over two 64-row slabs) for the probe
+    (benchmarks/gluon_mxfp4_probe.py)."""
+    if block_m not in (64, 128):
+        raise ValueError(f"block_m must be 64 or 128, got {block_m}")
+    check_operand("a", a, 2, (torch.bfloat16, ))
+    check_operand("blocks", blocks, 3, (torch.uint8, ))
+    E, N = check_stacked_weight(blocks)
+    M, K = a.shape
+    if K % MXFP4_GROUP or blocks.shape[2] * 2 != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} (K a multiple of {MXFP4_GROUP}) but blocks is [E, N, K / 2] = "
+                         f"{tuple(blocks.shape)}")
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (E, N, K // MXFP4_GROUP):
+        raise ValueError(f"scales must be uint8 [E, N, K / 32] = {(E, N, K // MXFP4_GROUP)}, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    check_expert_offsets(expert_offsets, E)
+    device = check_device(GEMM_NAME, a, blocks, scales, expert_offsets)
+    out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+    if out.numel() == 0 or E == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem = kernel_layouts(block_m)
+    offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, block_m, count_tiles=True)
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, 2 * HALF_N)  # sizes the persistent grid
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
+    w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [HALF_N, BLOCK_K // 2], w_smem)
+    grid = (max(1, min(num_sms(a.device), bound_tiles)), )
+    # Launched directly, as gluon_fp8's GEMM: a call that reaches here keeps no plan (host/replay.py)
+    unrecorded_launch(GEMM_NAME)
+    _mxfp4_gemm_kernel[grid](a_desc, w_desc, scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N,
+                             scales.stride(0), scales.stride(1), scales.stride(2), out.stride(0), NUM_STAGES=stages,
+                             GROUP_M=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                             acc_layout=acc, out_layout=out_l, bytes_layout=bytes_l, split_layout=split_l,
+                             dec_layout=dec_l, num_warps=4, maxnreg=MAXNREG)
+    return out
