@@ -48,10 +48,13 @@ def _fp8_gated_call(activation, bias):
                                                           activation=activation, **biases)
 
 
-def _mxfp4_call(block_m):
+def _mxfp4_call(block_m, epilogue):
     a, offsets = torch.zeros(1000, 2880, dtype=torch.bfloat16), offsets_of([300, 0, 400, 300], device="cpu")
     blocks, scales = torch.zeros(4, 5760, 1440, dtype=torch.uint8), torch.zeros(4, 5760, 90, dtype=torch.uint8)
-    return lambda: gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m)
+    bias = torch.zeros(4, 5760, dtype=torch.bfloat16)
+    args = {"plain": {}, "pairs": dict(bias=bias, activation="swiglu_oai"),
+            "routed": dict(bias=bias, routing=(torch.zeros(1000, dtype=torch.int32), torch.zeros(250, 4)))}[epilogue]
+    return lambda: gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, **args)
 
 
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
@@ -70,11 +73,11 @@ VARIANTS = [
        (lambda act=activation, bias=bias: _fp8_gated_call(act, bias)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
        "wgmma.wait_group.sync.aligned 0;") for activation, bias in (("silu", False), ("swiglu_oai", True))],
-    # the MXFP4 GEMM at GPT-OSS-120B's GEMM1 widths, 64-row tiles (the engine's) and 128 (the probe's): the decode of
-    # step i + 1 under the wgmma of step i (one left in flight)
-    *[(f"mxfp4-grouped-{block_m}-rows", (lambda b=block_m: _mxfp4_call(b)), gluon_fp8.DEFAULT_CONFIG,
-       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "wgmma.wait_group.sync.aligned 1;")
-      for block_m in (64, 128)],
+    # the MXFP4 GEMM at GPT-OSS-120B's GEMM1 widths, 64- and 128-row tiles, each epilogue: the decode of step i + 1
+    # under the wgmma of step i (one left in flight)
+    *[(f"mxfp4-grouped-{block_m}-rows-{epilogue}", (lambda b=block_m, e=epilogue: _mxfp4_call(b, e)),
+       gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+       "wgmma.wait_group.sync.aligned 1;") for block_m in (64, 128) for epilogue in ("plain", "pairs", "routed")],
 ]
 
 

@@ -19,7 +19,7 @@ from moe_dispatch.gemm.planner import ExpertsPath, ExpertsPlan
 from moe_dispatch.host import replay
 from moe_dispatch.host.device import GLUON_MXFP4_VARIABLE
 from moe_dispatch.host.tiles import GemmTile, MoeTiles
-from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref, grouped_gemm_ref
+from moe_dispatch.reference import dequantize_mxfp4_ref, fused_experts_ref, mxfp4_grouped_gemm_ref
 
 on_hopper = pytest.mark.skipif(not gluon_mxfp4.available(), reason=f"{gluon_mxfp4.unavailable_reason()}")
 PREFILL = MoeTiles(64, GemmTile(64, 32), GemmTile(32, 32))
@@ -32,8 +32,9 @@ def _mxfp4(E, N, K, seed, device=DEVICE):
     return blocks.reshape(E, N, K // 2).to(device), scales.to(device)
 
 
-def _gemm_reference(a, blocks, scales, expert_offsets, **_):
-    return grouped_gemm_ref(a, dequantize_mxfp4_ref(blocks, scales), expert_offsets, blocks.shape[0])
+def _gemm_reference(a, blocks, scales, expert_offsets, *, block_m=None, stages=None, **epilogue):
+    """The GEMM's float64 reference (its tile keywords ignored)."""
+    return mxfp4_grouped_gemm_ref(a, blocks, scales, expert_offsets, **epilogue)
 
 
 def _experts(T, E, top_k, H, F, *, bias, skip=2, seed=0):
@@ -64,20 +65,22 @@ def _reference(x, gate_up, down, ids, weights, **options):
 
 
 # (id, T, E, top_k, H, F, fused_experts options, biases, why)
+# T * top_k = 260 assignments: past the decode path's 256 wherever a table has decode buckets (a GPU's)
 GLUE_CASES = [
-    ("gpt-oss", 13, 4, 2, 64, 96, dict(activation="swiglu_oai", interleaved=True), True,
-     "GPT-OSS's layout (gate and up rows alternating) with both biases: the activation pass splits the pairs, the down "
-     "bias pass applies the routing weights; expert 2 gets no row"),
-    ("concatenated-silu", 13, 4, 2, 96, 64, {}, False,
-     "gate rows then up rows, silu, no bias: combine applies the routing weights; H = 96 not a multiple of 64"),
+    ("gpt-oss", 130, 4, 2, 64, 96, dict(activation="swiglu_oai", interleaved=True), True,
+     "GPT-OSS's layout (gate and up rows alternating) with both biases: GEMM1 activates its pairs, GEMM2 adds the down "
+     "bias and applies the routing weights; expert 2 gets no row"),
+    ("concatenated-silu", 130, 4, 2, 96, 64, {}, False,
+     "gate rows then up rows, silu, no bias: the activation pass, then combine applies the routing weights; H = 96 "
+     "not a multiple of 64"),
 ]
 
 
 @pytest.mark.parametrize("case", GLUE_CASES, ids=[c[0] for c in GLUE_CASES])
 def test_engine_glue_matches_float64(case, monkeypatch, poison_empty):
-    """The whole experts output through fused_experts (dispatch, the engine's passes, combine) with both GEMMs the
-    float64 reference rounded to bf16, against the float64 experts on the dequantized weights. Buffers start as NaN
-    (poison_empty): the passes write every row the GEMMs and combine read."""
+    """The whole experts output through fused_experts (dispatch, the engine's passes, combine) with both GEMMs their
+    float64 reference (epilogues included) rounded to bf16, against the float64 experts on the dequantized weights.
+    Buffers start as NaN (poison_empty): the passes write every row the GEMMs and combine read."""
     _, T, E, top_k, H, F, options, bias, _ = case
     calls = swap_gluon_gemm(monkeypatch, gluon_mxfp4, "mxfp4_grouped_gemm", GLUON_MXFP4_VARIABLE, _gemm_reference,
                             out_dtype=torch.bfloat16)
@@ -163,19 +166,38 @@ GEMM_CASES = [
     ((3, 70, 0), 320, 128, "K a multiple of 64; 70 rows span two 64-row tiles; N 320 a second, partial output tile "
                            "whose second half reads past the expert's rows; the last expert empty"),
 ]
+EPILOGUES = ["plain", "pairs-swiglu-bias", "pairs-silu", "routed-bias", "routed"]
+
+
+def _epilogue_args(epilogue, E, N, M, device=DEVICE):
+    gen = torch.Generator().manual_seed(5)
+    bias = (torch.randn(E, N, generator=gen) * 0.1).to(device, torch.bfloat16)
+    if epilogue.startswith("pairs"):
+        args = dict(activation="swiglu_oai" if "swiglu" in epilogue else "silu")
+    elif epilogue.startswith("routed"):
+        T, top_k = M, 3  # every row a distinct assignment of a [T, 3] routing, in a shuffled order
+        gather_idx = torch.randperm(T * top_k, generator=gen)[:M].to(torch.int32).to(device)
+        args = dict(routing=(gather_idx, torch.rand(T, top_k, generator=gen).to(device)))
+    else:
+        return {}
+    return dict(args, bias=bias) if epilogue.endswith("bias") else args
 
 
 @on_hopper
 @pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("case", GEMM_CASES, ids=["ragged", "two-tiles"])
-def test_gemm_matches_float64(case, block_m):
+def test_gemm_matches_float64(case, epilogue, block_m):
+    """Each epilogue (plain; gate/up pairs activated, with and without the bias; the down bias and routing weights)
+    at both tile heights, against mxfp4_grouped_gemm_ref."""
     counts, N, K, why = case
     E, M = len(counts), sum(counts)
     a = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     blocks, scales = _mxfp4(E, N, K, 1)
     offsets = offsets_of(counts, device=DEVICE)
-    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m)
-    assert_close(out, _gemm_reference(a, blocks, scales, offsets), torch.bfloat16, what=why)
+    args = _epilogue_args(epilogue, E, N, M)
+    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, **args)
+    assert_close(out, _gemm_reference(a, blocks, scales, offsets, **args), torch.bfloat16, what=why)
 
 
 @on_hopper

@@ -62,6 +62,7 @@ from .reference_quant import (
     fp8_block_grouped_gemm_ref,
     fused_experts_fp8_ref,
     fused_experts_w8a8_ref,
+    mxfp4_grouped_gemm_ref,
     quantize_fp8_groups_codes_ref,
     quantize_fp8_groups_ref,
     quantize_mxfp4_ref,
@@ -81,7 +82,8 @@ __all__ = [
     "E2M1_TABLE", "FP8_E4M3_MAX", "FP8_GEMM_TOLERANCE", "W8A8_MIN_AMAX", "W8A8_MODEL_TOLERANCE",
     "W8A8_MODEL_TOLERANCE_GPU", "W8A8_TOLERANCE", "dequantize_fp8_ref", "dequantize_mxfp4_ref",
     "fp8_block_gated_grouped_gemm_ref", "fp8_block_gemm_ref", "fp8_block_grouped_gemm_ref", "fused_experts_fp8_ref",
-    "fused_experts_w8a8_ref", "quantize_fp8_groups_codes_ref", "quantize_fp8_groups_ref", "quantize_mxfp4_ref",
+    "fused_experts_w8a8_ref", "mxfp4_grouped_gemm_ref", "quantize_fp8_groups_codes_ref", "quantize_fp8_groups_ref",
+    "quantize_mxfp4_ref",
     "w8a8_model_tolerance",
     # reference_checks.py
     "ROUTING_AGREEMENT_MIN", "TOLERANCE", "assert_close", "relative_error", "routing_agreement",

@@ -81,6 +81,30 @@ def dequantize_mxfp4_ref(blocks, scale):
     return values * factor.repeat_interleave(32, dim=-1)
 
 
+def mxfp4_grouped_gemm_ref(a, blocks, scales, expert_offsets, *, bias=None, activation=None, alpha=1.702, limit=7.0,
+                           routing=None):
+    """float64 reference of gemm.gluon_mxfp4.mxfp4_grouped_gemm: rows of expert e, s = a_seg @ dequant(blocks[e],
+    scales[e])^T (+ bias[e]); with `activation` the columns 2j and 2j + 1 of s are gate and up of output column j
+    ([rows, N / 2]); with routing = (gather_idx, topk_weights) each row is s times topk_weights[t, k] of its assignment
+    t * top_k + k = gather_idx[row]. Rows past the last offset are zeros."""
+    from .reference_moe import grouped_gemm_ref
+
+    E = blocks.shape[0]
+    s = grouped_gemm_ref(a, dequantize_mxfp4_ref(blocks, scales), expert_offsets, E)
+    if bias is not None:
+        for e, (lo, hi) in enumerate(_segments(expert_offsets)):
+            s[lo:hi] += _f64(bias[e])
+    if activation is not None:
+        return _activation(s[:, 0::2], s[:, 1::2], activation, alpha, limit)
+    if routing is not None:
+        gather_idx, topk_weights = routing
+        rows = int(expert_offsets[-1])
+        assignment = gather_idx[:rows].long().cpu()
+        flat = _f64(topk_weights).reshape(-1).cpu()
+        s[:rows] *= flat[assignment].to(s.device)[:, None]
+    return s
+
+
 def quantize_mxfp4_ref(w):
     """w [E, N, K] (K a multiple of 32) -> (blocks uint8 [E, N, K/32, 16], scale codes uint8 [E, N, K/32]) by the
     documented rule, in float64 (exact for weights float32 holds): per group of 32 along K the scale is

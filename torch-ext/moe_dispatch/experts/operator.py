@@ -106,7 +106,7 @@ def launch_experts(x, w_gate_up, w_up, w_down, topk_ids, topk_weights, gate_up_b
     elif plan.path is ExpertsPath.MXFP4_GLUON:
         y, combine_weights = gluon_mxfp4_experts(
             x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, topk_weights=topk_weights,
-            interleaved=call.interleaved, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, **activation)
+            interleaved=call.interleaved, gate_up_bias=gate_up_bias, down_bias=down_bias, **activation)
     elif plan.path is ExpertsPath.W8A8:
         y = w8a8_experts(x, w_gate, w_up, w_down, info, plan.tiles, gate_up_scale, down_scale,
                          topk_weights=topk_weights, transposed=call.transposed, gate_bias=gate_bias, up_bias=up_bias,

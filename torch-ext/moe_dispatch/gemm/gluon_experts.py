@@ -49,7 +49,7 @@ from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, t
                   tile_setup)
 from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
 from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
-from .gluon_mxfp4 import mxfp4_grouped_gemm
+from .gluon_mxfp4 import gemm_block_m, mxfp4_grouped_gemm
 from .w8a8 import fp8_rows, gather_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
@@ -281,23 +281,34 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
 
 
 def gluon_mxfp4_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
-                        interleaved=False, activation="silu", gate_bias=None, up_bias=None, down_bias=None,
-                        alpha=1.702, limit=7.0):
+                        interleaved=False, activation="silu", gate_up_bias=None, down_bias=None, alpha=1.702,
+                        limit=7.0, block_m=None):
     """Both GEMMs of the MXFP4 experts path on the Gluon MXFP4 GEMM (gemm/gluon_mxfp4.py) -> (y [N, H] bf16 in the
-    dispatch's sorted order, the routing weights combine must still apply: None where a down bias pass applied them),
-    as `gluon_w8a8_experts` returns them. For what planner.gluon_mxfp4_refusal accepts.
+    dispatch's sorted order, the routing weights combine must still apply: None where GEMM2 applied them), as
+    `gluon_w8a8_experts` returns them. For what planner.gluon_mxfp4_refusal accepts.
 
     x [T, H] bf16; w_gate_up uint8 [E, 2F, H / 2] contiguous MXFP4 bytes, gate rows then up rows (`interleaved`:
     alternating, gate first), w_gate_up_scale uint8 [E, 2F, H / 32]; w_down uint8 [E, H, F / 2] with w_down_scale
-    [E, H, F / 32]; info the dispatch (any block_m); gate_bias, up_bias [E, F] views with equal strides, down_bias
-    [E, H]. The passes: x's rows gathered into sorted order (`gemm.w8a8.gather_rows`), GEMM1 -> gate_up [N, 2F],
-    biases and activation -> h [N, F] bf16 (`_gated_activation`), GEMM2 -> y, then the down bias and routing weight
-    (`_bias_routing_weight`) where there is a down bias."""
+    [E, H, F / 32]; info the dispatch (any block_m); gate_up_bias [E, 2F] in the weight's row order, down_bias [E, H].
+    x's rows are gathered into sorted order (`gemm.w8a8.gather_rows`); GEMM1 activates in its epilogue where gate and
+    up alternate (with the bias), else writes gate_up [N, 2F] for the activation pass (`_gated_activation`); GEMM2
+    adds the down bias and applies the routing weights in its epilogue where there is a down bias (else combine
+    applies them). Tiles of gluon_mxfp4.gemm_block_m's rows, or `block_m` (the probe's)."""
     a = gather_rows(x, info)
-    gate_up = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets)
-    h = _gated_activation(gate_up, info, interleaved=interleaved, activation=activation, gate_bias=gate_bias,
-                          up_bias=up_bias, alpha=alpha, limit=limit)
-    y = mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets)
+    if block_m is None:
+        block_m = gemm_block_m(info.num_tokens, info.top_k, info.num_experts)
+    if interleaved:
+        h = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets, bias=gate_up_bias,
+                               activation=activation, alpha=alpha, limit=limit, block_m=block_m)
+    else:
+        num_ffn = w_gate_up.shape[1] // 2
+        gate_bias, up_bias = ((gate_up_bias[:, :num_ffn], gate_up_bias[:, num_ffn:]) if gate_up_bias is not None
+                              else (None, None))
+        gate_up = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets, block_m=block_m)
+        h = _gated_activation(gate_up, info, interleaved=False, activation=activation, gate_bias=gate_bias,
+                              up_bias=up_bias, alpha=alpha, limit=limit)
     if down_bias is None:
-        return y, topk_weights
-    return _bias_routing_weight(y, info, down_bias, topk_weights), None
+        return mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets, block_m=block_m), topk_weights
+    y = mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets, bias=down_bias,
+                           routing=(info.gather_idx, topk_weights), block_m=block_m)
+    return y, None

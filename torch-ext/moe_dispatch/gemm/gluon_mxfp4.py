@@ -38,7 +38,7 @@ from ..host.replay import unrecorded_launch
 from .gluon_ws import (TensorDescriptor, available, check_device, check_expert_offsets, check_operand,  # noqa: F401
                        check_stacked_weight, gl, gluon_jit, mbarrier, stage_ring, store_layout, store_tile, tile_at,
                        tile_counts, tma_load, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
-from .jit import E2M1_BF16X2_PTX
+from .jit import E2M1_BF16X2_PTX, Activation, apply_activation
 
 try:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
@@ -47,10 +47,18 @@ except ImportError:  # a Triton without Gluon: `available()` is False and nothin
 
 MXFP4_GROUP = 32  # K values per e8m0 scale (formats.mxfp4.MXFP4_GROUP)
 BLOCK_M, HALF_N, BLOCK_K = 64, 128, 64  # a consumer's wgmma: m64 n128, K steps of 64 values (32 bytes, 2 scales)
-NUM_STAGES = 4  # 4 x 16 KiB stages; 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384: within 1%)
+NUM_STAGES = 4  # 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384, 64-row tiles: within 1%)
+# 128-row tiles (each consumer's wgmma over two 64-row slabs: half the decode per MMA) from this many rows per expert:
+# H100, GPT-OSS GEMM1, 128-row against 64-row tiles: 1.16-1.47x faster at 128-512 rows per expert (GPT-OSS-20B T = 1024
+# to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32 (docs/performance.md, "MXFP4 experts")
+ROWS128_FROM = 128
 GROUP_M = 8
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
 GEMM_NAME = "Gluon MXFP4 GEMM"
+# What a consumer's epilogue does with its [rows, 128] fp32 tile (the EPILOGUE constexpr)
+EPILOGUE_PLAIN = 0  # store it (bf16)
+EPILOGUE_PAIRS = 1  # gate and up alternating (GPT-OSS's rows): the bias, the activation of each pair -> 64 columns
+EPILOGUE_ROUTED = 2  # GEMM2's: the bias, then each row times its assignment's routing weight
 
 
 @gluon_jit
@@ -81,12 +89,59 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K
 
 
 @gluon_jit
+def _epilogue(acc, out_ptr, stride_out_m, row_start, row_end, col_start, expert, N, bias_ptr, stride_bias_e,
+              stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+              EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
+              acc_layout: gl.constexpr, out_layout: gl.constexpr, pair_layout: gl.constexpr,
+              half_layout: gl.constexpr):
+    """A consumer's store of its tile acc [ROWS, COLS] (fp32, rows row_start.. of the expert, columns col_start..):
+    EPILOGUE_PLAIN as bf16; EPILOGUE_PAIRS: bias [E, N] added, columns (2j, 2j + 1) the gate and up of output column
+    col_start / 2 + j, activated (gemm.jit's apply_activation) and stored to out [M, N / 2]; EPILOGUE_ROUTED: bias
+    added, each row times topk_weights[t, k] of its assignment t * TOP_K + k = gather_idx[row]. Rows >= row_end and
+    columns past N (N / 2) are never written."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    COLS: gl.constexpr = acc.type.shape[1]
+    if EPILOGUE == 1:  # EPILOGUE_PAIRS
+        b_pairs = gl.convert_layout(acc, pair_layout)
+        if HAS_BIAS:
+            offs_n = col_start + gl.arange(0, COLS, layout=gl.SliceLayout(0, pair_layout))
+            b_bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + offs_n * stride_bias_n, mask=offs_n < N,
+                             other=0.0)
+            b_pairs = b_pairs + gl.expand_dims(b_bias.to(gl.float32), 0)
+        b_gate, b_up = gl.split(gl.reshape(b_pairs, [ROWS, COLS // 2, 2]))
+        b_h = apply_activation(gl.convert_layout(b_gate, half_layout), gl.convert_layout(b_up, half_layout), alpha,
+                               limit, ACTIVATION)
+        store_tile(out_ptr, stride_out_m, b_h.to(gl.bfloat16), row_start, row_end, col_start // 2, N // 2,
+                   half_layout)
+    else:
+        b_out = acc
+        if EPILOGUE == 2:  # EPILOGUE_ROUTED
+            offs_m = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+            mask_m = offs_m < row_end
+            if HAS_BIAS:
+                offs_n = col_start + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+                b_bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + offs_n * stride_bias_n,
+                                 mask=offs_n < N, other=0.0)
+                b_out = b_out + gl.expand_dims(b_bias.to(gl.float32), 0)
+            assignment = gl.load(gather_idx_ptr + offs_m, mask=mask_m, other=0)
+            b_w = gl.load(topk_weights_ptr + (assignment // TOP_K).to(gl.int64) * stride_topk_t
+                          + (assignment % TOP_K) * stride_topk_k, mask=mask_m, other=0.0)
+            b_out = b_out * gl.expand_dims(b_w.to(gl.float32), 1)
+        store_tile(out_ptr, stride_out_m, gl.convert_layout(b_out.to(gl.bfloat16), out_layout), row_start, row_end,
+                   col_start, N, out_layout)
+
+
+@gluon_jit
 def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
                    num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
-                   stride_s_k, stride_out_m, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
-                   acc_layout: gl.constexpr, out_layout: gl.constexpr,
-                   bytes_layout: gl.constexpr, split_layout: gl.constexpr):
-    """Consumer WARP_GROUP: columns [WARP_GROUP * HALF_N, +HALF_N) of every 64 x 2 HALF_N tile (module docstring)."""
+                   stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
+                   topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, WARP_GROUP: gl.constexpr,
+                   GROUP_M: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   TOP_K: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
+                   bytes_layout: gl.constexpr, split_layout: gl.constexpr, pair_layout: gl.constexpr,
+                   half_layout: gl.constexpr):
+    """Consumer WARP_GROUP: columns [WARP_GROUP * HALF_N, +HALF_N) of every A_ROWS x 2 HALF_N tile (module
+    docstring), stored by `_epilogue`."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     A_ROWS: gl.constexpr = a_bufs.type.shape[1]
     A_K: gl.constexpr = a_bufs.type.shape[2]
@@ -134,16 +189,20 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
-        store_tile(out_ptr, stride_out_m, gl.convert_layout(acc.to(gl.bfloat16), out_layout), row_start, row_end,
-                   col_start, N, out_layout)
+        _epilogue(acc, out_ptr, stride_out_m, row_start, row_end, col_start, expert, N, bias_ptr, stride_bias_e,
+                  stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                  EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, pair_layout, half_layout)
 
 
 @gluon_jit
 def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
                        expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
-                       NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
-                       bytes_layout: gl.constexpr, split_layout: gl.constexpr, dec_layout: gl.constexpr,
+                       bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
+                       stride_topk_k, alpha, limit, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                       EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
+                       out_layout: gl.constexpr, bytes_layout: gl.constexpr, split_layout: gl.constexpr,
+                       dec_layout: gl.constexpr, pair_layout: gl.constexpr, half_layout: gl.constexpr,
                        num_warps: gl.constexpr):
     """out = a_seg @ dequant(w_e)^T over the tile map's tiles of A_ROWS x 2 W_ROWS (module docstring). Grid:
     (min(#SMs, bound on the tiles),); num_warps 4: the default partition is consumer 0, consumer 1 (4 warps) and the
@@ -158,12 +217,16 @@ def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
                           num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                          stride_s_n, stride_s_k, stride_out_m, 0, GROUP_M, acc_layout, out_layout, bytes_layout,
-                          split_layout)),
+                          stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
+                          gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0, GROUP_M,
+                          EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
+                          pair_layout, half_layout)),
         (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
                           num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                          stride_s_n, stride_s_k, stride_out_m, 1, GROUP_M, acc_layout, out_layout, bytes_layout,
-                          split_layout)),
+                          stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
+                          gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M,
+                          EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
+                          pair_layout, half_layout)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                            num_tiles, n_per_expert, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -171,7 +234,7 @@ def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile
 
 def kernel_layouts(block_m: int = BLOCK_M):
     """Register and shared layouts of the kernel with output tiles of `block_m` rows: (acc, out, bytes, split, dec,
-    a_smem, w_smem)."""
+    a_smem, w_smem, pair, half)."""
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
     out = store_layout(block_m, HALF_N)
     # a consumer's [128, 32] packed tile: 16 bytes (one scale group) a thread, two threads a row, 16 rows a warp
@@ -180,18 +243,30 @@ def kernel_layouts(block_m: int = BLOCK_M):
     dec = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_K], gl.bfloat16)
     a_smem = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
     w_smem = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_K // 2], gl.uint8)
-    return acc, out, bytes_layout, split, dec, a_smem, w_smem
+    # EPILOGUE_PAIRS: 8 columns (4 pairs) a thread, a warp two rows; its [rows, 64] output, 4 columns a thread
+    pair = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    half = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    return acc, out, bytes_layout, split, dec, a_smem, w_smem, pair, half
 
 
 def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert_offsets: torch.Tensor, *,
+                       bias: torch.Tensor | None = None, activation: str | None = None, alpha: float = 1.702,
+                       limit: float = 7.0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
                        stages: int = NUM_STAGES, block_m: int = BLOCK_M) -> torch.Tensor:
-    """out [M, N] bf16: rows of expert e, out[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ dequant(blocks[e], scales[e])^T.
+    """Rows of expert e: s[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ dequant(blocks[e], scales[e])^T (+ bias[e]), fp32; out bf16:
+
+      plain (no activation, no routing; no bias)  out [M, N] = s
+      activation ("silu" or "swiglu_oai")         out [M, N / 2] = act(gate, up) with gate and up the columns 2j and
+                                                  2j + 1 of s (GPT-OSS's alternating gate/up rows; bias optional)
+      routing = (gather_idx, topk_weights)         out [M, N] = s * topk_weights[t, k] of each row's assignment
+                                                  t * top_k + k = gather_idx[row] (GEMM2's; bias optional)
 
     a [M, K] bf16 sorted by expert (K-contiguous, 16-byte aligned rows), blocks uint8 [E, N, K / 2] contiguous (the
-    checkpoint's byte order), scales uint8 [E, N, K / 32] e8m0 codes (any strides), K a multiple of 32;
-    expert_offsets int32 [E + 1] (o_0 = 0, nondecreasing, o_E <= M: rows past o_E are left unwritten; offsets outside
-    that are clamped on the device, never read as given). No host sync: the launch is sized by the tile map's bound.
-    `stages` and `block_m` (64, or 128: each consumer's wgmma over two 64-row slabs) for the probe
+    checkpoint's byte order), scales uint8 [E, N, K / 32] e8m0 codes (any strides), K a multiple of 32; bias [E, N]
+    (any float dtype and strides); gather_idx int32 [M], topk_weights [T, top_k]; expert_offsets int32 [E + 1] (o_0 =
+    0, nondecreasing, o_E <= M: rows past o_E are left unwritten; offsets outside that are clamped on the device, never
+    read as given). No host sync: the launch is sized by the tile map's bound. `stages` and `block_m` (64, or 128:
+    each consumer's wgmma over two 64-row slabs) are the engine's choice (`gemm_block_m`) and the probe's
     (benchmarks/gluon_mxfp4_probe.py)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
@@ -206,23 +281,50 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
         raise ValueError(f"scales must be uint8 [E, N, K / 32] = {(E, N, K // MXFP4_GROUP)}, got {scales.dtype} "
                          f"{tuple(scales.shape)}")
     check_expert_offsets(expert_offsets, E)
-    device = check_device(GEMM_NAME, a, blocks, scales, expert_offsets)
-    out = torch.empty(M, N, device=device, dtype=torch.bfloat16)
+    if activation is not None and routing is not None:
+        raise ValueError("activation (GEMM1) and routing (GEMM2) do not come together")
+    if activation is not None and N % 2:
+        raise ValueError(f"an activated GEMM needs gate/up pairs: N = {N} is odd")
+    if bias is not None and (tuple(bias.shape) != (E, N) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a float [E, N] = {(E, N)}, got {bias.dtype} {tuple(bias.shape)}")
+    if bias is not None and activation is None and routing is None:
+        raise ValueError("bias comes with an activation or with routing (the plain GEMM stores the sums)")
+    tensors = [a, blocks, scales, expert_offsets] + ([bias] if bias is not None else [])
+    if routing is not None:
+        gather_idx, topk_weights = routing
+        if gather_idx.dtype != torch.int32 or tuple(gather_idx.shape) != (M, ):
+            raise ValueError(f"gather_idx must be int32 [M] = [{M}], got {gather_idx.dtype} {tuple(gather_idx.shape)}")
+        if topk_weights.dim() != 2 or not topk_weights.is_floating_point():
+            raise ValueError(f"topk_weights must be a float [T, top_k], got {topk_weights.dtype} "
+                             f"{tuple(topk_weights.shape)}")
+        tensors += [gather_idx, topk_weights]
+    device = check_device(GEMM_NAME, *tensors)
+    out = torch.empty(M, N // 2 if activation is not None else N, device=device, dtype=torch.bfloat16)
     if out.numel() == 0 or E == 0:
         return out
-    if K == 0:
-        return out.zero_()
-    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem = kernel_layouts(block_m)
+    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
     offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, block_m, count_tiles=True)
     bound_tiles = tile_expert.numel() * triton.cdiv(N, 2 * HALF_N)  # sizes the persistent grid
     a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
     w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [HALF_N, BLOCK_K // 2], w_smem)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
+    epilogue = EPILOGUE_PAIRS if activation is not None else EPILOGUE_ROUTED if routing is not None else EPILOGUE_PLAIN
+    gather_idx, topk_weights = routing if routing is not None else (out, out)
+    bias_args = (bias, bias.stride(0), bias.stride(1)) if bias is not None else (out, 0, 0)
     # Launched directly, as gluon_fp8's GEMM: a call that reaches here keeps no plan (host/replay.py)
     unrecorded_launch(GEMM_NAME)
     _mxfp4_gemm_kernel[grid](a_desc, w_desc, scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N,
-                             scales.stride(0), scales.stride(1), scales.stride(2), out.stride(0), NUM_STAGES=stages,
-                             GROUP_M=GROUP_M, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-                             acc_layout=acc, out_layout=out_l, bytes_layout=bytes_l, split_layout=split_l,
-                             dec_layout=dec_l, num_warps=4, maxnreg=MAXNREG)
+                             scales.stride(0), scales.stride(1), scales.stride(2), out.stride(0), *bias_args,
+                             gather_idx, topk_weights, topk_weights.stride(0), topk_weights.stride(-1), float(alpha),
+                             float(limit), NUM_STAGES=stages, GROUP_M=GROUP_M, EPILOGUE=epilogue,
+                             ACTIVATION=int(Activation.of(activation if activation is not None else "none")),
+                             HAS_BIAS=bias is not None, TOP_K=topk_weights.shape[1] if routing is not None else 1,
+                             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, acc_layout=acc,
+                             out_layout=out_l, bytes_layout=bytes_l, split_layout=split_l, dec_layout=dec_l,
+                             pair_layout=pair_l, half_layout=half_l, num_warps=4, maxnreg=MAXNREG)
     return out
+
+
+def gemm_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The engine's output tile rows for a call: 128 from ROWS128_FROM rows per expert (T * top_k / E), else 64."""
+    return 128 if num_tokens * top_k >= ROWS128_FROM * max(num_experts, 1) else 64
