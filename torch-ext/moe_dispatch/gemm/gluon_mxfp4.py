@@ -7,8 +7,9 @@ as checkpoints store them ([E, N, K / 2] bytes, byte j of a row holding K values
 One CTA per SM walks the 64 x 256 output tiles of the tile map (dispatch.segments.segment_tile_map, built on the
 device: no host sync) in gluon_ws's grouped-M order, in three partitions:
 
-    producer  (1 warp)       TMA loads of A [64, 64] bf16 and the weight's two packed tiles [128, 32] uint8 (the
-                             output tile's two 128-column halves; 64 K values as 32 bytes a row) into a ring of stages
+    producer  (1 warp)       gluon_ws's load_partition: TMA loads of A [64, 64] bf16 and the weight's two packed
+                             tiles [128, 32] uint8 (the output tile's two 128-column halves; 64 K values as 32 bytes
+                             a row) into a ring of stages
     consumer c (warp group)  its 128 columns: per K step the packed bytes from shared memory into registers (16 a
                              thread: one scale group), their two scale codes from global memory, the PTX decode of
                              gemm/jit.py (E2M1_BF16X2_PTX: two values per 32-bit operation, the scale applied) joined
@@ -36,8 +37,8 @@ from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
 from ..host.replay import unrecorded_launch
 from .gluon_ws import (TensorDescriptor, available, check_device, check_expert_offsets, check_operand,  # noqa: F401
-                       check_stacked_weight, gl, gluon_jit, mbarrier, stage_ring, store_layout, store_tile, tile_at,
-                       tile_counts, tma_load, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       check_stacked_weight, gl, gluon_jit, load_partition, mbarrier, stage_ring, store_layout,
+                       store_tile, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import E2M1_BF16X2_PTX, Activation, apply_activation
 
 try:
@@ -59,33 +60,6 @@ GEMM_NAME = "Gluon MXFP4 GEMM"
 EPILOGUE_PLAIN = 0  # store it (bf16)
 EPILOGUE_PAIRS = 1  # gate and up alternating (GPT-OSS's rows): the bias, the activation of each pair -> 64 columns
 EPILOGUE_ROUTED = 2  # GEMM2's: the bias, then each row times its assignment's routing weight
-
-
-@gluon_jit
-def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n, num_tiles,
-                    n_per_expert, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M: gl.constexpr):
-    """Producer: per tile and K step, A [BLOCK_M, BLOCK_K] and the weight's two [HALF_N, BLOCK_K / 2] byte tiles
-    (columns off_n and off_n + HALF_N of the expert) into the next free stage."""
-    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
-    A_K: gl.constexpr = a_desc.block_type.shape[1]
-    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
-    k_blocks = gl.cdiv(K, A_K)
-    it = 0
-    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                    expert_offsets_ptr, A_ROWS, GROUP_M, True)
-        row_w = expert * n_per_expert + pid_n * (2 * W_ROWS)
-        for kb in range(k_blocks):
-            stage = it % STAGES
-            mbarrier.wait(empty_bars.index(stage), ((it // STAGES) & 1) ^ 1)
-            ready = ready_bars.index(stage)
-            mbarrier.expect(ready, STAGE_BYTES)
-            tma_load(a_desc, [row_start, kb * A_K], ready, a_bufs.index(stage))
-            for t in gl.static_range(2):
-                tma_load(w_desc, [row_w + t * W_ROWS, kb * (A_K // 2)], ready, w_bufs.index(2 * stage + t))
-            it += 1
 
 
 @gluon_jit
@@ -227,8 +201,9 @@ def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile
                           gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M,
                           EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
                           pair_layout, half_layout)),
-        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
-                           num_tiles, n_per_expert, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M)),
+        (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                          num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M,
+                          True, 2, 2 * W_ROWS, 2)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -275,8 +250,8 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     E, N = check_stacked_weight(blocks)
     M, K = a.shape
     if K % MXFP4_GROUP or blocks.shape[2] * 2 != K:
-        raise ValueError(f"a is [M, K] = {tuple(a.shape)} (K a multiple of {MXFP4_GROUP}) but blocks is [E, N, K / 2] = "
-                         f"{tuple(blocks.shape)}")
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} (K a multiple of {MXFP4_GROUP}) but blocks is "
+                         f"[E, N, K / 2] = {tuple(blocks.shape)}")
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (E, N, K // MXFP4_GROUP):
         raise ValueError(f"scales must be uint8 [E, N, K / 32] = {(E, N, K // MXFP4_GROUP)}, got {scales.dtype} "
                          f"{tuple(scales.shape)}")

@@ -151,12 +151,14 @@ def tile_counts(M, N, num_m_tiles_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 @gluon_jit
 def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n, num_tiles,
                    b_rows_per_expert, up_offset, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, B_TILES: gl.constexpr, TILE_N: gl.constexpr):
+                   GROUP_M: gl.constexpr, GROUPED: gl.constexpr, B_TILES: gl.constexpr, TILE_N: gl.constexpr,
+                   B_PACK: gl.constexpr = 1):
     """Producer (1 warp): for every tile of this program and every K block, wait until stage s is empty, then TMA
-    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k:+BLOCK_K] into it, off_n =
-    pid_n * TILE_N (rows and columns past the tensors read as zeros), completing ready[s] when all have landed.
-    B_TILES 2 loads B tile t from row off_n + t * up_offset of the expert's (a gated GEMM1: gate rows, then up rows
-    F further; the FP8 GEMM's 64-row tile: its two column halves, BLOCK_N apart)."""
+    A[row_start:+BLOCK_M, k:+BLOCK_K] and B[expert * b_rows_per_expert + off_n:+BLOCK_N, k / B_PACK:+BLOCK_K / B_PACK]
+    into it, off_n = pid_n * TILE_N (rows and columns past the tensors read as zeros), completing ready[s] when all
+    have landed. B_TILES 2 loads B tile t from row off_n + t * up_offset of the expert's (a gated GEMM1: gate rows, then
+    up rows F further; a 64-row tile of the FP8 GEMM or any tile of the MXFP4 one: its two column halves, BLOCK_N
+    apart). B_PACK: K values per B element (MXFP4 bytes: 2)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -176,8 +178,8 @@ def load_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, K,
             mbarrier.expect(ready, STAGE_BYTES)
             tma_load(a_desc, [row_start, kb * BLOCK_K], ready, a_bufs.index(stage))
             for t in gl.static_range(B_TILES):
-                tma_load(b_desc, [row_b + t * up_offset, kb * BLOCK_K], ready,
-                                                b_bufs.index(stage * B_TILES + t))
+                tma_load(b_desc, [row_b + t * up_offset, kb * (BLOCK_K // B_PACK)], ready,
+                         b_bufs.index(stage * B_TILES + t))
             it += 1
 
 

@@ -35,8 +35,8 @@ import torch
 
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment, has_tma, has_wgmma,
-                           is_interpreter, on_gpu, tma_readable)
+from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment,
+                           has_tma, has_wgmma, is_interpreter, on_gpu, tma_readable)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -179,12 +179,19 @@ def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
     num_ffn = w_down.shape[2]
     if scale_layout == "merged" and num_ffn % GLUON_FP8_BLOCK[0]:
         return f"merged gate/up scales with F = {num_ffn} not a multiple of {GLUON_FP8_BLOCK[0]}"
-    rows = x.shape[0] * top_k / max(w_gate_up.shape[0], 1)
-    if mode == "auto" and rows < GLUON_FP8_MIN_ROWS:
-        return (f"{rows:g} rows per expert (T * top_k / E), under GLUON_FP8_MIN_ROWS = {GLUON_FP8_MIN_ROWS}, where "
-                "the portable kernels are faster")
+    return _size_or_device_refusal(mode, x, top_k, w_gate_up.shape[0], GLUON_FP8_MIN_ROWS, "GLUON_FP8_MIN_ROWS",
+                                   available, "the Gluon GEMM")
+
+
+def _size_or_device_refusal(mode, x, top_k, num_experts, min_rows, min_rows_name, available, gemm) -> str | None:
+    """The last two refusals of a Gluon engine: under `min_rows` rows per expert (T * top_k / E) in mode "auto", or
+    a device where `available` says its GEMM (named `gemm`) cannot run; else None."""
+    rows = x.shape[0] * top_k / max(num_experts, 1)
+    if mode == "auto" and rows < min_rows:
+        return (f"{rows:g} rows per expert (T * top_k / E), under {min_rows_name} = {min_rows}, where the portable "
+                "kernels are faster")
     if not available(x.device):
-        return f"the Gluon GEMM cannot run on {x.device}"
+        return f"{gemm} cannot run on {x.device}"
     return None
 
 
@@ -233,13 +240,8 @@ def gluon_mxfp4_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Ten
             return f"{name} has no uint8 e8m0 scale codes"
         if not weight.is_contiguous() or not tma_readable(weight):
             return f"{name} is not contiguous with rows of whole {TMA_ALIGN} bytes (TMA)"
-    rows = x.shape[0] * top_k / max(w_gate_up.shape[0], 1)
-    if mode == "auto" and rows < GLUON_MXFP4_MIN_ROWS:
-        return (f"{rows:g} rows per expert (T * top_k / E), under GLUON_MXFP4_MIN_ROWS = {GLUON_MXFP4_MIN_ROWS}, "
-                "where the portable kernels are faster")
-    if not available(x.device):
-        return f"the Gluon MXFP4 GEMM cannot run on {x.device}"
-    return None
+    return _size_or_device_refusal(mode, x, top_k, w_gate_up.shape[0], GLUON_MXFP4_MIN_ROWS, "GLUON_MXFP4_MIN_ROWS",
+                                   available, "the Gluon MXFP4 GEMM")
 
 
 def plan_mxfp4_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
