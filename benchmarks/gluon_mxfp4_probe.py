@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer  # noqa: E402
+from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, gemm1_cell  # noqa: E402
 
 from moe_dispatch.gemm.gluon_mxfp4 import mxfp4_grouped_gemm  # noqa: E402
 
@@ -33,10 +33,8 @@ TOKENS = (128, 1024, 4096, 16384)
 
 
 def probe_model(model, args, device, timer, rows):
-    from moe_dispatch.dispatch.segments import dispatch
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.host.tiles import select_tiles
     from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, False)
@@ -49,11 +47,7 @@ def probe_model(model, args, device, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        ids = torch.rand(T, E, device=device).topk(top_k, dim=1).indices.to(torch.int32)
-        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
-        tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
-        info_mx, info_bf = dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+        _, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
         flops = 2 * M * N * K
 

@@ -452,6 +452,20 @@ def _random_mxfp4(E, N, K, device, experts_per_chunk=16):
     return blocks, scales
 
 
+def gemm1_cell(T, top_k, E, H, F, device):
+    """The inputs of GEMM1 at T tokens: (ids int32 [T, top_k] a uniform random routing, a bf16 [T * top_k, H] random
+    expert-sorted rows, tiles_mx and tiles_bf (the tables' MXFP4 and bf16 tiles), info_mx and info_bf (their
+    dispatches of ids))."""
+    from moe_dispatch.dispatch.segments import dispatch
+    from moe_dispatch.host.tiles import select_tiles
+
+    ids = torch.rand(T, E, device=device).topk(top_k, dim=1).indices.to(torch.int32)
+    a = torch.randn(T * top_k, H, device=device, dtype=torch.bfloat16)
+    tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
+    tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
+    return ids, a, tiles_mx, tiles_bf, dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+
+
 def _layer_shape(model, tiny):
     from model_shapes import MODEL_SHAPES, shrunk
 
@@ -462,10 +476,8 @@ def _layer_shape(model, tiny):
 def probe_model(model, args, device, configs, timer, rows):
     """Time and check every method at each T of one model (module docstring); appends Row entries to `rows`."""
     import moe_dispatch as md
-    from moe_dispatch.dispatch.segments import dispatch
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.host.tiles import select_tiles
     from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, args.tiny)
@@ -482,11 +494,7 @@ def probe_model(model, args, device, configs, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        ids = torch.rand(T, E, device=device).topk(top_k, dim=1).indices.to(torch.int32)
-        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)  # the expert-sorted rows
-        tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
-        tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
-        info_mx, info_bf = dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+        ids, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
         active = int((offsets[1:] > offsets[:-1]).sum())
         rows_per_expert = M / E

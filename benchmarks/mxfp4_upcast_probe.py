@@ -40,8 +40,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mxfp4_dot_scaled_probe import (ProbeConfig, Row, _layer_shape, _random_mxfp4, _timer,  # noqa: E402
-                                    grouped_tile_pointers, launch_grouped, load_k_step, report_failures, store_tile,
-                                    tile_map, zero_sums)
+                                    gemm1_cell, grouped_tile_pointers, launch_grouped, load_k_step, report_failures,
+                                    store_tile, tile_map, zero_sums)
 
 from moe_dispatch.gemm.jit import MXFP4_GROUP, e2m1_bf16x2, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32  # noqa: E402
 
@@ -192,10 +192,8 @@ def upcast_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None
 
 
 def probe_model(model, args, device, configs, timer, rows):
-    from moe_dispatch.dispatch.segments import dispatch
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.host.tiles import select_tiles
     from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, args.tiny)
@@ -210,11 +208,7 @@ def probe_model(model, args, device, configs, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        ids = torch.rand(T, E, device=device).topk(top_k, dim=1).indices.to(torch.int32)
-        a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
-        tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
-        tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
-        info_mx, info_bf = dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+        _, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
         active = int((offsets[1:] > offsets[:-1]).sum())
 
