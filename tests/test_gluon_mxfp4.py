@@ -129,7 +129,7 @@ REFUSALS = [
     Refusal("separate-up", "gate and up as two tensors", lambda: dict(separate_up=True), "separate"),
     Refusal("strided", "a weight that is not contiguous",
             lambda: dict(w_down=torch.zeros(4, 48, 64, dtype=torch.uint8).transpose(1, 2)), "w_down is not contiguous"),
-    Refusal("few-rows", "T * top_k / E under GLUON_MXFP4_MIN_ROWS",
+    Refusal("few-rows", "T * top_k / E under GLUON_MXFP4_MIN_ROWS (4 here)",
             lambda: dict(x=torch.zeros(7, 64, dtype=torch.bfloat16)), "rows per expert"),
 ]
 
@@ -137,13 +137,26 @@ REFUSALS = [
 @pytest.mark.parametrize("refusal", REFUSALS, ids=[r.id for r in REFUSALS])
 def test_planner_refuses(refusal, monkeypatch):
     monkeypatch.delenv(GLUON_MXFP4_VARIABLE, raising=False)
+    monkeypatch.setattr(planner, "GLUON_MXFP4_MIN_ROWS", 4)
     refusal.assert_refused(lambda **changes: planner.gluon_mxfp4_refusal(**_refusal_args(**changes)))
 
 
-def test_planner_accepts_and_follows_the_variable(monkeypatch):
-    """Accepted at 256 rows per expert; "1" takes it at 3.5 rows, "0" refuses it anywhere; any other value raises
-    naming the variable."""
+def test_auto_follows_the_measured_threshold(monkeypatch):
+    """In mode auto the engine runs from GLUON_MXFP4_MIN_ROWS rows per expert, and nowhere while that is None."""
     monkeypatch.delenv(GLUON_MXFP4_VARIABLE, raising=False)
+    monkeypatch.setattr(planner, "GLUON_MXFP4_MIN_ROWS", None)
+    assert "is None" in planner.gluon_mxfp4_refusal(**_refusal_args())
+    monkeypatch.setattr(planner, "GLUON_MXFP4_MIN_ROWS", 256)
+    assert planner.gluon_mxfp4_refusal(**_refusal_args()) is None  # 512 * 2 / 4 = 256 rows per expert
+    assert "rows per expert" in planner.gluon_mxfp4_refusal(**_refusal_args(x=torch.zeros(511, 64,
+                                                                                           dtype=torch.bfloat16)))
+
+
+def test_planner_accepts_and_follows_the_variable(monkeypatch):
+    """Accepted in mode auto at 256 rows per expert (the threshold at 4); "1" takes it at 3.5 rows, "0" refuses it
+    anywhere; any other value raises naming the variable."""
+    monkeypatch.delenv(GLUON_MXFP4_VARIABLE, raising=False)
+    monkeypatch.setattr(planner, "GLUON_MXFP4_MIN_ROWS", 4)
     assert planner.gluon_mxfp4_refusal(**_refusal_args()) is None
     args = _refusal_args()
     plan = planner.plan_mxfp4_engine(**args)

@@ -10,8 +10,8 @@ decides; it launches nothing and imports no launcher.
                        as MOE_DISPATCH_GLUON_FP8 says); `gluon_fp8_refusal` says why not
   plan_mxfp4_engine    the MXFP4 path's engine at prefill: the portable grouped GEMMs (the decode in their loads), or
                        the warp-specialized Gluon MXFP4 GEMM (gemm.gluon_experts.gluon_mxfp4_experts; SM90 with
-                       Triton's Gluon, from GLUON_MXFP4_MIN_ROWS rows per expert, or as MOE_DISPATCH_GLUON_MXFP4
-                       says); `gluon_mxfp4_refusal` says why not
+                       Triton's Gluon, as MOE_DISPATCH_GLUON_MXFP4 says: "1" wherever it can run, "auto" from
+                       GLUON_MXFP4_MIN_ROWS rows per expert); `gluon_mxfp4_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
@@ -69,12 +69,13 @@ GLUON_FP8_MODES = SWITCH_VALUES[GLUON_FP8_VARIABLE]
 GLUON_FP8_MIN_ROWS = 128
 GLUON_FP8_BLOCK = DEFAULT_FP8_BLOCK_SHAPE  # the one weight block the Gluon GEMM reads: the default's
 # The Gluon engine of the MXFP4 path (gemm/gluon_experts.py's gluon_mxfp4_experts): "auto" (MOE_DISPATCH_GLUON_MXFP4
-# unset or empty) runs it from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) outside the decode path, "1"
-# wherever it can run, "0" never.
+# unset or empty) runs it from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) outside the decode path, or nowhere
+# while that is None; "1" wherever it can run, "0" never.
 GLUON_MXFP4_MODES = SWITCH_VALUES[GLUON_MXFP4_VARIABLE]
-# Its GEMM measured faster than the portable MXFP4 GEMM from 4 rows per expert (H100, GPT-OSS-120B GEMM1, T = 128:
-# 894 against 1013 us; docs/performance.md, "MXFP4 experts")
-GLUON_MXFP4_MIN_ROWS = 4
+# None: the engine has not measured faster than the portable kernels through fused_experts (its first form, with the
+# activation and the down bias in passes, was slower at most sizes; the form with both in the GEMMs' epilogues has not
+# run on a GPU: docs/performance.md, "Prefill on the Gluon MXFP4 engine")
+GLUON_MXFP4_MIN_ROWS = None
 
 
 class ExpertsPath(enum.Enum):
@@ -184,8 +185,11 @@ def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
 
 
 def _size_or_device_refusal(mode, x, top_k, num_experts, min_rows, min_rows_name, available, gemm) -> str | None:
-    """The last two refusals of a Gluon engine: under `min_rows` rows per expert (T * top_k / E) in mode "auto", or
-    a device where `available` says its GEMM (named `gemm`) cannot run; else None."""
+    """The last two refusals of a Gluon engine: under `min_rows` rows per expert (T * top_k / E) in mode "auto" (at
+    any size where `min_rows` is None), or a device where `available` says its GEMM (named `gemm`) cannot run; else
+    None."""
+    if mode == "auto" and min_rows is None:
+        return f"{min_rows_name} is None: in mode auto the engine runs nowhere until it has measured faster"
     rows = x.shape[0] * top_k / max(num_experts, 1)
     if mode == "auto" and rows < min_rows:
         return (f"{rows:g} rows per expert (T * top_k / E), under {min_rows_name} = {min_rows}, where the portable "
@@ -212,7 +216,7 @@ def gluon_mxfp4_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Ten
     sentence), or None when it does.
 
     It runs unless GLUON_MXFP4_VARIABLE is "0", from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) when the
-    variable is "auto" (unset) and at any count when it is "1", on the grouped path (the decode path keeps its GEMVs),
+    variable is "auto" (unset; nowhere while that is None) and at any count when it is "1", on the grouped path (the decode path keeps its GEMVs),
     without gradients (it saves no pre-activations), unless the caller forced tiles (they are the portable kernels'),
     for bf16 activations and MXFP4 weights (uint8 bytes [E, N, K / 2],
     uint8 e8m0 codes), gate and up in one weight (concatenated or interleaved), both weights contiguous (their rows
