@@ -258,3 +258,22 @@ def test_engine_matches_float64_and_replays(interleaved, monkeypatch):
     ref = _reference(x, gate_up, down, ids, weights, **options, **biases)
     assert_close(out, ref, torch.bfloat16, what="engine")
     assert_close(portable, ref, torch.bfloat16, what="portable")
+
+
+@on_hopper
+def test_engine_offsets_past_32_bits(monkeypatch):
+    """T * k * H > 2^31 through the engine (16k rows per expert: its 128-row tiles): the gathered rows, gate_up / h
+    and y are addressed with 64-bit offsets, TMA by 32-bit row coordinates (M < 2^31). Rows sampled against float64."""
+    T, E, k, H, F = 2**18 + 1000, 32, 2, 4096, 64
+    assert T * k * H > 2**31
+    torch.manual_seed(1)
+    gate_up, down = _mxfp4(E, 2 * F, H, 1), _mxfp4(E, H, F, 2)
+    x = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), device=DEVICE)
+    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, E - 1, (T,), device=DEVICE)) % E  # two distinct experts a token
+    weights = torch.rand(T, k, device=DEVICE)
+    options = dict(activation="swiglu_oai", interleaved=True)
+    monkeypatch.setenv(GLUON_MXFP4_VARIABLE, "1")
+    out = _run(x, gate_up, down, ids, weights, **options)
+    rows = torch.cat([torch.arange(64), torch.randint(0, T, (192,)), torch.arange(T - 64, T)]).to(DEVICE)
+    assert_close(out[rows], _reference(x[rows], gate_up, down, ids[rows], weights[rows], **options), torch.bfloat16)
