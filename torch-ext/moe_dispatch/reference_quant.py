@@ -6,7 +6,7 @@ Plain torch, nothing else.
 
 import torch
 
-from .reference_moe import _activation, _f64, _segments, fused_experts_ref, split_gate_up_ref
+from .reference_moe import _activation, _f64, _segments, fused_experts_ref, grouped_gemm_ref, split_gate_up_ref
 
 
 def dequantize_fp8_ref(w_fp8, scale, block_shape=(128, 128), *, n_axis=1):
@@ -87,8 +87,6 @@ def mxfp4_grouped_gemm_ref(a, blocks, scales, expert_offsets, *, bias=None, acti
     scales[e])^T (+ bias[e]); with `activation` the columns 2j and 2j + 1 of s are gate and up of output column j
     ([rows, N / 2]); with routing = (gather_idx, topk_weights) each row is s times topk_weights[t, k] of its assignment
     t * top_k + k = gather_idx[row]. Rows past the last offset are zeros."""
-    from .reference_moe import grouped_gemm_ref
-
     E = blocks.shape[0]
     s = grouped_gemm_ref(a, dequantize_mxfp4_ref(blocks, scales), expert_offsets, E)
     if bias is not None:
