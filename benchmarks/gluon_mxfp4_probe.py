@@ -25,17 +25,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mxfp4_dot_scaled_probe import Row, _layer_shape, _random_mxfp4, _timer, gemm1_cell  # noqa: E402
+from mxfp4_dot_scaled_probe import _layer_shape, _random_mxfp4, _timer, cell_recorder, gemm1_cell  # noqa: E402
 
 from moe_dispatch.gemm.gluon_mxfp4 import mxfp4_grouped_gemm  # noqa: E402
 
 TOKENS = (128, 1024, 4096, 16384)
 
 
-def probe_model(model, args, device, timer, rows):
+def probe_model(model, args, device, timer, rows, flops):
+    """Time and check each method at each T of one model; appends Row entries to `rows` and each cell's GEMM FLOPs
+    to `flops`."""
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, False)
     E, H, F, top_k = shape.num_experts, shape.hidden, shape.ffn, 4
@@ -47,31 +48,26 @@ def probe_model(model, args, device, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        _, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
+        _, a, tiles_mx, tiles_bf, info_mx, info_bf, active = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
-        flops = 2 * M * N * K
-
-        def record(method, fn, out=None, reference=None):
-            us, how = timer(fn)
-            error = relative_error(out, reference) if out is not None and reference is not None else None
-            rows.append(Row(cell, M / E, method, us, flops, how, error))
-            print(f"   {cell:<18} {method:<40} {us:10.1f} us {flops / us / 1e6:7.1f} TFLOP/s"
-                  + (f"  err {error:.1e}" if error is not None else ""), flush=True)
+        mx_bytes, bf_bytes = active * N * (K // 2 + K // 32), active * N * K * 2
+        flops[cell] = 2 * M * N * K
+        record = cell_recorder(rows, timer, cell, M / E)
 
         c_bf = torch.empty(M, N, device=device, dtype=torch.bfloat16)
         record(f"(c) package bf16 {tiles_bf.block_m}x{tiles_bf.gate_up.block_n}x{tiles_bf.gate_up.block_k}",
-               functools.partial(expert_gemm, a, w_bf16, info_bf, tiles_bf.gate_up, out=c_bf))
+               functools.partial(expert_gemm, a, w_bf16, info_bf, tiles_bf.gate_up, out=c_bf), bf_bytes)
         reference = c_bf.clone()
         c_mx = torch.empty(M, N, device=device, dtype=torch.bfloat16)
         record(f"(b) package mxfp4 {tiles_mx.block_m}x{tiles_mx.gate_up.block_n}x{tiles_mx.gate_up.block_k}",
                functools.partial(expert_gemm, a, blocks, info_mx, tiles_mx.gate_up,
-                                 weight_scale=mxfp4_weight_scale(scales), out=c_mx), c_mx, reference)
+                                 weight_scale=mxfp4_weight_scale(scales), out=c_mx), mx_bytes, c_mx, reference)
         for block_m in args.block_m:
             for stages in args.stages:
                 run = functools.partial(mxfp4_grouped_gemm, a, blocks, scales, offsets, stages=stages,
                                         block_m=block_m)
                 try:
-                    record(f"(g) gluon mxfp4 {block_m}x256x64 {stages} stages", run, run(), reference)
+                    record(f"(g) gluon mxfp4 {block_m}x256x64 {stages} stages", run, mx_bytes, run(), reference)
                 except Exception as exc:  # noqa: BLE001 - reported, the rest runs
                     print(f"   {cell:<18} (g) {block_m} rows {stages} stages: {type(exc).__name__}: {str(exc)[:300]}",
                           flush=True)
@@ -87,10 +83,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = []
-    rows = []
+    rows, flops = [], {}
     for model in args.models:
         try:
-            probe_model(model, args, device, _timer(device), rows)
+            probe_model(model, args, device, _timer(device), rows, flops)
         except Exception as exc:  # noqa: BLE001
             failures.append(f"{model}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
@@ -99,7 +95,7 @@ def main(argv=None):
         cell_rows = [row for row in rows if row.cell == cell]
         by = {row.method[:3]: row.us for row in cell_rows}
         for row in cell_rows:
-            print(f"{cell:<20} {row.method:<40} {row.us:9.1f} {row.weight_bytes / row.us / 1e6:8.1f} "
+            print(f"{cell:<20} {row.method:<40} {row.us:9.1f} {flops[cell] / row.us / 1e6:8.1f} "
                   f"{by.get('(b)', float('nan')) / row.us:8.2f} {by.get('(c)', float('nan')) / row.us:8.2f}")
     for failure in failures:
         print(f"FAILED {failure}")

@@ -403,6 +403,21 @@ class Row:
     error: float | None = None  # relative error against (c)
 
 
+def cell_recorder(rows, timer, cell, rows_per_expert):
+    """-> record(method, fn, weight_bytes, out=None, reference=None) for one cell: times fn with `timer`, appends a Row
+    to `rows` (its error: `out` against `reference`, where both are given) and prints a line."""
+    from moe_dispatch.reference import relative_error
+
+    def record(method, fn, weight_bytes, out=None, reference=None):
+        us, how = timer(fn)
+        error = relative_error(out, reference) if out is not None and reference is not None else None
+        rows.append(Row(cell, rows_per_expert, method, us, weight_bytes, how, error))
+        print(f"   {cell:<22} {method:<40} {us:10.1f} us {how}"
+              + (f"  rel err vs bf16 {error:.2e}" if error is not None else ""), flush=True)
+
+    return record
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -455,7 +470,7 @@ def _random_mxfp4(E, N, K, device, experts_per_chunk=16):
 def gemm1_cell(T, top_k, E, H, F, device):
     """The inputs of GEMM1 at T tokens: (ids int32 [T, top_k] a uniform random routing, a bf16 [T * top_k, H] random
     expert-sorted rows, tiles_mx and tiles_bf (the tables' MXFP4 and bf16 tiles), info_mx and info_bf (their
-    dispatches of ids))."""
+    dispatches of ids), the number of experts ids hits)."""
     from moe_dispatch.dispatch.segments import dispatch
     from moe_dispatch.host.tiles import select_tiles
 
@@ -463,7 +478,9 @@ def gemm1_cell(T, top_k, E, H, F, device):
     a = torch.randn(T * top_k, H, device=device, dtype=torch.bfloat16)
     tiles_mx = select_tiles(device, T, top_k, E, F, H, torch.bfloat16, mxfp4=True)
     tiles_bf = select_tiles(device, T, top_k, E, F, H, torch.bfloat16)
-    return ids, a, tiles_mx, tiles_bf, dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+    info_mx, info_bf = dispatch(ids, E, tiles_mx.block_m), dispatch(ids, E, tiles_bf.block_m)
+    offsets = info_mx.expert_offsets
+    return ids, a, tiles_mx, tiles_bf, info_mx, info_bf, int((offsets[1:] > offsets[:-1]).sum())
 
 
 def _layer_shape(model, tiny):
@@ -478,7 +495,6 @@ def probe_model(model, args, device, configs, timer, rows):
     import moe_dispatch as md
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, args.tiny)
     E, H, F, top_k = shape.num_experts, shape.hidden, shape.ffn, args.top_k
@@ -494,17 +510,11 @@ def probe_model(model, args, device, configs, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        ids, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
+        ids, a, tiles_mx, tiles_bf, info_mx, info_bf, active = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
-        active = int((offsets[1:] > offsets[:-1]).sum())
         rows_per_expert = M / E
 
-        def record(method, fn, weight_bytes, out=None, reference=None):
-            us, how = timer(fn)
-            error = relative_error(out, reference) if out is not None and reference is not None else None
-            rows.append(Row(cell, rows_per_expert, method, us, weight_bytes, how, error))
-            print(f"   {cell:<22} {method:<34} {us:10.1f} us {how}"
-                  + (f"  rel err vs bf16 {error:.2e}" if error is not None else ""), flush=True)
+        record = cell_recorder(rows, timer, cell, rows_per_expert)
 
         c_bf = torch.empty(M, N, device=device, dtype=torch.bfloat16)
         run_bf = functools.partial(expert_gemm, a, w_bf16, info_bf, tiles_bf.gate_up, out=c_bf)

@@ -39,8 +39,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mxfp4_dot_scaled_probe import (ProbeConfig, Row, _layer_shape, _random_mxfp4, _timer,  # noqa: E402
-                                    gemm1_cell, grouped_tile_pointers, launch_grouped, load_k_step, report_failures,
+from mxfp4_dot_scaled_probe import (ProbeConfig, _layer_shape, _random_mxfp4, _timer,  # noqa: E402
+                                    cell_recorder, gemm1_cell, grouped_tile_pointers, launch_grouped, load_k_step, report_failures,
                                     store_tile, tile_map, zero_sums)
 
 from moe_dispatch.gemm.jit import MXFP4_GROUP, e2m1_bf16x2, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32  # noqa: E402
@@ -194,7 +194,6 @@ def upcast_grouped_gemm(a, blocks, scales, expert_offsets, config, *, tiles=None
 def probe_model(model, args, device, configs, timer, rows):
     from moe_dispatch.formats.mxfp4 import dequantize_experts_mxfp4, mxfp4_weight_scale
     from moe_dispatch.gemm.grouped import expert_gemm
-    from moe_dispatch.reference import relative_error
 
     shape = _layer_shape(model, args.tiny)
     E, H, F, top_k = shape.num_experts, shape.hidden, shape.ffn, args.top_k
@@ -208,16 +207,10 @@ def probe_model(model, args, device, configs, timer, rows):
     for T in args.tokens:
         cell = f"{model} T{T}"
         M = T * top_k
-        _, a, tiles_mx, tiles_bf, info_mx, info_bf = gemm1_cell(T, top_k, E, H, F, device)
+        _, a, tiles_mx, tiles_bf, info_mx, info_bf, active = gemm1_cell(T, top_k, E, H, F, device)
         offsets = info_mx.expert_offsets
-        active = int((offsets[1:] > offsets[:-1]).sum())
 
-        def record(method, fn, weight_bytes, out=None, reference=None):
-            us, how = timer(fn)
-            error = relative_error(out, reference) if out is not None and reference is not None else None
-            rows.append(Row(cell, M / E, method, us, weight_bytes, how, error))
-            print(f"   {cell:<18} {method:<40} {us:10.1f} us" + (f"  err {error:.1e}" if error is not None else ""),
-                  flush=True)
+        record = cell_recorder(rows, timer, cell, M / E)
 
         c_bf = torch.empty(M, N, device=device, dtype=torch.bfloat16)
         record(f"(c) package bf16 {tiles_bf.block_m}x{tiles_bf.gate_up.block_n}x{tiles_bf.gate_up.block_k}",

@@ -199,13 +199,19 @@ def _size_or_device_refusal(mode, x, top_k, num_experts, min_rows, min_rows_name
     return None
 
 
+def _engine_plan(refusal, path: ExpertsPath, plan: ExpertsPlan, *args, **facts) -> ExpertsPlan:
+    """`plan` on `path` (a Gluon engine's) where `refusal(plan, *args, **facts)` names no reason; else `plan`."""
+    if refusal(plan, *args, **facts) is None:
+        return dataclasses.replace(plan, path=path)
+    return plan
+
+
 def plan_w8a8_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                      w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, **facts) -> ExpertsPlan:
     """`plan` on ExpertsPath.W8A8_GLUON where `gluon_fp8_refusal` (same arguments) finds no reason against it; else
     `plan` unchanged (the portable kernels)."""
-    if gluon_fp8_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
-        return dataclasses.replace(plan, path=ExpertsPath.W8A8_GLUON)
-    return plan
+    return _engine_plan(gluon_fp8_refusal, ExpertsPath.W8A8_GLUON, plan, x, w_gate_up, w_down, w_gate_up_scale,
+                        w_down_scale, **facts)
 
 
 def gluon_mxfp4_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -252,9 +258,8 @@ def plan_mxfp4_engine(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
                       w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None, **facts) -> ExpertsPlan:
     """`plan` on ExpertsPath.MXFP4_GLUON where `gluon_mxfp4_refusal` (same arguments) finds no reason against it; else
     `plan` unchanged (the portable kernels)."""
-    if gluon_mxfp4_refusal(plan, x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, **facts) is None:
-        return dataclasses.replace(plan, path=ExpertsPath.MXFP4_GLUON)
-    return plan
+    return _engine_plan(gluon_mxfp4_refusal, ExpertsPath.MXFP4_GLUON, plan, x, w_gate_up, w_down, w_gate_up_scale,
+                        w_down_scale, **facts)
 
 
 @dataclasses.dataclass(frozen=True)
