@@ -50,7 +50,8 @@ from ..formats.mxfp4 import MXFP4_GROUP
 from ..formats.scale_codes import WeightScaleCode
 from ..gemm.args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
 from ..gemm.jit import ACT_SILU, Activation, expert_tile_dot, gathered_rows, split_pairs, tile_dot, tile_setup
-from ..gemm.planner import plan_backward
+from ..gemm.planner import plan_backward, w8a8_dx_refusal
+from ..gemm.w8a8 import w8a8_input_grad
 from ..host.host_math import cdiv
 from ..host.replay import launch
 from ..host.tiles import MoeTiles, WeightGradTile
@@ -348,8 +349,14 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate_up, grads.w_up, grads.gate_up_bias))
     needs_act = grads.w_down is not None
     needs_partial = grads.topk_weights is not None
+    forced_tiles = tiles is not None
     plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
     tiles, weight_tile = plan.tiles, plan.weight_tile
+    # dX through frozen float8 weights on FP8 tensor cores (planner.w8a8_dx_refusal) takes the plan's dX tile as it is
+    w8a8_dx_tile = None
+    if grads.x is not None and w8a8_dx_refusal(x, w_gate_up, gate_up_scale, separate_up=separate, top_k=top_k,
+                                               forced_tiles=forced_tiles) is None:
+        w8a8_dx_tile = tiles.down
     # Quantized weights (frozen: no weight gradient) are dequantized in the dX and dA GEMMs' loads; MXFP4 read along
     # its packed axis needs whole scale groups per column tile
     gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
@@ -418,7 +425,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
 
     needs_w_gate_up = grads.w_gate_up is not None or grads.w_up is not None
     rows = None  # [N, H]: the sorted copy of w * dout, then dX's rows, then the sorted copy of x
-    if grads.x is not None or needs_w_gate_up or grads.w_down is not None:
+    if (grads.x is not None and w8a8_dx_tile is None) or needs_w_gate_up or grads.w_down is not None:
         rows = torch.empty((N, H), device=device, dtype=x.dtype)
     layout = Layout(PLAIN.value, top_k)
 
@@ -436,7 +443,11 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     act = None
 
     grads = _materialized(grads, "x")
-    if grads.x is not None:
+    if grads.x is not None and w8a8_dx_tile is not None:  # frozen float8 weights (no weight gradient asked)
+        dx_rows = w8a8_input_grad(d_preact, w_gate_up, info, w8a8_dx_tile, gate_up_ws, transposed=transposed,
+                                  out_dtype=x.dtype)
+        combine(dx_rows, scatter_idx, T, top_k, out=grads.x)
+    elif grads.x is not None:
         tile = tiles.down
         if N and H and info.max_tiles:
             w_gate_v, w_up_v = same_strides(w_gate_up, w_up) if separate else (w_gate_up, w_gate_up)
