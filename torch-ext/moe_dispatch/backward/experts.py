@@ -286,6 +286,19 @@ def _dequant_dx_tile(tile):
     return dataclasses.replace(tile, block_n=min(tile.block_n, DEQUANT_DX_MAX_BLOCK_N))
 
 
+# The w8a8 dX GEMM (planner.w8a8_dx_refusal) takes the plan's dX tile with whole 128-column K steps (the weight block
+# of the checkpoints that ship block FP8; `_group` cuts it to a smaller block) and at most 128 columns: on sm_90, with
+# 128-row tiles of 8 warps, 128 x 128 compiles to 217 registers without spills, the bf16 tile's 256 columns spill
+# 488-536 bytes a thread (BLOCK_K 64 or 128), and 4 warps spill at 128 columns. Chosen by that check, not timed.
+W8A8_DX_MAX_BLOCK_N = 128
+W8A8_DX_BLOCK_K = 128
+
+
+def _w8a8_dx_tile(tile):
+    """The w8a8 dX GEMM's tile from the plan's dX tile: BLOCK_K W8A8_DX_BLOCK_K, BLOCK_N at most W8A8_DX_MAX_BLOCK_N."""
+    return dataclasses.replace(tile, block_n=min(tile.block_n, W8A8_DX_MAX_BLOCK_N), block_k=W8A8_DX_BLOCK_K)
+
+
 def _mxfp4_n_tile(tile):
     """A GEMM tile whose columns cover whole MXFP4 scale groups (BLOCK_N >= 32; tiles' BLOCK_N are powers of two)."""
     return dataclasses.replace(tile, block_n=max(tile.block_n, MXFP4_GROUP))
@@ -352,11 +365,11 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     forced_tiles = tiles is not None
     plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
     tiles, weight_tile = plan.tiles, plan.weight_tile
-    # dX through frozen float8 weights on FP8 tensor cores (planner.w8a8_dx_refusal) takes the plan's dX tile as it is
+    # dX through frozen float8 weights on FP8 tensor cores (planner.w8a8_dx_refusal), on the plan's dX tile
     w8a8_dx_tile = None
     if grads.x is not None and w8a8_dx_refusal(x, w_gate_up, gate_up_scale, separate_up=separate, top_k=top_k,
                                                forced_tiles=forced_tiles) is None:
-        w8a8_dx_tile = tiles.down
+        w8a8_dx_tile = _w8a8_dx_tile(tiles.down)
     # Quantized weights (frozen: no weight gradient) are dequantized in the dX and dA GEMMs' loads; MXFP4 read along
     # its packed axis needs whole scale groups per column tile
     gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
