@@ -14,8 +14,9 @@ decides; it launches nothing and imports no launcher.
                        GLUON_MXFP4_MIN_ROWS rows per expert); `gluon_mxfp4_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
-  w8a8_dx_refusal      whether the backward's dX GEMM through frozen float8 weights runs on FP8 tensor cores
-                       (gemm.w8a8.w8a8_gemm on d_preact quantized per row and K step), as MOE_DISPATCH_W8A8_DX says
+  w8a8_backward_refusal  whether an input-gradient GEMM (dX, dA) of the backward through frozen float8 weights runs
+                       on FP8 tensor cores (gemm.w8a8.w8a8_gemm on the gradient quantized per row and K step), as
+                       MOE_DISPATCH_W8A8_BACKWARD says
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel or the persistent descriptor kernel
@@ -38,7 +39,7 @@ import torch
 from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, W8A8_MIN_GROUP, infer_scheme, w8a8_refusal
 from ..formats.scale_codes import WeightScaleCode
 from ..host.checks import check_choice
-from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, W8A8_DX_VARIABLE,
+from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, W8A8_BACKWARD_VARIABLE,
                            current_environment, has_fp8_tensor_cores, has_tma, has_wgmma, is_interpreter, on_gpu,
                            tma_readable)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
@@ -290,44 +291,45 @@ def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts
     return BackwardPlan(tiles, weight_tile)
 
 
-# The frozen FP8 backward's dX GEMM on FP8 tensor cores (backward/experts.py): "auto" (MOE_DISPATCH_W8A8_DX unset or
-# empty) runs it from W8A8_DX_MIN_ROWS rows per expert (T * top_k / E), or nowhere while that is None; "1" wherever
-# it can run (the CPU interpreter included, for the tests), "0" never.
-W8A8_DX_MODES = SWITCH_VALUES[W8A8_DX_VARIABLE]
-# None: not yet measured against the dequantizing dX GEMM on a GPU (docs/performance.md, "Frozen quantized experts")
-W8A8_DX_MIN_ROWS = None
+# The frozen FP8 backward's input-gradient GEMMs on FP8 tensor cores (backward/experts.py): "auto"
+# (MOE_DISPATCH_W8A8_BACKWARD unset or empty) runs them from W8A8_BACKWARD_MIN_ROWS rows per expert (T * top_k / E), or
+# nowhere while that is None; "1" wherever they can run (the CPU interpreter included, for the tests), "0" never.
+W8A8_BACKWARD_MODES = SWITCH_VALUES[W8A8_BACKWARD_VARIABLE]
+# None: not yet measured against the dequantizing GEMMs on a GPU (docs/performance.md, "Frozen quantized experts")
+W8A8_BACKWARD_MIN_ROWS = None
 
 
-def w8a8_dx_refusal(x: torch.Tensor, w_gate_up: torch.Tensor, gate_up_scale, *, separate_up: bool, top_k: int,
-                    forced_tiles: bool) -> str | None:
-    """Why the backward's dX GEMM through frozen float8 gate/up weights does not run on FP8 tensor cores (a sentence),
-    or None when it does. There it quantizes d_preact [T * top_k, 2F] to e4m3 per row and K step (one scale each,
-    amax / 448, as the w8a8 forward quantizes x) and runs `gemm.w8a8.w8a8_gemm` on the weight read the other way round;
-    else the dequantizing GEMM (`_gate_up_grad_kernel`) runs, exact to the dequantized weights.
+def w8a8_backward_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale, *, name: str, separate_up: bool,
+                          top_k: int, forced_tiles: bool) -> str | None:
+    """Why an input-gradient GEMM of the backward through the frozen float8 weight `weight` (named `name`: w_gate_up
+    for dX, w_down for dA) does not run on FP8 tensor cores (a sentence), or None when it does. There the gradient
+    it reads (d_preact for dX, dout for dA) is quantized to e4m3 per row and K step (one scale each, amax / 448, as
+    the w8a8 forward quantizes x) and `gemm.w8a8.w8a8_gemm` runs on the weight read the other way round; else the
+    dequantizing GEMM runs (`_gate_up_grad_kernel`, `_down_grad_kernel`), exact to the dequantized weights.
 
-    It runs unless W8A8_DX_VARIABLE is "0", from W8A8_DX_MIN_ROWS rows per expert in mode "auto" (nowhere while that
-    is None), at any count in mode "1", for e4m3fn gate/up weights in one tensor (not separate up weights) whose
-    scales in the dX orientation (`gate_up_scale`, fp8.WeightScale) are per tensor or blocks with a K side that is a
-    power of two >= W8A8_MIN_GROUP, unless the caller forced tiles (they are the dequantizing GEMM's), on a device
-    with FP8 tensor cores (or the CPU interpreter). Host facts only."""
-    mode = current_environment().w8a8_dx
+    It runs unless W8A8_BACKWARD_VARIABLE is "0", from W8A8_BACKWARD_MIN_ROWS rows per expert in mode "auto" (nowhere
+    while that is None), at any count in mode "1", for an e4m3fn weight (gate and up in one tensor for dX) whose
+    scales in the backward's orientation (`weight_scale`, fp8.WeightScale) are per tensor or blocks with a K side
+    that is a power of two >= W8A8_MIN_GROUP, unless the caller forced tiles (they are the dequantizing GEMMs'), on
+    a device with FP8 tensor cores (or the CPU interpreter). Host facts only."""
+    mode = current_environment().w8a8_backward
     if mode == "0":
-        return f"{W8A8_DX_VARIABLE} is 0"
-    if w_gate_up.dtype != W8A8_DTYPE:
-        return f"w_gate_up is {w_gate_up.dtype}; the w8a8 GEMM reads {W8A8_DTYPE}"
+        return f"{W8A8_BACKWARD_VARIABLE} is 0"
+    if weight.dtype != W8A8_DTYPE:
+        return f"{name} is {weight.dtype}; the w8a8 GEMM reads {W8A8_DTYPE}"
     if separate_up:
         return "gate and up are separate tensors; the w8a8 dX GEMM reads one [E, 2F, H] weight"
     if forced_tiles:
-        return "the caller forced tiles: they are the dequantizing GEMM's"
-    code = gate_up_scale.code if gate_up_scale is not None else WeightScaleCode.NONE
+        return "the caller forced tiles: they are the dequantizing GEMMs'"
+    code = weight_scale.code if weight_scale is not None else WeightScaleCode.NONE
     if code == WeightScaleCode.BLOCK:
-        side = gate_up_scale.block_k
+        side = weight_scale.block_k
         if side < W8A8_MIN_GROUP or side & (side - 1):
-            return (f"the weight's block along 2F is {side}; the w8a8 GEMM needs a power of two >= {W8A8_MIN_GROUP} "
-                    "(one weight scale per K step)")
+            return (f"{name}'s block along the backward's K is {side}; the w8a8 GEMM needs a power of two >= "
+                    f"{W8A8_MIN_GROUP} (one weight scale per K step)")
     elif code != WeightScaleCode.TENSOR:
-        return f"{code.name.lower()} weight scales: in the dX orientation they vary along K"
-    return _size_or_device_refusal(mode, x, top_k, w_gate_up.shape[0], W8A8_DX_MIN_ROWS, "W8A8_DX_MIN_ROWS",
+        return f"{name} has {code.name.lower()} scales: in the backward's orientation they vary along K"
+    return _size_or_device_refusal(mode, x, top_k, weight.shape[0], W8A8_BACKWARD_MIN_ROWS, "W8A8_BACKWARD_MIN_ROWS",
                                    lambda device: not on_gpu(device) or has_fp8_tensor_cores(device),
                                    "the w8a8 GEMM")
 
