@@ -16,7 +16,7 @@ call (`Environment`, `call_scope`, `current_environment`):
     MOE_DISPATCH_PDL         "1" (unset) or "0"           programmatic dependent launch on Hopper (host/pdl.py)
     MOE_DISPATCH_GLUON_FP8   "auto" (unset), "1" or "0"   the w8a8 path's Gluon engine (gemm/planner.py)
     MOE_DISPATCH_GLUON_MXFP4 "auto" (unset), "1" or "0"   the MXFP4 path's Gluon engine (gemm/planner.py)
-    MOE_DISPATCH_W8A8_BACKWARD     "auto" (unset), "1" or "0"   the frozen FP8 backward's dX GEMM on FP8 tensor cores
+    MOE_DISPATCH_W8A8_BACKWARD "auto" (unset), "1" or "0" the frozen FP8 backward's dX and dA GEMMs on FP8 tensor cores
                                                           (gemm/planner.py: w8a8_backward_refusal)
 
 An empty value counts as unset; any other value raises ValueError naming the variable. Every public entry point that
