@@ -145,3 +145,43 @@ def test_backward_offsets_past_32_bits():
     ref = fused_experts_ref(leaves[0], w_gate_up.detach(), w_down.detach(), ids[rows], leaves[1])
     ref_d_x, ref_d_weights = torch.autograd.grad(ref, leaves, grad_out[rows].double())
     assert _rel(d_x[rows], ref_d_x) <= GRAD_TOLERANCE and _rel(d_weights[rows], ref_d_weights) <= GRAD_TOLERANCE
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_frozen_fp8_backward_on_fp8_tensor_cores_odd_sizes(transposed, monkeypatch):
+    """The frozen FP8 backward with its input-gradient GEMMs on FP8 tensor cores (MOE_DISPATCH_W8A8_BACKWARD=1) at
+    sizes that are no multiple of the tiles or of the 128 x 128 weight blocks (H = 520, 2F = 400), with an expert no
+    token picks: d hidden_states, d topk_weights and d gate_up_bias within W8A8_TOLERANCE of float64 autograd on the
+    dequantized weights, the second (replayed) backward equal to the first, and a NaN in one token's output gradient
+    NaN in that token's d hidden_states alone."""
+    monkeypatch.setenv("MOE_DISPATCH_W8A8_BACKWARD", "1")
+    E, k, T, H, F = 8, 2, 300, 520, 200
+    shapes = ((E, H, 2 * F), (E, F, H)) if transposed else ((E, 2 * F, H), (E, H, F))
+    n_axis = 2 if transposed else 1
+    (q_gate_up, s_gate_up), (q_down, s_down) = (
+        md.quantize_experts_fp8(torch.randn(*shape, device="cuda") * 0.05, "block", n_axis=n_axis) for shape in shapes)
+    scales = dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+    ids = torch.stack([torch.randperm(E - 1, device="cuda")[:k] for _ in range(T)])  # expert E - 1 gets no token
+    leaves = [torch.randn(T, H, device="cuda").to(DTYPE), torch.rand(T, k, device="cuda"),
+              (torch.randn(E, 2 * F, device="cuda") * 0.1).to(DTYPE)]
+    leaves = [t.requires_grad_() for t in leaves]
+    grad_out = torch.randn(T, H, device="cuda").to(DTYPE)
+
+    def grads_of(g):
+        out = md.fused_experts(leaves[0], q_gate_up, q_down, ids, leaves[1], gate_up_bias=leaves[2],
+                               transposed=transposed, **scales)
+        return torch.autograd.grad(out, leaves, g)
+
+    got = grads_of(grad_out)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = md.reference.fused_experts_fp8_ref(ref_leaves[0], q_gate_up, q_down, ids, ref_leaves[1],
+                                             gate_up_bias=ref_leaves[2], transposed=transposed, **scales)
+    expected = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+    for name, g, r in zip(("d hidden_states", "d topk_weights", "d gate_up_bias"), got, expected):
+        assert _rel(g, r) <= md.reference.W8A8_TOLERANCE, (name, _rel(g, r))
+    for g, again in zip(got, grads_of(grad_out)):
+        assert torch.equal(g, again)
+    bad = grad_out.clone()
+    bad[7, 11] = float("nan")
+    dx = grads_of(bad)[0]
+    assert dx[7].isnan().all() and torch.isfinite(dx[torch.arange(T, device="cuda") != 7]).all()
