@@ -249,12 +249,16 @@ def portable_impl(kernel, w):
     at its entry and part of its plan's key): the portable kernels, which decode in their loads."""
     def make(inp):
         def call():
+            before = os.environ.get(GLUON_MXFP4_VARIABLE)
             os.environ[GLUON_MXFP4_VARIABLE] = "0"
             try:
                 return kernel.fused_experts(inp.x, topk_ids=inp.ids, topk_weights=inp.weights, validate=False,
                                             **w.call_kwargs())
-            finally:
-                del os.environ[GLUON_MXFP4_VARIABLE]
+            finally:  # the switch as it was (the other impls of the run read it)
+                if before is None:
+                    del os.environ[GLUON_MXFP4_VARIABLE]
+                else:
+                    os.environ[GLUON_MXFP4_VARIABLE] = before
         return call
 
     return Impl("mxfp4_portable", "ready", make, note="moe_dispatch.fused_experts on the MXFP4 blocks and scales with "
