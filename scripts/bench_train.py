@@ -25,8 +25,8 @@ those weights (also frozen: that backward too computes d x and d topk_weights on
 and the cell reports both times (do_bench medians, L2 cleared), quantized / bf16 (the target: <= 1.0), both peaks
 above the pre-step allocation, the gradient check (d x and d topk_weights of the quantized call against the bf16
 call's, norm-wise relative difference, held to the bf16 tolerance reference.TOLERANCE: the weights hold the same
-values, up to bf16's rounding of fp8's dequantized products; the w8a8 one where the backward runs on FP8 tensor cores,
-`frozen_tolerance`) and the weight tensors that required or got a gradient (none may). Default models: fp8 qwen3-30b-a3b, mixtral-8x7b, deepseek-v3; mxfp4 gpt-oss-120b, gpt-oss-20b; --models
+values, up to bf16's rounding of fp8's dequantized products) and the weight tensors that required or got a gradient
+(none may). Default models: fp8 qwen3-30b-a3b, mixtral-8x7b, deepseek-v3; mxfp4 gpt-oss-120b, gpt-oss-20b; --models
 lists others (mxfp4 takes the GPT-OSS ones of the list). The frozen mode runs instead of the bf16 table.
 
 --cpu-smoke (frozen mode only: transformers' grouped_mm and Liger run on GPUs only) runs the frozen cells' plumbing on
@@ -67,15 +67,6 @@ FROZEN_MODELS = {"fp8": ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"), "mxfp4
 MXFP4_MODELS = ("gpt-oss-120b", "gpt-oss-20b")
 FROZEN_GRADS = ("x", "topk_weights")
 FROZEN_TOLERANCE = reference.TOLERANCE[DTYPE]
-
-
-def frozen_tolerance(fmt):
-    """The gradient check's tolerance: the bf16 one (FROZEN_TOLERANCE), or for FP8 weights where the backward may run
-    on FP8 tensor cores (MOE_DISPATCH_W8A8_BACKWARD "1", or "auto" once planner.W8A8_BACKWARD_MIN_ROWS is set) the
-    w8a8 path's, reference.W8A8_TOLERANCE: that backward quantizes the gradients its GEMMs read to e4m3."""
-    mode = md.host.device.read_environment().w8a8_backward
-    w8a8 = mode == "1" or (mode == "auto" and md.gemm.planner.W8A8_BACKWARD_MIN_ROWS is not None)
-    return reference.W8A8_TOLERANCE if fmt == "fp8" and w8a8 else FROZEN_TOLERANCE
 # --cpu-smoke: bench_mxfp4's interpreter widths (H and F whole e8m0 groups of 32; one partial 128 x 128 fp8 block)
 SMOKE_SIZES = dict(num_experts=4, top_k=2, hidden=64, ffn=32)
 SMOKE_TOKENS = (5,)
@@ -463,8 +454,7 @@ def frozen_cell(args, device, experts, shape, T):
     if len(grads) == 2:
         cell["grad_rel_diff"] = {n: reference.relative_error(a, b)
                                  for n, a, b in zip(FROZEN_GRADS, grads["quantized"], grads["bf16"])}
-        cell["tolerance"] = frozen_tolerance(experts.format)
-        cell["grad_ok"] = all(diff <= cell["tolerance"] for diff in cell["grad_rel_diff"].values())  # NaN: False
+        cell["grad_ok"] = all(diff <= FROZEN_TOLERANCE for diff in cell["grad_rel_diff"].values())  # NaN: False
     cell["weights_with_grad"] = sorted(name for name, t in experts.weight_tensors().items()
                                        if t.requires_grad or t.grad is not None)
     return cell
@@ -472,8 +462,7 @@ def frozen_cell(args, device, experts, shape, T):
 
 def frozen_meta(args):
     return dict(formats=list(args.frozen), tokens=list(args.tokens), cpu_smoke=args.cpu_smoke, seed=args.seed,
-                grads=list(FROZEN_GRADS), tolerance={fmt: frozen_tolerance(fmt) for fmt in args.frozen},
-                w8a8_backward=md.host.device.read_environment().w8a8_backward, fp8_block_shape=list(harness.FP8_BLOCK),
+                grads=list(FROZEN_GRADS), tolerance=FROZEN_TOLERANCE, fp8_block_shape=list(harness.FP8_BLOCK),
                 timing="wall-clock median (CPU)" if args.cpu_smoke else
                 f"triton.testing.do_bench median, L2 cleared, rep {args.rep_ms} ms",
                 git_commit=harness.git_commit())
@@ -495,8 +484,7 @@ def frozen_markdown(cells, device):
     timing = "do_bench medians, L2 cleared" if device.type == "cuda" else "wall-clock medians, Triton's interpreter"
     lines = ["## Frozen quantized experts: d x and d topk_weights only", "",
              f"{device_name(device)}. Times in ms ({timing}); peaks in GiB above the pre-step allocation; grad diff: "
-             "the quantized call's gradients against the bf16 call's, tolerance "
-             + ", ".join(sorted({f"{c['format']} {c['tolerance']:g}" for c in cells if "tolerance" in c})) + ".", "",
+             f"the quantized call's gradients against the bf16 call's, tolerance {FROZEN_TOLERANCE:g}.", "",
              "| format | model | T | quantized ms | bf16 ms | quantized / bf16 | peak quantized | peak bf16 "
              "| grad diff x | grad diff topk_weights | check |",
              "|" + "---|" * 11]

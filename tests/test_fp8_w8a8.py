@@ -16,7 +16,6 @@ from test_fp8 import (DECODE, DECODE_DOT, E, F, H, LAYOUTS, MODEL_TOLERANCE, PRE
                       _ids)
 
 import moe_dispatch as md
-from moe_dispatch.backward import experts as experts_backward_module
 from moe_dispatch.gemm import planner, w8a8
 from moe_dispatch.host.device import has_tma
 from moe_dispatch.dispatch.segments import dispatch
@@ -364,88 +363,3 @@ def test_fp8_non_finite_tokens_propagate(case, poison_empty, monkeypatch):
     others = [t for t in range(T) if t not in (2, 5)]
     assert torch.isfinite(clean).all()
     assert torch.equal(out[others], clean[others])
-
-
-FROZEN_DX_BLOCK = (32, 32)  # the backward reads the stored block's N side as its K step: a power of two >= 32 too
-
-
-def _frozen_dx_call(layout, scheme, x, grad_out, ids, weights):
-    """fused_experts through frozen float8 weights with trainable x, routing weights and biases; returns the float64
-    reference output's gradients and the package's, in the order x, topk_weights, gate_up_bias, down_bias."""
-    _, options, _ = layout
-    q_gate_up, q_down, scales = _fp8_experts(scheme, transposed=options.get("transposed", False),
-                                             block_shape=FROZEN_DX_BLOCK)
-    leaves = [x, weights, torch.randn(E, 2 * F, device=DEVICE) * 0.1, torch.randn(E, H, device=DEVICE) * 0.1]
-    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
-    out = md.fused_experts(leaves[0], q_gate_up, q_down, ids, leaves[1], gate_up_bias=leaves[2], down_bias=leaves[3],
-                           **scales, **options)
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    ref = fused_experts_fp8_ref(ref_leaves[0], q_gate_up, q_down, ids, ref_leaves[1], gate_up_bias=ref_leaves[2],
-                                down_bias=ref_leaves[3], **scales, **options)
-    return torch.autograd.grad(ref, ref_leaves, grad_out.double()), grads
-
-
-@pytest.mark.parametrize("scheme", ("block", "tensor"))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_frozen_fp8_backward_on_fp8_tensor_cores(layout, scheme, monkeypatch):
-    """MOE_DISPATCH_W8A8_BACKWARD=1: the backward through frozen float8 weights quantizes the gradient each input-gradient
-    GEMM reads per row and K step (dA: dout by token; dX: d_preact) and runs the w8a8 GEMM on the weight read the
-    other way round. Every gradient is within W8A8_TOLERANCE (the error of e4m3 activations) of the float64 gradient
-    with the dequantized weights (d down_bias, which no GEMM of the backward computes, within the dequant path's).
-    A NaN in one token's output gradient makes that token's d hidden_states NaN and leaves every other token's
-    finite."""
-    monkeypatch.setenv("MOE_DISPATCH_PLANS", "0")  # every backward through the launcher (counted below)
-    monkeypatch.setenv("MOE_DISPATCH_W8A8_BACKWARD", "1")
-    runs = []
-    monkeypatch.setattr(experts_backward_module, "w8a8_input_grad",
-                        lambda *a, **k: runs.append(k.get("gather", False)) or w8a8.w8a8_input_grad(*a, **k))
-    x, grad_out = torch.randn(T, H, device=DEVICE), torch.randn(T, H, device=DEVICE)
-    ids, weights = _ids(T), torch.rand(T, TOP_K, device=DEVICE)
-    ref, grads = _frozen_dx_call(layout, scheme, x, grad_out, ids, weights)
-    assert runs == [True, False]  # dA (dout gathered by token), then dX
-    for name, g, r in zip(("d hidden_states", "d topk_weights", "d gate_up_bias"), grads, ref):
-        assert_close(g, r, tolerance=W8A8_TOLERANCE, what=name)
-    assert_close(grads[3], ref[3], torch.float32, what="d down_bias")
-    bad = grad_out.clone()
-    bad[3, 5] = float("nan")
-    _, grads = _frozen_dx_call(layout, scheme, x, bad, ids, weights)
-    assert grads[0][3].isnan().all(), grads[0][3, :8].tolist()
-    assert torch.isfinite(grads[0][[t for t in range(T) if t != 3]]).all()
-
-
-def _refusal(**changes):
-    """planner.w8a8_backward_refusal (dX) for frozen block-FP8 gate/up weights of the module's sizes, with `changes` applied."""
-    q_gate_up, _, scales = _fp8_experts("block", block_shape=FROZEN_DX_BLOCK)
-    ws = WeightScale.of(scales["w_gate_up_scale"], "block", FROZEN_DX_BLOCK, transposed=True)
-    args = dict(x=torch.randn(T, H, device=DEVICE), weight=q_gate_up, weight_scale=ws, separate_up=False,
-                top_k=TOP_K, forced_tiles=False) | changes
-    return planner.w8a8_backward_refusal(name="w_gate_up", **args)
-
-
-def test_w8a8_backward_refusals(monkeypatch):
-    """Where the w8a8 dX GEMM does not run, and why: switched off, auto before it has measured faster (None) or under
-    its row count, weights or scales it cannot read, forced tiles, a GPU without FP8 tensor cores."""
-    monkeypatch.setenv("MOE_DISPATCH_W8A8_BACKWARD", "1")
-    assert _refusal() is None
-    q_gate_up, _, scales = _fp8_experts("block", block_shape=(16, 32))
-    narrow = WeightScale.of(scales["w_gate_up_scale"], "block", (16, 32), transposed=True)
-    assert "block along the backward's K is 16" in _refusal(weight=q_gate_up, weight_scale=narrow)
-    channel = WeightScale.of(_fp8_experts("channel")[2]["w_gate_up_scale"], "channel", (1, 1), transposed=True)
-    assert "channel scales" in _refusal(weight_scale=channel)
-    assert "separate" in _refusal(separate_up=True)
-    assert "forced tiles" in _refusal(forced_tiles=True)
-    assert "torch.bfloat16" in _refusal(weight=torch.zeros(E, 2 * F, H, dtype=torch.bfloat16, device=DEVICE))
-    monkeypatch.setattr(planner, "has_fp8_tensor_cores", lambda device: False)
-    monkeypatch.setattr(planner, "on_gpu", lambda device: True)
-    assert "cannot run on" in _refusal()
-    monkeypatch.undo()
-    monkeypatch.setenv("MOE_DISPATCH_W8A8_BACKWARD", "0")
-    assert "MOE_DISPATCH_W8A8_BACKWARD is 0" in _refusal()
-    monkeypatch.delenv("MOE_DISPATCH_W8A8_BACKWARD")
-    monkeypatch.setattr(planner, "W8A8_BACKWARD_MIN_ROWS", None)
-    assert "W8A8_BACKWARD_MIN_ROWS is None" in _refusal()
-    monkeypatch.setattr(planner, "W8A8_BACKWARD_MIN_ROWS", T * TOP_K / E + 1)
-    assert "under W8A8_BACKWARD_MIN_ROWS" in _refusal()
-    monkeypatch.setattr(planner, "W8A8_BACKWARD_MIN_ROWS", T * TOP_K / E)
-    assert _refusal() is None or "cannot run on" in _refusal()

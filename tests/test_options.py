@@ -160,7 +160,7 @@ def _with_field(tile, field, value):
 
 
 SWITCHES = ["MOE_DISPATCH_PLANS", "MOE_DISPATCH_PDL", "MOE_DISPATCH_GLUON_FP8", "MOE_DISPATCH_MXFP4_PREFILL",
-            "MOE_DISPATCH_GLUON_MXFP4", "MOE_DISPATCH_W8A8_BACKWARD"]
+            "MOE_DISPATCH_GLUON_MXFP4"]
 
 
 @pytest.mark.parametrize("when", WHEN)
@@ -181,7 +181,7 @@ def test_a_bad_environment_switch_is_refused_on_every_path(call, when, monkeypat
 
 @pytest.mark.parametrize("variable,value", [("MOE_DISPATCH_PDL", "0"), ("MOE_DISPATCH_GLUON_FP8", "1"),
                                             ("MOE_DISPATCH_GLUON_FP8", "0"), ("MOE_DISPATCH_MXFP4_PREFILL", "loads"),
-                                            ("MOE_DISPATCH_GLUON_MXFP4", "0"), ("MOE_DISPATCH_W8A8_BACKWARD", "1")])
+                                            ("MOE_DISPATCH_GLUON_MXFP4", "0")])
 def test_changing_a_switch_records_a_new_plan(variable, value, monkeypatch):
     """The switches that change what runs are in the plan key: after changing one, the next call records a plan of
     its own instead of replaying the old one (which needed moe_dispatch.host.replay.clear() before), and replays it

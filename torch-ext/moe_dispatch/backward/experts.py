@@ -50,8 +50,7 @@ from ..formats.mxfp4 import MXFP4_GROUP
 from ..formats.scale_codes import WeightScaleCode
 from ..gemm.args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_strides
 from ..gemm.jit import ACT_SILU, Activation, expert_tile_dot, gathered_rows, split_pairs, tile_dot, tile_setup
-from ..gemm.planner import plan_backward, w8a8_backward_refusal
-from ..gemm.w8a8 import w8a8_input_grad
+from ..gemm.planner import plan_backward
 from ..host.host_math import cdiv
 from ..host.replay import launch
 from ..host.tiles import MoeTiles, WeightGradTile
@@ -91,9 +90,6 @@ def _down_grad_kernel(
     d_preact_ptr, stride_d_preact_m,
     act_ptr, stride_act_m,
     partial_ptr,
-    # G_ROWS: g [N, F] in sorted order, computed before (the w8a8 GEMM of frozen float8 weights); the dot's operands
-    # above are then not read
-    g_ptr, stride_g_m,
     # dispatch metadata
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, gather_idx_ptr,
     topk_weights_ptr, stride_topk_t, stride_topk_k,
@@ -106,7 +102,6 @@ def _down_grad_kernel(
     STORE_ACT: tl.constexpr,
     STORE_PARTIAL: tl.constexpr,
     PAIRED: tl.constexpr,
-    G_ROWS: tl.constexpr,
     WEIGHT_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -125,17 +120,14 @@ def _down_grad_kernel(
     if expert < 0:
         return
     b_token, b_assignment, mask_m = gathered_rows(gather_idx_ptr, offs_m, mask_m, num_tokens, TOP_K)
-    if G_ROWS:
-        b_acc = tl.load(g_ptr + offs_m[:, None].to(tl.int64) * stride_g_m + offs_n[None, :],
-                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :] * stride_grad_h
-        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # g = dout_t @ W_down[e], before the routing weight
-        b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k, w_ptr, w_ptr,
-                                   stride_w_e, stride_w_n, stride_w_k, scale_ptr, stride_scale_e, stride_scale_n,
-                                   stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k,
-                                   K, stride_grad_h, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = grad_out_ptr + b_token[:, None].to(tl.int64) * stride_grad_t + offs_k[None, :] * stride_grad_h
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # g = dout_t @ W_down[e], before the routing weight
+    b_acc, _ = expert_tile_dot(b_acc, b_acc, a_ptrs, mask_m, mask_n, expert, offs_n, offs_k, w_ptr, w_ptr,
+                               stride_w_e, stride_w_n, stride_w_k, scale_ptr, stride_scale_e, stride_scale_n,
+                               stride_scale_k, scale_row_step, scale_up_row_offset, scale_block_n, scale_block_k, K,
+                               stride_grad_h, False, DOT_FP32, DOT_PRECISION, EVEN_K, BLOCK_K, WEIGHT_SCALE)
 
     b_topk = tl.load(topk_weights_ptr + b_token.to(tl.int64) * stride_topk_t + (b_assignment % TOP_K) * stride_topk_k,
                      mask=mask_m, other=0.0).to(tl.float32)
@@ -293,21 +285,6 @@ def _dequant_dx_tile(tile):
     return dataclasses.replace(tile, block_n=min(tile.block_n, DEQUANT_DX_MAX_BLOCK_N))
 
 
-# The w8a8 input-gradient GEMMs (planner.w8a8_backward_refusal) take the plan's tile of the same gradient with whole
-# 128-column K steps (the weight block of the checkpoints that ship block FP8; `_group` cuts it to a smaller block)
-# and at most 128 columns: on sm_90, with 128-row tiles of 8 warps, 128 x 128 compiles to 217 registers without spills
-# (dX), the bf16 tile's 256 columns spill 488-536 bytes a thread (BLOCK_K 64 or 128), and 4 warps spill at 128
-# columns. Chosen by that check, not timed.
-W8A8_GRAD_MAX_BLOCK_N = 128
-W8A8_GRAD_BLOCK_K = 128
-
-
-def _w8a8_grad_tile(tile):
-    """A w8a8 input-gradient GEMM's tile from the plan's: BLOCK_K W8A8_GRAD_BLOCK_K, BLOCK_N at most
-    W8A8_GRAD_MAX_BLOCK_N."""
-    return dataclasses.replace(tile, block_n=min(tile.block_n, W8A8_GRAD_MAX_BLOCK_N), block_k=W8A8_GRAD_BLOCK_K)
-
-
 def _mxfp4_n_tile(tile):
     """A GEMM tile whose columns cover whole MXFP4 scale groups (BLOCK_N >= 32; tiles' BLOCK_N are powers of two)."""
     return dataclasses.replace(tile, block_n=max(tile.block_n, MXFP4_GROUP))
@@ -371,19 +348,8 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     needs_d_preact = any(g is not None for g in (grads.x, grads.w_gate_up, grads.w_up, grads.gate_up_bias))
     needs_act = grads.w_down is not None
     needs_partial = grads.topk_weights is not None
-    forced_tiles = tiles is not None
     plan = plan_backward(x.device, T, top_k, E, F, H, x.dtype, tiles=tiles, weight_tile=weight_tile)
     tiles, weight_tile = plan.tiles, plan.weight_tile
-    # dX and dA through frozen float8 weights on FP8 tensor cores (planner.w8a8_backward_refusal), on tiles derived
-    # from the plan's (the dA GEMM's epilogue then runs in `_down_grad_kernel` on its rows, G_ROWS)
-    w8a8_dx_tile = w8a8_da_tile = None
-    if grads.x is not None and w8a8_backward_refusal(x, w_gate_up, gate_up_scale, name="w_gate_up",
-                                                     separate_up=separate, top_k=top_k,
-                                                     forced_tiles=forced_tiles) is None:
-        w8a8_dx_tile = _w8a8_grad_tile(tiles.down)
-    if w8a8_backward_refusal(x, w_down, down_scale, name="w_down", separate_up=False, top_k=top_k,
-                             forced_tiles=forced_tiles) is None:
-        w8a8_da_tile = _w8a8_grad_tile(tiles.gate_up)
     # Quantized weights (frozen: no weight gradient) are dequantized in the dX and dA GEMMs' loads; MXFP4 read along
     # its packed axis needs whole scale groups per column tile
     gate_up_ws, down_ws = gate_up_scale or NO_SCALE, down_scale or NO_SCALE
@@ -405,10 +371,6 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     n_partials = cdiv(F, tile.block_n)
     partial = torch.empty((n_partials, N), device=device, dtype=torch.float32) if needs_partial else None
     if N and F and info.max_tiles and (needs_d_preact or needs_act or needs_partial):
-        g_rows = None  # [N, F]: dout_t @ W_down[e] from the w8a8 GEMM, where it runs
-        if w8a8_da_tile is not None:
-            g_rows = w8a8_input_grad(grad_out, w_down, info, w8a8_da_tile, down_ws, transposed=transposed,
-                                     out_dtype=x.dtype, gather=True)
         dot_fp32, precision = dot_options(x.dtype)
         down_code, down_block_k = dequant_scale_code(down_ws, tile.block_k)
         launch(_down_grad_kernel, (info.max_tiles * n_partials,),
@@ -418,7 +380,6 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
             d_preact, d_preact.stride(0) if needs_d_preact else 0,
             act, act.stride(0) if needs_act else 0,
             partial,
-            g_rows, g_rows.stride(0) if g_rows is not None else 0,
             info.tile_expert, info.tile_row_start, info.expert_offsets, info.gather_idx,
             topk_weights, topk_weights.stride(0), topk_weights.stride(1),
             T, N, F, H, E, info.max_tiles,
@@ -429,7 +390,6 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
             STORE_ACT=needs_act,
             STORE_PARTIAL=needs_partial,
             PAIRED=paired,
-            G_ROWS=g_rows is not None,
             WEIGHT_SCALE=int(down_code),
             DOT_FP32=dot_fp32,
             DOT_PRECISION=precision,
@@ -458,7 +418,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
 
     needs_w_gate_up = grads.w_gate_up is not None or grads.w_up is not None
     rows = None  # [N, H]: the sorted copy of w * dout, then dX's rows, then the sorted copy of x
-    if (grads.x is not None and w8a8_dx_tile is None) or needs_w_gate_up or grads.w_down is not None:
+    if grads.x is not None or needs_w_gate_up or grads.w_down is not None:
         rows = torch.empty((N, H), device=device, dtype=x.dtype)
     layout = Layout(PLAIN.value, top_k)
 
@@ -476,11 +436,7 @@ def experts_backward(grad_out, x, w_gate_up, w_up, w_down, topk_ids, topk_weight
     act = None
 
     grads = _materialized(grads, "x")
-    if grads.x is not None and w8a8_dx_tile is not None:  # frozen float8 weights (no weight gradient asked)
-        dx_rows = w8a8_input_grad(d_preact, w_gate_up, info, w8a8_dx_tile, gate_up_ws, transposed=transposed,
-                                  out_dtype=x.dtype)
-        combine(dx_rows, scatter_idx, T, top_k, out=grads.x)
-    elif grads.x is not None:
+    if grads.x is not None:
         tile = tiles.down
         if N and H and info.max_tiles:
             w_gate_v, w_up_v = same_strides(w_gate_up, w_up) if separate else (w_gate_up, w_gate_up)

@@ -14,9 +14,6 @@ decides; it launches nothing and imports no launcher.
                        GLUON_MXFP4_MIN_ROWS rows per expert); `gluon_mxfp4_refusal` says why not
   plan_backward        the tiles of the experts backward (backward/experts.py): its input-gradient GEMMs and its
                        weight-gradient GEMMs
-  w8a8_backward_refusal  whether an input-gradient GEMM (dX, dA) of the backward through frozen float8 weights runs
-                       on FP8 tensor cores (gemm.w8a8.w8a8_gemm on the gradient quantized per row and K step), as
-                       MOE_DISPATCH_W8A8_BACKWARD says
   plan_segments        the tiles of the v1 functions on rows already in expert order (grouped_gemm, expert_ffn)
   choose_fp8_compute   "w8a8" or "dequant" for float8 weights (`fused_experts`' `fp8_compute` resolved)
   expert_gemm_kernel   one bf16/fp16 grouped GEMM: the pointer kernel or the persistent descriptor kernel
@@ -36,12 +33,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, W8A8_MIN_GROUP, infer_scheme, w8a8_refusal
-from ..formats.scale_codes import WeightScaleCode
+from ..formats.fp8 import DEFAULT_FP8_BLOCK_SHAPE, FP8_COMPUTE, W8A8_DTYPE, infer_scheme, w8a8_refusal
 from ..host.checks import check_choice
-from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, W8A8_BACKWARD_VARIABLE,
-                           current_environment, has_fp8_tensor_cores, has_tma, has_wgmma, is_interpreter, on_gpu,
-                           tma_readable)
+from ..host.device import (GLUON_FP8_VARIABLE, GLUON_MXFP4_VARIABLE, SWITCH_VALUES, TMA_ALIGN, current_environment,
+                           has_tma, has_wgmma, is_interpreter, on_gpu, tma_readable)
 from ..host.tiles import (MAX_DECODE_ASSIGNMENTS, DecodeTiles, GemmTile, MoeTiles, Persistent, WeightGradTile,
                           select_decode_tiles, select_down_grad_tile, select_fp8_tiles, select_tiles,
                           select_weight_grad_tile)
@@ -190,15 +185,15 @@ def gluon_fp8_refusal(plan: ExpertsPlan, x: torch.Tensor, w_gate_up: torch.Tenso
 
 
 def _size_or_device_refusal(mode, x, top_k, num_experts, min_rows, min_rows_name, available, gemm) -> str | None:
-    """The last two refusals of a kernel that runs where it measured faster (a Gluon engine, the w8a8 dX GEMM): under
-    `min_rows` rows per expert (T * top_k / E) in mode "auto" (at any size where `min_rows` is None), or a device
-    where `available` says its GEMM (named `gemm`) cannot run; else None."""
+    """The last two refusals of a Gluon engine: under `min_rows` rows per expert (T * top_k / E) in mode "auto" (at
+    any size where `min_rows` is None), or a device where `available` says its GEMM (named `gemm`) cannot run; else
+    None."""
     if mode == "auto" and min_rows is None:
-        return f"{min_rows_name} is None: in mode auto {gemm} runs nowhere until it has measured faster"
+        return f"{min_rows_name} is None: in mode auto the engine runs nowhere until it has measured faster"
     rows = x.shape[0] * top_k / max(num_experts, 1)
     if mode == "auto" and rows < min_rows:
-        return (f"{rows:g} rows per expert (T * top_k / E), under {min_rows_name} = {min_rows}, where the kernels "
-                "it replaces are faster")
+        return (f"{rows:g} rows per expert (T * top_k / E), under {min_rows_name} = {min_rows}, where the portable "
+                "kernels are faster")
     if not available(x.device):
         return f"{gemm} cannot run on {x.device}"
     return None
@@ -289,49 +284,6 @@ def plan_backward(device: torch.device, num_tokens: int, top_k: int, num_experts
     if weight_tile is None:
         weight_tile = select_weight_grad_tile(device, dtype, num_tokens * top_k // max(num_experts, 1))
     return BackwardPlan(tiles, weight_tile)
-
-
-# The frozen FP8 backward's input-gradient GEMMs on FP8 tensor cores (backward/experts.py): "auto"
-# (MOE_DISPATCH_W8A8_BACKWARD unset or empty) runs them from W8A8_BACKWARD_MIN_ROWS rows per expert (T * top_k / E), or
-# nowhere while that is None; "1" wherever they can run (the CPU interpreter included, for the tests), "0" never.
-W8A8_BACKWARD_MODES = SWITCH_VALUES[W8A8_BACKWARD_VARIABLE]
-# None: not yet measured against the dequantizing GEMMs on a GPU (docs/performance.md, "Frozen quantized experts")
-W8A8_BACKWARD_MIN_ROWS = None
-
-
-def w8a8_backward_refusal(x: torch.Tensor, weight: torch.Tensor, weight_scale, *, name: str, separate_up: bool,
-                          top_k: int, forced_tiles: bool) -> str | None:
-    """Why an input-gradient GEMM of the backward through the frozen float8 weight `weight` (named `name`: w_gate_up
-    for dX, w_down for dA) does not run on FP8 tensor cores (a sentence), or None when it does. There the gradient
-    it reads (d_preact for dX, dout for dA) is quantized to e4m3 per row and K step (one scale each, amax / 448, as
-    the w8a8 forward quantizes x) and `gemm.w8a8.w8a8_gemm` runs on the weight read the other way round; else the
-    dequantizing GEMM runs (`_gate_up_grad_kernel`, `_down_grad_kernel`), exact to the dequantized weights.
-
-    It runs unless W8A8_BACKWARD_VARIABLE is "0", from W8A8_BACKWARD_MIN_ROWS rows per expert in mode "auto" (nowhere
-    while that is None), at any count in mode "1", for an e4m3fn weight (gate and up in one tensor for dX) whose
-    scales in the backward's orientation (`weight_scale`, fp8.WeightScale) are per tensor or blocks with a K side
-    that is a power of two >= W8A8_MIN_GROUP, unless the caller forced tiles (they are the dequantizing GEMMs'), on
-    a device with FP8 tensor cores (or the CPU interpreter). Host facts only."""
-    mode = current_environment().w8a8_backward
-    if mode == "0":
-        return f"{W8A8_BACKWARD_VARIABLE} is 0"
-    if weight.dtype != W8A8_DTYPE:
-        return f"{name} is {weight.dtype}; the w8a8 GEMM reads {W8A8_DTYPE}"
-    if separate_up:
-        return "gate and up are separate tensors; the w8a8 dX GEMM reads one [E, 2F, H] weight"
-    if forced_tiles:
-        return "the caller forced tiles: they are the dequantizing GEMMs'"
-    code = weight_scale.code if weight_scale is not None else WeightScaleCode.NONE
-    if code == WeightScaleCode.BLOCK:
-        side = weight_scale.block_k
-        if side < W8A8_MIN_GROUP or side & (side - 1):
-            return (f"{name}'s block along the backward's K is {side}; the w8a8 GEMM needs a power of two >= "
-                    f"{W8A8_MIN_GROUP} (one weight scale per K step)")
-    elif code != WeightScaleCode.TENSOR:
-        return f"{name} has {code.name.lower()} scales: in the backward's orientation they vary along K"
-    return _size_or_device_refusal(mode, x, top_k, weight.shape[0], W8A8_BACKWARD_MIN_ROWS, "W8A8_BACKWARD_MIN_ROWS",
-                                   lambda device: not on_gpu(device) or has_fp8_tensor_cores(device),
-                                   "the w8a8 GEMM")
 
 
 def weight_grad_kernel(left, right, out, tile: WeightGradTile) -> bool:

@@ -415,18 +415,3 @@ def w8a8_experts(x, w_gate, w_up, w_down, info, tiles: MoeTiles, gate_up_scale: 
                             gate_up_input_scale=gate_up_input_scale, down_input_scale=down_input_scale)
     return w8a8_gemm(h, w_down, info, tiles.down, down_scale, a_scale=h_scale, a_static=down_input_scale,
                      transposed=transposed, bias=down_bias, topk_weights=topk_weights, out_dtype=x.dtype)
-
-
-def w8a8_input_grad(grad, weight, info, tile: GemmTile, weight_scale: WeightScale, *, transposed, out_dtype,
-                    gather=False):
-    """The input-gradient rows grad_row @ W[e] of a frozen float8 weight on FP8 tensor cores, one per assignment in
-    sorted order: `grad` [rows, K] holds the gradient of the GEMM's output (d_preact, K = 2F, in sorted order; or,
-    `gather`, dout [T, K = H] by token, read at each assignment's token), quantized to e4m3 per row and K step by
-    `quantize_fp8_rows` (amax / 448, as the forward quantizes its input), then `w8a8_gemm` with the weight read the
-    other way round: `weight` [E, K, n] ([E, n, K] when `transposed`), `weight_scale` in that orientation. `tile` is
-    the GEMM's (its BLOCK_K cut to the activation group, `_group`); returns [info.num_assignments, n] in `out_dtype`,
-    rows past info.expert_offsets[E] unwritten."""
-    group = _group(tile.block_k, weight_scale)
-    q, scales = quantize_fp8_rows(grad, group)
-    return w8a8_gemm(q, weight, info, dataclasses.replace(tile, block_k=group), weight_scale, a_scale=scales,
-                     transposed=not transposed, gather_a=gather, out_dtype=out_dtype)

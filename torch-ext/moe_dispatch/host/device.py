@@ -16,8 +16,6 @@ call (`Environment`, `call_scope`, `current_environment`):
     MOE_DISPATCH_PDL         "1" (unset) or "0"           programmatic dependent launch on Hopper (host/pdl.py)
     MOE_DISPATCH_GLUON_FP8   "auto" (unset), "1" or "0"   the w8a8 path's Gluon engine (gemm/planner.py)
     MOE_DISPATCH_GLUON_MXFP4 "auto" (unset), "1" or "0"   the MXFP4 path's Gluon engine (gemm/planner.py)
-    MOE_DISPATCH_W8A8_BACKWARD "auto" (unset), "1" or "0" the frozen FP8 backward's dX and dA GEMMs on FP8 tensor cores
-                                                          (gemm/planner.py: w8a8_backward_refusal)
 
 An empty value counts as unset; any other value raises ValueError naming the variable. Every public entry point that
 launches kernels is wrapped in `call_scope`, which reads the switches once when the outermost entry of a call starts,
@@ -233,11 +231,9 @@ PDL_VARIABLE = "MOE_DISPATCH_PDL"
 GLUON_FP8_VARIABLE = "MOE_DISPATCH_GLUON_FP8"
 GLUON_MXFP4_VARIABLE = "MOE_DISPATCH_GLUON_MXFP4"
 MXFP4_PREFILL_VARIABLE = "MOE_DISPATCH_MXFP4_PREFILL"
-W8A8_BACKWARD_VARIABLE = "MOE_DISPATCH_W8A8_BACKWARD"
 # Each switch's accepted values, the first one what unset (or empty) means.
 SWITCH_VALUES = {PLANS_VARIABLE: ("1", "0"), PDL_VARIABLE: ("1", "0"), GLUON_FP8_VARIABLE: ("auto", "1", "0"),
-                 MXFP4_PREFILL_VARIABLE: ("auto", "loads", "buffer"), GLUON_MXFP4_VARIABLE: ("auto", "1", "0"),
-                 W8A8_BACKWARD_VARIABLE: ("auto", "1", "0")}
+                 MXFP4_PREFILL_VARIABLE: ("auto", "loads", "buffer"), GLUON_MXFP4_VARIABLE: ("auto", "1", "0")}
 _SWITCHES = tuple(SWITCH_VALUES)
 
 
@@ -250,11 +246,10 @@ class Environment:
     gluon_fp8: str  # MOE_DISPATCH_GLUON_FP8: "auto", "1" or "0"
     mxfp4_prefill: str  # MOE_DISPATCH_MXFP4_PREFILL: "auto", "loads" or "buffer" (planner.mxfp4_dequantizes_first)
     gluon_mxfp4: str  # MOE_DISPATCH_GLUON_MXFP4: "auto", "1" or "0" (planner.gluon_mxfp4_refusal)
-    w8a8_backward: str  # MOE_DISPATCH_W8A8_BACKWARD: "auto", "1" or "0" (planner.w8a8_backward_refusal)
 
     def plan_key(self) -> tuple:
         """The switches that change a recorded call's launches (`plans` only says whether there is a plan)."""
-        return self.pdl, self.gluon_fp8, self.mxfp4_prefill, self.gluon_mxfp4, self.w8a8_backward
+        return self.pdl, self.gluon_fp8, self.mxfp4_prefill, self.gluon_mxfp4
 
 
 def read_environment() -> Environment:
@@ -274,8 +269,8 @@ def _parse_environment(raw: tuple) -> Environment:
         elif value not in accepted:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))} (or unset), got {value!r}")
         values.append(value)
-    plans, pdl, gluon_fp8, mxfp4_prefill, gluon_mxfp4, w8a8_backward = values
-    return Environment(plans == "1", pdl == "1", gluon_fp8, mxfp4_prefill, gluon_mxfp4, w8a8_backward)
+    plans, pdl, gluon_fp8, mxfp4_prefill, gluon_mxfp4 = values
+    return Environment(plans == "1", pdl == "1", gluon_fp8, mxfp4_prefill, gluon_mxfp4)
 
 
 class _CallState(threading.local):
