@@ -757,6 +757,35 @@ def test_bench_mxfp4_prefill_choice(choice, decodes_first, tmp_path, monkeypatch
     assert bool(calls) == decodes_first, calls
 
 
+@pytest.mark.parametrize("before", [None, "1", "auto"])
+def test_bench_mxfp4_portable_impl_restores_the_engine_switch(before, monkeypatch):
+    """The portable implementation runs its call with MOE_DISPATCH_GLUON_MXFP4=0 and leaves the switch as it found it:
+    the other implementations of the run (the engine's, captured into CUDA graphs after every first call) read it."""
+    import bench_mxfp4 as bm
+
+    if before is None:
+        monkeypatch.delenv(bm.GLUON_MXFP4_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(bm.GLUON_MXFP4_VARIABLE, before)
+    seen = []
+
+    class Kernel:
+        @staticmethod
+        def fused_experts(*args, **kwargs):
+            seen.append(os.environ.get(bm.GLUON_MXFP4_VARIABLE))
+
+    class Weights:
+        @staticmethod
+        def call_kwargs():
+            return {}
+
+    inputs = type("Inputs", (), dict(x=None, ids=None, weights=None))
+    call = bm.portable_impl(Kernel, Weights).make(inputs)
+    call()
+    call()
+    assert seen == ["0", "0"] and os.environ.get(bm.GLUON_MXFP4_VARIABLE) == before
+
+
 def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     """scripts/bench_mxfp4.py's pieces: the decode floor (1.15 x (MXFP4 + scale bytes of the experts hit) / R + 10 us)
     and the prefill ratio (MXFP4 / bf16 <= 1.1 from T = 1024, the per-pair ratio preferred), the weights it builds
