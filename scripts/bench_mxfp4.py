@@ -590,7 +590,7 @@ def run_cell(args, w, impls, T, device, peer_warmup):
             record["skipped"] = (f"its first calls (compile, autotune) took {peer_warmup[name]:.0f} s in all, over "
                                  f"--peer-warmup-s {args.peer_warmup_s:.0f}")
             continue
-        fn = bench_layouts.no_grad(impl.make(inp))
+        fn = noting_switch(bench_layouts.no_grad(impl.make(inp)), record.setdefault("engine_switch_seen", []))
         start = time.monotonic()
         try:
             out = fn()  # compiles (and autotunes) on first use; its output is checked
@@ -654,14 +654,29 @@ def impl_text(record, spec=".1f"):
     return text if record.get("ok") else f"{text} (wrong)"
 
 
+def noting_switch(fn, seen):
+    """`fn`, noting in `seen` the MXFP4 engine's switch (GLUON_MXFP4_VARIABLE, None when unset) as each call finds it,
+    each value once. The timed CUDA graphs are captured after every implementation's first call: an implementation
+    whose calls found different values did not time what its first call checked (`checks_text` says so)."""
+    def call():
+        value = os.environ.get(GLUON_MXFP4_VARIABLE)
+        if value not in seen:
+            seen.append(value)
+        return fn()
+    return call
+
+
 def checks_text(cell):
-    """"ok", or the implementations whose check failed or that raised."""
+    """"ok", or the implementations whose check failed, that raised or whose calls found the engine's switch changed."""
     bad = []
     for name, record in cell.get("impls", {}).items():
         if "error" in record:
             bad.append(f"{LABELS[name]} error")
         elif "rel_err" in record and not record.get("ok"):
             bad.append(f"{LABELS[name]} err {fmt(record['rel_err'], '.1e')}")
+        if len(record.get("engine_switch_seen", ())) > 1:
+            bad.append(f"{LABELS[name]} ran with {GLUON_MXFP4_VARIABLE} " + " then ".join(
+                repr(value) for value in record["engine_switch_seen"]))
     for key, text in (("timing_error", "timing error"), ("error", "cell error"),
                       ("cuda_context_lost", "CUDA context lost")):
         if cell.get(key):

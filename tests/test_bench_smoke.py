@@ -786,6 +786,27 @@ def test_bench_mxfp4_portable_impl_restores_the_engine_switch(before, monkeypatc
     assert seen == ["0", "0"] and os.environ.get(bm.GLUON_MXFP4_VARIABLE) == before
 
 
+def test_bench_mxfp4_flags_a_switch_that_changed_between_calls(monkeypatch):
+    """Each implementation's calls note the engine's switch as they find it; a cell whose implementation found it
+    changed (its timed graphs then ran something other than its checked first call) says so in its checks."""
+    import bench_mxfp4 as bm
+
+    monkeypatch.setenv(bm.GLUON_MXFP4_VARIABLE, "1")
+    seen, steady = [], []
+    changed_fn, steady_fn = bm.noting_switch(lambda: None, seen), bm.noting_switch(lambda: None, steady)
+    changed_fn()
+    steady_fn()
+    monkeypatch.delenv(bm.GLUON_MXFP4_VARIABLE)
+    changed_fn()
+    changed_fn()
+    assert seen == ["1", None] and steady == ["1"]
+    cell = {"impls": {"mxfp4": {"engine_switch_seen": seen, "rel_err": 0.0, "ok": True},
+                      "bf16": {"engine_switch_seen": steady, "rel_err": 0.0, "ok": True}}}
+    assert bm.checks_text(cell) == f"mxfp4 ran with {bm.GLUON_MXFP4_VARIABLE} '1' then None"
+    cell["impls"]["mxfp4"]["engine_switch_seen"] = ["1"]
+    assert bm.checks_text(cell) == "ok"
+
+
 def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
     """scripts/bench_mxfp4.py's pieces: the decode floor (1.15 x (MXFP4 + scale bytes of the experts hit) / R + 10 us)
     and the prefill ratio (MXFP4 / bf16 <= 1.1 from T = 1024, the per-pair ratio preferred), the weights it builds
