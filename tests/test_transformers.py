@@ -769,6 +769,34 @@ def test_fp8_experts_static_activation_scales(count_kernel_calls):
                  tolerance=W8A8_TOLERANCE if w8a8_here else None)
 
 
+def test_fp8_experts_fine_tuning_gradients(count_kernel_calls):
+    """Fine-tuning around an FP8 checkpoint's frozen experts (adapters, attention, routers) through
+    `experts_implementation="moe_dispatch"`: one training step's loss and the gradient of every parameter outside
+    the experts equal those of transformers' eager experts on the dequantized weights (fp32), and the experts' float8
+    weights and scales get no gradient and keep their bits."""
+    model, reference = _fp8_experts_model()
+    model.set_experts_implementation(moe_dispatch.register_experts())
+    for each in (model, reference):
+        each.train()
+        for name, p in each.named_parameters():
+            p.requires_grad_(".experts." not in name)
+    fp8 = {name: t.detach().clone() for name, t in model.named_parameters() if ".experts." in name}
+    assert fp8 and all(t.dtype == torch.float8_e4m3fn for name, t in fp8.items() if name.endswith("_proj"))
+    calls = count_kernel_calls(moe_dispatch)
+    ids = input_ids()
+    loss, grads = _training_step(model, ids)
+    ref_loss, ref_grads = _training_step(reference, ids)
+    assert calls, "the FP8 experts did not run through moe_dispatch"
+    assert_close(loss, ref_loss, torch.float32, "fp8 mixtral loss")
+    trained = [name for name, g in ref_grads.items() if g is not None]
+    assert any(".self_attn." in name for name in trained) and any(".gate." in name for name in trained), trained
+    for name in trained:
+        assert_close(grads[name], ref_grads[name], torch.float32, f"d {name}")
+    for name, before in fp8.items():
+        after = dict(model.named_parameters())[name]
+        assert after.grad is None and torch.equal(after.view(torch.uint8), before.view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(activation_scheme="static", gate_up_proj_activation_scale=None),
      "activation_scheme='static' with `gate_up_proj_activation_scale` = NoneType"),
