@@ -72,10 +72,10 @@ GLUON_FP8_BLOCK = DEFAULT_FP8_BLOCK_SHAPE  # the one weight block the Gluon GEMM
 # unset or empty) runs it from GLUON_MXFP4_MIN_ROWS rows per expert (T * top_k / E) outside the decode path, or nowhere
 # while that is None; "1" wherever it can run, "0" never.
 GLUON_MXFP4_MODES = SWITCH_VALUES[GLUON_MXFP4_VARIABLE]
-# None: the engine has not measured faster than the portable kernels through fused_experts (its first form, with the
-# activation and the down bias in passes, was slower at most sizes; the form with both in the GEMMs' epilogues has not
-# run on a GPU: docs/performance.md, "Prefill on the Gluon MXFP4 engine")
-GLUON_MXFP4_MIN_ROWS = None
+# Where the engine (both GEMMs' epilogues fused) beat the portable MXFP4 kernels through fused_experts on an H100, same
+# run, GPT-OSS-120B and -20B widths: faster in every cell from 16 rows per expert (1.13-1.25x), slower at 2-8 rows
+# (docs/performance.md, "Prefill on the Gluon MXFP4 engine"); below, its 64-row M tiles are mostly empty.
+GLUON_MXFP4_MIN_ROWS = 16
 
 
 class ExpertsPath(enum.Enum):
