@@ -122,18 +122,25 @@ def _epilogue(acc, out_ptr, stride_out_m, row_start, row_end, col_start, expert,
 
 
 @gluon_jit
-def _decode_step(packed_tile, s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k, bytes_layout: gl.constexpr,
-                 split_layout: gl.constexpr):
-    """K step kb of a consumer's weight rows: packed_tile [ROWS, A_K / 2] uint8 in shared memory (the stage's bytes)
-    and the rows' e8m0 codes at s_ptrs [ROWS, GROUPS] (masked by mask_cols and by K) -> [ROWS, A_K] bf16 in K order,
-    scaled (E2M1_BF16X2_PTX; a 0xFF code gives NaN, a 0 code 2^-127)."""
+def _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k):
+    """The e8m0 codes of K step kb of a consumer's weight rows: s_ptrs [ROWS, GROUPS] at step 0, masked by mask_cols
+    and by K (a step past K // 32 groups reads 0) -> [ROWS, GROUPS] uint8. The consumers load step kb + 1's while
+    they decode step kb: a global load's latency is not waited for inside the step."""
+    GROUPS: gl.constexpr = s_ptrs.type.shape[1]
+    return gl.load(s_ptrs + kb * GROUPS * stride_s_k,
+                   mask=mask_cols & gl.expand_dims(kb * GROUPS + offs_g < k_groups, 0), other=0)
+
+
+@gluon_jit
+def _decode_step(packed_tile, codes, bytes_layout: gl.constexpr, split_layout: gl.constexpr):
+    """A K step of a consumer's weight rows: packed_tile [ROWS, A_K / 2] uint8 in shared memory (the stage's bytes)
+    and the rows' e8m0 codes [ROWS, GROUPS] (`_scale_codes`) -> [ROWS, A_K] bf16 in K order, scaled
+    (E2M1_BF16X2_PTX; a 0xFF code gives NaN, a 0 code 2^-127)."""
     ROWS: gl.constexpr = packed_tile.type.shape[0]
     A_K: gl.constexpr = packed_tile.type.shape[1] * 2
     GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
     packed = packed_tile.load(bytes_layout)
     packed = gl.convert_layout(gl.reshape(packed, [ROWS, GROUPS, 16]), split_layout)
-    codes = gl.load(s_ptrs + kb * GROUPS * stride_s_k,
-                    mask=mask_cols & gl.expand_dims(kb * GROUPS + offs_g < k_groups, 0), other=0)
     codes = codes.to(gl.uint16)
     bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
     scale = gl.expand_dims(bits.to(gl.bfloat16, bitcast=True), 2)  # [ROWS, GROUPS, 1]
@@ -175,11 +182,13 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
                   + gl.expand_dims(offs_g * stride_s_k, 0))
         mask_cols = gl.expand_dims(cols < N, 1)
         acc = zero
+        codes = _scale_codes(s_ptrs, mask_cols, 0, k_groups, offs_g, stride_s_k)
         for kb in range(k_blocks):
             stage = it % STAGES
+            next_codes = _scale_codes(s_ptrs, mask_cols, kb + 1, k_groups, offs_g, stride_s_k)
             mbarrier.wait(ready_bars.index(stage), (it // STAGES) & 1)
-            w = _decode_step(w_bufs.index(2 * stage + WARP_GROUP), s_ptrs, mask_cols, kb, k_groups, offs_g,
-                             stride_s_k, bytes_layout, split_layout)
+            w = _decode_step(w_bufs.index(2 * stage + WARP_GROUP), codes, bytes_layout, split_layout)
+            codes = next_codes
             dec = dec_bufs.index(2 * WARP_GROUP + it % 2)
             dec.store(w)
             fence_async_shared()
@@ -236,12 +245,14 @@ def _shared_decode_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, d
         for kb in range(k_blocks):
             stage = it % STAGES
             slot = it % NUM_DEC
+            # the codes in the step (loading step kb + 1's here spilled 8 bytes under Triton 3.6 at 240 registers)
+            codes = _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k)
             mbarrier.wait(ready_bars.index(stage), (it // STAGES) & 1)
             # the slot's last readers (both consumers' wgmma of step it - NUM_DEC) have completed; a fresh barrier
             # passes parity 1
             mbarrier.wait(free_bars.index(slot), ((it // NUM_DEC) & 1) ^ 1)
-            w = _decode_step(w_bufs.index(stage).slice(WARP_GROUP * HALF_W, HALF_W), s_ptrs, mask_cols, kb,
-                             k_groups, offs_g, stride_s_k, bytes_layout, split_layout)
+            w = _decode_step(w_bufs.index(stage).slice(WARP_GROUP * HALF_W, HALF_W), codes, bytes_layout,
+                             split_layout)
             dec_bufs.index(slot).slice(WARP_GROUP * HALF_W, HALF_W).store(w)
             fence_async_shared()
             thread_barrier()  # every thread of this warp group has stored and fenced before its one arrive
