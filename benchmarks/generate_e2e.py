@@ -68,7 +68,7 @@ compiled modes first; a cell that fails records its error and the run goes on).
 
 Training (--train, on by default on a GPU): one forward + backward of a --train-tokens batch (default 4x512,
 labels = input ids) with moe_dispatch and with grouped_mm: step time (median of --train-steps after one warm-up
-step), peak memory (torch.cuda.max_memory_allocated after a reset), the loss, and the largest norm-wise relative
+step each, the implementations interleaved step by step), peak memory (torch.cuda.max_memory_allocated after a reset), the loss, and the largest norm-wise relative
 difference between the two implementations' gradients of the experts' weights (gate_up_proj, down_proj and, where
 the experts have them, their biases, of every layer; also max |diff| / max |ref|).
 
@@ -1376,10 +1376,17 @@ def measure_training(model, impls, args, device):
         torch.cuda.empty_cache()  # the eager decode's cached blocks (batched_mm's gathered weights) go back first
     cells, ref_grads = [], None
     try:
+        for impl in impls:  # warm-up: kernel compiles, allocator growth
+            model.set_experts_implementation(impl)
+            training_step(model, ids, device)
+        timed = {impl: [] for impl in impls}
+        for _ in range(args.train_steps):  # interleaved round by round: a drift of the host or GPU hits every impl
+            for impl in impls:
+                model.set_experts_implementation(impl)
+                timed[impl].append(training_step(model, ids, device))
         for impl in impls:
             model.set_experts_implementation(impl)
-            training_step(model, ids, device)  # warm-up: kernel compiles, allocator growth
-            steps = [training_step(model, ids, device) for _ in range(args.train_steps)]
+            steps = timed[impl]
             cell = {"impl": impl, "tokens": args.train_batch * args.train_seq, "batch": args.train_batch,
                     "seq": args.train_seq, "step_ms": statistics.median(s[0] for s in steps) * 1e3,
                     "step_times_s": [s[0] for s in steps], "loss": steps[-1][3]}
@@ -1388,6 +1395,8 @@ def measure_training(model, impls, args, device):
                 cell["peak_gib"] = max(s[1] for s in steps) / 2**30
             if args.profile_train:  # one more full step: the gradients compared below are its own
                 cell["profile"] = profile_training_step(model, ids, device)
+            else:  # one more step, whose gradients are this implementation's (the rounds ended on the last one)
+                training_step(model, ids, device)
             grads = [(name, p.grad) for name, p in experts_parameters(model) if p.grad is not None]
             if ref_grads is None:  # kept on the host: the next implementation needs the device memory
                 ref_grads = {name: g.detach().to("cpu") for name, g in grads}

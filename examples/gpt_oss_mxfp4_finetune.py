@@ -91,11 +91,12 @@ def build(tiny, layers, device, dtype, seed, **changes):
     return md.transformers_experts.build_random_gpt_oss_mxfp4(config, device=device, dtype=dtype, seed=seed, **changes)
 
 
-def make_trainable(model):
-    """Freeze everything, then let the attention projections and the routers train; returns {name: parameter}."""
+def make_trainable(model, router="router"):
+    """Freeze everything, then let the attention projections and the routers (each MoE block's `router` attribute)
+    train; returns {name: parameter}."""
     model.requires_grad_(False)
     for layer in model.model.layers:
-        for module in (*(getattr(layer.self_attn, name) for name in ATTENTION_PROJECTIONS), layer.mlp.router):
+        for module in (*(getattr(layer.self_attn, name) for name in ATTENTION_PROJECTIONS), getattr(layer.mlp, router)):
             module.requires_grad_(True)
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
@@ -160,9 +161,10 @@ def gradient_check(args, device):
     return result
 
 
-def train(model, args, device):
-    """--steps AdamW steps on one fixed batch; returns (per-step records, the gradient bookkeeping)."""
-    trainable = make_trainable(model)
+def train(model, args, device, router="router"):
+    """--steps AdamW steps on one fixed batch, `make_trainable(model, router)` training; returns (per-step records,
+    {name: got a finite, non-zero gradient})."""
+    trainable = make_trainable(model, router)
     optimizer = torch.optim.AdamW(trainable.values(), lr=args.lr)
     input_ids = random_batch(model.config.vocab_size, args.batch, args.seq_len, args.seed + 2, device)
     got_gradient = dict.fromkeys(trainable, False)  # a finite, non-zero gradient at least once
@@ -198,10 +200,7 @@ def main(argv=None):
              else "CPU, Triton interpreter (correctness only: the times are not speed figures)")
     print(f"moe_dispatch {md.__version__} on {where}; torch {torch.__version__}", flush=True)
 
-    checks = {}
     check = gradient_check(args, device) if args.check else None
-    if check is not None:
-        checks["gradient_matches_dequantized_reference"] = check["ok"]
 
     model = build(args.tiny, args.layers, device, dtype, args.seed)
     config = model.config
@@ -220,9 +219,18 @@ def main(argv=None):
     before = {name: bits(tensor) for name, tensor in experts.items()}
 
     records, got_gradient = train(model, args, device)
+    return finish(model, args, where, info, experts, before, records, got_gradient, check)
+
+
+def finish(model, args, where, info, experts, before, records, got_gradient, check):
+    """The median step time and the checks after training (module docstring), printed and written to --json
+    (`where` the device in words, `info` the model's description, `experts` and `before` the expert tensors and
+    their bits before training, `check` the gradient check's result or None); returns the exit status."""
     median_step_s = statistics.median(record["step_s"] for record in records[1:])
     print(f"median step time after the first: {median_step_s * 1e3:.1f} ms", flush=True)
-
+    checks = {}
+    if check is not None:
+        checks["gradient_matches_dequantized_reference"] = check["ok"]
     changed = [name for name, tensor in expert_tensors(model).items() if not torch.equal(bits(tensor), before[name])]
     with_grad = [name for name, tensor in experts.items() if getattr(tensor, "grad", None) is not None]
     without_gradient = [name for name, got in got_gradient.items() if not got]
