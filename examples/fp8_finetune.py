@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_oss_mxfp4 import ON_GPU, GiB  # noqa: E402
 from gpt_oss_mxfp4_finetune import (ATTENTION_PROJECTIONS, bits, expert_tensors, finish, loss_of,  # noqa: E402
-                                    make_trainable, random_batch, train)
+                                    make_trainable, random_batch, start, train)
 
 import moe_dispatch as md  # noqa: E402  (torch-ext/ on PYTHONPATH)
 from moe_dispatch.reference import TOLERANCE, relative_error  # noqa: E402
@@ -230,13 +230,7 @@ def gradient_check(args, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = torch.device("cuda" if ON_GPU else "cpu")
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
-    where = (torch.cuda.get_device_name(device) if ON_GPU
-             else "CPU, Triton interpreter (correctness only: the times are not speed figures)")
-    print(f"moe_dispatch {md.__version__} on {where}; torch {torch.__version__}", flush=True)
-
-    check = gradient_check(args, device) if args.check else None
+    device, dtype, where, check = start(args, gradient_check)
 
     model = build(args.tiny, args.layers, device, dtype, args.seed)
     config, block = model.config, TINY_BLOCK if args.tiny else REAL_BLOCK

@@ -192,15 +192,20 @@ def train(model, args, device, router="router"):
     return records, got_gradient
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def start(args, check_gradients):
+    """The run's device and dtype (a GPU in bf16, else the CPU in float32), printed, then `check_gradients(args,
+    device)` where --check asks for it -> (device, dtype, the device in words, the check's result or None)."""
     device = torch.device("cuda" if ON_GPU else "cpu")
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     where = (torch.cuda.get_device_name(device) if ON_GPU
              else "CPU, Triton interpreter (correctness only: the times are not speed figures)")
     print(f"moe_dispatch {md.__version__} on {where}; torch {torch.__version__}", flush=True)
+    return device, dtype, where, check_gradients(args, device) if args.check else None
 
-    check = gradient_check(args, device) if args.check else None
+
+def main(argv=None):
+    args = parse_args(argv)
+    device, dtype, where, check = start(args, gradient_check)
 
     model = build(args.tiny, args.layers, device, dtype, args.seed)
     config = model.config
