@@ -51,10 +51,14 @@ def test_tiny_defaults(name):
     assert example.parse_args([]).tiny == (not example.ON_GPU)
 
 
-def test_finetune_example_runs_tiny(tmp_path):
-    """One layer, three steps: the loss falls, the experts stay bit for bit, every trainable parameter gets a gradient,
-    none of the experts' parameters does, and the gradient matches transformers' dequantized float experts."""
-    status, results = _run_tiny("gpt_oss_mxfp4_finetune", tmp_path / "finetune.json")
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_finetune_example_runs_tiny(name, tmp_path):
+    """One layer, three steps: the loss falls, the experts (MXFP4 blocks and scales, or float8 weights and scales)
+    stay bit for bit, every trainable parameter gets a gradient, none of the experts' parameters does, and the
+    gradient matches transformers' float experts on the dequantized weights."""
+    if name == "fp8_finetune":
+        pytest.importorskip("transformers.integrations.finegrained_fp8")
+    status, results = _run_tiny(name, tmp_path / f"{name}.json")
     assert status == 0
     checks = results["checks"]
     assert checks == {"gradient_matches_dequantized_reference": True, "loss_decreased": True,
@@ -66,7 +70,10 @@ def test_finetune_example_runs_tiny(tmp_path):
     assert check["attention_rel_err"] <= check["tolerance"] and check["router_rel_err"] <= check["tolerance"]
     # the experts matter to the gradient: the agreement is not that of two models whose experts do nothing
     assert check["attention_without_experts_rel_err"] > 100 * check["tolerance"]
-    assert 0 < results["model"]["trainable_parameters"] < results["model"]["parameters"]
+    model = results["model"]
+    assert 0 < model["trainable_parameters"] < model["parameters"]
+    if name == "fp8_finetune":
+        assert model["fp8_modules"] == {"FP8Experts": 1} and model["block"] == [16, 16]  # the attention stays float
 
 
 def test_gradient_check_catches_a_reference_off_by_1e_3(monkeypatch):
@@ -83,28 +90,6 @@ def test_gradient_check_catches_a_reference_off_by_1e_3(monkeypatch):
     monkeypatch.setattr(experts_module, "_dequantize_gpt_oss_experts", dequantize_off)
     check = example.gradient_check(example.parse_args(["--tiny", "--check", "--layers", "1"]), torch.device(DEVICE))
     assert not check["ok"] and check["attention_rel_err"] > check["tolerance"]
-
-
-def test_fp8_finetune_example_runs_tiny(tmp_path):
-    """One layer, three steps: the loss falls, the float8 weights and scales stay bit for bit, every trainable
-    parameter gets a gradient, none of the experts' parameters does, and the gradient matches transformers' eager
-    experts on the dequantized weights."""
-    pytest.importorskip("transformers.integrations.finegrained_fp8")
-    status, results = _run_tiny("fp8_finetune", tmp_path / "fp8_finetune.json")
-    assert status == 0
-    checks = results["checks"]
-    assert checks == {"gradient_matches_dequantized_reference": True, "loss_decreased": True,
-                      "experts_bit_identical": True, "every_trainable_parameter_got_a_gradient": True,
-                      "no_expert_parameter_has_grad": True}
-    losses = [record["loss"] for record in results["steps"]]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    check = results["gradient_check"]
-    assert check["attention_rel_err"] <= check["tolerance"] and check["router_rel_err"] <= check["tolerance"]
-    # the experts matter to the gradient: the agreement is not that of two models whose experts do nothing
-    assert check["attention_without_experts_rel_err"] > 100 * check["tolerance"]
-    model = results["model"]
-    assert model["fp8_modules"] == {"FP8Experts": 1} and model["block"] == [16, 16]  # the attention stays float
-    assert 0 < model["trainable_parameters"] < model["parameters"]
 
 
 def test_fp8_gradient_check_catches_a_reference_off_by_1e_3(monkeypatch):
