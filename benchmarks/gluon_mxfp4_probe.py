@@ -7,9 +7,9 @@ tile and stage forms, beside the package's portable MXFP4 and bf16 grouped GEMMs
 GEMM1 of an MXFP4 MoE layer (N = 2F, K = H), C [M, N] = A_seg @ dequant(W_e)^T over expert-sorted rows, M = 4T rows
 of uniform random top-4 routing (the cells and weights of benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it
 uses): (c) the package's bf16 grouped GEMM on the dequantized weight, (b) its portable MXFP4 grouped GEMM
-(gemm.grouped.expert_gemm with the tables' tiles), (g) the Gluon MXFP4 GEMM with output tiles of 64 or 128 rows (x 256
-columns) or 256 rows (x 128, the shared-decode form) and 4 or 6 stages. CUDA-graph replays, median us; TFLOP/s =
-2 M N K / time; relative error against (c) (the same bf16 rows and weight values, fp32 sums). Nothing asserts a speed; its correctness against float64 is
+(gemm.grouped.expert_gemm with the tables' tiles), (g) the Gluon MXFP4 GEMM with output tiles of 64 or 128 rows and
+4 or 6 stages. CUDA-graph replays, median us; TFLOP/s = 2 M N K / time; relative error against (c) (the same bf16
+rows and weight values, fp32 sums). Nothing asserts a speed; its correctness against float64 is
 tests/test_gluon_mxfp4.py's.
 """
 
@@ -67,7 +67,7 @@ def probe_model(model, args, device, timer, rows, flops):
                 run = functools.partial(mxfp4_grouped_gemm, a, blocks, scales, offsets, stages=stages,
                                         block_m=block_m)
                 try:
-                    record(f"(g) gluon mxfp4 {block_m}x{128 if block_m == 256 else 256}x64 {stages} stages", run, mx_bytes, run(), reference)
+                    record(f"(g) gluon mxfp4 {block_m}x256x64 {stages} stages", run, mx_bytes, run(), reference)
                 except Exception as exc:  # noqa: BLE001 - reported, the rest runs
                     print(f"   {cell:<18} (g) {block_m} rows {stages} stages: {type(exc).__name__}: {str(exc)[:300]}",
                           flush=True)

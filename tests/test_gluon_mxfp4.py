@@ -153,13 +153,9 @@ def test_auto_follows_the_measured_threshold(monkeypatch):
 
 
 def test_tile_rows_follow_the_rows_per_expert(monkeypatch):
-    """The engine's tile rows: 64 under ROWS128_FROM rows per expert (T * top_k / E), 128 from it, 256 from
-    ROWS256_FROM and never while that is None."""
+    """The engine's tile rows: 64 under ROWS128_FROM rows per expert (T * top_k / E), 128 from it."""
     monkeypatch.setattr(gluon_mxfp4, "ROWS128_FROM", 128)
-    monkeypatch.setattr(gluon_mxfp4, "ROWS256_FROM", None)
-    assert [gluon_mxfp4.gemm_block_m(T, 4, 32) for T in (1023, 1024, 10**6)] == [64, 128, 128]
-    monkeypatch.setattr(gluon_mxfp4, "ROWS256_FROM", 512)
-    assert [gluon_mxfp4.gemm_block_m(T, 4, 32) for T in (1023, 1024, 4095, 4096)] == [64, 128, 128, 256]
+    assert [gluon_mxfp4.gemm_block_m(T, 4, 32) for T in (1, 1023, 1024, 10**6)] == [64, 64, 128, 128]
 
 
 def test_planner_accepts_and_follows_the_variable(monkeypatch):
@@ -190,7 +186,7 @@ GEMM_CASES = [
                            "whose second half reads past the expert's rows; the last expert empty"),
     ((700, 0, 1100, 5), 2048, 160, "more output tiles than the GPU has SMs at every tile height (a program runs "
                                    "several: the stage ring's and decode buffers' phases carry from tile to tile); "
-                                   "rows spanning several 256-row tiles; K 160 two and a half K steps"),
+                                   "K 160 two and a half K steps (the next step's scale codes past K read as 0)"),
 ]
 EPILOGUES = ["plain", "pairs-swiglu-bias", "pairs-silu", "routed-bias", "routed"]
 
@@ -210,12 +206,12 @@ def _epilogue_args(epilogue, E, N, M, device=DEVICE):
 
 
 @on_hopper
-@pytest.mark.parametrize("block_m", [64, 128, 256])
+@pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("case", GEMM_CASES, ids=["ragged", "two-tiles", "many-tiles"])
 def test_gemm_matches_float64(case, epilogue, block_m):
     """Each epilogue (plain; gate/up pairs activated, with and without the bias; the down bias and routing weights)
-    at every tile height (256: the shared-decode form), against mxfp4_grouped_gemm_ref."""
+    at both tile heights, against mxfp4_grouped_gemm_ref."""
     counts, N, K, why = case
     E, M = len(counts), sum(counts)
     a = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
@@ -243,15 +239,11 @@ def test_gemm_keeps_nans_in_place():
 
 
 @on_hopper
-@pytest.mark.parametrize("shared_decode", [False, True], ids=["own-tiles", "256-rows"])
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gpt-oss", "concatenated"])
-def test_engine_matches_float64_and_replays(interleaved, shared_decode, monkeypatch):
+def test_engine_matches_float64_and_replays(interleaved, monkeypatch):
     """The whole engine through fused_experts at odd widths (H = 288, F = 160: masked K steps and a partial 256-column
     tile in both GEMMs; an expert with no row), against float64 on the dequantized weights and against the portable
-    kernels (MOE_DISPATCH_GLUON_MXFP4=0); two calls agree bit for bit and a CUDA graph replay equals the eager call.
-    `shared_decode`: the engine takes 256-row tiles (gluon_mxfp4.ROWS256_FROM at 1 row per expert)."""
-    if shared_decode:
-        monkeypatch.setattr(gluon_mxfp4, "ROWS256_FROM", 1)
+    kernels (MOE_DISPATCH_GLUON_MXFP4=0); two calls agree bit for bit and a CUDA graph replay equals the eager call."""
     T, E, top_k, H, F = 300, 8, 4, 288, 160
     options = dict(activation="swiglu_oai", interleaved=True) if interleaved else {}
     x, gate_up, down, ids, weights, biases = _experts(T, E, top_k, H, F, bias=interleaved)
@@ -267,7 +259,6 @@ def test_engine_matches_float64_and_replays(interleaved, shared_decode, monkeypa
     monkeypatch.setattr(operator, "gluon_mxfp4_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = run()
     assert calls, "the engine did not run"
-    assert gluon_mxfp4.gemm_block_m(T, top_k, E) == (256 if shared_decode else 128)
     assert torch.equal(run(), out)
     graph, static = capture_cuda_graph(run)
     graph.replay()

@@ -18,13 +18,6 @@ device: no host sync) in gluon_ws's grouped-M order, in three partitions:
                              runs while the wgmma of step i is in flight (one left outstanding); a stage goes back to
                              the producer once the wgmma that read its A tile has completed.
 
-The shared-decode form (`block_m` 256, `_mxfp4_shared_decode_kernel`): 256 x 128 output tiles, the consumers splitting
-the rows instead of the columns. The producer loads one packed [128, 32] weight tile a stage (and A [256, 64]); each
-consumer decodes 64 of its 128 rows into the step's shared bf16 buffer (one of SHARED_DECODE_SLOTS), arrives on the
-slot's decoded barrier and waits for the other's half, then runs its wgmma over its 128 rows against the whole tile;
-a slot is written again once both consumers' wgmma that read it have completed (its free barrier). Half the decode
-per MMA of the 128-row form, for tiles twice as tall.
-
 Why: the portable kernels decode each weight tile on the MMA's critical path (registers -> shared memory -> wgmma, no
 overlap); here the decode of one step overlaps the MMA of the step before. Measured on an H100 at GPT-OSS-120B's GEMM1
 (docs/performance.md, "MXFP4 experts"): 1.43-1.83x faster than the portable MXFP4 GEMM from T = 1024.
@@ -45,8 +38,7 @@ from ..host.device import num_sms
 from ..host.replay import unrecorded_launch
 from .gluon_ws import (TensorDescriptor, available, check_device, check_expert_offsets, check_operand,  # noqa: F401
                        check_stacked_weight, gl, gluon_jit, load_partition, mbarrier, stage_ring, store_layout,
-                       store_tile, thread_barrier, tile_at, tile_counts, unavailable_reason, warpgroup_mma,
-                       warpgroup_mma_wait)
+                       store_tile, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
 from .jit import E2M1_BF16X2_PTX, Activation, apply_activation
 
 try:
@@ -61,16 +53,8 @@ NUM_STAGES = 4  # 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384, 64-ro
 # H100, GPT-OSS GEMM1, 128-row against 64-row tiles: 1.16-1.47x faster at 128-512 rows per expert (GPT-OSS-20B T = 1024
 # to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32 (docs/performance.md, "MXFP4 experts")
 ROWS128_FROM = 128
-# 256-row tiles in the shared-decode form (`_mxfp4_shared_decode_kernel`: the consumers split the rows and each decodes
-# half of the one 128-column weight tile both read, half the decode per MMA of the 128-row form) from this many rows
-# per expert; None: not chosen by the engine (not yet measured faster; the probe and block_m=256 run it)
-ROWS256_FROM = None
-SHARED_DECODE_SLOTS = 2  # decoded weight tiles in shared memory: step i + 1 decodes while step i's wgmma run
 GROUP_M = 8
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
-# the shared-decode form's consumers hold two more barriers and the slot arithmetic: at 232 Triton 3.9's build spilled 48
-# bytes of its epilogue's hoisted offsets; 240 x 256 + 24 x 128 is still the kernel's 64512
-SHARED_DECODE_CONSUMER_REGS = 240
 GEMM_NAME = "Gluon MXFP4 GEMM"
 # What a consumer's epilogue does with its [rows, 128] fp32 tile (the EPILOGUE constexpr)
 EPILOGUE_PLAIN = 0  # store it (bf16)
@@ -207,123 +191,6 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
 
 
 @gluon_jit
-def _shared_decode_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, decoded_bars, free_bars, scale_ptr,
-                             out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr,
-                             expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr,
-                             stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
-                             stride_topk_k, alpha, limit, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
-                             EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
-                             TOP_K: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
-                             bytes_layout: gl.constexpr, split_layout: gl.constexpr, pair_layout: gl.constexpr,
-                             half_layout: gl.constexpr):
-    """Consumer WARP_GROUP of the shared-decode form (BLOCK_M 256): rows [WARP_GROUP * 128, +128) of every 256 x 128
-    tile against the whole decoded weight tile, of which it decodes rows [WARP_GROUP * 64, +64) into the shared
-    buffer of the step (module docstring). Per K step: decode its half, arrive on decoded[slot], wait for the other
-    half, wgmma; a slot is written again once both consumers' wgmma that read it have completed (free[slot])."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    HALF_M: gl.constexpr = a_bufs.type.shape[1] // 2
-    A_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
-    HALF_W: gl.constexpr = BLOCK_N // 2  # weight rows each consumer decodes
-    NUM_DEC: gl.constexpr = dec_bufs.type.shape[0]
-    GROUPS: gl.constexpr = A_K // 32
-    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
-    offs_r = gl.arange(0, HALF_W, layout=gl.SliceLayout(1, scale_layout))
-    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
-    k_blocks = gl.cdiv(K, A_K)
-    k_groups = K // 32
-    it = 0
-    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                    expert_offsets_ptr, 2 * HALF_M, GROUP_M, True)
-        col_start = pid_n * BLOCK_N
-        cols = col_start + WARP_GROUP * HALF_W + offs_r
-        s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
-                  + gl.expand_dims(offs_g * stride_s_k, 0))
-        mask_cols = gl.expand_dims(cols < N, 1)
-        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
-        for kb in range(k_blocks):
-            stage = it % STAGES
-            slot = it % NUM_DEC
-            # the codes in the step (loading step kb + 1's here spilled 8 bytes under Triton 3.6 at 240 registers)
-            codes = _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k)
-            mbarrier.wait(ready_bars.index(stage), (it // STAGES) & 1)
-            # the slot's last readers (both consumers' wgmma of step it - NUM_DEC) have completed; a fresh barrier
-            # passes parity 1
-            mbarrier.wait(free_bars.index(slot), ((it // NUM_DEC) & 1) ^ 1)
-            w = _decode_step(w_bufs.index(stage).slice(WARP_GROUP * HALF_W, HALF_W), codes, bytes_layout,
-                             split_layout)
-            dec_bufs.index(slot).slice(WARP_GROUP * HALF_W, HALF_W).store(w)
-            fence_async_shared()
-            thread_barrier()  # every thread of this warp group has stored and fenced before its one arrive
-            mbarrier.arrive(decoded_bars.index(slot), count=1)
-            mbarrier.wait(decoded_bars.index(slot), (it // NUM_DEC) & 1)
-            acc = warpgroup_mma(a_bufs.index(stage).slice(WARP_GROUP * HALF_M, HALF_M),
-                                dec_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if kb > 0:  # the wgmma of the step before has completed: its stage and its slot are released
-                mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
-                mbarrier.arrive(free_bars.index((it - 1) % NUM_DEC), count=1)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
-        mbarrier.arrive(free_bars.index((it - 1) % NUM_DEC), count=1)
-        _epilogue(acc, out_ptr, stride_out_m, row_start + WARP_GROUP * HALF_M, row_end, col_start, expert, N,
-                  bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
-                  stride_topk_k, alpha, limit, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout,
-                  pair_layout, half_layout)
-
-
-@gluon_jit
-def _mxfp4_shared_decode_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
-                                expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k,
-                                stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                                topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
-                                NUM_STAGES: gl.constexpr, NUM_DEC: gl.constexpr, GROUP_M: gl.constexpr,
-                                EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                TOP_K: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
-                                out_layout: gl.constexpr, bytes_layout: gl.constexpr, split_layout: gl.constexpr,
-                                dec_layout: gl.constexpr, pair_layout: gl.constexpr, half_layout: gl.constexpr,
-                                num_warps: gl.constexpr):
-    """out = a_seg @ dequant(w_e)^T over the tile map's 256 x 128 tiles, the consumers splitting the rows and
-    sharing one decoded weight tile per K step (`_shared_decode_partition`). Grid and partitions as
-    `_mxfp4_gemm_kernel`'s."""
-    A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
-    A_K: gl.constexpr = a_desc.block_type.shape[1]
-    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
-    gl.static_assert(num_warps == 4, "each consumer is one warp group")
-    a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 1)
-    dec_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_DEC, W_ROWS, A_K], dec_layout)
-    decoded_bars = gl.allocate_shared_memory(gl.int64, [NUM_DEC, 1], mbarrier.MBarrierLayout())
-    free_bars = gl.allocate_shared_memory(gl.int64, [NUM_DEC, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_DEC):
-        mbarrier.init(decoded_bars.index(i), count=2)  # one arrive per consumer
-        mbarrier.init(free_bars.index(i), count=2)
-    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, A_ROWS, W_ROWS, True)
-    # literal argument tuples, as in _mxfp4_gemm_kernel
-    gl.warp_specialize([
-        (_shared_decode_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, decoded_bars, free_bars,
-                                    scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles, tile_expert_ptr,
-                                    tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k,
-                                    stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                                    topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0, GROUP_M,
-                                    EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout,
-                                    split_layout, pair_layout, half_layout)),
-        (_shared_decode_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, decoded_bars, free_bars,
-                                    scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles, tile_expert_ptr,
-                                    tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k,
-                                    stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                                    topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M,
-                                    EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout,
-                                    split_layout, pair_layout, half_layout)),
-        (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
-                          num_tiles, n_per_expert, 0, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M,
-                          True, 1, W_ROWS, 2)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon_jit
 def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
                        expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
                        bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
@@ -368,7 +235,7 @@ def kernel_layouts(block_m: int = BLOCK_M):
     """Register and shared layouts of the kernel with output tiles of `block_m` rows: (acc, out, bytes, split, dec,
     a_smem, w_smem, pair, half)."""
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_N, 16])
-    out = store_layout(min(block_m, 128), HALF_N)  # a consumer's rows: the tile's, or half of a 256-row tile's
+    out = store_layout(block_m, HALF_N)
     # a consumer's [128, 32] packed tile: 16 bytes (one scale group) a thread, two threads a row, 16 rows a warp
     bytes_layout = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
     split = gl.BlockedLayout([1, 1, 16], [16, 2, 1], [4, 1, 1], [2, 1, 0])  # the same as [rows, groups, 16 bytes]
@@ -397,11 +264,11 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     checkpoint's byte order), scales uint8 [E, N, K / 32] e8m0 codes (any strides), K a multiple of 32; bias [E, N]
     (any float dtype and strides); gather_idx int32 [M], topk_weights [T, top_k]; expert_offsets int32 [E + 1] (o_0 =
     0, nondecreasing, o_E <= M: rows past o_E are left unwritten; offsets outside that are clamped on the device, never
-    read as given). No host sync: the launch is sized by the tile map's bound. `stages` and `block_m` (64; 128: each
-    consumer's wgmma over two 64-row slabs; 256: the shared-decode form, the consumers splitting the rows of 256 x 128
-    tiles) are the engine's choice (`gemm_block_m`) and the probe's (benchmarks/gluon_mxfp4_probe.py)."""
-    if block_m not in (64, 128, 256):
-        raise ValueError(f"block_m must be 64, 128 or 256, got {block_m}")
+    read as given). No host sync: the launch is sized by the tile map's bound. `stages` and `block_m` (64, or 128:
+    each consumer's wgmma over two 64-row slabs) are the engine's choice (`gemm_block_m`) and the probe's
+    (benchmarks/gluon_mxfp4_probe.py)."""
+    if block_m not in (64, 128):
+        raise ValueError(f"block_m must be 64 or 128, got {block_m}")
     check_operand("a", a, 2, (torch.bfloat16, ))
     check_operand("blocks", blocks, 3, (torch.uint8, ))
     E, N = check_stacked_weight(blocks)
@@ -436,8 +303,7 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
         return out
     acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
     offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, block_m, count_tiles=True)
-    shared_decode = block_m == 256  # 256 x 128 output tiles (`_mxfp4_shared_decode_kernel`); else block_m x 256
-    bound_tiles = tile_expert.numel() * triton.cdiv(N, HALF_N if shared_decode else 2 * HALF_N)  # sizes the grid
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, 2 * HALF_N)  # sizes the persistent grid
     a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
     w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [HALF_N, BLOCK_K // 2], w_smem)
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
@@ -446,26 +312,18 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     bias_args = (bias, bias.stride(0), bias.stride(1)) if bias is not None else (out, 0, 0)
     # Launched directly, as gluon_fp8's GEMM: a call that reaches here keeps no plan (host/replay.py)
     unrecorded_launch(GEMM_NAME)
-    kernel, forms = ((_mxfp4_shared_decode_kernel, dict(NUM_DEC=SHARED_DECODE_SLOTS)) if shared_decode
-                     else (_mxfp4_gemm_kernel, {}))
-    kernel[grid](a_desc, w_desc, scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N, scales.stride(0),
-                 scales.stride(1), scales.stride(2), out.stride(0), *bias_args, gather_idx, topk_weights,
-                 topk_weights.stride(0), topk_weights.stride(-1), float(alpha), float(limit), NUM_STAGES=stages,
-                 GROUP_M=GROUP_M, EPILOGUE=epilogue,
-                 ACTIVATION=int(Activation.of(activation if activation is not None else "none")),
-                 HAS_BIAS=bias is not None, TOP_K=topk_weights.shape[1] if routing is not None else 1,
-                 CONSUMER_REGS=SHARED_DECODE_CONSUMER_REGS if shared_decode else CONSUMER_REGS,
-                 PRODUCER_REGS=PRODUCER_REGS, acc_layout=acc, out_layout=out_l,
-                 bytes_layout=bytes_l, split_layout=split_l, dec_layout=dec_l, pair_layout=pair_l,
-                 half_layout=half_l, num_warps=4, maxnreg=MAXNREG, **forms)
+    _mxfp4_gemm_kernel[grid](a_desc, w_desc, scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N,
+                             scales.stride(0), scales.stride(1), scales.stride(2), out.stride(0), *bias_args,
+                             gather_idx, topk_weights, topk_weights.stride(0), topk_weights.stride(-1), float(alpha),
+                             float(limit), NUM_STAGES=stages, GROUP_M=GROUP_M, EPILOGUE=epilogue,
+                             ACTIVATION=int(Activation.of(activation if activation is not None else "none")),
+                             HAS_BIAS=bias is not None, TOP_K=topk_weights.shape[1] if routing is not None else 1,
+                             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, acc_layout=acc,
+                             out_layout=out_l, bytes_layout=bytes_l, split_layout=split_l, dec_layout=dec_l,
+                             pair_layout=pair_l, half_layout=half_l, num_warps=4, maxnreg=MAXNREG)
     return out
 
 
 def gemm_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """The engine's output tile rows for a call: 256 from ROWS256_FROM rows per expert (T * top_k / E; never while it
-    is None), 128 from ROWS128_FROM, else 64."""
-    rows = num_tokens * top_k
-    experts = max(num_experts, 1)
-    if ROWS256_FROM is not None and rows >= ROWS256_FROM * experts:
-        return 256
-    return 128 if rows >= ROWS128_FROM * experts else 64
+    """The engine's output tile rows for a call: 128 from ROWS128_FROM rows per expert (T * top_k / E), else 64."""
+    return 128 if num_tokens * top_k >= ROWS128_FROM * max(num_experts, 1) else 64

@@ -51,8 +51,6 @@ except ImportError as exc:  # a Triton without Gluon, or with its Hopper API els
 # The TMA load into shared memory: `tma.async_load` from Triton 3.7 (where the 3.6 name raises), the same operation
 # as 3.6's `tma.async_copy_global_to_shared`.
 tma_load = None if tma is None else getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# A barrier of the calling partition's threads: `gl.thread_barrier` in Triton 3.6, `gl.barrier` from 3.9
-thread_barrier = None if gl is None else getattr(gl, "thread_barrier", None) or gl.barrier
 
 # Triton versions the kernels have run under on a GPU: where the engines may choose them
 TESTED_TRITON = ("3.6", )
