@@ -335,7 +335,8 @@ def test_gpt_oss_width_decode_gemvs_on_the_gpu(T):
 @pytest.mark.parametrize("forced", [False, True], ids=["a-first-tiles", "weight-first-tiles"])
 def test_offsets_past_32_bits(forced):
     """T * k * H > 2^31 with MXFP4 weights and bf16 activations (the PTX decode): row offsets into x, the
-    intermediate and the output are 64-bit. 16k rows per expert: the table's 128-row tiles, which dot A first, or
+    intermediate and the output are 64-bit. 16k rows per expert: the table's 128-row tiles, which dot A first (on an
+    SM90 GPU with Gluon, mode auto takes the Gluon engine there instead: its own such test is test_gluon_mxfp4's), or
     tiles forced to 64 rows, which dot the weight first. Rows sampled against float64."""
     T, E, k, H, F = 2**18 + 1000, 32, 2, 4096, 64
     assert T * k * H > 2**31
