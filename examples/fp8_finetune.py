@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_oss_mxfp4 import ON_GPU, GiB  # noqa: E402
 from gpt_oss_mxfp4_finetune import (ATTENTION_PROJECTIONS, bits, expert_tensors, finish, loss_of,  # noqa: E402
-                                    make_trainable, random_batch, start, train)
+                                    judge, make_trainable, random_batch, start, train)
 
 import moe_dispatch as md  # noqa: E402  (torch-ext/ on PYTHONPATH)
 from moe_dispatch.reference import TOLERANCE, relative_error  # noqa: E402
@@ -217,15 +217,9 @@ def gradient_check(args, device):
         expected = flat_group(reference_grads, group)
         result[f"{group}_rel_err"] = relative_error(flat_group(grads, group), expected)
         result[f"{group}_without_experts_rel_err"] = relative_error(flat_group(zeroed_grads, group), expected)
-    result["ok"] = (ok_kinds and result["loss_rel_err"] <= tolerance and result["attention_rel_err"] <= tolerance
-                    and result["router_rel_err"] <= tolerance)
-    print(f"gradient check, tiny float32 model ({args.layers} layers, experts drawn normal(0, {CHECK_EXPERTS_STD:g}), "
-          f"{TINY_BLOCK[0]} x {TINY_BLOCK[1]} blocks) against transformers' eager experts on its dequantization: "
-          f"d(loss)/d(attention) relative error {result['attention_rel_err']:.2e}, d(loss)/d(router) "
-          f"{result['router_rel_err']:.2e}, loss {result['loss_rel_err']:.1e} ({'ok' if result['ok'] else 'MISMATCH'}, "
-          f"tolerance {tolerance:.0e}); with the experts zeroed, d(loss)/d(attention) would be off by "
-          f"{result['attention_without_experts_rel_err']:.2e}", flush=True)
-    return result
+    return judge(result, ok_kinds, f"tiny float32 model ({args.layers} layers, experts drawn normal(0, "
+                 f"{CHECK_EXPERTS_STD:g}), {TINY_BLOCK[0]} x {TINY_BLOCK[1]} blocks) against transformers' eager "
+                 "experts on its dequantization", "zeroed")
 
 
 def main(argv=None):

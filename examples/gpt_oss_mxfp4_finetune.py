@@ -150,14 +150,22 @@ def gradient_check(args, device):
         flat = [torch.cat([g[name].flatten() for name in names]) for g in grads]
         result[f"{group}_rel_err"] = relative_error(flat[0], flat[1])
         result[f"{group}_without_experts_rel_err"] = relative_error(flat[2], flat[1])
+    return judge(result, ok_kinds, f"tiny float32 model ({args.layers} layers, experts' scale codes "
+                 f"{CHECK_SCALE_CODE - 2}-{CHECK_SCALE_CODE + 1}) against transformers' dequantized float experts",
+                 "left out")
+
+
+def judge(result, ok_kinds, what, without):
+    """The gradient check's verdict on `result` (its relative errors and tolerance), printed with `what` was compared
+    and how the experts were taken away for the comparison that shows what the agreement is worth; `ok_kinds`: the
+    reference's experts are the float class expected. Returns `result` with "ok"."""
+    tolerance = result["tolerance"]
     result["ok"] = (ok_kinds and result["loss_rel_err"] <= tolerance and result["attention_rel_err"] <= tolerance
                     and result["router_rel_err"] <= tolerance)
-    print(f"gradient check, tiny float32 model ({args.layers} layers, experts' scale codes {CHECK_SCALE_CODE - 2}-"
-          f"{CHECK_SCALE_CODE + 1}) against transformers' dequantized float experts: d(loss)/d(attention) relative "
-          f"error {result['attention_rel_err']:.2e}, d(loss)/d(router) {result['router_rel_err']:.2e}, loss "
-          f"{result['loss_rel_err']:.1e} ({'ok' if result['ok'] else 'MISMATCH'}, tolerance {tolerance:.0e}); "
-          f"with the experts left out, d(loss)/d(attention) would be off by "
-          f"{result['attention_without_experts_rel_err']:.2e}", flush=True)
+    print(f"gradient check, {what}: d(loss)/d(attention) relative error {result['attention_rel_err']:.2e}, "
+          f"d(loss)/d(router) {result['router_rel_err']:.2e}, loss {result['loss_rel_err']:.1e} "
+          f"({'ok' if result['ok'] else 'MISMATCH'}, tolerance {tolerance:.0e}); with the experts {without}, "
+          f"d(loss)/d(attention) would be off by {result['attention_without_experts_rel_err']:.2e}", flush=True)
     return result
 
 
