@@ -125,6 +125,30 @@ def test_backward_is_deterministic():
         assert torch.equal(first[name], second[name]), name
 
 
+def test_eager_training_call_runs_without_the_operator(monkeypatch):
+    """An eager training call on plain tensors runs the operator's forward and backward as a plain autograd.Function
+    (experts.autograd.EagerExperts: no dispatcher round trip); through the operator (host.library.eager_autograd
+    answering no) the forward and every gradient are the same bits. The bf16 case with biases."""
+    from moe_dispatch.experts import autograd
+    from moe_dispatch.host import library
+
+    case = GRAD_CASES[8]
+    inputs, ids, options = _experts_inputs(case)
+    grad_out = torch.randn(case.T, case.H).to(DEVICE, case.dtype)
+    ran = []
+    function_forward = autograd.EagerExperts.forward
+    monkeypatch.setattr(autograd.EagerExperts, "forward",
+                        staticmethod(lambda *a: ran.append("function") or function_forward(*a)))
+    out, eager = _run_experts(inputs, ids, options, grad_out)
+    assert ran == ["function"]
+    monkeypatch.setattr(library, "eager_autograd", lambda args: False)
+    out_op, through_op = _run_experts(inputs, ids, options, grad_out)
+    assert ran == ["function"], "the operator's call ran the autograd.Function"
+    assert torch.equal(out, out_op)
+    for name in eager:
+        assert torch.equal(eager[name], through_op[name]), name
+
+
 def _reuse_spy(monkeypatch):
     """The reuse_preact of every experts backward from here on (replayed ones too: the spy sits above the plans)."""
     from moe_dispatch.experts import autograd

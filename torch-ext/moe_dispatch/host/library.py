@@ -47,8 +47,19 @@ def needs_operator(args) -> bool:
     return False
 
 
-def call(op, *args):
+def eager_autograd(args) -> bool:
+    """Whether a call that autograd has to record may run as a plain `torch.autograd.Function` instead of the
+    operator: eagerly (not traced by torch.compile), on plain tensors (Tensor or Parameter, requiring grad or not)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(arg) in _PLAIN_TENSORS for arg in args if isinstance(arg, torch.Tensor))
+
+
+def call(op, *args, autograd_function=None):
     """Run custom operator `op` on positional `args`: its implementation directly in eager inference, else the op.
+    `autograd_function`: a `torch.autograd.Function` with the op's forward and registered backward, which an eager
+    call on plain tensors that autograd has to record runs instead of the op (`eager_autograd`): the same work
+    without the dispatcher's round trip and torch's custom-op autograd wrapper.
 
     Entry points validate first (their tensors share a device), so the first tensor argument's device is the call's:
     CPU tensors without Triton's interpreter are refused here, naming the argument, instead of failing in Triton's
@@ -57,6 +68,8 @@ def call(op, *args):
     if first is not None and not _device.kernels_run_on(args[first].device):  # the name is looked up only then
         check_kernel_device(_argument_name(op, first), args[first])
     if needs_operator(args):
+        if autograd_function is not None and eager_autograd(args):
+            return autograd_function.apply(*args)
         return op(*args)
     return op._init_fn(*args)  # the function the op was defined from (CustomOpDef keeps it as `_init_fn`)
 
