@@ -138,7 +138,7 @@ def test_eager_training_call_runs_without_the_operator(monkeypatch):
     ran = []
     function_forward = autograd.EagerExperts.forward
     monkeypatch.setattr(autograd.EagerExperts, "forward",
-                        staticmethod(lambda *a: ran.append("function") or function_forward(*a)))
+                        staticmethod(lambda ctx, *a: ran.append("function") or function_forward(ctx, *a)))
     out, eager = _run_experts(inputs, ids, options, grad_out)
     assert ran == ["function"]
     monkeypatch.setattr(library, "eager_autograd", lambda args: False)
