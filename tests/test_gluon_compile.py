@@ -48,13 +48,13 @@ def _fp8_gated_call(activation, bias):
                                                           activation=activation, **biases)
 
 
-def _mxfp4_call(block_m, epilogue):
+def _mxfp4_call(block_m, epilogue, form="split"):
     a, offsets = torch.zeros(1000, 2880, dtype=torch.bfloat16), offsets_of([300, 0, 400, 300], device="cpu")
     blocks, scales = torch.zeros(4, 5760, 1440, dtype=torch.uint8), torch.zeros(4, 5760, 90, dtype=torch.uint8)
     bias = torch.zeros(4, 5760, dtype=torch.bfloat16)
     args = {"plain": {}, "pairs": dict(bias=bias, activation="swiglu_oai"),
             "routed": dict(bias=bias, routing=(torch.zeros(1000, dtype=torch.int32), torch.zeros(250, 4)))}[epilogue]
-    return lambda: gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, **args)
+    return lambda: gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, form=form, **args)
 
 
 # (id, launcher call, its config, the wgmma the consumers issue, the wait that follows a K block's wgmma)
@@ -78,6 +78,13 @@ VARIANTS = [
     *[(f"mxfp4-grouped-{block_m}-rows-{epilogue}", (lambda b=block_m, e=epilogue: _mxfp4_call(b, e)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
        "wgmma.wait_group.sync.aligned 1;") for block_m in (64, 128) for epilogue in ("plain", "pairs", "routed")],
+    # its swapped form (the decoded weights as the wgmma's register operand, m64 x the tile's tokens; each step's
+    # wgmma waited for, the two consumers overlapping): both token tiles, each epilogue at the larger (the most
+    # registers)
+    *[(f"mxfp4-swap-{tokens}-tokens-{epilogue}", (lambda t=tokens, e=epilogue: _mxfp4_call(t, e, "swap")),
+       gluon_fp8.DEFAULT_CONFIG, f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16",
+       "wgmma.wait_group.sync.aligned 0;")
+      for tokens, epilogue in ((128, "plain"), (256, "plain"), (256, "pairs"), (256, "routed"))],
 ]
 
 

@@ -205,25 +205,30 @@ def _epilogue_args(epilogue, E, N, M, device=DEVICE):
     return dict(args, bias=bias) if epilogue.endswith("bias") else args
 
 
+# (form, block_m): the split form and the swapped form at both of their tile heights
+GEMM_TILES = [("split", 64), ("split", 128), ("swap", 128), ("swap", 256)]
+
+
 @on_hopper
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("form, block_m", GEMM_TILES, ids=[f"{f}-{m}" for f, m in GEMM_TILES])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 @pytest.mark.parametrize("case", GEMM_CASES, ids=["ragged", "two-tiles", "many-tiles"])
-def test_gemm_matches_float64(case, epilogue, block_m):
+def test_gemm_matches_float64(case, epilogue, form, block_m):
     """Each epilogue (plain; gate/up pairs activated, with and without the bias; the down bias and routing weights)
-    at both tile heights, against mxfp4_grouped_gemm_ref."""
+    in each form and tile height, against mxfp4_grouped_gemm_ref."""
     counts, N, K, why = case
     E, M = len(counts), sum(counts)
     a = torch.randn(M, K, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     blocks, scales = _mxfp4(E, N, K, 1)
     offsets = offsets_of(counts, device=DEVICE)
     args = _epilogue_args(epilogue, E, N, M)
-    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, **args)
+    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets, block_m=block_m, form=form, **args)
     assert_close(out, _gemm_reference(a, blocks, scales, offsets, **args), torch.bfloat16, what=why)
 
 
 @on_hopper
-def test_gemm_keeps_nans_in_place():
+@pytest.mark.parametrize("form, block_m", [("split", 64), ("swap", 128)])
+def test_gemm_keeps_nans_in_place(form, block_m):
     """A NaN in row 7 of A reaches row 7 only; scale code 0xFF of expert 2, column 9 makes column 9 NaN in expert 2's
     rows (5..21) only."""
     counts, N, K = (5, 0, 17, 1), 96, 96
@@ -231,7 +236,8 @@ def test_gemm_keeps_nans_in_place():
     a[7, 5] = float("nan")
     blocks, scales = _mxfp4(len(counts), N, K, 2)
     scales[2, 9, 1] = 0xFF
-    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets_of(counts, device=DEVICE))
+    out = gluon_mxfp4.mxfp4_grouped_gemm(a, blocks, scales, offsets_of(counts, device=DEVICE), block_m=block_m,
+                                         form=form)
     expected = torch.zeros_like(out, dtype=torch.bool)
     expected[7] = True
     expected[5:22, 9] = True

@@ -53,6 +53,13 @@ NUM_STAGES = 4  # 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384, 64-ro
 # H100, GPT-OSS GEMM1, 128-row against 64-row tiles: 1.16-1.47x faster at 128-512 rows per expert (GPT-OSS-20B T = 1024
 # to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32 (docs/performance.md, "MXFP4 experts")
 ROWS128_FROM = 128
+# The swapped form (FORM_SWAP): the weights are the wgmma's A operand, decoded into registers (no shared-memory round
+# trip, no fence), the activation tile its B; a consumer's wgmma is SWAP_W_ROWS weight rows x the tile's tokens (128 or
+# 256), so the decode of a weight tile serves up to 256 tokens (the split form's 128 columns serve 64 or 128 rows).
+# Tiles of 16-64 tokens compile with ptxas serializing the wgmma pipeline (C7512, register resources): not offered
+FORM_SPLIT, FORM_SWAP = "split", "swap"
+SWAP_W_ROWS = 64
+SWAP_TOKENS = (128, 256)
 GROUP_M = 8
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
 GEMM_NAME = "Gluon MXFP4 GEMM"
@@ -134,6 +141,59 @@ def _decode_step(packed_tile, codes, bytes_layout: gl.constexpr, split_layout: g
     return gl.reshape(gl.join(lo, hi), [ROWS, A_K])  # K order: byte j's low nibble is value 2j
 
 
+# E2M1_BF16X2_PTX with its outputs repacked by byte: $0 = (low, high nibble) of byte 0, $1 of byte 1, $2 of byte 2, $3
+# of byte 3, each register one bf16 pair of consecutive K values: the pair a wgmma register operand holds (k_width 2),
+# so the operand is these registers as they are (a repacked operand is a new register that ptxas may reuse while the
+# wgmma reading it is in flight, and then serializes the wgmmas, C7512)
+E2M1_BF16X2_PAIRS_PTX = triton.language.constexpr("""
+{
+.reg .b32 t0, t1, u, v, c126, nz, l0, l1, h0, h1;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 u, t0, 0x00070007; shl.b32 u, u, 6; and.b32 v, t0, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 l0, u, $5, nz;
+and.b32 u, t1, 0x00070007; shl.b32 u, u, 6; and.b32 v, t1, 0x00080008; shl.b32 v, v, 12; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 l1, u, $6, nz;
+and.b32 u, t0, 0x00700070; shl.b32 u, u, 2; and.b32 v, t0, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 h0, u, $5, nz;
+and.b32 u, t1, 0x00700070; shl.b32 u, u, 2; and.b32 v, t1, 0x00800080; shl.b32 v, v, 8; or.b32 u, u, v;
+fma.rn.bf16x2 u, u, c126, nz; fma.rn.bf16x2 h1, u, $6, nz;
+prmt.b32 $0, l0, h0, 0x5410;
+prmt.b32 $1, l0, h0, 0x7632;
+prmt.b32 $2, l1, h1, 0x5410;
+prmt.b32 $3, l1, h1, 0x7632;
+}
+""")
+
+
+@gluon_jit
+def _decode_operand(packed_tile, codes, rows_layout: gl.constexpr, split_layout: gl.constexpr,
+                    operand_layout: gl.constexpr):
+    """The swapped form's K step: packed_tile [ROWS, A_K / 2] uint8 in shared memory, the rows' e8m0 codes [ROWS,
+    GROUPS] -> the weight operand [ROWS, A_K] bf16 in K order, scaled, in operand_layout (the wgmma's A registers).
+
+    rows_layout has each thread read bytes q = 4 i + c (i = 0..3) of a row's 16-byte group (c = lane % 4), four
+    registers in a row: one E2M1_BF16X2_PAIRS_PTX block, whose first output holds bytes i = 0, 1 (K values 2q, 2q + 1
+    of each: element 2 m + n is byte i = m, nibble n) and its second bytes i = 2, 3. Joined and permuted into K order
+    (K = 32 g + 16 h + 8 m + 2 c + n, h the output), the values sit where the operand layout wants them."""
+    ROWS: gl.constexpr = packed_tile.type.shape[0]
+    A_K: gl.constexpr = packed_tile.type.shape[1] * 2
+    GROUPS: gl.constexpr = A_K // 32
+    packed = gl.convert_layout(gl.reshape(packed_tile.load(rows_layout), [ROWS, GROUPS, 16]), split_layout)
+    codes = codes.to(gl.uint16)
+    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
+    scale = gl.expand_dims(bits.to(gl.bfloat16, bitcast=True), 2)  # [ROWS, GROUPS, 1]
+    scale, packed = gl.broadcast(scale, packed)
+    first, second = gl.inline_asm_elementwise(E2M1_BF16X2_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    # q = 4 i + c = 8 m + 4 n + c: [rows, g, m, n, c] each, then the output h last
+    both = gl.join(gl.reshape(first, [ROWS, GROUPS, 2, 2, 4]), gl.reshape(second, [ROWS, GROUPS, 2, 2, 4]))
+    both = gl.permute(both, (0, 1, 5, 2, 4, 3))  # [rows, g, h, m, c, n]: K order
+    return gl.convert_layout(gl.reshape(both, [ROWS, A_K]), operand_layout)
+
+
 @gluon_jit
 def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
                    num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
@@ -188,6 +248,97 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
         _epilogue(acc, out_ptr, stride_out_m, row_start, row_end, col_start, expert, N, bias_ptr, stride_bias_e,
                   stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
                   EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, pair_layout, half_layout)
+
+
+@gluon_jit
+def _swap_partition(a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
+                    num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k,
+                    stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr,
+                    stride_topk_t, stride_topk_k, alpha, limit, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
+                    EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
+                    acc_layout: gl.constexpr, operand_layout: gl.constexpr, rows_layout: gl.constexpr,
+                    split_layout: gl.constexpr, out_layout: gl.constexpr, pair_layout: gl.constexpr,
+                    half_layout: gl.constexpr):
+    """Consumer WARP_GROUP of the swapped form (FORM_SWAP): weight rows [WARP_GROUP * SWAP_W_ROWS, +SWAP_W_ROWS) of
+    every TOKENS x 2 SWAP_W_ROWS tile as the wgmma's A operand in registers, the stage's activation tile as its B
+    (module docstring); the transposed sums are stored by `_epilogue`."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    TOKENS: gl.constexpr = a_bufs.type.shape[1]
+    A_K: gl.constexpr = a_bufs.type.shape[2]
+    W_ROWS: gl.constexpr = w_bufs.type.shape[1]
+    GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
+    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
+    offs_r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, scale_layout))
+    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
+    k_blocks = gl.cdiv(K, A_K)
+    k_groups = K // 32
+    zero = gl.zeros([W_ROWS, TOKENS], gl.float32, acc_layout)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                    expert_offsets_ptr, TOKENS, GROUP_M, True)
+        col_start = pid_n * (2 * W_ROWS) + WARP_GROUP * W_ROWS
+        cols = col_start + offs_r
+        s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
+                  + gl.expand_dims(offs_g * stride_s_k, 0))
+        mask_cols = gl.expand_dims(cols < N, 1)
+        acc = zero
+        codes = _scale_codes(s_ptrs, mask_cols, 0, k_groups, offs_g, stride_s_k)
+        # Each K step's wgmma is waited for before the next decode: ptxas serializes register-operand wgmmas left in
+        # flight across a step (C7512, under Triton 3.6 whatever the registers), so the overlap is between the two
+        # consumers, one decoding while the other's wgmma runs
+        for kb in range(k_blocks):
+            stage = it % STAGES
+            next_codes = _scale_codes(s_ptrs, mask_cols, kb + 1, k_groups, offs_g, stride_s_k)
+            mbarrier.wait(ready_bars.index(stage), (it // STAGES) & 1)
+            w = _decode_operand(w_bufs.index(2 * stage + WARP_GROUP), codes, rows_layout, split_layout,
+                                operand_layout)
+            codes = next_codes
+            acc = warpgroup_mma(w, a_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index(stage), count=1)
+            it += 1
+        sums = gl.convert_layout(gl.permute(acc, (1, 0)), out_layout)  # [TOKENS, W_ROWS]: rows are tokens
+        _epilogue(sums, out_ptr, stride_out_m, row_start, row_end, col_start, expert, N, bias_ptr, stride_bias_e,
+                  stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit,
+                  EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, out_layout, out_layout, pair_layout, half_layout)
+
+
+@gluon_jit
+def _mxfp4_swap_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
+                       expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
+                       bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
+                       stride_topk_k, alpha, limit, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                       EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
+                       operand_layout: gl.constexpr, rows_layout: gl.constexpr, split_layout: gl.constexpr,
+                       out_layout: gl.constexpr, pair_layout: gl.constexpr, half_layout: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """The swapped form (FORM_SWAP): out = a_seg @ dequant(w_e)^T over the tile map's tiles of TOKENS rows x 2
+    SWAP_W_ROWS weight rows, each consumer's wgmma computing its weight rows x the tile's tokens. Grid and warps as
+    `_mxfp4_gemm_kernel`."""
+    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
+    TOKENS: gl.constexpr = a_desc.block_type.shape[0]
+    gl.static_assert(num_warps == 4, "each consumer is one warp group")
+    a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 2)
+    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, TOKENS, 2 * W_ROWS, True)
+    gl.warp_specialize([
+        (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
+                           num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
+                           stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
+                           topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0, GROUP_M, EPILOGUE,
+                           ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout,
+                           out_layout, pair_layout, half_layout)),
+        (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
+                           num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
+                           stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
+                           topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M, EPILOGUE,
+                           ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout,
+                           out_layout, pair_layout, half_layout)),
+        (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                          num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M,
+                          True, 2, 2 * W_ROWS, 2)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @gluon_jit
@@ -248,10 +399,36 @@ def kernel_layouts(block_m: int = BLOCK_M):
     return acc, out, bytes_layout, split, dec, a_smem, w_smem, pair, half
 
 
+def swap_layouts(tokens: int):
+    """Register and shared layouts of the swapped form with `tokens` rows a tile: (acc [SWAP_W_ROWS, tokens], operand
+    (the wgmma's A: the decoded weights [SWAP_W_ROWS, BLOCK_K] bf16), rows (the stage's packed bytes [SWAP_W_ROWS,
+    BLOCK_K / 2] as each thread reads them from shared memory), split (the same as [rows, groups, 16 bytes]), out,
+    pair, half (the epilogue's [tokens, SWAP_W_ROWS] and [tokens, SWAP_W_ROWS / 2]), a_smem, w_smem)."""
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, tokens, 16])
+    operand = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    # A thread of the operand holds K values 2c, 2c + 1 (+ 8, + 16, + 32) of rows r and r + 8 (c = lane % 4, r = lane
+    # / 4 + 16 * warp): bytes c, c + 4, .., c + 28 of those rows. Byte p = 16 g + 4 i + c (g the scale group, i its
+    # step of 4 bytes): the registers run over i first (four bytes of one group: one E2M1_BF16X2_PTX block), then g,
+    # then the row r + 8
+    rows = gl.DistributedLinearLayout(reg_bases=[[0, 4], [0, 8], [0, 16], [8, 0]],
+                                      lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[SWAP_W_ROWS, BLOCK_K // 2])
+    split = gl.DistributedLinearLayout(reg_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [8, 0, 0]],
+                                       lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                       warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[],
+                                       shape=[SWAP_W_ROWS, BLOCK_K // 32, 16])
+    out = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [tokens, 64]: 8 columns a thread, a warp 4 rows
+    pair = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    half = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    a_smem = gl.NVMMASharedLayout.get_default_for([tokens, BLOCK_K], gl.bfloat16)
+    w_smem = gl.NVMMASharedLayout.get_default_for([SWAP_W_ROWS, BLOCK_K // 2], gl.uint8)
+    return acc, operand, rows, split, out, pair, half, a_smem, w_smem
+
+
 def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, expert_offsets: torch.Tensor, *,
                        bias: torch.Tensor | None = None, activation: str | None = None, alpha: float = 1.702,
                        limit: float = 7.0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       stages: int = NUM_STAGES, block_m: int = BLOCK_M) -> torch.Tensor:
+                       stages: int = NUM_STAGES, block_m: int = BLOCK_M, form: str = FORM_SPLIT) -> torch.Tensor:
     """Rows of expert e: s[o_e:o_{e+1}] = a[o_e:o_{e+1}] @ dequant(blocks[e], scales[e])^T (+ bias[e]), fp32; out bf16:
 
       plain (no activation, no routing; no bias)  out [M, N] = s
@@ -267,8 +444,11 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     read as given). No host sync: the launch is sized by the tile map's bound. `stages` and `block_m` (64, or 128:
     each consumer's wgmma over two 64-row slabs) are the engine's choice (`gemm_block_m`) and the probe's
     (benchmarks/gluon_mxfp4_probe.py)."""
-    if block_m not in (64, 128):
-        raise ValueError(f"block_m must be 64 or 128, got {block_m}")
+    if form not in (FORM_SPLIT, FORM_SWAP):
+        raise ValueError(f"form must be {FORM_SPLIT!r} or {FORM_SWAP!r}, got {form!r}")
+    if block_m not in ((64, 128) if form == FORM_SPLIT else SWAP_TOKENS):
+        raise ValueError(f"block_m must be one of {(64, 128) if form == FORM_SPLIT else SWAP_TOKENS} for form "
+                         f"{form!r}, got {block_m}")
     check_operand("a", a, 2, (torch.bfloat16, ))
     check_operand("blocks", blocks, 3, (torch.uint8, ))
     E, N = check_stacked_weight(blocks)
@@ -301,26 +481,35 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     out = torch.empty(M, N // 2 if activation is not None else N, device=device, dtype=torch.bfloat16)
     if out.numel() == 0 or E == 0:
         return out
-    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
+    w_rows = HALF_N if form == FORM_SPLIT else SWAP_W_ROWS
     offsets, tile_expert, tile_row, num_m_tiles = segment_tile_map(expert_offsets, M, E, block_m, count_tiles=True)
-    bound_tiles = tile_expert.numel() * triton.cdiv(N, 2 * HALF_N)  # sizes the persistent grid
-    a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
-    w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [HALF_N, BLOCK_K // 2], w_smem)
+    bound_tiles = tile_expert.numel() * triton.cdiv(N, 2 * w_rows)  # sizes the persistent grid
     grid = (max(1, min(num_sms(a.device), bound_tiles)), )
     epilogue = EPILOGUE_PAIRS if activation is not None else EPILOGUE_ROUTED if routing is not None else EPILOGUE_PLAIN
     gather_idx, topk_weights = routing if routing is not None else (out, out)
     bias_args = (bias, bias.stride(0), bias.stride(1)) if bias is not None else (out, 0, 0)
+    args = (scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N, scales.stride(0), scales.stride(1),
+            scales.stride(2), out.stride(0), *bias_args, gather_idx, topk_weights, topk_weights.stride(0),
+            topk_weights.stride(-1), float(alpha), float(limit))
+    common = dict(NUM_STAGES=stages, GROUP_M=GROUP_M, EPILOGUE=epilogue,
+                  ACTIVATION=int(Activation.of(activation if activation is not None else "none")),
+                  HAS_BIAS=bias is not None, TOP_K=topk_weights.shape[1] if routing is not None else 1,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     # Launched directly, as gluon_fp8's GEMM: a call that reaches here keeps no plan (host/replay.py)
     unrecorded_launch(GEMM_NAME)
-    _mxfp4_gemm_kernel[grid](a_desc, w_desc, scales, out, tile_expert, tile_row, num_m_tiles, offsets, M, N, K, N,
-                             scales.stride(0), scales.stride(1), scales.stride(2), out.stride(0), *bias_args,
-                             gather_idx, topk_weights, topk_weights.stride(0), topk_weights.stride(-1), float(alpha),
-                             float(limit), NUM_STAGES=stages, GROUP_M=GROUP_M, EPILOGUE=epilogue,
-                             ACTIVATION=int(Activation.of(activation if activation is not None else "none")),
-                             HAS_BIAS=bias is not None, TOP_K=topk_weights.shape[1] if routing is not None else 1,
-                             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, acc_layout=acc,
-                             out_layout=out_l, bytes_layout=bytes_l, split_layout=split_l, dec_layout=dec_l,
-                             pair_layout=pair_l, half_layout=half_l, num_warps=4, maxnreg=MAXNREG)
+    if form == FORM_SWAP:
+        acc, operand_l, rows_l, split_l, out_l, pair_l, half_l, a_smem, w_smem = swap_layouts(block_m)
+        a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
+        w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [w_rows, BLOCK_K // 2], w_smem)
+        _mxfp4_swap_kernel[grid](a_desc, w_desc, *args, acc_layout=acc, operand_layout=operand_l, rows_layout=rows_l,
+                                 split_layout=split_l, out_layout=out_l, pair_layout=pair_l, half_layout=half_l,
+                                 **common)
+        return out
+    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
+    w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [w_rows, BLOCK_K // 2], w_smem)
+    _mxfp4_gemm_kernel[grid](a_desc, w_desc, *args, acc_layout=acc, out_layout=out_l, bytes_layout=bytes_l,
+                             split_layout=split_l, dec_layout=dec_l, pair_layout=pair_l, half_layout=half_l, **common)
     return out
 
 
