@@ -879,8 +879,7 @@ def test_bench_mxfp4_accounting_layouts_and_peers(tmp_path, monkeypatch):
 
 def test_generate_e2e_mxfp4_arguments_and_blocks():
     """--quantize mxfp4's CPU defaults (GPT-OSS only, all three implementations, the dequantized model as reference, a
-    16-token prefill, no training) and what it refuses; the scale code follows --init-std; on a tiny model the package's
-    and the dequantized blocks swap in and out around the same router, each with the quantizer loading would give it."""
+    16-token prefill, no training) and what it refuses; the scale code follows --init-std."""
     import generate_e2e as ge
 
     args = ge.parse_args(["--device", "cpu", "--quantize", "mxfp4"])
@@ -895,6 +894,14 @@ def test_generate_e2e_mxfp4_arguments_and_blocks():
         ge.parse_args(["--device", "cpu", "--hub-dir", "somewhere"])  # the flag needs the MXFP4 mode
     assert (ge.mxfp4_scale_code(0.02), ge.mxfp4_scale_code(0.1)) == (120, 122)
 
+
+@needs_interpreter  # the package's MXFP4 kernels on CPU tensors (the dequantized variant is made by them)
+def test_generate_e2e_mxfp4_blocks_swap():
+    """On a tiny model the package's and the dequantized blocks swap in and out around the same router, each with the
+    quantizer loading would give it; a peer that did not load is skipped with its reason."""
+    import generate_e2e as ge
+
+    args = ge.parse_args(["--device", "cpu", "--quantize", "mxfp4"])
     device = torch.device("cpu")
     model, shape = ge.build_mxfp4_model(ge.SPECS["gpt-oss-20b"], args, device, torch.float32)
     package_quantizer = model.hf_quantizer

@@ -32,8 +32,8 @@ def _mxfp4(E, N, K, seed, device=DEVICE):
     return blocks.reshape(E, N, K // 2).to(device), scales.to(device)
 
 
-def _gemm_reference(a, blocks, scales, expert_offsets, *, block_m=None, stages=None, **epilogue):
-    """The GEMM's float64 reference (its tile keywords ignored)."""
+def _gemm_reference(a, blocks, scales, expert_offsets, *, block_m=None, stages=None, form=None, **epilogue):
+    """The GEMM's float64 reference (its tile and form keywords ignored)."""
     return mxfp4_grouped_gemm_ref(a, blocks, scales, expert_offsets, **epilogue)
 
 
@@ -153,9 +153,13 @@ def test_auto_follows_the_measured_threshold(monkeypatch):
 
 
 def test_tile_rows_follow_the_rows_per_expert(monkeypatch):
-    """The engine's tile rows: 64 under ROWS128_FROM rows per expert (T * top_k / E), 128 from it."""
+    """The engine's tiles by rows per expert (T * top_k / E): 64-row split tiles under ROWS128_FROM, 128-row ones from
+    it, the swapped form's 256-token tiles from SWAP_FROM."""
     monkeypatch.setattr(gluon_mxfp4, "ROWS128_FROM", 128)
-    assert [gluon_mxfp4.gemm_block_m(T, 4, 32) for T in (1, 1023, 1024, 10**6)] == [64, 64, 128, 128]
+    monkeypatch.setattr(gluon_mxfp4, "SWAP_FROM", 512)
+    split, swap = gluon_mxfp4.FORM_SPLIT, gluon_mxfp4.FORM_SWAP
+    assert [gluon_mxfp4.gemm_tile(T, 4, 32) for T in (1, 1023, 1024, 4095, 4096, 10**6)] == [
+        (split, 64), (split, 64), (split, 128), (split, 128), (swap, 256), (swap, 256)]
 
 
 def test_planner_accepts_and_follows_the_variable(monkeypatch):
@@ -276,9 +280,11 @@ def test_engine_matches_float64_and_replays(interleaved, monkeypatch):
 
 
 @on_hopper
+@pytest.mark.whole_gpu  # ~34 GiB at once (2^18 tokens of H = 4096, their gathered copies and outputs)
 def test_engine_offsets_past_32_bits(monkeypatch):
-    """T * k * H > 2^31 through the engine (16k rows per expert: its 128-row tiles): the gathered rows, gate_up / h
-    and y are addressed with 64-bit offsets, TMA by 32-bit row coordinates (M < 2^31). Rows sampled against float64."""
+    """T * k * H > 2^31 through the engine (16k rows per expert: the swapped form's 256-token tiles): the gathered rows,
+    gate_up / h and y are addressed with 64-bit offsets, TMA by 32-bit row coordinates (M < 2^31). Rows sampled against
+    float64."""
     T, E, k, H, F = 2**18 + 1000, 32, 2, 4096, 64
     assert T * k * H > 2**31
     torch.manual_seed(1)

@@ -49,7 +49,7 @@ from .jit import (ACT_NONE, SCALE_NONE, Activation, pair_columns, split_pairs, t
                   tile_setup)
 from .gluon_fp8 import DEFAULT_CONFIG as DEFAULT_FP8_CONFIG
 from .gluon_fp8 import ROWS64_CONFIG, SCALE_BLOCK, fp8_block_gated_grouped_gemm, fp8_block_grouped_gemm
-from .gluon_mxfp4 import gemm_block_m, mxfp4_grouped_gemm
+from .gluon_mxfp4 import gemm_tile, mxfp4_grouped_gemm
 from .w8a8 import fp8_rows, gather_rows, quantize_fp8_rows
 from .w8a8_jit import A_FP8_GROUPS, OUT_DYNAMIC, w8a8_epilogue
 
@@ -282,7 +282,7 @@ def gluon_w8a8_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale
 
 def gluon_mxfp4_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scale, *, topk_weights,
                         interleaved=False, activation="silu", gate_up_bias=None, down_bias=None, alpha=1.702,
-                        limit=7.0, block_m=None):
+                        limit=7.0, tile=None):
     """Both GEMMs of the MXFP4 experts path on the Gluon MXFP4 GEMM (gemm/gluon_mxfp4.py) -> (y [N, H] bf16 in the
     dispatch's sorted order, the routing weights combine must still apply: None where GEMM2 applied them), as
     `gluon_w8a8_experts` returns them. For what planner.gluon_mxfp4_refusal accepts.
@@ -293,22 +293,23 @@ def gluon_mxfp4_experts(x, w_gate_up, w_down, info, w_gate_up_scale, w_down_scal
     x's rows are gathered into sorted order (`gemm.w8a8.gather_rows`); GEMM1 activates in its epilogue where gate and
     up alternate (with the bias), else writes gate_up [N, 2F] for the activation pass (`_gated_activation`); GEMM2
     adds the down bias and applies the routing weights in its epilogue where there is a down bias (else combine
-    applies them). Tiles of gluon_mxfp4.gemm_block_m's rows, or `block_m` (the probe's)."""
+    applies them). Both GEMMs in gluon_mxfp4.gemm_tile's form and tile, or `tile` = (form, block_m)."""
     a = gather_rows(x, info)
-    if block_m is None:
-        block_m = gemm_block_m(info.num_tokens, info.top_k, info.num_experts)
+    form, block_m = gemm_tile(info.num_tokens, info.top_k, info.num_experts) if tile is None else tile
     if interleaved:
         h = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets, bias=gate_up_bias,
-                               activation=activation, alpha=alpha, limit=limit, block_m=block_m)
+                               activation=activation, alpha=alpha, limit=limit, block_m=block_m, form=form)
     else:
         num_ffn = w_gate_up.shape[1] // 2
         gate_bias, up_bias = ((gate_up_bias[:, :num_ffn], gate_up_bias[:, num_ffn:]) if gate_up_bias is not None
                               else (None, None))
-        gate_up = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets, block_m=block_m)
+        gate_up = mxfp4_grouped_gemm(a, w_gate_up, w_gate_up_scale, info.expert_offsets, block_m=block_m,
+                                     form=form)
         h = _gated_activation(gate_up, info, interleaved=False, activation=activation, gate_bias=gate_bias,
                               up_bias=up_bias, alpha=alpha, limit=limit)
     if down_bias is None:
-        return mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets, block_m=block_m), topk_weights
+        return (mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets, block_m=block_m, form=form),
+                topk_weights)
     y = mxfp4_grouped_gemm(h, w_down, w_down_scale, info.expert_offsets, bias=down_bias,
-                           routing=(info.gather_idx, topk_weights), block_m=block_m)
+                           routing=(info.gather_idx, topk_weights), block_m=block_m, form=form)
     return y, None

@@ -60,6 +60,10 @@ ROWS128_FROM = 128
 FORM_SPLIT, FORM_SWAP = "split", "swap"
 SWAP_W_ROWS = 64
 SWAP_TOKENS = (128, 256)
+# The engine's swapped form (256 tokens) from this many rows per expert: H100, GPT-OSS GEMM1, against the split form's
+# 128-row tiles, 1.05-1.19x faster at 512-2048 rows per expert (GPT-OSS-120B T = 16384, 20B T = 4096 / 16384),
+# 0.94-0.99x at 128, 0.62x at 32 (docs/performance.md, "MXFP4 experts")
+SWAP_FROM = 512
 GROUP_M = 8
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
 GEMM_NAME = "Gluon MXFP4 GEMM"
@@ -442,7 +446,7 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     (any float dtype and strides); gather_idx int32 [M], topk_weights [T, top_k]; expert_offsets int32 [E + 1] (o_0 =
     0, nondecreasing, o_E <= M: rows past o_E are left unwritten; offsets outside that are clamped on the device, never
     read as given). No host sync: the launch is sized by the tile map's bound. `stages` and `block_m` (64, or 128:
-    each consumer's wgmma over two 64-row slabs) are the engine's choice (`gemm_block_m`) and the probe's
+    each consumer's wgmma over two 64-row slabs) are the engine's choice (`gemm_tile`) and the probe's
     (benchmarks/gluon_mxfp4_probe.py)."""
     if form not in (FORM_SPLIT, FORM_SWAP):
         raise ValueError(f"form must be {FORM_SPLIT!r} or {FORM_SWAP!r}, got {form!r}")
@@ -513,6 +517,11 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     return out
 
 
-def gemm_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """The engine's output tile rows for a call: 128 from ROWS128_FROM rows per expert (T * top_k / E), else 64."""
-    return 128 if num_tokens * top_k >= ROWS128_FROM * max(num_experts, 1) else 64
+def gemm_tile(num_tokens: int, top_k: int, num_experts: int) -> tuple[str, int]:
+    """The engine's (form, block_m) for a call, by rows per expert (T * top_k / E): the swapped form's 256-token tiles
+    from SWAP_FROM, the split form's 128-row tiles from ROWS128_FROM, else its 64-row tiles."""
+    rows = num_tokens * top_k
+    experts = max(num_experts, 1)
+    if rows >= SWAP_FROM * experts:
+        return FORM_SWAP, 256
+    return FORM_SPLIT, 128 if rows >= ROWS128_FROM * experts else 64
