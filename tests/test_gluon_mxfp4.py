@@ -209,8 +209,9 @@ def _epilogue_args(epilogue, E, N, M, device=DEVICE):
     return dict(args, bias=bias) if epilogue.endswith("bias") else args
 
 
-# (form, block_m): the split form and the swapped form at both of their tile heights
-GEMM_TILES = [("split", 64), ("split", 128), ("swap", 128), ("swap", 256)]
+# (form, block_m): the split form at both of its tile heights, the swapped form at its smallest, a middle and its two
+# largest token tiles
+GEMM_TILES = [("split", 64), ("split", 128), ("swap", 16), ("swap", 64), ("swap", 128), ("swap", 256)]
 
 
 @on_hopper
