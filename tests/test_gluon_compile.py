@@ -78,13 +78,12 @@ VARIANTS = [
     *[(f"mxfp4-grouped-{block_m}-rows-{epilogue}", (lambda b=block_m, e=epilogue: _mxfp4_call(b, e)),
        gluon_fp8.DEFAULT_CONFIG, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
        "wgmma.wait_group.sync.aligned 1;") for block_m in (64, 128) for epilogue in ("plain", "pairs", "routed")],
-    # its swapped form (the decoded weights as the wgmma's register operand, m64 x the tile's tokens; each step's
-    # wgmma waited for, the two consumers overlapping): the smallest and a middle token tile, each epilogue at the
-    # largest (the most registers)
+    # its swapped form (the decoded weights as the wgmma's register operand, m64 x 256 tokens; each step's wgmma
+    # waited for, the two consumers overlapping), each epilogue
     *[(f"mxfp4-swap-{tokens}-tokens-{epilogue}", (lambda t=tokens, e=epilogue: _mxfp4_call(t, e, "swap")),
        gluon_fp8.DEFAULT_CONFIG, f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16",
        "wgmma.wait_group.sync.aligned 0;")
-      for tokens, epilogue in ((16, "plain"), (128, "plain"), (256, "plain"), (256, "pairs"), (256, "routed"))],
+      for tokens, epilogue in ((256, "plain"), (256, "pairs"), (256, "routed"))],
 ]
 
 

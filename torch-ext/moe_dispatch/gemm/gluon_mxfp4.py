@@ -54,11 +54,14 @@ NUM_STAGES = 4  # 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384, 64-ro
 # to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32 (docs/performance.md, "MXFP4 experts")
 ROWS128_FROM = 128
 # The swapped form (FORM_SWAP): the weights are the wgmma's A operand, decoded into registers (no shared-memory round
-# trip, no fence), the activation tile its B; a consumer's wgmma is SWAP_W_ROWS weight rows x the tile's tokens (16 to
-# 256), so the decode of a weight tile serves up to 256 tokens (the split form's 128 columns serve 64 or 128 rows)
+# trip, no fence), the activation tile its B; a consumer's wgmma is SWAP_W_ROWS weight rows x the tile's 256 tokens,
+# so the decode of a weight tile serves 256 tokens (the split form's 128 columns serve 64 or 128 rows). Tiles of 16-128
+# tokens ran correctly and slower than the split form wherever they could run (H100, through fused_experts at 4-64
+# rows per expert 1.05-1.6x the time of the split form's 64-row tiles; GEMM1 alone at 128 rows per expert 128-token
+# tiles 1.13-1.15x the time of its 128-row ones; docs/versions.md, v37): not offered
 FORM_SPLIT, FORM_SWAP = "split", "swap"
 SWAP_W_ROWS = 64
-SWAP_TOKENS = (16, 32, 64, 128, 256)
+SWAP_TOKENS = (256, )
 # The engine's swapped form (256 tokens) from this many rows per expert: H100, GPT-OSS GEMM1, against the split form's
 # 128-row tiles, 1.05-1.19x faster at 512-2048 rows per expert (GPT-OSS-120B T = 16384, 20B T = 4096 / 16384),
 # 0.94-0.99x at 128, 0.62x at 32 (docs/performance.md, "MXFP4 experts")
