@@ -57,7 +57,7 @@ ROWS128_FROM = 128
 # trip, no fence), the activation tile its B; a consumer's wgmma is SWAP_W_ROWS weight rows x the tile's 256 tokens,
 # so the decode of a weight tile serves 256 tokens (the split form's 128 columns serve 64 or 128 rows). Tiles of 16-128
 # tokens ran correctly and slower than the split form wherever they could run (H100, through fused_experts at 4-64
-# rows per expert 1.05-1.6x the time of the split form's 64-row tiles; GEMM1 alone at 128 rows per expert 128-token
+# rows per expert 1.03-3.03x the time of the split form's 64-row tiles; GEMM1 alone at 128 rows per expert 128-token
 # tiles 1.13-1.15x the time of its 128-row ones; docs/versions.md, v37): not offered
 FORM_SPLIT, FORM_SWAP = "split", "swap"
 SWAP_W_ROWS = 64
