@@ -209,6 +209,52 @@ def _epilogue_args(epilogue, E, N, M, device=DEVICE):
     return dict(args, bias=bias) if epilogue.endswith("bias") else args
 
 
+def _gemm_args(M=40, E=3, N=64, K=64, device="cpu"):
+    """A valid call of mxfp4_grouped_gemm's arguments (zeros; offsets [0, 10, 30, 40]), keyword by keyword."""
+    return dict(a=torch.zeros(M, K, dtype=torch.bfloat16, device=device),
+                blocks=torch.zeros(E, N, K // 2, dtype=torch.uint8, device=device),
+                scales=torch.zeros(E, N, K // 32, dtype=torch.uint8, device=device),
+                expert_offsets=torch.tensor([0, 10, 30, M], dtype=torch.int32, device=device))
+
+
+# (what is wrong, the change to a valid call, the exception, words its message must hold)
+BAD_GEMM_CALLS = [
+    ("an unknown form", dict(form="tall"), ValueError, "form must be"),
+    ("a split tile height", dict(block_m=256), ValueError, "block_m must be one of (64, 128)"),
+    ("a swapped tile the launcher does not offer", dict(form="swap", block_m=128), ValueError, "block_m must be one of"),
+    ("float activations", dict(a=torch.zeros(40, 64)), TypeError, "a must be bfloat16"),
+    ("K of a against the blocks", dict(a=torch.zeros(40, 96, dtype=torch.bfloat16)), ValueError, "but blocks is"),
+    ("scales of another shape", dict(scales=torch.zeros(3, 64, 3, dtype=torch.uint8)), ValueError,
+     "scales must be uint8 [E, N, K / 32]"),
+    ("offsets of another length", dict(expert_offsets=torch.tensor([0, 40], dtype=torch.int32)), ValueError,
+     "expert_offsets must be int32 [E + 1]"),
+    ("both epilogues", dict(activation="silu", routing=(torch.zeros(40, dtype=torch.int32), torch.zeros(10, 4))),
+     ValueError, "do not come together"),
+    ("a bias with no epilogue", dict(bias=torch.zeros(3, 64)), ValueError, "bias comes with an activation"),
+    ("a bias of another shape", dict(bias=torch.zeros(3, 32), activation="silu"), ValueError, "bias must be a float"),
+    ("int64 gather indices", dict(routing=(torch.zeros(40, dtype=torch.int64), torch.zeros(10, 4))), ValueError,
+     "gather_idx must be int32 [M]"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_GEMM_CALLS, ids=[c[0] for c in BAD_GEMM_CALLS])
+def test_gemm_refuses_bad_arguments(case):
+    """Each malformed call raises naming the argument, before any device is asked (on any host: the checks come first;
+    a valid call on the CPU says only that the GEMM is unavailable there)."""
+    _, change, error, words = case
+    args = dict(_gemm_args(), **change)
+    with pytest.raises(error) as caught:
+        gluon_mxfp4.mxfp4_grouped_gemm(args.pop("a"), args.pop("blocks"), args.pop("scales"),
+                                       args.pop("expert_offsets"), **args)
+    assert words in str(caught.value)
+
+
+def test_gemm_on_the_cpu_says_it_is_unavailable():
+    args = _gemm_args()
+    with pytest.raises(RuntimeError, match="Gluon MXFP4 GEMM unavailable"):
+        gluon_mxfp4.mxfp4_grouped_gemm(args["a"], args["blocks"], args["scales"], args["expert_offsets"])
+
+
 # (form, block_m): the split form at both of its tile heights, the swapped form at its 256 tokens
 GEMM_TILES = [("split", 64), ("split", 128), ("swap", 256)]
 
