@@ -119,6 +119,32 @@ def _epilogue(acc, out_ptr, stride_out_m, row_start, row_end, col_start, expert,
 
 
 @gluon_jit
+def _consumer_steps(K, W_ROWS: gl.constexpr, A_K: gl.constexpr, split_layout: gl.constexpr):
+    """A consumer's K walk: (the aranges of its W_ROWS weight rows and of a step's scale groups, in the scale codes'
+    layout (the slice of split_layout), the K steps of A_K values, the scale groups along K)."""
+    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
+    offs_r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, scale_layout))
+    offs_g = gl.arange(0, A_K // 32, layout=gl.SliceLayout(0, scale_layout))
+    return offs_r, offs_g, gl.cdiv(K, A_K), K // 32
+
+
+@gluon_jit
+def _consumer_tile(tile_id, num_pid_m, num_pid_n, M, N, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, scale_ptr,
+                   stride_s_e, stride_s_n, stride_s_k, offs_r, offs_g, TILE_ROWS: gl.constexpr,
+                   W_ROWS: gl.constexpr, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr):
+    """Consumer WARP_GROUP's part of output tile `tile_id` (TILE_ROWS rows x 2 W_ROWS weight rows): (row_start, row_end,
+    expert, col_start (its first weight row), the e8m0 code pointers of its W_ROWS weight rows at K step 0 [W_ROWS,
+    GROUPS] (offs_r, offs_g their aranges), the mask of its weight rows below N [W_ROWS, 1])."""
+    row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
+                                                expert_offsets_ptr, TILE_ROWS, GROUP_M, True)
+    col_start = pid_n * (2 * W_ROWS) + WARP_GROUP * W_ROWS
+    cols = col_start + offs_r
+    s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
+              + gl.expand_dims(offs_g * stride_s_k, 0))
+    return row_start, row_end, expert, col_start, s_ptrs, gl.expand_dims(cols < N, 1)
+
+
+@gluon_jit
 def _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k):
     """The e8m0 codes of K step kb of a consumer's weight rows: s_ptrs [ROWS, GROUPS] at step 0, masked by mask_cols
     and by K (a step past K // 32 groups reads 0) -> [ROWS, GROUPS] uint8. The consumers load step kb + 1's while
@@ -215,22 +241,13 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
     A_ROWS: gl.constexpr = a_bufs.type.shape[1]
     A_K: gl.constexpr = a_bufs.type.shape[2]
     W_ROWS: gl.constexpr = w_bufs.type.shape[1]
-    GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
-    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
-    offs_r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, scale_layout))
-    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
-    k_blocks = gl.cdiv(K, A_K)
-    k_groups = K // 32
+    offs_r, offs_g, k_blocks, k_groups = _consumer_steps(K, W_ROWS, A_K, split_layout)
     zero = gl.zeros([A_ROWS, W_ROWS], gl.float32, acc_layout)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                    expert_offsets_ptr, A_ROWS, GROUP_M, True)
-        col_start = pid_n * (2 * W_ROWS) + WARP_GROUP * W_ROWS
-        cols = col_start + offs_r
-        s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
-                  + gl.expand_dims(offs_g * stride_s_k, 0))
-        mask_cols = gl.expand_dims(cols < N, 1)
+        row_start, row_end, expert, col_start, s_ptrs, mask_cols = _consumer_tile(
+            tile_id, num_pid_m, num_pid_n, M, N, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, scale_ptr,
+            stride_s_e, stride_s_n, stride_s_k, offs_r, offs_g, A_ROWS, W_ROWS, WARP_GROUP, GROUP_M)
         acc = zero
         codes = _scale_codes(s_ptrs, mask_cols, 0, k_groups, offs_g, stride_s_k)
         for kb in range(k_blocks):
@@ -272,22 +289,13 @@ def _swap_partition(a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, 
     TOKENS: gl.constexpr = a_bufs.type.shape[1]
     A_K: gl.constexpr = a_bufs.type.shape[2]
     W_ROWS: gl.constexpr = w_bufs.type.shape[1]
-    GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
-    scale_layout: gl.constexpr = gl.SliceLayout(2, split_layout)
-    offs_r = gl.arange(0, W_ROWS, layout=gl.SliceLayout(1, scale_layout))
-    offs_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, scale_layout))
-    k_blocks = gl.cdiv(K, A_K)
-    k_groups = K // 32
+    offs_r, offs_g, k_blocks, k_groups = _consumer_steps(K, W_ROWS, A_K, split_layout)
     zero = gl.zeros([W_ROWS, TOKENS], gl.float32, acc_layout)
     it = 0
     for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        row_start, row_end, expert, pid_n = tile_at(tile_id, num_pid_m, num_pid_n, M, tile_expert_ptr, tile_row_ptr,
-                                                    expert_offsets_ptr, TOKENS, GROUP_M, True)
-        col_start = pid_n * (2 * W_ROWS) + WARP_GROUP * W_ROWS
-        cols = col_start + offs_r
-        s_ptrs = (scale_ptr + expert.to(gl.int64) * stride_s_e + gl.expand_dims(cols.to(gl.int64) * stride_s_n, 1)
-                  + gl.expand_dims(offs_g * stride_s_k, 0))
-        mask_cols = gl.expand_dims(cols < N, 1)
+        row_start, row_end, expert, col_start, s_ptrs, mask_cols = _consumer_tile(
+            tile_id, num_pid_m, num_pid_n, M, N, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, scale_ptr,
+            stride_s_e, stride_s_n, stride_s_k, offs_r, offs_g, TOKENS, W_ROWS, WARP_GROUP, GROUP_M)
         acc = zero
         codes = _scale_codes(s_ptrs, mask_cols, 0, k_groups, offs_g, stride_s_k)
         # Each K step's wgmma is waited for before the next decode: ptxas serializes register-operand wgmmas left in
