@@ -298,9 +298,9 @@ def _swap_partition(a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, 
             stride_s_e, stride_s_n, stride_s_k, offs_r, offs_g, TOKENS, W_ROWS, WARP_GROUP, GROUP_M)
         acc = zero
         codes = _scale_codes(s_ptrs, mask_cols, 0, k_groups, offs_g, stride_s_k)
-        # Each K step's wgmma is waited for before the next decode: ptxas serializes register-operand wgmmas left in
-        # flight across a step (C7512, under Triton 3.6 whatever the registers), so the overlap is between the two
-        # consumers, one decoding while the other's wgmma runs
+        # Each K step's wgmma is waited for before the next decode: with the partitions' registers moved by setmaxnreg
+        # (CONSUMER_REGS / PRODUCER_REGS) ptxas serializes register-operand wgmmas left in flight across a step
+        # (C7512), so the overlap is between the two consumers, one decoding while the other's wgmma runs
         for kb in range(k_blocks):
             stage = it % STAGES
             next_codes = _scale_codes(s_ptrs, mask_cols, kb + 1, k_groups, offs_g, stride_s_k)
