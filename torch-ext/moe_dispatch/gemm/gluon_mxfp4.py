@@ -319,81 +319,65 @@ def _swap_partition(a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, 
 
 
 @gluon_jit
-def _mxfp4_swap_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
-                       expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
-                       bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
-                       stride_topk_k, alpha, limit, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                       EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
-                       operand_layout: gl.constexpr, rows_layout: gl.constexpr, split_layout: gl.constexpr,
-                       out_layout: gl.constexpr, pair_layout: gl.constexpr, half_layout: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """The swapped form (FORM_SWAP): out = a_seg @ dequant(w_e)^T over the tile map's tiles of TOKENS rows x 2
-    SWAP_W_ROWS weight rows, each consumer's wgmma computing its weight rows x the tile's tokens. Grid and warps as
-    `_mxfp4_gemm_kernel`."""
-    W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
-    TOKENS: gl.constexpr = a_desc.block_type.shape[0]
-    gl.static_assert(num_warps == 4, "each consumer is one warp group")
-    a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 2)
-    num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, TOKENS, 2 * W_ROWS, True)
-    gl.warp_specialize([
-        (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
-                           num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
-                           stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                           topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0, GROUP_M, EPILOGUE,
-                           ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout,
-                           out_layout, pair_layout, half_layout)),
-        (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
-                           num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
-                           stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                           topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M, EPILOGUE,
-                           ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout,
-                           out_layout, pair_layout, half_layout)),
-        (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
-                          num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M,
-                          True, 2, 2 * W_ROWS, 2)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon_jit
 def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, num_m_tiles_ptr,
                        expert_offsets_ptr, M, N, K, n_per_expert, stride_s_e, stride_s_n, stride_s_k, stride_out_m,
                        bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t,
                        stride_topk_k, alpha, limit, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                        EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, acc_layout: gl.constexpr,
-                       out_layout: gl.constexpr, bytes_layout: gl.constexpr, split_layout: gl.constexpr,
-                       dec_layout: gl.constexpr, pair_layout: gl.constexpr, half_layout: gl.constexpr,
+                       out_layout: gl.constexpr, split_layout: gl.constexpr, pair_layout: gl.constexpr,
+                       half_layout: gl.constexpr, bytes_layout: gl.constexpr, dec_layout: gl.constexpr,
+                       operand_layout: gl.constexpr, rows_layout: gl.constexpr, SWAP: gl.constexpr,
                        num_warps: gl.constexpr):
-    """out = a_seg @ dequant(w_e)^T over the tile map's tiles of A_ROWS x 2 W_ROWS (module docstring). Grid:
-    (min(#SMs, bound on the tiles),); num_warps 4: the default partition is consumer 0, consumer 1 (4 warps) and the
-    producer (1 warp) are workers."""
+    """out = a_seg @ dequant(w_e)^T over the tile map's tiles of A_ROWS x 2 W_ROWS (module docstring): the split form
+    (`_mma_partition`; bytes_layout and dec_layout its own), or with SWAP the swapped form (`_swap_partition`, A_ROWS
+    the tile's tokens; operand_layout and rows_layout its own). Grid: (min(#SMs, bound on the tiles),); num_warps 4:
+    the default partition is consumer 0, consumer 1 (4 warps) and the producer (1 warp) are workers."""
     A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
     A_K: gl.constexpr = a_desc.block_type.shape[1]
     W_ROWS: gl.constexpr = w_desc.block_type.shape[0]
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 2)
-    dec_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, W_ROWS, A_K], dec_layout)  # two per consumer
     num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, A_ROWS, 2 * W_ROWS, True)
     # The two consumers' argument tuples stay literal, differing in WARP_GROUP alone: Gluon (3.6-3.9) drops the
     # constexprs of a tuple built by concatenation, and cannot name a tuple holding layouts (as in gluon_fp8)
-    gl.warp_specialize([
-        (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
-                          num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                          stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
-                          gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0, GROUP_M,
-                          EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
-                          pair_layout, half_layout)),
-        (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
-                          num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                          stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
-                          gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1, GROUP_M,
-                          EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
-                          pair_layout, half_layout)),
-        (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
-                          num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, GROUP_M,
-                          True, 2, 2 * W_ROWS, 2)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if SWAP:
+        gl.warp_specialize([
+            (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
+                               num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
+                               stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
+                               gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0,
+                               GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout,
+                               rows_layout, split_layout, out_layout, pair_layout, half_layout)),
+            (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
+                               num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
+                               stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
+                               gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1,
+                               GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout,
+                               rows_layout, split_layout, out_layout, pair_layout, half_layout)),
+            (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                              num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                              GROUP_M, True, 2, 2 * W_ROWS, 2)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        dec_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, W_ROWS, A_K], dec_layout)  # two per consumer
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K,
+                              num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                              stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e,
+                              stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
+                              limit, 0, GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout,
+                              bytes_layout, split_layout, pair_layout, half_layout)),
+            (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K,
+                              num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                              stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e,
+                              stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
+                              limit, 1, GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout,
+                              bytes_layout, split_layout, pair_layout, half_layout)),
+            (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
+                              num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                              GROUP_M, True, 2, 2 * W_ROWS, 2)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def kernel_layouts(block_m: int = BLOCK_M):
@@ -513,17 +497,15 @@ def mxfp4_grouped_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
     unrecorded_launch(GEMM_NAME)
     if form == FORM_SWAP:
         acc, operand_l, rows_l, split_l, out_l, pair_l, half_l, a_smem, w_smem = swap_layouts(block_m)
-        a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
-        w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [w_rows, BLOCK_K // 2], w_smem)
-        _mxfp4_swap_kernel[grid](a_desc, w_desc, *args, acc_layout=acc, operand_layout=operand_l, rows_layout=rows_l,
-                                 split_layout=split_l, out_layout=out_l, pair_layout=pair_l, half_layout=half_l,
-                                 **common)
-        return out
-    acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
+        bytes_l = dec_l = None
+    else:
+        acc, out_l, bytes_l, split_l, dec_l, a_smem, w_smem, pair_l, half_l = kernel_layouts(block_m)
+        operand_l = rows_l = None
     a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K], a_smem)
     w_desc = TensorDescriptor.from_tensor(blocks.view(E * N, K // 2), [w_rows, BLOCK_K // 2], w_smem)
-    _mxfp4_gemm_kernel[grid](a_desc, w_desc, *args, acc_layout=acc, out_layout=out_l, bytes_layout=bytes_l,
-                             split_layout=split_l, dec_layout=dec_l, pair_layout=pair_l, half_layout=half_l, **common)
+    _mxfp4_gemm_kernel[grid](a_desc, w_desc, *args, acc_layout=acc, out_layout=out_l, split_layout=split_l,
+                             pair_layout=pair_l, half_layout=half_l, bytes_layout=bytes_l, dec_layout=dec_l,
+                             operand_layout=operand_l, rows_layout=rows_l, SWAP=form == FORM_SWAP, **common)
     return out
 
 
