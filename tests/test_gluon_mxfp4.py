@@ -155,9 +155,12 @@ def test_auto_follows_the_measured_threshold(monkeypatch):
 def test_tile_rows_follow_the_rows_per_expert(monkeypatch):
     """The engine's tiles by rows per expert (T * top_k / E): 64-row split tiles under ROWS128_FROM, 128-row ones from
     it, the swapped form's 256-token tiles from SWAP_FROM."""
+    split, swap = gluon_mxfp4.FORM_SPLIT, gluon_mxfp4.FORM_SWAP
+    # GPT-OSS-20B (32 experts, top-4) at the shipped thresholds: 64 rows per expert from T = 512, 256 from T = 2048
+    assert [gluon_mxfp4.gemm_tile(T, 4, 32) for T in (1, 511, 512, 2047, 2048, 10**6)] == [
+        (split, 64), (split, 64), (split, 128), (split, 128), (swap, 256), (swap, 256)]
     monkeypatch.setattr(gluon_mxfp4, "ROWS128_FROM", 128)
     monkeypatch.setattr(gluon_mxfp4, "SWAP_FROM", 512)
-    split, swap = gluon_mxfp4.FORM_SPLIT, gluon_mxfp4.FORM_SWAP
     assert [gluon_mxfp4.gemm_tile(T, 4, 32) for T in (1, 1023, 1024, 4095, 4096, 10**6)] == [
         (split, 64), (split, 64), (split, 128), (split, 128), (swap, 256), (swap, 256)]
 

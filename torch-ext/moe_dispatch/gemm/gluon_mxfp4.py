@@ -51,21 +51,25 @@ BLOCK_M, HALF_N, BLOCK_K = 64, 128, 64  # a consumer's wgmma: m64 n128, K steps 
 NUM_STAGES = 4  # 6 measured the same (H100, GPT-OSS GEMM1, T = 128-16384, 64-row tiles: within 1%)
 # 128-row tiles (each consumer's wgmma over two 64-row slabs: half the decode per MMA) from this many rows per expert:
 # H100, GPT-OSS GEMM1, 128-row against 64-row tiles: 1.16-1.47x faster at 128-512 rows per expert (GPT-OSS-20B T = 1024
-# to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32 (docs/performance.md, "MXFP4 experts")
-ROWS128_FROM = 128
+# to GPT-OSS-120B T = 16384), 0.78-0.79x at 4-32; the whole layer through fused_experts at 64 rows per expert
+# 1.10-1.15x faster, at 32 0.80x (docs/performance.md, "MXFP4 experts")
+ROWS128_FROM = 64
 # The swapped form (FORM_SWAP): the weights are the wgmma's A operand, decoded into registers (no shared-memory round
 # trip, no fence), the activation tile its B; a consumer's wgmma is SWAP_W_ROWS weight rows x the tile's 256 tokens,
 # so the decode of a weight tile serves 256 tokens (the split form's 128 columns serve 64 or 128 rows). Tiles of 16-128
 # tokens ran correctly and slower than the split form wherever they could run (H100, through fused_experts at 4-64
 # rows per expert 1.03-3.03x the time of the split form's 64-row tiles; GEMM1 alone at 128 rows per expert 128-token
-# tiles 1.13-1.15x the time of its 128-row ones; docs/versions.md, v37): not offered
+# tiles 1.13-1.15x the time of its 128-row ones; docs/versions.md, v37), and again with one wgmma left in flight
+# (every partition at MAXNREG registers, no setmaxnreg split: 128-token tiles 1.02-1.10x the split form's time at
+# 32-256 rows per expert, 64-token tiles 1.13-1.24x and wrong in the activated and routed epilogues; v38): not offered
 FORM_SPLIT, FORM_SWAP = "split", "swap"
 SWAP_W_ROWS = 64
 SWAP_TOKENS = (256, )
 # The engine's swapped form (256 tokens) from this many rows per expert: H100, GPT-OSS GEMM1, against the split form's
 # 128-row tiles, 1.05-1.19x faster at 512-2048 rows per expert (GPT-OSS-120B T = 16384, 20B T = 4096 / 16384),
-# 0.94-0.99x at 128, 0.62x at 32 (docs/performance.md, "MXFP4 experts")
-SWAP_FROM = 512
+# 0.94-0.99x at 128, 0.62x at 32; the whole layer at 256 rows per expert 1.02-1.08x faster, at 128 0.96-0.97x
+# (docs/performance.md, "MXFP4 experts")
+SWAP_FROM = 256
 GROUP_M = 8
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24  # as gluon_fp8's kernel: 3 warp groups x 128 threads x 168
 GEMM_NAME = "Gluon MXFP4 GEMM"
