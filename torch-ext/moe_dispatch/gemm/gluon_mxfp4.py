@@ -60,8 +60,9 @@ ROWS128_FROM = 64
 # tokens ran correctly and slower than the split form wherever they could run (H100, through fused_experts at 4-64
 # rows per expert 1.03-3.03x the time of the split form's 64-row tiles; GEMM1 alone at 128 rows per expert 128-token
 # tiles 1.13-1.15x the time of its 128-row ones; docs/versions.md, v37), and again with one wgmma left in flight
-# (every partition at MAXNREG registers, no setmaxnreg split: 128-token tiles 1.02-1.10x the split form's time at
-# 32-256 rows per expert, 64-token tiles 1.13-1.24x and wrong in the activated and routed epilogues; v38): not offered
+# (every partition at MAXNREG registers, no setmaxnreg split: 128-token tiles 1.01-1.09x the split form's time at
+# 64-256 rows per expert and 1.30-1.45x at 4-32, 64-token tiles 1.18-1.24x at 4-32 and wrong in the activated and
+# routed epilogues; docs/versions.md, v38): not offered
 FORM_SPLIT, FORM_SWAP = "split", "swap"
 SWAP_W_ROWS = 64
 SWAP_TOKENS = (256, )
