@@ -4,6 +4,8 @@ tile and stage forms, beside the package's portable MXFP4 and bf16 grouped GEMMs
     PYTHONPATH=torch-ext:scripts:benchmarks python3 benchmarks/gluon_mxfp4_probe.py
         [--models gpt-oss-120b gpt-oss-20b] [--tokens 128 1024 4096 16384] [--stages 4 6] [--block-m 64 128]
         [--swap-tokens 256]
+    PYTHONPATH=torch-ext:scripts:benchmarks python3 benchmarks/gluon_mxfp4_probe.py --layer
+        [--tokens 128 1024 2048 4096 8192] [--layer-tiles auto split-64 split-128 swap-256]
 
 GEMM1 of an MXFP4 MoE layer (N = 2F, K = H), C [M, N] = A_seg @ dequant(W_e)^T over expert-sorted rows, M = 4T rows
 of uniform random top-4 routing (the cells and weights of benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it
@@ -13,6 +15,13 @@ uses): (c) the package's bf16 grouped GEMM on the dequantized weight, (b) its po
 replays, median us; TFLOP/s = 2 M N K / time; relative error against (c) (the same bf16 rows and weight values, fp32
 sums). Nothing asserts a speed; its correctness against float64 is
 tests/test_gluon_mxfp4.py's.
+
+--layer times the whole layer instead, as users run it: `fused_experts` on GPT-OSS's MXFP4 experts (interleaved
+gate/up, biases, the clamped SwiGLU, top-4 of random logits; scripts/harness.py's weights), the engine forced on
+(MOE_DISPATCH_GLUON_MXFP4=1) and its (form, rows) per call taken from --layer-tiles (`auto`: gluon_mxfp4.gemm_tile's
+choice; else FORM-ROWS, which replaces `gemm_tile` in gemm.gluon_experts for that call). Paired CUDA-graph replays
+with the L2 flushed between calls (harness.paired_graph_times), medians; each variant's output against `auto`'s
+(a relative error above 1e-2 is printed). This is how the engine's thresholds (ROWS128_FROM, SWAP_FROM) are set.
 """
 
 from __future__ import annotations
@@ -82,6 +91,52 @@ def probe_model(model, args, device, timer, rows, flops):
     del blocks, scales, w_bf16
 
 
+LAYER_TILES = ("auto", "split-64", "split-128", "swap-256")
+LAYER_TOKENS = (128, 1024, 2048, 4096, 8192)
+
+
+def probe_layer(model, args, device):
+    """Print one line per T of `model`: the layer's time through fused_experts with each of args.layer_tiles."""
+    import statistics
+
+    import harness
+    from bench_mxfp4 import make_inputs, model_shape
+
+    from moe_dispatch.gemm import gluon_experts
+
+    import moe_dispatch as kernel
+    shape = model_shape(model, False)
+    weights = harness.make_mxfp4_weights(shape, device, 7, kernel)
+    chosen = gluon_experts.gemm_tile
+    for T in args.tokens:
+        inputs = make_inputs(shape, T, device, 3)
+        calls, reference = {}, None
+        for label in args.layer_tiles:
+            tile = None if label == "auto" else (label.split("-")[0], int(label.split("-")[1]))
+
+            def call(tile=tile):
+                gluon_experts.gemm_tile = chosen if tile is None else (lambda *_: tile)
+                try:
+                    return kernel.fused_experts(inputs.x, topk_ids=inputs.ids, topk_weights=inputs.weights,
+                                                validate=False, **weights.call_kwargs())
+                finally:
+                    gluon_experts.gemm_tile = chosen
+            try:
+                out = call().float()
+            except Exception as exc:  # noqa: BLE001 - reported, the rest runs
+                print(f"   {model} T{T} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            reference = out if reference is None else reference
+            error = ((out - reference).norm() / reference.norm()).item()
+            if not error <= 1e-2:
+                print(f"   {model} T{T} {label}: relative error {error:.3g} against {args.layer_tiles[0]}")
+            calls[label] = call
+        times = harness.paired_graph_times(calls, 10, hot_calls=10)["flushed"]
+        rows = T * shape.top_k // shape.num_experts
+        print(f"{model} T={T} ({rows} rows per expert): "
+              + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt-oss-120b", "gpt-oss-20b"])
@@ -89,9 +144,24 @@ def main(argv=None):
     parser.add_argument("--stages", nargs="+", type=int, default=[4])
     parser.add_argument("--block-m", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--swap-tokens", nargs="*", type=int, default=[256])
+    parser.add_argument("--layer", action="store_true", help="time the whole layer per engine tile (docstring)")
+    parser.add_argument("--layer-tiles", nargs="+", default=list(LAYER_TILES))
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = []
+    if args.layer:
+        os.environ["MOE_DISPATCH_GLUON_MXFP4"] = "1"
+        if args.tokens == list(TOKENS):
+            args.tokens = list(LAYER_TOKENS)
+        for model in args.models:
+            try:
+                probe_layer(model, args, device)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{model}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+        for failure in failures:
+            print(f"FAILED {failure}")
+        return 1 if failures else 0
     rows, flops = [], {}
     for model in args.models:
         try:
