@@ -232,16 +232,16 @@ def _decode_operand(packed_tile, codes, rows_layout: gl.constexpr, split_layout:
 
 
 @gluon_jit
-def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
-                   num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n,
-                   stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr,
-                   topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, WARP_GROUP: gl.constexpr,
+def _mma_partition(consumer_args, dec_bufs, stride_bias_n, stride_topk_k, WARP_GROUP: gl.constexpr,
                    GROUP_M: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
                    TOP_K: gl.constexpr, acc_layout: gl.constexpr, out_layout: gl.constexpr,
                    bytes_layout: gl.constexpr, split_layout: gl.constexpr, pair_layout: gl.constexpr,
                    half_layout: gl.constexpr):
     """Consumer WARP_GROUP: columns [WARP_GROUP * HALF_N, +HALF_N) of every A_ROWS x 2 HALF_N tile (module
-    docstring), stored by `_epilogue`."""
+    docstring), stored by `_epilogue`; consumer_args the kernel's tuple of what both consumers read, unpacked below."""
+    (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
+     tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr,
+     stride_bias_e, gather_idx_ptr, topk_weights_ptr, stride_topk_t, alpha, limit) = consumer_args
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     A_ROWS: gl.constexpr = a_bufs.type.shape[1]
     A_K: gl.constexpr = a_bufs.type.shape[2]
@@ -279,17 +279,17 @@ def _mma_partition(a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, 
 
 
 @gluon_jit
-def _swap_partition(a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
-                    num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k,
-                    stride_out_m, bias_ptr, stride_bias_e, stride_bias_n, gather_idx_ptr, topk_weights_ptr,
-                    stride_topk_t, stride_topk_k, alpha, limit, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
+def _swap_partition(consumer_args, stride_bias_n, stride_topk_k, WARP_GROUP: gl.constexpr, GROUP_M: gl.constexpr,
                     EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, TOP_K: gl.constexpr,
                     acc_layout: gl.constexpr, operand_layout: gl.constexpr, rows_layout: gl.constexpr,
                     split_layout: gl.constexpr, out_layout: gl.constexpr, pair_layout: gl.constexpr,
                     half_layout: gl.constexpr):
     """Consumer WARP_GROUP of the swapped form (FORM_SWAP): weight rows [WARP_GROUP * SWAP_W_ROWS, +SWAP_W_ROWS) of
     every TOKENS x 2 SWAP_W_ROWS tile as the wgmma's A operand in registers, the stage's activation tile as its B
-    (module docstring); the transposed sums are stored by `_epilogue`."""
+    (module docstring); the transposed sums are stored by `_epilogue`; consumer_args as `_mma_partition`'s."""
+    (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n, num_tiles,
+     tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr,
+     stride_bias_e, gather_idx_ptr, topk_weights_ptr, stride_topk_t, alpha, limit) = consumer_args
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     TOKENS: gl.constexpr = a_bufs.type.shape[1]
     A_K: gl.constexpr = a_bufs.type.shape[2]
@@ -344,22 +344,22 @@ def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile
     gl.static_assert(num_warps == 4, "each consumer is one warp group")
     a_bufs, w_bufs, ready_bars, empty_bars = stage_ring(a_desc, w_desc, NUM_STAGES, 2)
     num_pid_m, num_pid_n, num_tiles = tile_counts(M, N, num_m_tiles_ptr, A_ROWS, 2 * W_ROWS, True)
-    # The two consumers' argument tuples stay literal, differing in WARP_GROUP alone: Gluon (3.6-3.9) drops the
-    # constexprs of a tuple built by concatenation, and cannot name a tuple holding layouts (as in gluon_fp8)
+    # What both consumers of either form read, as one tuple. Outside it: the bias's and routing weights' inner strides
+    # (inside it the epilogues that read them compiled to longer PTX under Triton 3.6: a launch specializes them to
+    # 1), and each consumer's constexprs and layouts (Gluon 3.6-3.9 drops the constexprs of a tuple built by
+    # concatenation, and cannot name one holding layouts or functions)
+    consumer_args = (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m, num_pid_n,
+                     num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e, stride_s_n, stride_s_k,
+                     stride_out_m, bias_ptr, stride_bias_e, gather_idx_ptr, topk_weights_ptr, stride_topk_t, alpha,
+                     limit)
     if SWAP:
         gl.warp_specialize([
-            (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
-                               num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                               stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
-                               gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 0,
-                               GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout,
-                               rows_layout, split_layout, out_layout, pair_layout, half_layout)),
-            (_swap_partition, (a_bufs, w_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K, num_pid_m,
-                               num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, stride_s_e,
-                               stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e, stride_bias_n,
-                               gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha, limit, 1,
-                               GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, operand_layout,
-                               rows_layout, split_layout, out_layout, pair_layout, half_layout)),
+            (_swap_partition, (consumer_args, stride_bias_n, stride_topk_k, 0, GROUP_M, EPILOGUE, ACTIVATION,
+                               HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout, out_layout,
+                               pair_layout, half_layout)),
+            (_swap_partition, (consumer_args, stride_bias_n, stride_topk_k, 1, GROUP_M, EPILOGUE, ACTIVATION,
+                               HAS_BIAS, TOP_K, acc_layout, operand_layout, rows_layout, split_layout, out_layout,
+                               pair_layout, half_layout)),
             (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                               num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                               GROUP_M, True, 2, 2 * W_ROWS, 2)),
@@ -367,18 +367,12 @@ def _mxfp4_gemm_kernel(a_desc, w_desc, scale_ptr, out_ptr, tile_expert_ptr, tile
     else:
         dec_bufs = gl.allocate_shared_memory(gl.bfloat16, [4, W_ROWS, A_K], dec_layout)  # two per consumer
         gl.warp_specialize([
-            (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K,
-                              num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                              stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e,
-                              stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
-                              limit, 0, GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout,
-                              bytes_layout, split_layout, pair_layout, half_layout)),
-            (_mma_partition, (a_bufs, w_bufs, dec_bufs, ready_bars, empty_bars, scale_ptr, out_ptr, M, N, K,
-                              num_pid_m, num_pid_n, num_tiles, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                              stride_s_e, stride_s_n, stride_s_k, stride_out_m, bias_ptr, stride_bias_e,
-                              stride_bias_n, gather_idx_ptr, topk_weights_ptr, stride_topk_t, stride_topk_k, alpha,
-                              limit, 1, GROUP_M, EPILOGUE, ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout,
-                              bytes_layout, split_layout, pair_layout, half_layout)),
+            (_mma_partition, (consumer_args, dec_bufs, stride_bias_n, stride_topk_k, 0, GROUP_M, EPILOGUE,
+                              ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
+                              pair_layout, half_layout)),
+            (_mma_partition, (consumer_args, dec_bufs, stride_bias_n, stride_topk_k, 1, GROUP_M, EPILOGUE,
+                              ACTIVATION, HAS_BIAS, TOP_K, acc_layout, out_layout, bytes_layout, split_layout,
+                              pair_layout, half_layout)),
             (load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, M, K, num_pid_m, num_pid_n,
                               num_tiles, n_per_expert, W_ROWS, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                               GROUP_M, True, 2, 2 * W_ROWS, 2)),
