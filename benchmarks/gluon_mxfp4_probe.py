@@ -6,6 +6,8 @@ tile and stage forms, beside the package's portable MXFP4 and bf16 grouped GEMMs
         [--swap-tokens 256]
     PYTHONPATH=torch-ext:scripts:benchmarks python3 benchmarks/gluon_mxfp4_probe.py --layer
         [--tokens 128 1024 2048 4096 8192] [--layer-tiles auto split-64 split-128 swap-256]
+    PYTHONPATH=torch-ext:scripts:benchmarks python3 benchmarks/gluon_mxfp4_probe.py --decode
+        [--tokens 1 2 4 8 16 32 64] [--decode-tiles auto mma-4 mma-2 gate-up-4 down-4]
 
 GEMM1 of an MXFP4 MoE layer (N = 2F, K = H), C [M, N] = A_seg @ dequant(W_e)^T over expert-sorted rows, M = 4T rows
 of uniform random top-4 routing (the cells and weights of benchmarks/mxfp4_dot_scaled_probe.py, whose helpers it
@@ -22,6 +24,11 @@ gate/up, biases, the clamped SwiGLU, top-4 of random logits; scripts/harness.py'
 choice; else FORM-ROWS, which replaces `gemm_tile` in gemm.gluon_experts for that call). Paired CUDA-graph replays
 with the L2 flushed between calls (harness.paired_graph_times), medians; each variant's output against `auto`'s
 (a relative error above 1e-2 is printed). This is how the engine's thresholds (ROWS128_FROM, SWAP_FROM) are set.
+
+--decode times the layer the same way at a few tokens with the decode path's tiles forced from --decode-tiles
+(`auto`: nothing forced, what the tables choose; `mma-W`: both decode kernels on mma.sync, gemm.gluon_mxfp4_decode,
+W warps a program; `gate-up-W` / `down-W`: that kernel on mma, the other the GEMV of the tables' GPT-OSS decode
+entry). This is how a table's decode entry takes `mma`.
 """
 
 from __future__ import annotations
@@ -137,6 +144,57 @@ def probe_layer(model, args, device):
               + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()), flush=True)
 
 
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_TILES = ("auto", "mma-4", "mma-2", "gate-up-4", "down-4")
+
+
+def decode_tiles(label):
+    """The DecodeTiles of a --decode-tiles label (None for `auto`)."""
+    from moe_dispatch.host.tiles import DecodeTile, DecodeTiles
+
+    if label == "auto":
+        return None
+    kind, warps = label.rsplit("-", 1)
+    mma_gate_up = DecodeTile(8 * int(warps), 128, num_warps=int(warps), mma=True)
+    mma_down = DecodeTile(16 * int(warps), 128, num_warps=int(warps), mma=True)
+    gemv_gate_up = DecodeTile(16, 512, num_warps=4, num_stages=1, gemv=True)  # the GPT-OSS entries' GEMVs
+    gemv_down = DecodeTile(32, 512, num_warps=4, num_stages=1)
+    return {"mma": DecodeTiles(mma_gate_up, mma_down), "gate-up": DecodeTiles(mma_gate_up, gemv_down),
+            "down": DecodeTiles(gemv_gate_up, mma_down)}[kind]
+
+
+def probe_decode(model, args, device):
+    """Print one line per T of `model`: the layer's time through fused_experts with each of args.decode_tiles."""
+    import statistics
+
+    import harness
+    from bench_mxfp4 import make_inputs, model_shape
+
+    import moe_dispatch as kernel
+    shape = model_shape(model, False)
+    weights = harness.make_mxfp4_weights(shape, device, 7, kernel)
+    for T in args.tokens:
+        inputs = make_inputs(shape, T, device, 3)
+        calls, reference = {}, None
+        for label in args.decode_tiles:
+            def call(tiles=decode_tiles(label)):
+                return kernel.fused_experts(inputs.x, topk_ids=inputs.ids, topk_weights=inputs.weights,
+                                            validate=False, tiles=tiles, **weights.call_kwargs())
+            try:
+                out = call().float()
+            except Exception as exc:  # noqa: BLE001 - reported, the rest runs
+                print(f"   {model} T{T} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            reference = out if reference is None else reference
+            error = ((out - reference).norm() / reference.norm()).item()
+            if not error <= 1e-2:
+                print(f"   {model} T{T} {label}: relative error {error:.3g} against {args.decode_tiles[0]}")
+            calls[label] = call
+        times = harness.paired_graph_times(calls, 10, hot_calls=10)["flushed"]
+        print(f"{model} T={T}: " + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()),
+              flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt-oss-120b", "gpt-oss-20b"])
@@ -146,9 +204,23 @@ def main(argv=None):
     parser.add_argument("--swap-tokens", nargs="*", type=int, default=[256])
     parser.add_argument("--layer", action="store_true", help="time the whole layer per engine tile (docstring)")
     parser.add_argument("--layer-tiles", nargs="+", default=list(LAYER_TILES))
+    parser.add_argument("--decode", action="store_true", help="time the layer per decode tile (docstring)")
+    parser.add_argument("--decode-tiles", nargs="+", default=list(DECODE_TILES))
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = []
+    if args.decode:
+        if args.tokens == list(TOKENS):
+            args.tokens = list(DECODE_TOKENS)
+        for model in args.models:
+            try:
+                probe_decode(model, args, device)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{model}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+        for failure in failures:
+            print(f"FAILED {failure}")
+        return 1 if failures else 0
     if args.layer:
         os.environ["MOE_DISPATCH_GLUON_MXFP4"] = "1"
         if args.tokens == list(TOKENS):

@@ -24,7 +24,7 @@ import torch
 import triton
 from helpers import INTERPRETED, offsets_of
 
-from moe_dispatch.gemm import gluon_experts, gluon_fp8, gluon_mxfp4, gluon_ws
+from moe_dispatch.gemm import gluon_experts, gluon_fp8, gluon_mxfp4, gluon_mxfp4_decode, gluon_ws
 
 H200_SMEM = 227 * 1024  # the opt-in maximum of shared memory per block (scripts/compile_report.py's H200 target)
 pytestmark = pytest.mark.skipif(
@@ -165,7 +165,7 @@ def test_compiles_in_a_process_that_does_not_interpret():
                             timeout=600)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, f"{summary}\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}"
-    expected = len(VARIANTS) + len(PASSES)  # and this test, skipped there
+    expected = len(VARIANTS) + len(PASSES) + len(DECODE_MMA)  # and this test, skipped there
     assert re.match(rf"{expected} passed, 1 skipped\b", summary), summary
 
 
@@ -207,6 +207,50 @@ def test_compiles_for_sm90(variant, monkeypatch, tmp_path, capfd):
 
 
 PASSES = ["down-bias-routing-weight", "fp8-concatenated-silu", "fp8-interleaved-swiglu-bias"]
+
+
+def _decode_mma_call(kernel, num_warps, T=16, top_k=4):
+    """The decode path's MXFP4 mma.sync kernels (gemm/gluon_mxfp4_decode.py) at GPT-OSS-120B's widths."""
+    E, H, F = 128, 2880, 2880
+    x, inter = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T * top_k, F, dtype=torch.bfloat16)
+    w, s = torch.zeros(E, 2 * F, H // 2, dtype=torch.uint8), torch.zeros(E, 2 * F, H // 32, dtype=torch.uint8)
+    bias, ids = torch.zeros(E, 2 * F, dtype=torch.bfloat16), torch.zeros(T, top_k, dtype=torch.int32)
+    counters = torch.zeros(T * 64, dtype=torch.int32)
+    if kernel == "gate-up":
+        views = gluon_mxfp4_decode.gate_up_views(w, None, s, 0, bias, None, True)
+        return lambda: gluon_mxfp4_decode.gate_up_mma(x, *views, inter, ids, counters, activation="swiglu_oai",
+                                                      alpha=1.702, limit=7.0, num_warps=num_warps)
+    w_down, s_down = torch.zeros(E, H, F // 2, dtype=torch.uint8), torch.zeros(E, H, F // 32, dtype=torch.uint8)
+    return lambda: gluon_mxfp4_decode.down_mma(inter, w_down, s_down, torch.zeros(E, H, dtype=torch.bfloat16), ids,
+                                               torch.zeros(T, top_k), torch.zeros(T * top_k, H), counters,
+                                               torch.zeros(T, H, dtype=torch.bfloat16), num_warps=num_warps)
+
+
+DECODE_MMA = [(kernel, warps) for kernel in ("gate-up", "down") for warps in (1, 4)]
+
+
+@compiled_here
+@pytest.mark.parametrize("kernel,num_warps", DECODE_MMA, ids=[f"{k}-{w}-warps" for k, w in DECODE_MMA])
+def test_decode_mma_kernels_compile_for_sm90(kernel, num_warps, monkeypatch, tmp_path):
+    """Each decode kernel on mma.sync: without spills, m16n8k16 bf16 MMAs, and the weights' 16 bytes of a lane as
+    one 128-bit load (their decode needs no trip through shared memory)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gluon_mxfp4_decode, "available", lambda device=None: True)
+    target = GPUTarget("cuda", 90, 32)
+    (fn, signature, constexprs, attrs, options), = _bound_launches(monkeypatch, _decode_mma_call(kernel, num_warps),
+                                                                   target)
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    registers, spills = _resource_usage(compiled.asm["cubin"], tmp_path)
+    ptx = compiled.asm["ptx"]
+    print(f"\ndecode {kernel}, {num_warps} warps: registers {registers}, spills {spills} bytes, shared memory "
+          f"{compiled.metadata.shared} bytes")
+    assert spills == 0
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ld.global.v4.b32" in ptx
 
 
 @compiled_here

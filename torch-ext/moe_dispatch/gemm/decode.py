@@ -31,7 +31,9 @@ Ids outside [0, E) (other ranks' experts, dropped assignments) own nothing and a
 never written nor read, and a token whose ids are all outside stores zeros. Only experts some token picked are read.
 
 MXFP4 weights (formats/mxfp4.py) run in every kernel here, decoded in registers after their loads (gemm.jit's
-`mxfp4_weight_tile`).
+`mxfp4_weight_tile`). Where a tile says `mma` (DecodeTile.mma) and the Gluon kernels run, bf16 activations against
+MXFP4 weights take gemm/gluon_mxfp4_decode.py's kernels instead: the same two launches, intermediate rows, partial rows
+and counters, each expert's weights decoded once for all its tokens and multiplied on mma.sync.
 
 float8 weights (formats/fp8.py) run here too, dequantized in the loads as gemm/grouped.py's dequant path does (same
 WEIGHT_SCALE codes; the activations are not quantized): at a few tokens the GEMMs are weight-bound, so reading half the
@@ -58,6 +60,7 @@ from ..host.host_math import cdiv, next_power_of_2
 from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
 from ..host.tiles import MAX_DECODE_ASSIGNMENTS, DecodeTiles
+from . import gluon_mxfp4_decode
 from .args import NO_SCALE, dequant_scale_code, dot_options, same_strides, scale_args, weight_k, weight_strides
 from .jit import (MXFP4_GROUP, SCALE_BLOCK, SCALE_BLOCK_STEP, SCALE_MXFP4, SCALE_MXFP4_BF16X2, SCALE_NONE, Activation,
                   StepDot, add_bias, apply_activation, expert_tile_dot, gate_up_tile_dot, mxfp4_weight_tile,
@@ -524,24 +527,30 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     down_tile = tiles.down
     # Rows of tokens' slots whose id is outside [0, E) stay unwritten: the down kernel never reads them.
     intermediate = torch.empty((num_assignments, F), device=x.device, dtype=x.dtype)
-    # K splits of the down GEMV: whole BLOCK_K steps each, at most as many as there are steps
+    down_mma = down_tile.mma and gluon_mxfp4_decode.runs(x, w_down, transposed)
     ws_down = down_scale or NO_SCALE
-    # The GEMV has no dot-size floor: block scales always step inside one block. The dot kernel's splits start on a
-    # scale block (its scale pointers step from there), and none is left empty.
-    down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k, min_block_k=16 if down_tile.dot else 1,
-                                                 dtype=x.dtype, device=x.device)
-    split_step = down_block_k
-    if down_tile.dot and down_code in (WeightScaleCode.BLOCK, WeightScaleCode.BLOCK_STEP):
-        split_step = math.lcm(down_block_k, ws_down.block_k)
-    steps = cdiv(F, split_step)
-    split_k = max(1, min(down_tile.split_k, steps))
-    split_len = cdiv(steps, split_k) * split_step
-    if down_tile.dot and split_len:
-        split_k = cdiv(F, split_len)
-    reduced = top_k * split_k > 1 or down_tile.dot
-    partial = (torch.empty((num_assignments * split_k, H), device=x.device, dtype=torch.float32) if reduced
-               else None)
-    num_counters = T * cdiv(H, down_tile.block_n) if reduced else 0
+    if down_mma:  # one partial row per assignment, a counter per (token, row tile)
+        partial = (torch.empty((num_assignments, H), device=x.device, dtype=torch.float32) if top_k > 1 else None)
+        num_counters = T * cdiv(H, gluon_mxfp4_decode.rows_per_program(down_tile.num_warps)) if top_k > 1 else 0
+    else:
+        # K splits of the down GEMV: whole BLOCK_K steps each, at most as many as there are steps
+        # The GEMV has no dot-size floor: block scales always step inside one block. The dot kernel's splits start on
+        # a scale block (its scale pointers step from there), and none is left empty.
+        down_code, down_block_k = dequant_scale_code(ws_down, down_tile.block_k,
+                                                     min_block_k=16 if down_tile.dot else 1, dtype=x.dtype,
+                                                     device=x.device)
+        split_step = down_block_k
+        if down_tile.dot and down_code in (WeightScaleCode.BLOCK, WeightScaleCode.BLOCK_STEP):
+            split_step = math.lcm(down_block_k, ws_down.block_k)
+        steps = cdiv(F, split_step)
+        split_k = max(1, min(down_tile.split_k, steps))
+        split_len = cdiv(steps, split_k) * split_step
+        if down_tile.dot and split_len:
+            split_k = cdiv(F, split_len)
+        reduced = top_k * split_k > 1 or down_tile.dot
+        partial = (torch.empty((num_assignments * split_k, H), device=x.device, dtype=torch.float32) if reduced
+                   else None)
+        num_counters = T * cdiv(H, down_tile.block_n) if reduced else 0
     counters = torch.empty((num_counters,), device=x.device, dtype=torch.int32)
     if F > 0:
         w_gate, w_up = same_strides(w_gate, w_up)
@@ -550,38 +559,49 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         stride_e, stride_n, stride_k = weight_strides(w_gate, transposed)
         tile = tiles.gate_up
         ws = gate_up_scale or NO_SCALE
-        args = (x, x.stride(0), x.stride(1),
-                w_gate, w_up, stride_e, stride_n, stride_k,
-                gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
-                *scale_args(ws),
-                intermediate, intermediate.stride(0),
-                topk_ids, topk_ids.stride(0), topk_ids.stride(1),
-                counters, num_counters,
-                T, F, H, E,
-                float(alpha), float(limit))
-        dot_fp32, precision = dot_options(x.dtype)
-        if tile.gemv:  # block scales step inside one block, as in the down GEMV
-            scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype, device=x.device)
-            # the dot form's constexprs at fixed values: one compiled GEMV per specialization whatever T
-            form = dict(GEMV=True, DOT_FP32=dot_fp32, DOT_PRECISION=precision, STEP_DOT=0, BLOCK_T=1, BLOCK_A=1,
-                        num_stages=tile.num_stages)
+        if tile.mma and gluon_mxfp4_decode.runs(x, w_gate, transposed):
+            views = gluon_mxfp4_decode.gate_up_views(w_gate, w_up, ws.scale, ws.up_row_offset, gate_bias, up_bias,
+                                                     paired)
+            gluon_mxfp4_decode.gate_up_mma(x, *views, intermediate, topk_ids, counters, activation=activation,
+                                           alpha=alpha, limit=limit, num_warps=tile.num_warps)
         else:
-            block_t = max(16, next_power_of_2(T))
-            scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
-            form = dict(GEMV=False, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-                        STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)), BLOCK_T=block_t,
-                        # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
-                        BLOCK_A=next_power_of_2(block_t * top_k),
-                        num_stages=pipeline_stages(tile.num_stages,
-                                                   (block_t * x.element_size()
-                                                    + 2 * tile.block_n * w_gate.element_size()) * block_k,
-                                                   smem_per_program(x.device)))
-        launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
-               TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
-               WEIGHT_SCALE=int(scale_code), PAIRED=paired, EVEN_K=H % block_k == 0, BLOCK_N=tile.block_n,
-               BLOCK_K=block_k, num_warps=tile.num_warps, **pdl_options(x.device), **form)
+            args = (x, x.stride(0), x.stride(1),
+                    w_gate, w_up, stride_e, stride_n, stride_k,
+                    gate_bias, up_bias, *(gate_bias.stride() if gate_bias is not None else (0, 0)),
+                    *scale_args(ws),
+                    intermediate, intermediate.stride(0),
+                    topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+                    counters, num_counters,
+                    T, F, H, E,
+                    float(alpha), float(limit))
+            dot_fp32, precision = dot_options(x.dtype)
+            if tile.gemv:  # block scales step inside one block, as in the down GEMV
+                scale_code, block_k = dequant_scale_code(ws, tile.block_k, min_block_k=1, dtype=x.dtype,
+                                                         device=x.device)
+                # the dot form's constexprs at fixed values: one compiled GEMV per specialization whatever T
+                form = dict(GEMV=True, DOT_FP32=dot_fp32, DOT_PRECISION=precision, STEP_DOT=0, BLOCK_T=1, BLOCK_A=1,
+                            num_stages=tile.num_stages)
+            else:
+                block_t = max(16, next_power_of_2(T))
+                scale_code, block_k = dequant_scale_code(ws, tile.block_k, dtype=x.dtype, device=x.device)
+                form = dict(GEMV=False, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+                            STEP_DOT=int(step_dot(T, x.dtype, w_gate.dtype)), BLOCK_T=block_t,
+                            # a function of BLOCK_T and TOP_K only (>= N), so it adds no compiled variants of its own
+                            BLOCK_A=next_power_of_2(block_t * top_k),
+                            num_stages=pipeline_stages(tile.num_stages,
+                                                       (block_t * x.element_size()
+                                                        + 2 * tile.block_n * w_gate.element_size()) * block_k,
+                                                       smem_per_program(x.device)))
+            launch(_decode_gate_up_kernel, (num_assignments, cdiv(F, tile.block_n)), *args,
+                   TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
+                   WEIGHT_SCALE=int(scale_code), PAIRED=paired, EVEN_K=H % block_k == 0, BLOCK_N=tile.block_n,
+                   BLOCK_K=block_k, num_warps=tile.num_warps, **pdl_options(x.device), **form)
     else:
         counters.zero_()  # no gate/up launch to zero them
+    if down_mma:
+        gluon_mxfp4_decode.down_mma(intermediate, w_down, ws_down.scale, down_bias, topk_ids, topk_weights, partial,
+                                    counters, out, num_warps=down_tile.num_warps)
+        return out
     # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs
     operands = (intermediate, intermediate.stride(0), w_down, *weight_strides(w_down, transposed),
                 down_bias, *(down_bias.stride() if down_bias is not None else (0, 0)))

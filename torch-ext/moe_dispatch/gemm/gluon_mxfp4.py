@@ -160,6 +160,14 @@ def _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k):
 
 
 @gluon_jit
+def e8m0_bf16(codes):
+    """e8m0 scale codes (uint8) -> bf16 2^(code - 127): code 0 gives 2^-127 (a bf16 subnormal), 0xFF NaN."""
+    codes = codes.to(gl.uint16)
+    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
+    return bits.to(gl.bfloat16, bitcast=True)
+
+
+@gluon_jit
 def _decode_step(packed_tile, codes, bytes_layout: gl.constexpr, split_layout: gl.constexpr):
     """A K step of a consumer's weight rows: packed_tile [ROWS, A_K / 2] uint8 in shared memory (the stage's bytes)
     and the rows' e8m0 codes [ROWS, GROUPS] (`_scale_codes`) -> [ROWS, A_K] bf16 in K order, scaled
@@ -169,9 +177,7 @@ def _decode_step(packed_tile, codes, bytes_layout: gl.constexpr, split_layout: g
     GROUPS: gl.constexpr = A_K // 32  # scale groups per K step (16 bytes each)
     packed = packed_tile.load(bytes_layout)
     packed = gl.convert_layout(gl.reshape(packed, [ROWS, GROUPS, 16]), split_layout)
-    codes = codes.to(gl.uint16)
-    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
-    scale = gl.expand_dims(bits.to(gl.bfloat16, bitcast=True), 2)  # [ROWS, GROUPS, 1]
+    scale = gl.expand_dims(e8m0_bf16(codes), 2)  # [ROWS, GROUPS, 1]
     scale, packed = gl.broadcast(scale, packed)
     lo, hi = gl.inline_asm_elementwise(E2M1_BF16X2_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
@@ -219,9 +225,7 @@ def _decode_operand(packed_tile, codes, rows_layout: gl.constexpr, split_layout:
     A_K: gl.constexpr = packed_tile.type.shape[1] * 2
     GROUPS: gl.constexpr = A_K // 32
     packed = gl.convert_layout(gl.reshape(packed_tile.load(rows_layout), [ROWS, GROUPS, 16]), split_layout)
-    codes = codes.to(gl.uint16)
-    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
-    scale = gl.expand_dims(bits.to(gl.bfloat16, bitcast=True), 2)  # [ROWS, GROUPS, 1]
+    scale = gl.expand_dims(e8m0_bf16(codes), 2)  # [ROWS, GROUPS, 1]
     scale, packed = gl.broadcast(scale, packed)
     first, second = gl.inline_asm_elementwise(E2M1_BF16X2_PAIRS_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)

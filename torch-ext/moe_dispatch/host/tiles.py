@@ -31,7 +31,8 @@ of assignments N = T * top_k, optionally per model shape::
 The first bucket with N <= `max_assignments` is used; past the last one (or with an empty list, or in a table without
 the entry) the general path runs. A decode tile's optional fields: `split_k` and `dot` (the down kernel's: splits along
 F, one tensor-core dot per expert hit instead of a GEMV per assignment), `gemv` (the gate/up kernel's: a GEMV per
-assignment instead of a dot per expert hit); see `DecodeTile`. float8 weights read `"fp8": {"decode": {...}}`, in the
+assignment instead of a dot per expert hit), `mma` (either kernel's, MXFP4 weights: gemm/gluon_mxfp4_decode.py's
+mma.sync kernel); see `DecodeTile`. float8 weights read `"fp8": {"decode": {...}}`, in the
 same form; a bucket there may say `"auto": "w8a8"`: `fp8_compute="auto"` then runs the w8a8 path instead of the decode
 path (measured faster there), and the bucket's tiles serve `fp8_compute="dequant"` (`fp8_auto_takes_w8a8`).
 `scripts/tune --path decode` measures the entries.
@@ -185,9 +186,14 @@ class DecodeTile:
     # the gate/up kernel only: a GEMV per assignment (gemm/decode.py's `_decode_gate_up_kernel` in its GEMV form, the weights
     # multiplied in registers) instead of a tensor-core dot per expert hit over 16 padded rows
     gemv: bool = False
+    # either kernel, MXFP4 weights under bf16 activations where the Gluon kernels run (else the fields above choose):
+    # gemm/gluon_mxfp4_decode.py's kernels, each expert's weights decoded once for all the tokens that picked it and
+    # multiplied on mma.sync; 16 weight rows a warp (num_warps of them), K steps of 128; block_n, block_k,
+    # num_stages and split_k are not read
+    mma: bool = False
 
     def __post_init__(self):
-        for name in ("dot", "gemv"):  # from flat ints (`DecodeTiles.from_list`) too; bool("False") would be True
+        for name in ("dot", "gemv", "mma"):  # from flat ints (`DecodeTiles.from_list`) too; bool("False") would be True
             value = getattr(self, name)
             if type(value) is not bool:
                 if type(value) is not int or value not in (0, 1):
@@ -227,7 +233,7 @@ def check_forced_tiles(name: str, tiles) -> "MoeTiles | DecodeTiles | None":
     """A caller's forced tiles (the `tiles` argument, named `name`): None, or a MoeTiles of GemmTiles or a DecodeTiles
     of DecodeTiles whose fields the kernels take: ints (not bools or floats), block sides powers of two >= MIN_BLOCK,
     num_warps a power of two <= MAX_WARPS, num_stages, group_m and split_k >= 1, `persistent` a `Persistent` (or its
-    int), `dot` and `gemv` bools. TypeError / ValueError naming the field (`tiles.gate_up.block_k`) before anything runs."""
+    int), `dot`, `gemv` and `mma` bools. TypeError / ValueError naming the field (`tiles.gate_up.block_k`) before anything runs."""
     if tiles is None:
         return None
     if isinstance(tiles, MoeTiles):
@@ -256,7 +262,7 @@ def check_forced_tiles(name: str, tiles) -> "MoeTiles | DecodeTiles | None":
                 raise ValueError(f"{where}.persistent must be one of {names}, got {persistent!r}")
         else:
             _check_tile_int(f"{where}.split_k", tile.split_k)
-            for field in ("dot", "gemv"):
+            for field in ("dot", "gemv", "mma"):
                 if type(getattr(tile, field)) is not bool:
                     raise TypeError(f"{where}.{field} must be a bool, got {type(getattr(tile, field)).__name__} "
                                     f"{getattr(tile, field)!r}")
