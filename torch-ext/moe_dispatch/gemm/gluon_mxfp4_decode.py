@@ -146,12 +146,13 @@ def _decode_words(words, codes, a_layout: gl.constexpr):
 
 
 @gluon_jit
-def _expert_sums(w_rows, s_rows, row_ok, stride_s_k, b_rows, stride_b_k, slot_ok, K, mma_layout: gl.constexpr,
-                 words_layout: gl.constexpr, b_rows_layout: gl.constexpr):
-    """sums [ROWS, BLOCK_T] fp32 (mma_layout): row r, slot n = sum over k < K of W[r, k] * B[n, k], W the MXFP4 rows
-    whose bytes start at w_rows [ROWS] (unit stride along K, 4-byte aligned) and e8m0 codes at s_rows [ROWS]
-    (stride_s_k apart), rows outside row_ok read as zero; B the bf16 rows at b_rows [BLOCK_T] (stride_b_k apart),
-    slots outside slot_ok zero. K a multiple of 32: whole steps unmasked along K, then a masked last step."""
+def _expert_sums(w_rows, s_rows, row_ok, stride_s_k, b_rows, stride_b_k, slot_ok, k_begin, k_end,
+                 mma_layout: gl.constexpr, words_layout: gl.constexpr, b_rows_layout: gl.constexpr):
+    """sums [ROWS, BLOCK_T] fp32 (mma_layout): row r, slot n = sum over k in [k_begin, k_end) of W[r, k] * B[n, k], W
+    the MXFP4 rows whose bytes start at w_rows [ROWS] (unit stride along K, 4-byte aligned) and e8m0 codes at s_rows
+    [ROWS] (stride_s_k apart), rows outside row_ok read as zero; B the bf16 rows at b_rows [BLOCK_T] (stride_b_k
+    apart), slots outside slot_ok zero. k_begin a multiple of BLOCK_K, k_end of 32: whole steps unmasked along K, then
+    a masked last step. The weights' loads run two steps ahead of their decode, B's one."""
     ROWS: gl.constexpr = w_rows.type.shape[0]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
@@ -162,38 +163,45 @@ def _expert_sums(w_rows, s_rows, row_ok, stride_s_k, b_rows, stride_b_k, slot_ok
     w_rows = gl.convert_layout(w_rows, gl.SliceLayout(1, codes_layout)).to(gl.pointer_type(gl.int32), bitcast=True)
     row_ok = gl.expand_dims(gl.convert_layout(row_ok, gl.SliceLayout(1, codes_layout)), 1)
     s_rows = gl.convert_layout(s_rows, gl.SliceLayout(1, codes_layout))
-    w_ptrs = (gl.expand_dims(gl.expand_dims(w_rows, 1) + gl.expand_dims(offs_c * 4, 0), 2)
+    w_ptrs = (gl.expand_dims(gl.expand_dims(w_rows + k_begin // 8, 1) + gl.expand_dims(offs_c * 4, 0), 2)
               + gl.expand_dims(gl.expand_dims(offs_word, 0), 1))
-    s_ptrs = gl.expand_dims(s_rows, 1) + gl.expand_dims(offs_c * stride_s_k, 0)
+    s_ptrs = gl.expand_dims(s_rows + (k_begin // 32) * stride_s_k, 1) + gl.expand_dims(offs_c * stride_s_k, 0)
     # B's rows [BLOCK_T, 4 lanes, 32 values]: each lane's 32 consecutive values of its slot's row
     b_rows = gl.convert_layout(b_rows, gl.SliceLayout(1, gl.SliceLayout(2, b_rows_layout)))
     b_ok = gl.expand_dims(gl.expand_dims(gl.convert_layout(slot_ok, b_rows.type.layout), 1), 2)
     offs_bc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, b_rows_layout)))
     offs_value = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, b_rows_layout)))
     b_offs = gl.expand_dims(gl.expand_dims(offs_bc * 32, 0), 2) + gl.expand_dims(gl.expand_dims(offs_value, 0), 1)
-    b_ptrs = gl.expand_dims(gl.expand_dims(b_rows, 1), 2) + b_offs * stride_b_k
+    b_ptrs = gl.expand_dims(gl.expand_dims(b_rows + k_begin * stride_b_k, 1), 2) + b_offs * stride_b_k
     w_ok = gl.expand_dims(row_ok, 2)
+    K = k_end - k_begin
     whole_steps = K // BLOCK_K
 
     SLOTS: gl.constexpr = b_ptrs.type.shape[0]
     acc = gl.zeros([ROWS, SLOTS], gl.float32, mma_layout)
     if whole_steps > 0:
+        second = gl.minimum(1, whole_steps - 1)
         w = gl.load(w_ptrs, mask=w_ok, other=0)
         codes = gl.load(s_ptrs, mask=row_ok, other=0)
+        w_then = gl.load(w_ptrs + second * (BLOCK_K // 8), mask=w_ok, other=0)
+        codes_then = gl.load(s_ptrs + second * (BLOCK_K // 32) * stride_s_k, mask=row_ok, other=0)
         b = gl.load(b_ptrs, mask=b_ok, other=0.0)
         for step in range(whole_steps):
-            # the next whole step's loads first (the last step loads itself again): their latency runs under this
-            # step's decode and mma
+            # the loads of two steps on (the weights) and of the next (B) first, clamped to the last whole step
+            # (which then loads itself again): their latency runs under this step's decode and mma
+            ahead = gl.minimum(step + 2, whole_steps - 1)
             nxt = gl.minimum(step + 1, whole_steps - 1)
-            w_next = gl.load(w_ptrs + nxt * (BLOCK_K // 8), mask=w_ok, other=0)
-            codes_next = gl.load(s_ptrs + nxt * (BLOCK_K // 32) * stride_s_k, mask=row_ok, other=0)
+            w_ahead = gl.load(w_ptrs + ahead * (BLOCK_K // 8), mask=w_ok, other=0)
+            codes_ahead = gl.load(s_ptrs + ahead * (BLOCK_K // 32) * stride_s_k, mask=row_ok, other=0)
             b_next = gl.load(b_ptrs + nxt * BLOCK_K * stride_b_k, mask=b_ok, other=0.0)
             acc = mma_v2(_decode_words(w, codes, a_layout), _b_operand(b, b_layout), acc)
-            w = w_next
-            codes = codes_next
+            w = w_then
+            codes = codes_then
+            w_then = w_ahead
+            codes_then = codes_ahead
             b = b_next
     k_last = whole_steps * BLOCK_K
-    if k_last < K:  # the last step's scale groups past K (and B's values) read as zero
+    if k_last < K:  # the last step's scale groups past k_end (and B's values) read as zero
         last_ok = row_ok & gl.expand_dims(k_last + offs_c * 32 < K, 0)
         w = gl.load(w_ptrs + whole_steps * (BLOCK_K // 8), mask=gl.expand_dims(last_ok, 2), other=0)
         codes = gl.load(s_ptrs + whole_steps * (BLOCK_K // 32) * stride_s_k, mask=last_ok, other=0)
@@ -248,7 +256,7 @@ def _gate_up_kernel(x_ptr, stride_x_t, stride_x_h,
         for first in range(0, count, BLOCK_T):
             assignment, exists = _slots(ids, offs_a, expert, first, BLOCK_T, slots_layout)
             x_rows = x_ptr + (assignment // TOP_K).to(gl.int64) * stride_x_t
-            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, x_rows, stride_x_h, exists, H, mma_layout,
+            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, x_rows, stride_x_h, exists, 0, H, mma_layout,
                                 words_layout, b_rows_layout)
             # [W, 2, 8, slots] -> the gate and the up sums [8 W, slots] of the same columns, in each thread
             halves = gl.permute(gl.reshape(sums, [ROWS // 16, 2, 8, BLOCK_T]), (0, 2, 3, 1))
@@ -279,63 +287,70 @@ def _down_kernel(inter_ptr, stride_inter_a,
                  topk_weights_ptr, stride_tw_t, stride_tw_k,
                  partial_ptr, counter_ptr,
                  out_ptr, stride_out_t, stride_out_h,
-                 H, F, E,
-                 TOP_K: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_A: gl.constexpr,
-                 mma_layout: gl.constexpr, words_layout: gl.constexpr, ids_layout: gl.constexpr,
-                 slots_layout: gl.constexpr, b_rows_layout: gl.constexpr):
-    """Grid (N, cdiv(H, 16 * num_warps)): program (a, n) owns output columns [n * ROWS, +ROWS) for the expert of
-    assignment a when a is the first naming it; the program of an assignment whose id is outside [0, E) adds a zero
-    row for it. partial [N, H] fp32; counter [T * cdiv(H, ROWS)], zeroed by the gate/up kernel."""
+                 H, F, E, split_len,
+                 TOP_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr,
+                 BLOCK_A: gl.constexpr, mma_layout: gl.constexpr, words_layout: gl.constexpr,
+                 ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr):
+    """Grid (N, SPLIT_K * cdiv(H, 16 * num_warps)): program (a, (s, n)) owns output columns [n * ROWS, +ROWS) and F
+    range [s * split_len, +split_len) (split_len a multiple of BLOCK_K) for the expert of assignment a when a is the
+    first naming it; the program of an assignment whose id is outside [0, E) adds a zero row for it. partial [N *
+    SPLIT_K, H] fp32 (row a * SPLIT_K + s); counter [T * cdiv(H, ROWS)], zeroed by the gate/up kernel."""
     ROWS: gl.constexpr = mma_layout.warps_per_cta[0] * 16
     pid_a = gl.program_id(0)
-    pid_n = gl.program_id(1)
+    split = gl.program_id(1) % SPLIT_K
+    pid_n = gl.program_id(1) // SPLIT_K
     expert, valid, owner, ids, offs_a = _owner(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A,
                                                ids_layout)
     if valid == 0:
         _down_store(gl.zeros([ROWS, BLOCK_T], gl.float32, mma_layout), pid_a + gl.zeros([BLOCK_T], gl.int32,
                     gl.SliceLayout(0, mma_layout)), gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_layout)) == 0,
-                    pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H, TOP_K)
+                    pid_n, split, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H, TOP_K, SPLIT_K)
     elif owner:
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=ids_layout)
         row_ok = rows < H
         w_rows = w_ptr + expert.to(gl.int64) * stride_w_e + rows.to(gl.int64) * stride_w_n
         s_rows = s_ptr + expert.to(gl.int64) * stride_s_e + rows.to(gl.int64) * stride_s_n
+        k_begin = split * split_len
+        k_end = gl.minimum(k_begin + split_len, F)
         count = gl.sum((ids == expert).to(gl.int32), axis=0)
         for first in range(0, count, BLOCK_T):
             assignment, exists = _slots(ids, offs_a, expert, first, BLOCK_T, slots_layout)
-            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, inter_ptr + assignment.to(gl.int64) * stride_inter_a,
-                                1, exists, F, mma_layout, words_layout, b_rows_layout)
+            inter_rows = inter_ptr + assignment.to(gl.int64) * stride_inter_a
+            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, inter_rows, 1, exists, k_begin, k_end,
+                                mma_layout, words_layout, b_rows_layout)
             out_rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + out_rows * stride_bias_n,
-                               mask=out_rows < H, other=0.0)
+                               mask=(out_rows < H) & (split == 0), other=0.0)
                 sums = sums + gl.expand_dims(bias.to(gl.float32), 1)
             slot_assignment = gl.convert_layout(assignment, gl.SliceLayout(0, mma_layout))
             slot_exists = gl.convert_layout(exists, gl.SliceLayout(0, mma_layout))
             weight = gl.load(topk_weights_ptr + (slot_assignment // TOP_K) * stride_tw_t
                              + (slot_assignment % TOP_K) * stride_tw_k, mask=slot_exists, other=0.0)
             sums = sums * gl.expand_dims(weight.to(gl.float32), 0)
-            _down_store(sums, slot_assignment, slot_exists, pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t,
-                        stride_out_h, H, TOP_K)
+            _down_store(sums, slot_assignment, slot_exists, pid_n, split, partial_ptr, counter_ptr, out_ptr,
+                        stride_out_t, stride_out_h, H, TOP_K, SPLIT_K)
 
 
 @gluon_jit
-def _down_store(sums, assignment, exists, pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H,
-                TOP_K: gl.constexpr):
-    """The weighted sums [ROWS, slots] of assignments `assignment` (where `exists`): out[t] directly at TOP_K = 1;
-    else each slot's partial row, then its arrival at the (token, row tile) counter, and the token's sum over its
-    TOP_K partial rows in order by the last to arrive."""
+def _down_store(sums, assignment, exists, pid_n, split, partial_ptr, counter_ptr, out_ptr, stride_out_t,
+                stride_out_h, H, TOP_K: gl.constexpr, SPLIT_K: gl.constexpr):
+    """The weighted sums [ROWS, slots] of assignments `assignment` (where `exists`) over K split `split`: out[t]
+    directly at TOP_K * SPLIT_K = 1; else each slot's partial row, then its arrival at the (token, row tile) counter,
+    and the token's sum over its TOP_K * SPLIT_K partial rows in index order by the last to arrive."""
     ROWS: gl.constexpr = sums.type.shape[0]
+    PARTS: gl.constexpr = TOP_K * SPLIT_K
     layout: gl.constexpr = sums.type.layout
     rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     rows_ok = gl.expand_dims(rows < H, 1)
     token = assignment // TOP_K
     out_ptrs = (out_ptr + gl.expand_dims(token.to(gl.int64) * stride_out_t, 0)
                 + gl.expand_dims(rows * stride_out_h, 1))
-    if TOP_K == 1:
+    if PARTS == 1:
         gl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=rows_ok & gl.expand_dims(exists, 0))
     else:
-        gl.store(partial_ptr + gl.expand_dims(assignment.to(gl.int64) * H, 0) + gl.expand_dims(rows, 1), sums,
+        part = (assignment * SPLIT_K + split).to(gl.int64)
+        gl.store(partial_ptr + gl.expand_dims(part * H, 0) + gl.expand_dims(rows, 1), sums,
                  mask=rows_ok & gl.expand_dims(exists, 0))
         # every thread's partials are written before the arrivals are counted (the barrier, then the atomics'
         # release); the last arrival's acquire makes the other programs' partials visible to its loads
@@ -343,11 +358,11 @@ def _down_store(sums, assignment, exists, pid_n, partial_ptr, counter_ptr, out_p
         num_tiles = gl.cdiv(H, ROWS)
         arrived = gl.atomic_add(counter_ptr + token * num_tiles + pid_n, gl.full_like(token, 1), mask=exists,
                                 sem="acq_rel")
-        last = exists & (arrived == TOP_K - 1)
+        last = exists & (arrived == PARTS - 1)
         total = gl.zeros_like(sums)
         mask = rows_ok & gl.expand_dims(last, 0)
-        for j in gl.static_range(TOP_K):
-            total += gl.load(partial_ptr + gl.expand_dims((token * TOP_K + j).to(gl.int64) * H, 0)
+        for i in gl.static_range(PARTS):
+            total += gl.load(partial_ptr + gl.expand_dims((token * PARTS + i).to(gl.int64) * H, 0)
                              + gl.expand_dims(rows, 1), mask=mask, other=0.0, cache_modifier=".cg")
         gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -426,17 +441,28 @@ def gate_up_mma(x, w_gate, w_up, s_gate, s_up, gate_bias, up_bias, intermediate,
            b_rows_layout=b_rows, num_warps=num_warps)
 
 
-def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, partial, counters, out, *, num_warps):
+def down_split(F: int, split_k: int) -> tuple[int, int]:
+    """(splits, split_len) of the down kernel's F: at most split_k, whole K steps each, none empty."""
+    steps = cdiv(F, BLOCK_K.value)
+    if steps == 0:
+        return 1, BLOCK_K.value
+    split_len = cdiv(steps, max(1, min(split_k, steps))) * BLOCK_K.value
+    return max(1, cdiv(F, split_len)), split_len
+
+
+def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, partial, counters, out, *, num_warps,
+             split_k=1):
     """The down kernel (module docstring) into out [T, H]: intermediate [N, F] bf16, w_down the MXFP4 bytes [E, H,
-    F / 2] (unit stride along F), s_down their codes [E, H, F / 32]; partial [N, H] fp32 (TOP_K > 1); counters [T *
-    cdiv(H, 16 * num_warps)], zeroed by the gate/up kernel."""
+    F / 2] (unit stride along F), s_down their codes [E, H, F / 32]; F in `down_split(F, split_k)` ranges; partial [N
+    * splits, H] fp32 (TOP_K * splits > 1); counters [T * cdiv(H, 16 * num_warps)], zeroed by the gate/up kernel."""
     T, H = out.shape
     top_k = topk_ids.shape[1]
     E, F = w_down.shape[0], intermediate.shape[1]
+    splits, split_len = down_split(F, split_k)
     block_t = mma_block_t(T * top_k)
     block_a = max(32, next_power_of_2(T * top_k))
     mma, words, ids, slots, b_rows = _layouts(num_warps, block_t)
-    launch(_down_kernel, (T * top_k, cdiv(H, rows_per_program(num_warps))),
+    launch(_down_kernel, (T * top_k, splits * cdiv(H, rows_per_program(num_warps))),
            intermediate, intermediate.stride(0),
            w_down, w_down.stride(0), w_down.stride(1),
            s_down, s_down.stride(0), s_down.stride(1), s_down.stride(2),
@@ -445,6 +471,7 @@ def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, pa
            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
            partial, counters,
            out, out.stride(0), out.stride(1),
-           H, F, E,
-           TOP_K=top_k, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a, mma_layout=mma,
-           words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows, num_warps=num_warps)
+           H, F, E, split_len,
+           TOP_K=top_k, SPLIT_K=splits, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a,
+           mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows,
+           num_warps=num_warps)
