@@ -103,6 +103,26 @@ LAYER_TILES = ("auto", "split-64", "split-128", "swap-256")
 LAYER_TOKENS = (128, 1024, 2048, 4096, 8192)
 
 
+def _checked_times(cell, calls):
+    """{label: [us]} of the variants `calls` ({label: fn}) that ran, flushed, paired; each output checked against the
+    first's (a relative error above 1e-2 is printed), a variant that raises reported and left out."""
+    import harness
+
+    kept, reference = {}, None
+    for label, call in calls.items():
+        try:
+            out = call().float()
+        except Exception as exc:  # noqa: BLE001 - reported, the rest runs
+            print(f"   {cell} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        reference = out if reference is None else reference
+        error = ((out - reference).norm() / reference.norm()).item()
+        if not error <= 1e-2:
+            print(f"   {cell} {label}: relative error {error:.3g} against {next(iter(calls))}")
+        kept[label] = call
+    return harness.paired_graph_times(kept, 10, hot_calls=10)["flushed"]
+
+
 def probe_layer(model, args, device):
     """Print one line per T of `model`: the layer's time through fused_experts with each of args.layer_tiles."""
     import statistics
@@ -118,7 +138,7 @@ def probe_layer(model, args, device):
     chosen = gluon_experts.gemm_tile
     for T in args.tokens:
         inputs = make_inputs(shape, T, device, 3)
-        calls, reference = {}, None
+        calls = {}
         for label in args.layer_tiles:
             tile = None if label == "auto" else (label.split("-")[0], int(label.split("-")[1]))
 
@@ -129,17 +149,8 @@ def probe_layer(model, args, device):
                                                 validate=False, **weights.call_kwargs())
                 finally:
                     gluon_experts.gemm_tile = chosen
-            try:
-                out = call().float()
-            except Exception as exc:  # noqa: BLE001 - reported, the rest runs
-                print(f"   {model} T{T} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                continue
-            reference = out if reference is None else reference
-            error = ((out - reference).norm() / reference.norm()).item()
-            if not error <= 1e-2:
-                print(f"   {model} T{T} {label}: relative error {error:.3g} against {args.layer_tiles[0]}")
             calls[label] = call
-        times = harness.paired_graph_times(calls, 10, hot_calls=10)["flushed"]
+        times = _checked_times(f"{model} T{T}", calls)
         rows = T * shape.top_k // shape.num_experts
         print(f"{model} T={T} ({rows} rows per expert): "
               + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()), flush=True)
@@ -183,22 +194,11 @@ def probe_decode(model, args, device):
     weights = harness.make_mxfp4_weights(shape, device, 7, kernel)
     for T in args.tokens:
         inputs = make_inputs(shape, T, device, 3)
-        calls, reference = {}, None
-        for label in args.decode_tiles:
-            def call(tiles=decode_tiles(label)):
-                return kernel.fused_experts(inputs.x, topk_ids=inputs.ids, topk_weights=inputs.weights,
-                                            validate=False, tiles=tiles, **weights.call_kwargs())
-            try:
-                out = call().float()
-            except Exception as exc:  # noqa: BLE001 - reported, the rest runs
-                print(f"   {model} T{T} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            reference = out if reference is None else reference
-            error = ((out - reference).norm() / reference.norm()).item()
-            if not error <= 1e-2:
-                print(f"   {model} T{T} {label}: relative error {error:.3g} against {args.decode_tiles[0]}")
-            calls[label] = call
-        times = harness.paired_graph_times(calls, 10, hot_calls=10)["flushed"]
+        calls = {label: functools.partial(kernel.fused_experts, inputs.x, topk_ids=inputs.ids,
+                                          topk_weights=inputs.weights, validate=False, tiles=decode_tiles(label),
+                                          **weights.call_kwargs())
+                 for label in args.decode_tiles}
+        times = _checked_times(f"{model} T{T}", calls)
         print(f"{model} T={T}: " + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()),
               flush=True)
 
@@ -217,25 +217,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = []
-    if args.decode:
+    whole_layer = {"decode": (probe_decode, DECODE_TOKENS), "layer": (probe_layer, LAYER_TOKENS)}
+    mode = "decode" if args.decode else "layer" if args.layer else None
+    if mode is not None:
+        probe, tokens = whole_layer[mode]
+        if mode == "layer":
+            os.environ["MOE_DISPATCH_GLUON_MXFP4"] = "1"
         if args.tokens == list(TOKENS):
-            args.tokens = list(DECODE_TOKENS)
+            args.tokens = list(tokens)
         for model in args.models:
             try:
-                probe_decode(model, args, device)
-            except Exception as exc:  # noqa: BLE001
-                failures.append(f"{model}: {type(exc).__name__}: {exc}")
-                traceback.print_exc()
-        for failure in failures:
-            print(f"FAILED {failure}")
-        return 1 if failures else 0
-    if args.layer:
-        os.environ["MOE_DISPATCH_GLUON_MXFP4"] = "1"
-        if args.tokens == list(TOKENS):
-            args.tokens = list(LAYER_TOKENS)
-        for model in args.models:
-            try:
-                probe_layer(model, args, device)
+                probe(model, args, device)
             except Exception as exc:  # noqa: BLE001
                 failures.append(f"{model}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
