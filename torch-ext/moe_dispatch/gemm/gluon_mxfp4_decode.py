@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..formats.mxfp4 import MXFP4_GROUP
 from ..host.host_math import cdiv, next_power_of_2
+from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
 from .gluon_mxfp4 import e8m0_bf16
 from .gluon_ws import available, gl, gluon_jit
@@ -231,12 +232,14 @@ def _gate_up_kernel(x_ptr, stride_x_t, stride_x_h,
                     F, H, E, alpha, limit,
                     TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr,
                     BLOCK_A: gl.constexpr, mma_layout: gl.constexpr, words_layout: gl.constexpr,
-                    ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr):
+                    ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr,
+                    PDL: gl.constexpr):
     """Grid (N, cdiv(F, 8 * num_warps)): program (a, n) owns columns [n * 8 W, +8 W) of the intermediate for the
     expert of assignment a when a is the first naming it (module docstring); W x 16 weight rows, warp w's rows 0-7
     the gate rows of columns 8 w .. 8 w + 7 and rows 8-15 their up rows."""
     ROWS: gl.constexpr = mma_layout.warps_per_cta[0] * 16
     COLS: gl.constexpr = ROWS // 2
+    wait_for_producer(PDL)
     pid_a = gl.program_id(0)
     pid_n = gl.program_id(1)
     if pid_a == 0:  # the first assignment's programs zero the counters, a slice each, before any can exit
@@ -258,6 +261,7 @@ def _gate_up_kernel(x_ptr, stride_x_t, stride_x_h,
             x_rows = x_ptr + (assignment // TOP_K).to(gl.int64) * stride_x_t
             sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, x_rows, stride_x_h, exists, 0, H, mma_layout,
                                 words_layout, b_rows_layout)
+            release_dependents(PDL)
             # [W, 2, 8, slots] -> the gate and the up sums [8 W, slots] of the same columns, in each thread
             halves = gl.permute(gl.reshape(sums, [ROWS // 16, 2, 8, BLOCK_T]), (0, 2, 3, 1))
             gate, up = gl.split(halves)
@@ -290,12 +294,14 @@ def _down_kernel(inter_ptr, stride_inter_a,
                  H, F, E, split_len,
                  TOP_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr,
                  BLOCK_A: gl.constexpr, mma_layout: gl.constexpr, words_layout: gl.constexpr,
-                 ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr):
+                 ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr,
+                 PDL: gl.constexpr):
     """Grid (N, SPLIT_K * cdiv(H, 16 * num_warps)): program (a, (s, n)) owns output columns [n * ROWS, +ROWS) and F
     range [s * split_len, +split_len) (split_len a multiple of BLOCK_K) for the expert of assignment a when a is the
     first naming it; the program of an assignment whose id is outside [0, E) adds a zero row for it. partial [N *
     SPLIT_K, H] fp32 (row a * SPLIT_K + s); counter [T * cdiv(H, ROWS)], zeroed by the gate/up kernel."""
     ROWS: gl.constexpr = mma_layout.warps_per_cta[0] * 16
+    wait_for_producer(PDL)
     pid_a = gl.program_id(0)
     split = gl.program_id(1) % SPLIT_K
     pid_n = gl.program_id(1) // SPLIT_K
@@ -318,6 +324,7 @@ def _down_kernel(inter_ptr, stride_inter_a,
             inter_rows = inter_ptr + assignment.to(gl.int64) * stride_inter_a
             sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, inter_rows, 1, exists, k_begin, k_end,
                                 mma_layout, words_layout, b_rows_layout)
+            release_dependents(PDL)
             out_rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + out_rows * stride_bias_n,
@@ -438,7 +445,7 @@ def gate_up_mma(x, w_gate, w_up, s_gate, s_up, gate_bias, up_bias, intermediate,
            F, H, E, float(alpha), float(limit),
            TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None, BLOCK_T=block_t,
            BLOCK_A=block_a, mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots,
-           b_rows_layout=b_rows, num_warps=num_warps)
+           b_rows_layout=b_rows, num_warps=num_warps, **pdl_options(x.device))
 
 
 def down_split(F: int, split_k: int) -> tuple[int, int]:
@@ -474,4 +481,4 @@ def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, pa
            H, F, E, split_len,
            TOP_K=top_k, SPLIT_K=splits, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a,
            mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows,
-           num_warps=num_warps)
+           num_warps=num_warps, **pdl_options(out.device))
