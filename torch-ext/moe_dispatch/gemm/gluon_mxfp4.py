@@ -37,8 +37,9 @@ from ..dispatch.segments import segment_tile_map
 from ..host.device import num_sms
 from ..host.replay import unrecorded_launch
 from .gluon_ws import (TensorDescriptor, available, check_device, check_expert_offsets, check_operand,  # noqa: F401
-                       check_stacked_weight, gl, gluon_jit, load_partition, mbarrier, stage_ring, store_layout,
-                       store_tile, tile_at, tile_counts, unavailable_reason, warpgroup_mma, warpgroup_mma_wait)
+                       check_stacked_weight, e8m0_bf16, gl, gluon_jit, load_partition, mbarrier, stage_ring,
+                       store_layout, store_tile, tile_at, tile_counts, unavailable_reason, warpgroup_mma,
+                       warpgroup_mma_wait)
 from .jit import E2M1_BF16X2_PTX, Activation, apply_activation
 
 try:
@@ -157,14 +158,6 @@ def _scale_codes(s_ptrs, mask_cols, kb, k_groups, offs_g, stride_s_k):
     GROUPS: gl.constexpr = s_ptrs.type.shape[1]
     return gl.load(s_ptrs + kb * GROUPS * stride_s_k,
                    mask=mask_cols & gl.expand_dims(kb * GROUPS + offs_g < k_groups, 0), other=0)
-
-
-@gluon_jit
-def e8m0_bf16(codes):
-    """e8m0 scale codes (uint8) -> bf16 2^(code - 127): code 0 gives 2^-127 (a bf16 subnormal), 0xFF NaN."""
-    codes = codes.to(gl.uint16)
-    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
-    return bits.to(gl.bfloat16, bitcast=True)
 
 
 @gluon_jit

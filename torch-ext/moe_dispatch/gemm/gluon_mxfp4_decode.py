@@ -41,8 +41,7 @@ from ..formats.mxfp4 import MXFP4_GROUP
 from ..host.host_math import cdiv, next_power_of_2
 from ..host.pdl import pdl_options, release_dependents, wait_for_producer
 from ..host.replay import launch
-from .gluon_mxfp4 import e8m0_bf16
-from .gluon_ws import available, gl, gluon_jit
+from .gluon_ws import available, cta_barrier, e8m0_bf16, gl, gluon_jit
 from .jit import Activation, apply_activation
 
 try:
@@ -272,8 +271,10 @@ def _gate_up_kernel(x_ptr, stride_x_t, stride_x_h,
             cols_ok = out_cols < F
             if HAS_BIAS:
                 bias_offs = expert.to(gl.int64) * stride_bias_e + out_cols * stride_bias_n
-                gate = gate + gl.expand_dims(gl.load(bias_gate_ptr + bias_offs, mask=cols_ok, other=0.0).to(gl.float32), 1)
-                up = up + gl.expand_dims(gl.load(bias_up_ptr + bias_offs, mask=cols_ok, other=0.0).to(gl.float32), 1)
+                b_gate = gl.load(bias_gate_ptr + bias_offs, mask=cols_ok, other=0.0)
+                b_up = gl.load(bias_up_ptr + bias_offs, mask=cols_ok, other=0.0)
+                gate = gate + gl.expand_dims(b_gate.to(gl.float32), 1)
+                up = up + gl.expand_dims(b_up.to(gl.float32), 1)
             h = apply_activation(gate, up, alpha, limit, ACTIVATION).to(inter_ptr.dtype.element_ty)
             out_assignment = gl.convert_layout(assignment, gl.SliceLayout(0, out_layout))
             out_exists = gl.convert_layout(exists, gl.SliceLayout(0, out_layout))
@@ -361,7 +362,7 @@ def _down_store(sums, assignment, exists, pid_n, split, partial_ptr, counter_ptr
                  mask=rows_ok & gl.expand_dims(exists, 0))
         # every thread's partials are written before the arrivals are counted (the barrier, then the atomics'
         # release); the last arrival's acquire makes the other programs' partials visible to its loads
-        gl.thread_barrier()
+        cta_barrier()
         num_tiles = gl.cdiv(H, ROWS)
         arrived = gl.atomic_add(counter_ptr + token * num_tiles + pid_n, gl.full_like(token, 1), mask=exists,
                                 sem="acq_rel")

@@ -51,6 +51,8 @@ except ImportError as exc:  # a Triton without Gluon, or with its Hopper API els
 # The TMA load into shared memory: `tma.async_load` from Triton 3.7 (where the 3.6 name raises), the same operation
 # as 3.6's `tma.async_copy_global_to_shared`.
 tma_load = None if tma is None else getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# The barrier of a CTA's threads: `gl.barrier` from Triton 3.9 (3.6 names it `thread_barrier`)
+cta_barrier = None if gl is None else getattr(gl, "barrier", None) or gl.thread_barrier
 
 # Triton versions the kernels have run under on a GPU: where the engines may choose them
 TESTED_TRITON = ("3.6", )
@@ -62,6 +64,14 @@ COMPILED_TRITON = ("3.6", "3.9")
 def gluon_jit(fn):
     """gluon.jit where Gluon imports; elsewhere the plain function (never launched: `available()` is False)."""
     return gluon.jit(fn) if gluon is not None else fn
+
+
+@gluon_jit
+def e8m0_bf16(codes):
+    """e8m0 scale codes (uint8) -> bf16 2^(code - 127): code 0 gives 2^-127 (a bf16 subnormal), 0xFF NaN."""
+    codes = codes.to(gl.uint16)
+    bits = gl.where(codes == 0, 0x0040, gl.where(codes == 255, 0x7FC0, codes << 7)).to(gl.uint16)
+    return bits.to(gl.bfloat16, bitcast=True)
 
 
 @gluon_jit
