@@ -9,22 +9,24 @@ the slots' tokens (gate/up) or the slots' intermediate rows (down). Programs of 
 (gemm/decode.py's GEMV forms) convert and multiply each weight value once per assignment on the CUDA cores; here the
 conversion is paid once per expert hit and the multiply on the tensor cores.
 
-No shared memory: a thread loads 16 consecutive bytes of a weight row (one 128-bit load: one scale group, 32 values)
-for rows r and r + 8 of its warp, and a K step is 128 values (a row's 64 bytes over the 4 lanes of a quad). The mma's
-A fragment wants a thread to hold K values 2c, 2c + 1 (+ 8, + 16 ..) of each 16 (c = lane % 4), which are not
-consecutive in memory; but a dot product does not depend on the order of its K terms, so the K step is summed in a
-permuted order in which the thread's 32 consecutive values ARE its fragment: physical value p = 32 c + 8 s + 4 h + 2 m
-+ n of the step is term K' = 32 s + 16 h + 8 m + 2 c + n of the mma. B is loaded under the same permutation (pairs of
-consecutive values, 4-byte loads: x and the intermediate rows are a few KB and hot in L1/L2). The decode is
-gluon_mxfp4's E2M1_BF16X2_PAIRS_PTX (two values per 32-bit operation, the e8m0 scale applied; its outputs are the
-(low, high) nibble pairs of each byte: one A register each). Each K step's loads are issued one step ahead.
+No shared memory in the K loop: a thread loads 16 consecutive bytes of a weight row (one 128-bit load of four words:
+one scale group, 32 values) for rows r and r + 8 of its warp, and a K step is 128 values (a row's 64 bytes over the 4
+lanes of a quad). The mma's A fragment wants a thread to hold K values 2c, 2c + 1 (+ 8, + 16 ..) of each 16 (c = lane
+% 4), which are not consecutive in memory; but a dot product does not depend on the order of its K terms, so the K step
+is summed in a permuted order in which the thread's 32 consecutive values ARE its fragment: value 32 c + 4 o + 2 p + n
+of the step is term K' = 16 o + 8 p + 2 c + n of the mma (o the byte pair, p its byte, n the nibble). B is loaded
+under the same permutation: a lane's 32 consecutive values of its slot's row, 64 bytes. Each word of bytes decodes
+through three prmt tables (E2M1_WORDS_PTX: the bf16 high and low bytes of the eight e2m1 magnitudes, and the signs)
+into four (low, high) nibble pairs, one A register each, times the e8m0 scale. The weights' loads run two K steps
+ahead of their decode, B's one. Measured against the GEMVs (docs/performance.md, "Decode on mma.sync"): faster once
+experts are shared (GPT-OSS-20B from 5 tokens, GPT-OSS-120B from 12), slower at 1-4 tokens.
 
 Gate/up: within a warp's 16 rows, rows 0-7 are the gate rows of 8 output columns and rows 8-15 their up rows, so a
 thread holds the gate and the up sum of its columns and slots and applies the bias and the activation in registers;
 the intermediate rows of the slots' assignments are stored in assignment order (as gemm/decode.py's kernels store
 them). Down: the sums plus the bias, times each slot's routing weight, go to the slot's fp32 partial row; the last of a
-token's TOP_K assignments to arrive at a row tile's counter sums its partial rows in the order j = 0..TOP_K-1 and
-stores the token's output (as gemm/decode.py's down kernels do, same partial rows and counters: reruns are
+token's TOP_K assignments (times the F splits) to arrive at a row tile's counter sums its partial rows in index order
+and stores the token's output (as gemm/decode.py's down kernels do, same partial rows and counters: reruns are
 bit-identical). The gate/up kernel zeroes the counters.
 
 Ids outside [0, E) own nothing: their intermediate rows are never written, and their down programs store a zero
