@@ -103,9 +103,10 @@ LAYER_TILES = ("auto", "split-64", "split-128", "swap-256")
 LAYER_TOKENS = (128, 1024, 2048, 4096, 8192)
 
 
-def _checked_times(cell, calls):
-    """{label: [us]} of the variants `calls` ({label: fn}) that ran, flushed, paired; each output checked against the
-    first's (a relative error above 1e-2 is printed), a variant that raises reported and left out."""
+def _checked_times(cell, calls, kind="flushed"):
+    """{label: [us]} of the variants `calls` ({label: fn}) that ran, paired, `kind` "flushed" (the L2 cleared before
+    each call) or "hot" (calls back to back); each output checked against the first's (a relative error above 1e-2
+    is printed), a variant that raises reported and left out."""
     import harness
 
     kept, reference = {}, None
@@ -120,7 +121,7 @@ def _checked_times(cell, calls):
         if not error <= 1e-2:
             print(f"   {cell} {label}: relative error {error:.3g} against {next(iter(calls))}")
         kept[label] = call
-    return harness.paired_graph_times(kept, 10, hot_calls=10)["flushed"]
+    return harness.paired_graph_times(kept, 10, hot_calls=10)[kind]
 
 
 def probe_layer(model, args, device):
@@ -198,9 +199,9 @@ def probe_decode(model, args, device):
                                           topk_weights=inputs.weights, validate=False, tiles=decode_tiles(label),
                                           **weights.call_kwargs())
                  for label in args.decode_tiles}
-        times = _checked_times(f"{model} T{T}", calls)
-        print(f"{model} T={T}: " + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()),
-              flush=True)
+        times = _checked_times(f"{model} T{T}", calls, "hot" if args.hot else "flushed")
+        print(f"{model} T={T}{' (hot)' if args.hot else ''}: "
+              + "  ".join(f"{label} {statistics.median(us):.1f}" for label, us in times.items()), flush=True)
 
 
 def main(argv=None):
@@ -214,6 +215,7 @@ def main(argv=None):
     parser.add_argument("--layer-tiles", nargs="+", default=list(LAYER_TILES))
     parser.add_argument("--decode", action="store_true", help="time the layer per decode tile (docstring)")
     parser.add_argument("--decode-tiles", nargs="+", default=list(DECODE_TILES))
+    parser.add_argument("--hot", action="store_true", help="--decode: time calls back to back, no L2 flush")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     failures = []
