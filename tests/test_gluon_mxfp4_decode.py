@@ -121,6 +121,18 @@ def test_tiles_carry_mma():
         DecodeTile(64, 128, mma="yes")
 
 
+def test_forced_mma_tiles_fall_back_where_the_kernels_cannot_run():
+    """On a device where the Gluon kernels do not run (the CPU, an AMD or pre-Hopper GPU) or for activations other
+    than bf16, decode tiles saying `mma` run the decode path's other kernels with the tiles' remaining fields, and
+    agree with float64 (the CPU suite's interpreter runs them here; a Hopper GPU takes the fp32 activations there)."""
+    x, gate_up, down, ids, weights, options = _case(3, 4, 2, 64, 64, interleaved=True, bias=True)
+    if DEVICE == "cuda" and gluon_mxfp4_decode.runs(x, gate_up[0], False):
+        x = x.float()
+    assert not gluon_mxfp4_decode.runs(x, gate_up[0], False)
+    out = _run(x, gate_up, down, ids, weights, _tiles(2), **options)
+    assert_close(out, _reference(x, gate_up, down, ids, weights, **options), x.dtype)
+
+
 def _mxfp4(E, N, K, seed):
     gen = torch.Generator().manual_seed(seed)
     blocks, scales = md.quantize_experts_mxfp4(torch.randn(E, N, K, generator=gen) * 0.2)
