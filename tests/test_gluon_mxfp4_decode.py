@@ -97,8 +97,8 @@ def test_word_decode_ptx_matches_the_dequantization():
 
 
 def test_only_mxfp4_under_bf16_on_the_gluon_gpus_takes_the_kernels(monkeypatch):
-    """`runs`: MXFP4 bytes along their rows, bf16 x, a CUDA device where Gluon runs; anything else keeps the decode
-    path's other kernels (a table's `mma` is then ignored)."""
+    """`runs`: MXFP4 bytes along their rows, each row on a 4-byte boundary (they load as words), bf16 x, a CUDA device
+    where Gluon runs; anything else keeps the decode path's other kernels (a table's `mma` is then ignored)."""
     monkeypatch.setattr(gluon_mxfp4_decode, "available", lambda device=None: True)
     x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(4, 32, 32, dtype=torch.uint8)
     cuda = lambda t: type("OnCuda", (), {"dtype": t.dtype, "device": torch.device("cuda")})()  # noqa: E731
@@ -108,6 +108,10 @@ def test_only_mxfp4_under_bf16_on_the_gluon_gpus_takes_the_kernels(monkeypatch):
     assert not gluon_mxfp4_decode.runs(cuda(x), w.to(torch.float8_e4m3fn), False)
     assert not gluon_mxfp4_decode.runs(cuda(x), w, True)
     assert not gluon_mxfp4_decode.runs(cuda(x), w.transpose(1, 2), False)
+    shifted = torch.zeros(4 * 32 * 32 + 2, dtype=torch.uint8)[2:].view(4, 32, 32)  # rows 2 bytes off a word
+    assert shifted.data_ptr() % 4 == 2 and not gluon_mxfp4_decode.runs(cuda(x), shifted, False)
+    odd_rows = torch.zeros(4, 32, 34, dtype=torch.uint8)[:, :, :32]  # 34-byte rows: every other one off a word
+    assert not gluon_mxfp4_decode.runs(cuda(x), odd_rows, False)
     monkeypatch.setattr(gluon_mxfp4_decode, "available", lambda device=None: False)
     assert not gluon_mxfp4_decode.runs(cuda(x), w, False)
 

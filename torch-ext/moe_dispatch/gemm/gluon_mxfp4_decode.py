@@ -399,9 +399,10 @@ def _layouts(num_warps: int, block_t: int):
 
 
 def runs(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
-    """Whether these kernels take a decode call's weight w: MXFP4 bytes read along their rows, bf16 x, a GPU where
-    the Gluon kernels run."""
+    """Whether these kernels take a decode call's weight w: MXFP4 bytes read along their rows as 32-bit words (unit
+    stride along K, every row 4-byte aligned), bf16 x, a GPU where the Gluon kernels run."""
     return (w.dtype == torch.uint8 and x.dtype == torch.bfloat16 and not transposed and w.stride(-1) == 1
+            and w.data_ptr() % 4 == 0 and all(stride % 4 == 0 for stride in w.stride()[:-1])
             and x.device.type == "cuda" and available(x.device))
 
 
