@@ -28,8 +28,8 @@ with the L2 flushed between calls (harness.paired_graph_times), medians; each va
 --decode times the layer the same way at a few tokens with the decode path's tiles forced from --decode-tiles
 (`auto`: nothing forced, what the tables choose; `gemv`, `dot`: the GPT-OSS entries' tiles before the mma kernels;
 `mma-W`: both decode kernels on mma.sync, gemm.gluon_mxfp4_decode,
-W warps a program, `mma-W-sS` the down kernel's F in S splits; `gate-up-W` / `down-W`: that kernel on mma, the other
-the GEMV of the tables' GPT-OSS decode entry). This is how a table's decode entry takes `mma`.
+W warps a program; `gate-up-W` / `down-W`: that kernel on mma, the other the GEMV of the tables' GPT-OSS decode
+entry). This is how a table's decode entry takes `mma`.
 """
 
 from __future__ import annotations
@@ -173,10 +173,9 @@ def decode_tiles(label):
                                DecodeTile(32, 512, num_warps=4, num_stages=1))
         return DecodeTiles(DecodeTile(64, 128, num_warps=4, num_stages=4),
                            DecodeTile(64, 128, num_warps=4, num_stages=3, split_k=2, dot=True))
-    label, _, split = label.partition("-s")  # `-sS`: the down kernel's F in S splits
     kind, warps = label.rsplit("-", 1)
     mma_gate_up = DecodeTile(max(16, 8 * int(warps)), 128, num_warps=int(warps), mma=True)
-    mma_down = DecodeTile(16 * int(warps), 128, num_warps=int(warps), split_k=int(split or 1), mma=True)
+    mma_down = DecodeTile(16 * int(warps), 128, num_warps=int(warps), mma=True)
     gemv_gate_up = DecodeTile(16, 512, num_warps=4, num_stages=1, gemv=True)  # the GPT-OSS entries' GEMVs
     gemv_down = DecodeTile(32, 512, num_warps=4, num_stages=1)
     return {"mma": DecodeTiles(mma_gate_up, mma_down), "gate-up": DecodeTiles(mma_gate_up, gemv_down),

@@ -226,7 +226,7 @@ def _decode_mma_call(kernel, num_warps, T=16, top_k=4):
                                                torch.zeros(T, H, dtype=torch.bfloat16), num_warps=num_warps)
 
 
-DECODE_MMA = [(kernel, warps) for kernel in ("gate-up", "down") for warps in (1, 4, 8)]
+DECODE_MMA = [(kernel, warps) for kernel in ("gate-up", "down") for warps in (1, 4)]
 
 
 @compiled_here

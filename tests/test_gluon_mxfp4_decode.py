@@ -143,9 +143,9 @@ def _mxfp4(E, N, K, seed):
     return blocks.reshape(E, N, K // 2).to(DEVICE), scales.to(DEVICE)
 
 
-def _tiles(num_warps, gate_up=True, down=True, split_k=1):
+def _tiles(num_warps, gate_up=True, down=True):
     return DecodeTiles(DecodeTile(max(16, 8 * num_warps), 128, num_warps=num_warps, mma=gate_up),
-                       DecodeTile(16 * num_warps, 128, num_warps=num_warps, split_k=split_k, mma=down))
+                       DecodeTile(16 * num_warps, 128, num_warps=num_warps, mma=down))
 
 
 def _case(T, E, top_k, H, F, *, interleaved, bias, seed=0):
@@ -175,30 +175,28 @@ def _reference(x, gate_up, down, ids, weights, **options):
                              torch.where(valid, ids, 0), torch.where(valid, weights, 0).double(), **options)
 
 
-# (id, T, E, top_k, H, F, interleaved, bias, num_warps, down's split_k, why)
+# (id, T, E, top_k, H, F, interleaved, bias, num_warps, why)
 CASES = [
-    ("gpt-oss-1", 1, 8, 4, 2880 // 10, 2880 // 10, True, True, 4, 1,
+    ("gpt-oss-1", 1, 8, 4, 2880 // 10, 2880 // 10, True, True, 4,
      "one token: GPT-OSS's interleaved gate/up with both biases, H = F = 288 (two whole K steps and a 32-value tail)"),
-    ("gpt-oss-5", 5, 16, 4, 288, 288, True, True, 4, 1, "a few tokens, most experts hit once"),
-    ("shared-16", 16, 4, 4, 160, 96, True, True, 4, 1,
+    ("gpt-oss-5", 5, 16, 4, 288, 288, True, True, 4, "a few tokens, most experts hit once"),
+    ("shared-16", 16, 4, 4, 160, 96, True, True, 4,
      "16 tokens on 4 experts: 16 slots an expert, two passes of 8; F = 96 (3 programs of 32 columns), H = 160 rows"),
-    ("concatenated", 7, 8, 2, 96, 64, False, False, 2, 1,
+    ("concatenated", 7, 8, 2, 96, 64, False, False, 2,
      "gate rows then up rows, silu, no bias, 2 warps; H = 96 under one step (the tail alone)"),
-    ("top-1", 9, 4, 1, 128, 64, True, True, 4, 1, "top_k 1: each down program stores its tokens' rows itself"),
-    ("top-1-split", 9, 4, 1, 128, 416, True, True, 4, 3,
-     "top_k 1, down's F = 416 in 3 splits (128, 128, 160: the last with a tail): partial rows and counters again"),
-    ("split", 3, 8, 4, 288, 800, True, True, 4, 4, "down's F = 800 in 4 splits of 256 (the last 32)"),
-    ("many", 64, 32, 4, 256, 128, True, True, 2, 1, "256 assignments (16-slot passes), two warps a program"),
+    ("top-1", 9, 4, 1, 128, 416, True, True, 4,
+     "top_k 1: each down program stores its tokens' rows itself; F = 416 (three whole steps and a tail)"),
+    ("many", 64, 32, 4, 256, 128, True, True, 2, "256 assignments (16-slot passes), two warps a program"),
 ]
 
 
 @on_hopper
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_float64(case):
-    _, T, E, top_k, H, F, interleaved, bias, num_warps, split_k, why = case
+    _, T, E, top_k, H, F, interleaved, bias, num_warps, why = case
     replay.clear()
     x, gate_up, down, ids, weights, options = _case(T, E, top_k, H, F, interleaved=interleaved, bias=bias)
-    tiles = _tiles(num_warps, split_k=split_k)
+    tiles = _tiles(num_warps)
     out = _run(x, gate_up, down, ids, weights, tiles, **options)
     assert_close(out, _reference(x, gate_up, down, ids, weights, **options), torch.bfloat16, what=why)
     again = _run(x, gate_up, down, ids, weights, tiles, **options)  # the recorded plan, replayed

@@ -529,12 +529,9 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
     intermediate = torch.empty((num_assignments, F), device=x.device, dtype=x.dtype)
     down_mma = down_tile.mma and gluon_mxfp4_decode.runs(x, w_down, transposed)
     ws_down = down_scale or NO_SCALE
-    if down_mma:  # a partial row per (assignment, K split), a counter per (token, row tile)
-        splits, _ = gluon_mxfp4_decode.down_split(F, down_tile.split_k)
-        reduced = top_k * splits > 1
-        partial = (torch.empty((num_assignments * splits, H), device=x.device, dtype=torch.float32) if reduced
-                   else None)
-        num_counters = T * cdiv(H, gluon_mxfp4_decode.rows_per_program(down_tile.num_warps)) if reduced else 0
+    if down_mma:  # a partial row per assignment, a counter per (token, row tile)
+        partial = (torch.empty((num_assignments, H), device=x.device, dtype=torch.float32) if top_k > 1 else None)
+        num_counters = T * cdiv(H, gluon_mxfp4_decode.rows_per_program(down_tile.num_warps)) if top_k > 1 else 0
     else:
         # K splits of the down GEMV: whole BLOCK_K steps each, at most as many as there are steps
         # The GEMV has no dot-size floor: block scales always step inside one block. The dot kernel's splits start on
@@ -603,7 +600,7 @@ def decode_experts(x, w_gate, w_up, w_down, topk_ids, topk_weights, tiles: Decod
         counters.zero_()  # no gate/up launch to zero them
     if down_mma:
         gluon_mxfp4_decode.down_mma(intermediate, w_down, ws_down.scale, down_bias, topk_ids, topk_weights, partial,
-                                    counters, out, num_warps=down_tile.num_warps, split_k=down_tile.split_k)
+                                    counters, out, num_warps=down_tile.num_warps)
         return out
     # what both down kernels take: operands before the scales, routing and outputs after them, shared constexprs
     operands = (intermediate, intermediate.stride(0), w_down, *weight_strides(w_down, transposed),

@@ -25,8 +25,8 @@ Gate/up: within a warp's 16 rows, rows 0-7 are the gate rows of 8 output columns
 thread holds the gate and the up sum of its columns and slots and applies the bias and the activation in registers;
 the intermediate rows of the slots' assignments are stored in assignment order (as gemm/decode.py's kernels store
 them). Down: the sums plus the bias, times each slot's routing weight, go to the slot's fp32 partial row; the last of a
-token's TOP_K assignments (times the F splits) to arrive at a row tile's counter sums its partial rows in index order
-and stores the token's output (as gemm/decode.py's down kernels do, same partial rows and counters: reruns are
+token's TOP_K assignments to arrive at a row tile's counter sums its partial rows in the order j = 0..TOP_K-1 and
+stores the token's output (as gemm/decode.py's down kernels do, same partial rows and counters: reruns are
 bit-identical). The gate/up kernel zeroes the counters.
 
 Ids outside [0, E) own nothing: their intermediate rows are never written, and their down programs store a zero
@@ -294,73 +294,68 @@ def _down_kernel(inter_ptr, stride_inter_a,
                  topk_weights_ptr, stride_tw_t, stride_tw_k,
                  partial_ptr, counter_ptr,
                  out_ptr, stride_out_t, stride_out_h,
-                 H, F, E, split_len,
-                 TOP_K: gl.constexpr, SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr,
+                 H, F, E,
+                 TOP_K: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr,
                  BLOCK_A: gl.constexpr, mma_layout: gl.constexpr, words_layout: gl.constexpr,
                  ids_layout: gl.constexpr, slots_layout: gl.constexpr, b_rows_layout: gl.constexpr,
                  PDL: gl.constexpr):
-    """Grid (N, SPLIT_K * cdiv(H, 16 * num_warps)): program (a, (s, n)) owns output columns [n * ROWS, +ROWS) and F
-    range [s * split_len, +split_len) (split_len a multiple of BLOCK_K) for the expert of assignment a when a is the
-    first naming it; the program of an assignment whose id is outside [0, E) adds a zero row for it. partial [N *
-    SPLIT_K, H] fp32 (row a * SPLIT_K + s); counter [T * cdiv(H, ROWS)], zeroed by the gate/up kernel."""
+    """Grid (N, cdiv(H, 16 * num_warps)): program (a, n) owns output columns [n * ROWS, +ROWS) for the expert of
+    assignment a when a is the first naming it; the program of an assignment whose id is outside [0, E) adds a zero
+    row for it. partial [N, H] fp32; counter [T * cdiv(H, ROWS)], zeroed by the gate/up kernel. (Splitting F over
+    more programs measured no faster: docs/performance.md, "Decode on mma.sync".)"""
     ROWS: gl.constexpr = mma_layout.warps_per_cta[0] * 16
     wait_for_producer(PDL)
     pid_a = gl.program_id(0)
-    split = gl.program_id(1) % SPLIT_K
-    pid_n = gl.program_id(1) // SPLIT_K
+    pid_n = gl.program_id(1)
     expert, valid, owner, ids, offs_a = _owner(topk_ids_ptr, stride_ids_t, stride_ids_k, pid_a, E, TOP_K, BLOCK_A,
                                                ids_layout)
     if valid == 0:
         _down_store(gl.zeros([ROWS, BLOCK_T], gl.float32, mma_layout), pid_a + gl.zeros([BLOCK_T], gl.int32,
                     gl.SliceLayout(0, mma_layout)), gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_layout)) == 0,
-                    pid_n, split, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H, TOP_K, SPLIT_K)
+                    pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H, TOP_K)
     elif owner:
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=ids_layout)
         row_ok = rows < H
         w_rows = w_ptr + expert.to(gl.int64) * stride_w_e + rows.to(gl.int64) * stride_w_n
         s_rows = s_ptr + expert.to(gl.int64) * stride_s_e + rows.to(gl.int64) * stride_s_n
-        k_begin = split * split_len
-        k_end = gl.minimum(k_begin + split_len, F)
         count = gl.sum((ids == expert).to(gl.int32), axis=0)
         for first in range(0, count, BLOCK_T):
             assignment, exists = _slots(ids, offs_a, expert, first, BLOCK_T, slots_layout)
             inter_rows = inter_ptr + assignment.to(gl.int64) * stride_inter_a
-            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, inter_rows, 1, exists, k_begin, k_end,
-                                mma_layout, words_layout, b_rows_layout)
+            sums = _expert_sums(w_rows, s_rows, row_ok, stride_s_k, inter_rows, 1, exists, 0, F, mma_layout,
+                                words_layout, b_rows_layout)
             release_dependents(PDL)
             out_rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_bias_e + out_rows * stride_bias_n,
-                               mask=(out_rows < H) & (split == 0), other=0.0)
+                               mask=out_rows < H, other=0.0)
                 sums = sums + gl.expand_dims(bias.to(gl.float32), 1)
             slot_assignment = gl.convert_layout(assignment, gl.SliceLayout(0, mma_layout))
             slot_exists = gl.convert_layout(exists, gl.SliceLayout(0, mma_layout))
             weight = gl.load(topk_weights_ptr + (slot_assignment // TOP_K) * stride_tw_t
                              + (slot_assignment % TOP_K) * stride_tw_k, mask=slot_exists, other=0.0)
             sums = sums * gl.expand_dims(weight.to(gl.float32), 0)
-            _down_store(sums, slot_assignment, slot_exists, pid_n, split, partial_ptr, counter_ptr, out_ptr,
-                        stride_out_t, stride_out_h, H, TOP_K, SPLIT_K)
+            _down_store(sums, slot_assignment, slot_exists, pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t,
+                        stride_out_h, H, TOP_K)
 
 
 @gluon_jit
-def _down_store(sums, assignment, exists, pid_n, split, partial_ptr, counter_ptr, out_ptr, stride_out_t,
-                stride_out_h, H, TOP_K: gl.constexpr, SPLIT_K: gl.constexpr):
-    """The weighted sums [ROWS, slots] of assignments `assignment` (where `exists`) over K split `split`: out[t]
-    directly at TOP_K * SPLIT_K = 1; else each slot's partial row, then its arrival at the (token, row tile) counter,
-    and the token's sum over its TOP_K * SPLIT_K partial rows in index order by the last to arrive."""
+def _down_store(sums, assignment, exists, pid_n, partial_ptr, counter_ptr, out_ptr, stride_out_t, stride_out_h, H,
+                TOP_K: gl.constexpr):
+    """The weighted sums [ROWS, slots] of assignments `assignment` (where `exists`): out[t] directly at TOP_K = 1;
+    else each slot's partial row, then its arrival at the (token, row tile) counter, and the token's sum over its
+    TOP_K partial rows in order by the last to arrive."""
     ROWS: gl.constexpr = sums.type.shape[0]
-    PARTS: gl.constexpr = TOP_K * SPLIT_K
     layout: gl.constexpr = sums.type.layout
     rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     rows_ok = gl.expand_dims(rows < H, 1)
     token = assignment // TOP_K
     out_ptrs = (out_ptr + gl.expand_dims(token.to(gl.int64) * stride_out_t, 0)
                 + gl.expand_dims(rows * stride_out_h, 1))
-    if PARTS == 1:
+    if TOP_K == 1:
         gl.store(out_ptrs, sums.to(out_ptr.dtype.element_ty), mask=rows_ok & gl.expand_dims(exists, 0))
     else:
-        part = (assignment * SPLIT_K + split).to(gl.int64)
-        gl.store(partial_ptr + gl.expand_dims(part * H, 0) + gl.expand_dims(rows, 1), sums,
+        gl.store(partial_ptr + gl.expand_dims(assignment.to(gl.int64) * H, 0) + gl.expand_dims(rows, 1), sums,
                  mask=rows_ok & gl.expand_dims(exists, 0))
         # every thread's partials are written before the arrivals are counted (the barrier, then the atomics'
         # release); the last arrival's acquire makes the other programs' partials visible to its loads
@@ -368,11 +363,11 @@ def _down_store(sums, assignment, exists, pid_n, split, partial_ptr, counter_ptr
         num_tiles = gl.cdiv(H, ROWS)
         arrived = gl.atomic_add(counter_ptr + token * num_tiles + pid_n, gl.full_like(token, 1), mask=exists,
                                 sem="acq_rel")
-        last = exists & (arrived == PARTS - 1)
+        last = exists & (arrived == TOP_K - 1)
         total = gl.zeros_like(sums)
         mask = rows_ok & gl.expand_dims(last, 0)
-        for i in gl.static_range(PARTS):
-            total += gl.load(partial_ptr + gl.expand_dims((token * PARTS + i).to(gl.int64) * H, 0)
+        for j in gl.static_range(TOP_K):
+            total += gl.load(partial_ptr + gl.expand_dims((token * TOP_K + j).to(gl.int64) * H, 0)
                              + gl.expand_dims(rows, 1), mask=mask, other=0.0, cache_modifier=".cg")
         gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -452,28 +447,17 @@ def gate_up_mma(x, w_gate, w_up, s_gate, s_up, gate_bias, up_bias, intermediate,
            b_rows_layout=b_rows, num_warps=num_warps, **pdl_options(x.device))
 
 
-def down_split(F: int, split_k: int) -> tuple[int, int]:
-    """(splits, split_len) of the down kernel's F: at most split_k, whole K steps each, none empty."""
-    steps = cdiv(F, BLOCK_K.value)
-    if steps == 0:
-        return 1, BLOCK_K.value
-    split_len = cdiv(steps, max(1, min(split_k, steps))) * BLOCK_K.value
-    return max(1, cdiv(F, split_len)), split_len
-
-
-def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, partial, counters, out, *, num_warps,
-             split_k=1):
+def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, partial, counters, out, *, num_warps):
     """The down kernel (module docstring) into out [T, H]: intermediate [N, F] bf16, w_down the MXFP4 bytes [E, H,
-    F / 2] (unit stride along F), s_down their codes [E, H, F / 32]; F in `down_split(F, split_k)` ranges; partial [N
-    * splits, H] fp32 (TOP_K * splits > 1); counters [T * cdiv(H, 16 * num_warps)], zeroed by the gate/up kernel."""
+    F / 2] (unit stride along F), s_down their codes [E, H, F / 32]; partial [N, H] fp32 (TOP_K > 1); counters [T *
+    cdiv(H, 16 * num_warps)], zeroed by the gate/up kernel."""
     T, H = out.shape
     top_k = topk_ids.shape[1]
     E, F = w_down.shape[0], intermediate.shape[1]
-    splits, split_len = down_split(F, split_k)
     block_t = mma_block_t(T * top_k)
     block_a = max(32, next_power_of_2(T * top_k))
     mma, words, ids, slots, b_rows = _layouts(num_warps, block_t)
-    launch(_down_kernel, (T * top_k, splits * cdiv(H, rows_per_program(num_warps))),
+    launch(_down_kernel, (T * top_k, cdiv(H, rows_per_program(num_warps))),
            intermediate, intermediate.stride(0),
            w_down, w_down.stride(0), w_down.stride(1),
            s_down, s_down.stride(0), s_down.stride(1), s_down.stride(2),
@@ -482,7 +466,7 @@ def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, pa
            topk_weights, topk_weights.stride(0), topk_weights.stride(1),
            partial, counters,
            out, out.stride(0), out.stride(1),
-           H, F, E, split_len,
-           TOP_K=top_k, SPLIT_K=splits, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a,
+           H, F, E,
+           TOP_K=top_k, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a,
            mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows,
            num_warps=num_warps, **pdl_options(out.device))

@@ -188,8 +188,8 @@ class DecodeTile:
     gemv: bool = False
     # either kernel, MXFP4 weights under bf16 activations where the Gluon kernels run (else the fields above choose):
     # gemm/gluon_mxfp4_decode.py's kernels, each expert's weights decoded once for all the tokens that picked it and
-    # multiplied on mma.sync; 16 weight rows a warp (num_warps of them), K steps of 128, the down kernel's F in
-    # split_k ranges; block_n, block_k and num_stages are not read
+    # multiplied on mma.sync; 16 weight rows a warp (num_warps of them), K steps of 128; block_n, block_k,
+    # num_stages and split_k are not read
     mma: bool = False
 
     def __post_init__(self):
