@@ -129,11 +129,14 @@ def test_forced_mma_tiles_fall_back_where_the_kernels_cannot_run():
     """On a device where the Gluon kernels do not run (the CPU, an AMD or pre-Hopper GPU) or for activations other
     than bf16, decode tiles saying `mma` run the decode path's other kernels with the tiles' remaining fields, and
     agree with float64 (the CPU suite's interpreter runs them here; a Hopper GPU takes the fp32 activations there)."""
-    x, gate_up, down, ids, weights, options = _case(3, 4, 2, 64, 64, interleaved=True, bias=True)
-    if DEVICE == "cuda" and gluon_mxfp4_decode.runs(x, gate_up[0], False):
+    x, gate_up, down, ids, weights, options = _case(3, 4, 2, 64, 96, interleaved=True, bias=True)
+    if gluon_mxfp4_decode.runs(x, gate_up[0], False):  # a Hopper GPU: fp32 activations and biases there
         x = x.float()
+        options = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     assert not gluon_mxfp4_decode.runs(x, gate_up[0], False)
-    out = _run(x, gate_up, down, ids, weights, _tiles(2), **options)
+    # tests/test_mxfp4.py's decode tiles (its dot kernels), each saying mma
+    tiles = DecodeTiles(DecodeTile(32, 64, mma=True), DecodeTile(32, 32, split_k=2, dot=True, mma=True))
+    out = _run(x, gate_up, down, ids, weights, tiles, **options)
     assert_close(out, _reference(x, gate_up, down, ids, weights, **options), x.dtype)
 
 
