@@ -416,6 +416,17 @@ def gate_up_views(w_gate, w_up, scale, up_row_offset, gate_bias, up_bias, paired
     return w_gate, w_up, scale, scale[:, up_row_offset:], gate_bias, up_bias
 
 
+def _launch_options(num_tokens: int, top_k: int, num_warps: int, device) -> dict:
+    """The constexprs and launch options both kernels take for T * top_k assignments and programs of num_warps warps:
+    TOP_K, BLOCK_T (`mma_block_t`), BLOCK_A (>= the assignments), the layouts (`_layouts`), num_warps, PDL."""
+    num_assignments = num_tokens * top_k
+    block_t = mma_block_t(num_assignments)
+    mma, words, ids, slots, b_rows = _layouts(num_warps, block_t)
+    return dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_A=max(32, next_power_of_2(num_assignments)), mma_layout=mma,
+                words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows, num_warps=num_warps,
+                **pdl_options(device))
+
+
 def mma_block_t(num_assignments: int) -> int:
     """An owner's slots per pass: 8 (one mma n8) up to 64 assignments, else 16 (an owner with more slots makes more
     passes, each reading its weight tile again)."""
@@ -430,9 +441,6 @@ def gate_up_mma(x, w_gate, w_up, s_gate, s_up, gate_bias, up_bias, intermediate,
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E, F = w_gate.shape[0], w_gate.shape[1]
-    block_t = mma_block_t(T * top_k)
-    block_a = max(32, next_power_of_2(T * top_k))
-    mma, words, ids, slots, b_rows = _layouts(num_warps, block_t)
     launch(_gate_up_kernel, (T * top_k, cdiv(F, 8 * num_warps)),
            x, x.stride(0), x.stride(1),
            w_gate, w_up, w_gate.stride(0), w_gate.stride(1),
@@ -442,9 +450,8 @@ def gate_up_mma(x, w_gate, w_up, s_gate, s_up, gate_bias, up_bias, intermediate,
            topk_ids, topk_ids.stride(0), topk_ids.stride(1),
            counters, counters.numel(),
            F, H, E, float(alpha), float(limit),
-           TOP_K=top_k, ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None, BLOCK_T=block_t,
-           BLOCK_A=block_a, mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots,
-           b_rows_layout=b_rows, num_warps=num_warps, **pdl_options(x.device))
+           ACTIVATION=int(Activation.of(activation)), HAS_BIAS=gate_bias is not None,
+           **_launch_options(T, top_k, num_warps, x.device))
 
 
 def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, partial, counters, out, *, num_warps):
@@ -454,9 +461,6 @@ def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, pa
     T, H = out.shape
     top_k = topk_ids.shape[1]
     E, F = w_down.shape[0], intermediate.shape[1]
-    block_t = mma_block_t(T * top_k)
-    block_a = max(32, next_power_of_2(T * top_k))
-    mma, words, ids, slots, b_rows = _layouts(num_warps, block_t)
     launch(_down_kernel, (T * top_k, cdiv(H, rows_per_program(num_warps))),
            intermediate, intermediate.stride(0),
            w_down, w_down.stride(0), w_down.stride(1),
@@ -467,6 +471,4 @@ def down_mma(intermediate, w_down, s_down, down_bias, topk_ids, topk_weights, pa
            partial, counters,
            out, out.stride(0), out.stride(1),
            H, F, E,
-           TOP_K=top_k, HAS_BIAS=down_bias is not None, BLOCK_T=block_t, BLOCK_A=block_a,
-           mma_layout=mma, words_layout=words, ids_layout=ids, slots_layout=slots, b_rows_layout=b_rows,
-           num_warps=num_warps, **pdl_options(out.device))
+           HAS_BIAS=down_bias is not None, **_launch_options(T, top_k, num_warps, out.device))
