@@ -148,6 +148,10 @@ MXFP4_DECODE_TILES = {
 }
 MXFP4_DECODE_TILES["gate_up"] += ((16, 256, 4, 1, 1, False, True), (16, 512, 4, 1, 1, False, True),
                                   (32, 256, 4, 1, 1, False, True), (16, 128, 4, 1, 1, False, True))
+# and both kernels on mma.sync (DecodeTile.mma: 16 weight rows a warp, K steps of 128; the tile's block_n says the
+# same as its num_warps, 8 output columns a warp for gate/up and 16 for down), where bf16 activations take them
+MXFP4_DECODE_TILES["gate_up"] += ((32, 128, 4, 1, 1, False, False, True), (16, 128, 2, 1, 1, False, False, True))
+MXFP4_DECODE_TILES["down"] += ((64, 128, 4, 1, 1, False, False, True), (32, 128, 2, 1, 1, False, False, True))
 # The backward: weight-gradient tiles (block_i, block_j, block_p, num_warps, num_stages), then the input-gradient
 # GEMMs' (block_m, gate_up = the dA GEMM's tile: n = F, K = H, heavy epilogue; down = the dX GEMM's: n = H, K = F).
 BACKWARD_WEIGHT_TILES = ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
